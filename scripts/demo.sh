@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Quick start, main job: set up .venv, then cold-start SFT + GSPO on the embedded tiny MoE (offline, CPU).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+. "$root/scripts/setup.sh"
+cd "$root"
+exec gspo demo --out "${GSPO_DEMO_OUT:-runs/demo}" "$@"
