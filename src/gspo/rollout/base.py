@@ -54,8 +54,9 @@ class RolloutBatch:
 class RolloutEngine(Protocol):
     """Generates completions and receives new weights after each optimizer step."""
 
-    def generate(self, prompts: list[str], group_size: int, seed: int) -> RolloutBatch:
-        """Sample `group_size` completions for each prompt. Sampling is a function of (seed, prompt position)."""
+    def generate(self, prompts: list[str], group_size: int, seeds: list[int]) -> RolloutBatch:
+        """Sample `group_size` completions for each prompt; prompt i's group is a function of `seeds[i]` alone,
+        so results do not depend on which other prompts share the batch (or the process)."""
         ...
 
     def update_weights(self, model: nn.Module) -> None:
