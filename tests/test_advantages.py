@@ -1,0 +1,73 @@
+"""Properties of group advantages (Eq. 6)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gspo.advantages import group_advantages, zero_variance_groups
+
+
+def test_paper_example():
+    adv = group_advantages(torch.tensor([0.8, 0.4, 0.6]), group_size=3)
+    torch.testing.assert_close(adv, torch.tensor([1.0, -1.0, 0.0]), atol=1e-6, rtol=0)
+
+
+def test_equal_groups_give_exact_zeros_and_are_reported():
+    rewards = torch.tensor([0.1, 0.1, 0.1, 1.0, 0.0, 0.5, 7.0, 7.0, 7.0])
+    adv = group_advantages(rewards, 3)
+    assert torch.all(adv[:3] == 0) and torch.all(adv[6:] == 0)
+    assert torch.isfinite(adv).all()
+    assert zero_variance_groups(rewards, 3).tolist() == [True, False, True]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    groups=st.integers(1, 5),
+    size=st.integers(2, 8),
+    data=st.data(),
+    scale=st.sampled_from(["group", "batch", "none"]),
+)
+def test_each_group_is_centred_and_unit_sample_std(groups, size, data, scale):
+    values = data.draw(st.lists(st.sampled_from([0.0, 0.25, 0.5, 1.0]), min_size=groups * size,
+                                max_size=groups * size))
+    rewards = torch.tensor(values)
+    adv = group_advantages(rewards, size, scale=scale).view(groups, size)
+    assert torch.isfinite(adv).all()
+    torch.testing.assert_close(adv.sum(-1), torch.zeros(groups), atol=1e-5, rtol=0)
+    flat = zero_variance_groups(rewards, size)
+    if scale == "group":
+        std = adv.std(-1, correction=1)
+        torch.testing.assert_close(std[~flat], torch.ones(int((~flat).sum())), atol=1e-5, rtol=0)
+    if scale == "none":
+        r = rewards.view(groups, size)
+        expected = torch.where(flat[:, None], 0.0, r - r.mean(-1, keepdim=True))
+        torch.testing.assert_close(adv, expected)
+    assert torch.all(adv[flat] == 0)
+
+
+def test_batch_scale_divides_by_batch_std():
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    adv = group_advantages(rewards, 2, scale="batch")
+    torch.testing.assert_close(adv, torch.tensor([0.5, -0.5, 0.0, 0.0]) / rewards.std())
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_non_finite_reward_names_its_index(bad):
+    with pytest.raises(ValueError, match="index 4"):
+        group_advantages(torch.tensor([0.0, 1.0, 0.0, 1.0, bad, 0.0]), 2)
+
+
+def test_bad_layout_raises():
+    with pytest.raises(ValueError, match="groups of 4"):
+        group_advantages(torch.zeros(6), 4)
+    with pytest.raises(ValueError, match="group_size"):
+        group_advantages(torch.zeros(6), 1)
+    with pytest.raises(ValueError, match="1-D"):
+        group_advantages(torch.zeros(2, 3), 3)
+    with pytest.raises(ValueError, match="scale"):
+        group_advantages(torch.zeros(4), 2, scale="token")

@@ -1,0 +1,322 @@
+"""Properties of the objectives: closed-form gradients (Eqs. 10, 11, 17), equivalences, masking, clipping,
+robustness."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gspo.objectives import (
+    LOG_RATIO_CLAMP,
+    OBJECTIVES,
+    cispo_loss,
+    dapo_loss,
+    default_eps,
+    dr_grpo_loss,
+    grpo_loss,
+    gspo_loss,
+    gspo_token_loss,
+    kl_to_reference,
+    sequence_log_ratio,
+)
+
+
+def make_batch(seed: int, batch: int = 6, length: int = 7, spread: float = 1e-3, empty_row: bool = False):
+    """Random (logprobs leaf, old_logprobs, advantages, mask) with ragged lengths ≥ 1 (or one empty row)."""
+    g = torch.Generator().manual_seed(seed)
+    # float64 so that the closed forms can be compared tightly
+    old = -torch.rand(batch, length, generator=g, dtype=torch.float64) * 3 - 0.1
+    logprobs = (old + spread * torch.randn(batch, length, generator=g, dtype=torch.float64)).requires_grad_(True)
+    lengths = torch.randint(1, length + 1, (batch,), generator=g)
+    mask = torch.arange(length)[None, :] < lengths[:, None]
+    if empty_row:
+        mask[0] = False
+    adv = torch.randn(batch, generator=g, dtype=torch.float64)
+    return logprobs, old, adv, mask
+
+
+def grad_of(loss_fn, logprobs, *args, **kwargs) -> tuple[torch.Tensor, dict]:
+    logprobs.grad = None
+    loss, metrics = loss_fn(logprobs, *args, **kwargs)
+    loss.backward()
+    return logprobs.grad.clone(), metrics
+
+
+seeds = st.integers(0, 2**31 - 1)
+
+
+# ---------------------------------------------------------------------------------------------------------------- Eq. 7
+
+
+def test_sequence_log_ratio_is_masked_mean_of_token_log_ratios():
+    lp = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, 0.0, 0.0]])
+    old = torch.tensor([[-1.5, -2.0, -2.0], [-1.0, 9.0, 9.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    expected = torch.tensor([(0.5 + 0.0 - 1.0) / 3, 0.5])
+    torch.testing.assert_close(sequence_log_ratio(lp, old, mask), expected)
+
+
+# ------------------------------------------------------------------------------------------- closed-form gradients
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=seeds, spread=st.sampled_from([0.0, 1e-5, 1e-4, 1e-2, 0.3]))
+def test_gspo_gradient_equals_eq10(seed, spread):
+    """∂(−J)/∂ log π_θ(y_{i,t}) = −1/B · s_i Â_i / |y_i| on unclipped sequences, 0 on clipped ones and padding."""
+    lp, old, adv, mask = make_batch(seed, spread=spread)
+    grad, _ = grad_of(gspo_loss, lp, old, adv, mask)
+    s = torch.exp(sequence_log_ratio(lp.detach(), old, mask))
+    clipped = ((adv > 0) & (s > 1 + 4e-4)) | ((adv < 0) & (s < 1 - 3e-4))
+    lengths = mask.sum(-1)
+    per_seq = torch.where(clipped, 0.0, -s * adv / lengths / lp.shape[0])
+    expected = torch.where(mask, per_seq[:, None].expand_as(lp), 0.0)
+    torch.testing.assert_close(grad, expected, rtol=1e-9, atol=1e-12)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=seeds, spread=st.sampled_from([0.0, 1e-3, 0.1, 0.5]))
+def test_grpo_gradient_equals_eq11(seed, spread):
+    """∂(−J)/∂ log π_θ(y_{i,t}) = −1/B · Â_i w_{i,t} / |y_i| on unclipped tokens, 0 on clipped tokens and padding."""
+    lp, old, adv, mask = make_batch(seed, spread=spread)
+    grad, _ = grad_of(grpo_loss, lp, old, adv, mask)
+    w = torch.exp(lp.detach() - old)
+    a = adv[:, None]
+    clipped = ((a > 0) & (w > 1.27)) | ((a < 0) & (w < 0.8))
+    expected = -a * w / mask.sum(-1, keepdim=True) / lp.shape[0]
+    expected = torch.where(mask & ~clipped, expected, 0.0)
+    torch.testing.assert_close(grad, expected, rtol=1e-9, atol=1e-12)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=seeds, spread=st.sampled_from([0.0, 1e-4, 1e-2]))
+def test_gspo_token_gradient_equals_eq17(seed, spread):
+    """With per-token advantages: −1/B · s_i Â_{i,t} / |y_i| on tokens whose clipped branch is not taken."""
+    lp, old, _, mask = make_batch(seed, spread=spread)
+    adv = torch.randn(lp.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+    grad, _ = grad_of(gspo_token_loss, lp, old, adv, mask)
+    s = torch.exp(sequence_log_ratio(lp.detach(), old, mask))[:, None]
+    clipped = ((adv > 0) & (s > 1 + 4e-4)) | ((adv < 0) & (s < 1 - 3e-4))
+    expected = torch.where(mask & ~clipped, -s * adv / mask.sum(-1, keepdim=True) / lp.shape[0], 0.0)
+    torch.testing.assert_close(grad, expected, rtol=1e-9, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------------- equivalences
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=seeds, spread=st.sampled_from([0.0, 1e-4, 3e-4, 1e-2]), empty=st.booleans())
+def test_gspo_token_equals_gspo_for_sequence_advantages(seed, spread, empty):
+    lp, old, adv, mask = make_batch(seed, spread=spread, empty_row=empty)
+    g1, m1 = grad_of(gspo_loss, lp, old, adv, mask)
+    l1 = gspo_loss(lp, old, adv, mask)[0]
+    for token_adv in (adv, adv[:, None].expand_as(lp).clone()):
+        g2, m2 = grad_of(gspo_token_loss, lp, old, token_adv, mask)
+        l2 = gspo_token_loss(lp, old, token_adv, mask)[0]
+        torch.testing.assert_close(l2, l1, rtol=1e-12, atol=1e-15)
+        torch.testing.assert_close(g2, g1, rtol=1e-12, atol=1e-15)
+        assert m2 == pytest.approx(m1, rel=1e-12, abs=1e-15)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=seeds)
+def test_on_policy_gspo_and_grpo_gradients_coincide(seed):
+    """π_old = π_θ (detached): all ratios are 1 and Eq. 10 = Eq. 11."""
+    lp, _, adv, mask = make_batch(seed)
+    old = lp.detach().clone()
+    g_gspo, m_gspo = grad_of(gspo_loss, lp, old, adv, mask)
+    g_grpo, m_grpo = grad_of(grpo_loss, lp, old, adv, mask)
+    torch.testing.assert_close(g_gspo, g_grpo, rtol=1e-12, atol=1e-15)
+    assert m_gspo["clip_frac_tokens"] == m_grpo["clip_frac_tokens"] == 0.0
+    assert m_gspo["ratio_mean"] == m_grpo["ratio_mean"] == 1.0
+    assert m_gspo["approx_kl"] == 0.0
+
+
+def test_loss_averages_over_sequences_not_tokens():
+    """Eq. 5 weighs each response 1/G whatever its length (TRL's default `dapo` weights by length — not GSPO)."""
+    old = torch.full((2, 4), -1.0)
+    lp = old.clone().requires_grad_(True)
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 1]])
+    adv = torch.tensor([1.0, -1.0])
+    loss, _ = gspo_loss(lp, old, adv, mask)
+    assert loss.item() == pytest.approx(0.0)  # −(1·1 + 1·(−1)) / 2
+    loss.backward()
+    # per-sequence gradient mass is equal in magnitude: the short sequence gets 1/1, the long 4 × 1/4.
+    assert lp.grad[0].abs().sum().item() == pytest.approx(lp.grad[1].abs().sum().item())
+
+
+# -------------------------------------------------------------------------------------------------------- masking
+
+
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+@settings(max_examples=15, deadline=None)
+@given(seed=seeds, garbage=st.sampled_from([math.nan, math.inf, -math.inf, 1e30, -7.0]), extra=st.integers(1, 4))
+def test_masked_garbage_changes_nothing(name, seed, garbage, extra):
+    """Appending masked columns holding NaN/±inf/huge values changes neither loss, gradient nor metrics."""
+    loss_fn = OBJECTIVES[name]
+    lp, old, adv, mask = make_batch(seed, spread=1e-2, empty_row=seed % 2 == 0)
+    g1, m1 = grad_of(loss_fn, lp, old, adv, mask)
+    l1 = loss_fn(lp, old, adv, mask)[0]
+
+    pad = torch.full((lp.shape[0], extra), garbage)
+    lp2 = torch.cat([lp.detach(), pad], 1).requires_grad_(True)
+    old2 = torch.cat([old, pad.flip(0)], 1)
+    mask2 = torch.cat([mask, torch.zeros_like(pad, dtype=torch.bool)], 1)
+    kwargs = {"max_tokens": lp.shape[1]} if name == "dr_grpo" else {}
+    if name == "dr_grpo":
+        g1, m1 = grad_of(loss_fn, lp, old, adv, mask, **kwargs)
+        l1 = loss_fn(lp, old, adv, mask, **kwargs)[0]
+    g2, m2 = grad_of(loss_fn, lp2, old2, adv, mask2, **kwargs)
+    l2 = loss_fn(lp2, old2, adv, mask2, **kwargs)[0]
+    torch.testing.assert_close(l2, l1, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(g2[:, : lp.shape[1]], g1, rtol=1e-12, atol=1e-15)
+    assert torch.all(g2[:, lp.shape[1]:] == 0)
+    assert m2 == pytest.approx(m1, rel=1e-12, abs=1e-15)
+
+
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+def test_empty_sequence_contributes_nothing(name):
+    lp, old, adv, mask = make_batch(3, spread=1e-2)
+    lp_e = torch.cat([torch.full((1, lp.shape[1]), math.nan), lp.detach()]).requires_grad_(True)
+    old_e = torch.cat([torch.full((1, lp.shape[1]), -math.inf), old])
+    mask_e = torch.cat([torch.zeros(1, lp.shape[1], dtype=torch.bool), mask])
+    adv_e = torch.cat([torch.tensor([5.0]), adv])
+    loss, metrics = OBJECTIVES[name](lp_e, old_e, adv_e, mask_e)
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert torch.all(lp_e.grad[0] == 0) and torch.isfinite(lp_e.grad).all()
+    assert all(math.isfinite(v) for v in metrics.values())
+
+
+# ------------------------------------------------------------------------------------------------------- clipping
+
+
+@pytest.mark.parametrize("name", ["gspo", "gspo_token"])
+def test_clip_blocks_gradient_only_in_the_advantage_direction(name):
+    """s_i beyond 1+ε_high with Â > 0 (or below 1−ε_low with Â < 0) → zero gradient; the other side still learns."""
+    loss_fn = OBJECTIVES[name]
+    old = torch.full((4, 3), -1.0)
+    shift = torch.tensor([1e-3, -1e-3, -1e-3, 1e-3])[:, None]  # s ≈ 1.001, 0.999, 0.999, 1.001
+    lp = (old + shift).requires_grad_(True)
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    mask = torch.ones(4, 3, dtype=torch.bool)
+    grad, metrics = grad_of(loss_fn, lp, old, adv, mask)
+    assert torch.all(grad[0] == 0) and torch.all(grad[1] == 0)  # clipped: ratio moved in the advantage's direction
+    assert torch.all(grad[2] != 0) and torch.all(grad[3] != 0)  # pessimistic side: min keeps the unclipped branch
+    assert metrics["clip_frac_seqs"] == 0.5 and metrics["clip_frac_tokens"] == 0.5
+
+
+def test_grpo_clip_is_per_token():
+    old = torch.full((1, 4), -1.0)
+    lp = (old + torch.tensor([[0.5, 0.0, -0.5, 0.1]])).requires_grad_(True)  # w = 1.65, 1, 0.61, 1.105
+    grad, metrics = grad_of(grpo_loss, lp, old, torch.tensor([1.0]), torch.ones(1, 4))
+    assert grad[0, 0] == 0 and (grad[0, 1:] != 0).all()
+    assert metrics["clip_frac_tokens"] == 0.25 and metrics["clip_frac_seqs"] == 1.0
+
+
+def test_clip_fraction_counts_tokens_of_clipped_sequences():
+    old = torch.full((2, 4), -1.0)
+    lp = old + torch.tensor([[1e-2], [0.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]])
+    _, metrics = gspo_loss(lp, old, torch.tensor([1.0, 1.0]), mask)
+    assert metrics["clip_frac_tokens"] == pytest.approx(3 / 4)
+    assert metrics["clip_frac_seqs"] == pytest.approx(1 / 2)
+    assert metrics["ratio_max"] == pytest.approx(math.exp(1e-2))
+    assert metrics["ratio_min"] == pytest.approx(1.0)
+
+
+# ----------------------------------------------------------------------------------------------------- robustness
+
+
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+@settings(max_examples=20, deadline=None)
+@given(seed=seeds, scale=st.sampled_from([1e2, 1e4, 1e8, 1e30]))
+def test_finite_for_extreme_finite_inputs(name, seed, scale):
+    """Huge log-ratios (both signs) give a finite loss, finite gradients and finite metrics."""
+    lp, old, adv, mask = make_batch(seed)
+    sign = torch.randn(lp.shape, generator=torch.Generator().manual_seed(seed)).sign()
+    lp = (lp.detach() + scale * sign).to(torch.float32).requires_grad_(True)
+    grad, metrics = grad_of(OBJECTIVES[name], lp, old.float(), adv.float() * scale, mask)
+    assert torch.isfinite(grad).all()
+    assert all(math.isfinite(v) for v in metrics.values())
+    assert metrics["ratio_max"] <= math.exp(LOG_RATIO_CLAMP) * 1.0001
+
+
+def test_low_precision_inputs_are_computed_in_float32():
+    lp, old, adv, mask = make_batch(0, spread=1e-3)
+    loss16, _ = gspo_loss(lp.detach().bfloat16(), old.bfloat16(), adv.bfloat16(), mask)
+    assert loss16.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda a: {**a, "old_logprobs": a["old_logprobs"][:, :-1]}, "old_logprobs shape"),
+        (lambda a: {**a, "mask": a["mask"][:-1]}, "mask shape"),
+        (lambda a: {**a, "advantages": a["advantages"][:-1]}, "advantages shape"),
+        (lambda a: {**a, "old_logprobs": a["old_logprobs"].float()}, "old_logprobs dtype"),
+        (lambda a: {**a, "logprobs": a["logprobs"][0]}, r"logprobs must be \[B, T\]"),
+        (lambda a: {**a, "mask": a["mask"] * 2}, "must hold only 0 and 1"),
+        (lambda a: {**a, "advantages": a["advantages"].long()}, "advantages must be a floating-point"),
+    ],
+)
+def test_bad_inputs_raise_value_error_naming_them(change, message):
+    lp, old, adv, mask = make_batch(0)
+    args = change({"logprobs": lp, "old_logprobs": old, "advantages": adv, "mask": mask.long()})
+    with pytest.raises(ValueError, match=message):
+        gspo_loss(**args)
+
+
+def test_token_advantages_only_where_allowed():
+    lp, old, adv, mask = make_batch(0)
+    with pytest.raises(ValueError, match="advantages shape"):
+        gspo_loss(lp, old, adv[:, None].expand_as(lp), mask)
+    with pytest.raises(ValueError, match="advantages shape"):
+        grpo_loss(lp, old, adv[:, None].expand_as(lp), mask)
+
+
+def test_bad_clip_range_raises():
+    lp, old, adv, mask = make_batch(0)
+    with pytest.raises(ValueError, match="eps_low"):
+        gspo_loss(lp, old, adv, mask, eps_low=-0.1)
+
+
+# --------------------------------------------------------------------------------------------------------- baselines
+
+
+def test_default_eps_are_the_papers():
+    assert default_eps("gspo") == (3e-4, 4e-4)
+    assert default_eps("gspo_token") == (3e-4, 4e-4)
+    assert default_eps("grpo") == (0.2, 0.27)
+    assert default_eps("dapo") == (0.2, 0.28)
+    with pytest.raises(ValueError, match="unknown objective"):
+        default_eps("ppo")
+
+
+def test_dapo_weighs_tokens_equally_and_dr_grpo_uses_a_constant():
+    old = torch.full((2, 4), -1.0)
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 1]])
+    adv = torch.tensor([1.0, 1.0])
+    g_dapo, _ = grad_of(dapo_loss, old.clone().requires_grad_(True), old, adv, mask)
+    assert torch.allclose(g_dapo[mask.bool()], torch.tensor(-1 / 5))  # one token-mean over 5 tokens
+    g_dr, _ = grad_of(dr_grpo_loss, old.clone().requires_grad_(True), old, adv, mask, max_tokens=8)
+    assert torch.allclose(g_dr[mask.bool()], torch.tensor(-1 / (2 * 8)))  # 1/B · 1/L, no 1/|y_i|
+    g_grpo, _ = grad_of(grpo_loss, old.clone().requires_grad_(True), old, adv, mask)
+    assert g_grpo[0, 0] == pytest.approx(-1 / 2) and g_grpo[1, 0] == pytest.approx(-1 / 8)
+
+
+def test_cispo_keeps_gradient_of_truncated_tokens_with_clipped_weight():
+    old = torch.full((1, 2), -1.0)
+    lp = (old + torch.tensor([[1.0, 0.0]])).requires_grad_(True)  # w = e, 1
+    grad, metrics = grad_of(cispo_loss, lp, old, torch.tensor([1.0]), torch.ones(1, 2))
+    torch.testing.assert_close(grad, torch.tensor([[-1.28 / 2, -1.0 / 2]]))
+    assert metrics["clip_frac_tokens"] == 0.5
+
+
+def test_kl_to_reference_is_zero_at_reference_and_positive_elsewhere():
+    lp, old, _, mask = make_batch(0, spread=0.1)
+    assert kl_to_reference(old, old, mask).item() == 0.0
+    assert kl_to_reference(lp.detach(), old, mask).item() > 0
