@@ -1,0 +1,7 @@
+"""Prompt data: procedural tasks with verifiable answers (`make_task`) and rows loaded from files or the hub
+(`load_rows`). Rows are plain dicts with at least a non-empty string `prompt`."""
+
+from gspo.data.files import load_rows
+from gspo.data.tasks import SPLITS, TASKS, Task, make_task, split_of
+
+__all__ = ["SPLITS", "TASKS", "Task", "load_rows", "make_task", "split_of"]

@@ -41,7 +41,7 @@ class RolloutBatch:
     prompt_mask: torch.Tensor  # [N, S] 1 on real prompt tokens
     completion_ids: torch.Tensor  # [N, T] right-padded
     completion_mask: torch.Tensor  # [N, T] 1 on generated tokens (EOS included), 0 on padding
-    logprobs: torch.Tensor  # [N, T] float32 log-prob of each sampled token under the sampling distribution; 0 on padding
+    logprobs: torch.Tensor  # [N, T] float32 log-prob of each sampled token under the sampling distribution, 0 on pad
     truncated: torch.Tensor  # [N] bool: hit max_new_tokens without EOS or a stop string
     completions: list[str]  # [N] decoded completion text (stop string included, EOS excluded)
     prompt_index: torch.Tensor  # [N] long: index into the `prompts` list that was passed to generate

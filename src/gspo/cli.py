@@ -1,0 +1,150 @@
+"""`gspo` command line: demo | train | sft | eval. Configuration is validated before any model is built."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from importlib import resources
+from pathlib import Path
+
+from gspo.config import ConfigError, load_config
+
+
+def demo_config_path() -> Path:
+    """The packaged demo config (also at configs/demo.yaml in the repository)."""
+    return Path(str(resources.files("gspo") / "configs" / "demo.yaml"))
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from gspo.trainer import train
+
+    cfg = load_config(args.config, args.overrides)
+    summary = train(cfg, resume=args.resume)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from gspo.tracking import plot_curves, read_metrics
+    from gspo.trainer import train
+
+    overrides = [f"trainer.out={args.out}", *args.overrides]
+    if args.steps is not None:
+        overrides.append(f"trainer.steps={args.steps}")
+    cfg = load_config(demo_config_path(), overrides)
+    print(f"gspo demo: cold-start SFT ({cfg.cold_start.steps} steps) then {cfg.trainer.steps} GSPO steps of "
+          f"{cfg.rollout.prompts_per_step} prompts × {cfg.rollout.group_size} completions on the embedded "
+          f"{cfg.model.name} / {cfg.data.task} task → {args.out}", flush=True)
+    summary = train(cfg, resume=args.resume)
+    out = Path(args.out)
+    plot_curves(out / "metrics.jsonl", out / "curves.png", extra=read_metrics(out / "eval.jsonl"),
+                keys=["reward_mean", "heldout_accuracy", "clip_frac_tokens"],
+                title=f"GSPO on {cfg.model.name} / {cfg.data.task}")
+    before, after = summary["heldout_accuracy_before_rl"], summary["heldout_accuracy_after_rl"]
+    print(f"held-out accuracy: {before:.1%} after cold-start SFT → {after:.1%} after GSPO "
+          f"({(after - before) * 100:+.1f} points) in {summary['wall_seconds']:.0f} s")
+    print(f"wrote {out / 'metrics.jsonl'}, {out / 'summary.json'}, {out / 'curves.png'}, model in {out / 'final'}")
+    return 0
+
+
+def _cmd_sft(args: argparse.Namespace) -> int:
+    from gspo.checkpoint import set_seed
+    from gspo.data import load_rows, make_task
+    from gspo.models import load_model, save_model
+    from gspo.sft import sft
+
+    if args.steps < 1 or args.batch_size < 1 or not args.lr > 0:
+        raise ConfigError("sft: --steps and --batch-size must be >= 1 and --lr > 0")
+    if args.data is not None:
+        fields = json.loads(args.fields) if args.fields else None
+        rows = load_rows(args.data, split="train", fields=fields, limit=args.size)
+    else:
+        rows = make_task(args.task, split="train", size=args.size, seed=args.seed)
+    set_seed(args.seed)
+    model, tokenizer = load_model(args.model, seed=args.seed)
+    t0 = time.perf_counter()
+    losses = sft(model, tokenizer, rows, steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
+    save_model(model, tokenizer, args.out)
+    print(json.dumps({"out": args.out, "final_loss": losses[-1], "seconds": time.perf_counter() - t0}))
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from gspo.data import load_rows, make_task
+    from gspo.models import load_model
+    from gspo.rewards import RewardRunner
+    from gspo.trainer import evaluate
+
+    rewards = RewardRunner({name: 1.0 for name in args.reward}, on_error="zero")
+    if args.data is not None:
+        fields = json.loads(args.fields) if args.fields else None
+        rows = load_rows(args.data, split=args.split, fields=fields, limit=args.size)
+    else:
+        rows = make_task(args.task, split=args.split, size=args.size, seed=args.seed)
+    model, tokenizer = load_model(args.model)
+    result = evaluate(model, tokenizer, rows, rewards, args.max_new_tokens)
+    print(json.dumps({"model": args.model, "rows": len(rows), **result}))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gspo", description="Group Sequence Policy Optimization for LMs.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo", help="cold-start SFT then GSPO on the embedded tiny MoE and task (offline, CPU)")
+    p.add_argument("--out", default="runs/demo", help="output folder (default runs/demo)")
+    p.add_argument("--steps", type=int, default=None, help="RL steps (default: the demo config's)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value config overrides")
+    p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("train", help="RL training from a YAML config")
+    p.add_argument("config", help="YAML config (see configs/)")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value config overrides")
+    p.add_argument("--resume", action="store_true", help="continue the run in trainer.out from its last checkpoint")
+    p.set_defaults(func=_cmd_train)
+
+    def data_args(p: argparse.ArgumentParser, default_size: int) -> None:
+        p.add_argument("--task", default="addition", help="embedded task (default addition)")
+        p.add_argument("--data", default=None, help="jsonl/parquet file, saved dataset or hub id")
+        p.add_argument("--fields", default=None, help='JSON field mapping, e.g. \'{"prompt": "question"}\'')
+        p.add_argument("--size", type=int, default=default_size, help="number of rows")
+        p.add_argument("--seed", type=int, default=0)
+
+    p = sub.add_parser("sft", help="cold-start supervised fine-tuning on demonstrations (`solution` field)")
+    p.add_argument("--out", required=True, help="output HF model directory")
+    p.add_argument("--model", default="tiny-moe", help="preset, local HF directory or hub id")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=3e-3)
+    data_args(p, 20000)
+    p.set_defaults(func=_cmd_sft)
+
+    p = sub.add_parser("eval", help="greedy accuracy of a model on a task or dataset")
+    p.add_argument("model", help="preset, local HF directory or hub id")
+    p.add_argument("--reward", action="append", default=None, help="reward function (repeatable; default: the task)")
+    p.add_argument("--split", default="test")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    data_args(p, 500)
+    p.set_defaults(func=_cmd_eval)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(message)s")
+    if getattr(args, "reward", "unset") is None:
+        args.reward = [args.task]
+    try:
+        return args.func(args)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"gspo {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,251 @@
+"""Typed, validated run configuration: YAML file + dotted `key=value` overrides, checked before any compute.
+
+Every section forbids unknown keys, so a typo is an error naming the key rather than a silently ignored setting.
+Cross-field rules (an objective's advantage scale, rollout logprobs with truncated sampling, batch divisibility)
+are checked here too, so an invalid combination cannot reach the trainer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from gspo.objectives import OBJECTIVES, default_eps
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelConfig(_Section):
+    """The policy: a preset (`tiny-moe`, `tiny-dense`), a local HF model directory, or a hub id."""
+
+    name: str = "tiny-moe"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    trust_remote_code: bool = False
+
+
+class ColdStartConfig(_Section):
+    """Supervised fine-tuning on the data's `solution` field before RL (the paper starts RL from a cold-start model).
+    Runs once, at the start of a fresh run; its model is saved to OUT/cold_start/."""
+
+    steps: int = Field(200, ge=1)
+    batch_size: int = Field(64, ge=1)
+    lr: float = Field(3e-3, gt=0)
+    warmup_steps: int = Field(10, ge=0)
+
+
+class DataConfig(_Section):
+    """Prompts: an embedded task (`task`) or a file / saved dataset / hub dataset (`path`) with a field mapping."""
+
+    task: str | None = "addition"
+    task_options: dict[str, Any] = Field(default_factory=dict)
+    path: str | None = None
+    split: str = "train"
+    eval_split: str | None = "test"
+    fields: dict[str, str] = Field(default_factory=dict)
+    train_size: int = Field(20000, ge=1)
+    eval_size: int = Field(200, ge=1)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataConfig:
+        if (self.task is None) == (self.path is None):
+            raise ValueError("set exactly one of data.task (embedded task) and data.path (file or dataset)")
+        return self
+
+
+class RewardConfig(_Section):
+    """Reward functions by registry name or import path, with weights; what to do when one fails."""
+
+    functions: dict[str, float] = Field(default_factory=lambda: {"addition": 1.0})
+    on_error: Literal["fail", "zero"] = "fail"
+
+    @model_validator(mode="after")
+    def _nonempty(self) -> RewardConfig:
+        if not self.functions:
+            raise ValueError("rewards.functions must name at least one reward function")
+        return self
+
+
+class RolloutConfig(_Section):
+    """The rollout engine and how it samples. `dtype` other than the model's makes it a separate engine copy."""
+
+    engine: Literal["hf"] = "hf"
+    prompts_per_step: int = Field(8, ge=1)
+    group_size: int = Field(8, ge=2)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    max_new_tokens: int = Field(16, ge=1)
+    stop: list[str] = Field(default_factory=list)
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+
+
+class AlgorithmConfig(_Section):
+    """The objective and how the rollout batch is used. eps_* default to the objective's paper values."""
+
+    loss: str = "gspo"
+    old_logprobs: Literal["recompute", "rollout"] = "recompute"
+    minibatches: int = Field(4, ge=1)
+    eps_low: float | None = Field(None, ge=0, le=1)
+    eps_high: float | None = Field(None, ge=0)
+    advantage_scale: Literal["group", "batch", "none"] | None = None
+    kl_beta: float = Field(0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _resolve_defaults(self) -> AlgorithmConfig:
+        if self.loss not in OBJECTIVES:
+            raise ValueError(f"algorithm.loss {self.loss!r} is not one of: {', '.join(OBJECTIVES)}")
+        low, high = default_eps(self.loss)
+        if self.eps_low is None:
+            self.eps_low = low
+        if self.eps_high is None:
+            self.eps_high = high
+        if self.advantage_scale is None:
+            self.advantage_scale = "none" if self.loss == "dr_grpo" else "group"
+        if self.loss == "dr_grpo" and self.advantage_scale != "none":
+            raise ValueError("algorithm.loss dr_grpo removes the std normalisation: advantage_scale must be 'none'")
+        return self
+
+
+class OptimConfig(_Section):
+    """AdamW with grad-norm clipping and linear warm-up then cosine decay (per optimizer step)."""
+
+    lr: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float | None = Field(1.0, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["cosine", "constant"] = "cosine"
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+
+
+class LogConfig(_Section):
+    tensorboard: bool = True
+    wandb: dict[str, Any] | None = None
+    mlflow: dict[str, Any] | None = None
+    progress: bool = True
+
+
+class TrainerConfig(_Section):
+    steps: int = Field(100, ge=1)
+    seed: int = 0
+    out: str = "runs/gspo"
+    eval_every: int = Field(10, ge=0)
+    eval_max_new_tokens: int | None = Field(None, ge=1)
+    checkpoint_every: int = Field(50, ge=0)
+    keep_checkpoints: int = Field(2, ge=1)
+    threads: int | None = Field(None, ge=1)
+
+
+class Config(_Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    cold_start: ColdStartConfig | None = None
+    data: DataConfig = Field(default_factory=DataConfig)
+    rewards: RewardConfig = Field(default_factory=RewardConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> Config:
+        rows = self.rollout.prompts_per_step * self.rollout.group_size
+        if rows % self.algorithm.minibatches:
+            raise ValueError(
+                f"rollout batch of {rows} completions (prompts_per_step {self.rollout.prompts_per_step} × group_size "
+                f"{self.rollout.group_size}) does not split into algorithm.minibatches={self.algorithm.minibatches}"
+            )
+        if self.algorithm.old_logprobs == "rollout" and (self.rollout.top_p < 1 or self.rollout.top_k > 0):
+            raise ValueError(
+                "algorithm.old_logprobs=rollout takes π_old from the sampler, whose top-p/top-k truncated distribution "
+                "is not the policy π_θ is trained as: use top_p=1 and top_k=0, or old_logprobs=recompute"
+            )
+        if self.cold_start is not None and self.data.task is None and "solution" not in self.data.fields:
+            raise ValueError("cold_start needs demonstrations: map a `solution` column in data.fields")
+        return self
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the offending key in the message."""
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
+        value = "" if e["type"] == "extra_forbidden" else f" (got {e.get('input')!r})"
+        lines.append(f"  {key}: {msg}{value}")
+    return "invalid configuration:\n" + "\n".join(lines)
+
+
+def _parse_value(text: str) -> Any:
+    """Parse an override value as YAML (numbers, booleans, null, lists, dicts), else keep it a string."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b.c=value` overrides to a nested dict (in place); the value is parsed as YAML."""
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is not a section")
+            node = child
+        node[parts[-1]] = _parse_value(value)
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read a YAML config (or the defaults), apply overrides, validate. Raises ConfigError naming bad keys."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
+    apply_overrides(data, overrides or [])
+    return validate_config(data)
+
+
+def validate_config(data: dict[str, Any]) -> Config:
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e)) from None
+
+
+def config_to_dict(cfg: Config) -> dict[str, Any]:
+    """Plain dict (JSON/YAML-safe) of a validated config, defaults resolved."""
+    return cfg.model_dump(mode="json")
+
+
+def config_diff(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two config dicts."""
+    keys = sorted(set(a) | set(b))
+    diff = []
+    for k in keys:
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            diff += config_diff(va, vb, f"{prefix}{k}.")
+        elif va != vb:
+            diff.append(f"{prefix}{k}")
+    return diff

@@ -1,0 +1,177 @@
+"""Load prompt rows from files, saved datasets or the Hugging Face Hub, with early and specific validation.
+
+Whatever the source, the result is a list of plain dicts that each carry a non-empty string `prompt`. A bad row is
+reported by its 0-based index (and line number for JSON Lines) and by the field that is wrong, so a broken dataset
+fails at load time rather than deep inside training.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = ["load_rows"]
+
+# Files `datasets.Dataset.save_to_disk` / `DatasetDict.save_to_disk` write at the top of their directory.
+_SAVED_DATASET_MARKERS = ("state.json", "dataset_info.json")
+_SAVED_DATASET_DICT_MARKER = "dataset_dict.json"
+_FILE_SUFFIXES = (".jsonl", ".parquet")
+
+
+def _check_fields(fields: Mapping[str, str] | None) -> dict[str, str]:
+    if fields is None:
+        return {}
+    if not isinstance(fields, Mapping):
+        raise ValueError(f"load_rows: fields must be a dict of our name -> source column, got {fields!r}")
+    for ours, theirs in fields.items():
+        if not isinstance(ours, str) or not ours or not isinstance(theirs, str) or not theirs:
+            raise ValueError(f"load_rows: fields entries must map non-empty strings, got {ours!r}: {theirs!r}")
+    return dict(fields)
+
+
+def _where(index: int, line: int | None) -> str:
+    return f"row {index}" + (f" (line {line})" if line is not None else "")
+
+
+def _normalize_row(raw: Any, index: int, line: int | None, fields: Mapping[str, str], source: str) -> dict[str, Any]:
+    """Rename mapped columns to our names and check that the required fields are present and valid."""
+    where = _where(index, line)
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{source}: {where} is a {type(raw).__name__}, expected an object with a 'prompt' field")
+    renamed_from = set(fields.values())
+    row = {key: value for key, value in raw.items() if key not in renamed_from}
+    for ours, theirs in fields.items():
+        if theirs not in raw:
+            raise ValueError(
+                f"{source}: {where} has no field {theirs!r} (mapped to {ours!r}); its fields are {sorted(raw)}"
+            )
+        if raw[theirs] is None:
+            raise ValueError(f"{source}: {where} field {theirs!r} (mapped to {ours!r}) is null")
+        row[ours] = raw[theirs]
+    if "prompt" not in row:
+        raise ValueError(
+            f"{source}: {where} has no field 'prompt' (map another column with fields={{'prompt': ...}}); "
+            f"its fields are {sorted(raw)}"
+        )
+    prompt = row["prompt"]
+    if not isinstance(prompt, str):
+        raise ValueError(f"{source}: {where} field 'prompt' must be a string, got {type(prompt).__name__} {prompt!r}")
+    if not prompt.strip():
+        raise ValueError(f"{source}: {where} field 'prompt' is empty or whitespace")
+    return row
+
+
+def _jsonl_records(path: Path) -> Iterator[tuple[Any, int]]:
+    """Yield (parsed object, 1-based line number) for each non-blank line of a JSON Lines file."""
+    with path.open(encoding="utf-8") as handle:
+        for line_no, text in enumerate(handle, start=1):
+            if not text.strip():
+                continue
+            try:
+                yield json.loads(text), line_no
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}: line {line_no} is not valid JSON: {exc.msg} (column {exc.colno})") from exc
+
+
+def _dataset_records(dataset: Any, limit: int | None) -> Iterator[tuple[Any, None]]:
+    if limit is not None and limit < len(dataset):
+        dataset = dataset.select(range(limit))
+    for record in dataset:
+        yield record, None
+
+
+def _parquet_records(path: Path, limit: int | None) -> Iterator[tuple[Any, None]]:
+    import pyarrow.parquet as pq  # a dependency of `datasets`
+
+    try:
+        table = pq.read_table(path)
+    except Exception as exc:
+        raise ValueError(f"{path}: not a readable parquet file: {exc}") from exc
+    if limit is not None:
+        table = table.slice(0, limit)
+    for record in table.to_pylist():
+        yield record, None
+
+
+def _saved_dataset_records(path: Path, split: str, limit: int | None) -> Iterator[tuple[Any, None]]:
+    """Rows of a directory written by `Dataset.save_to_disk` (split ignored) or `DatasetDict.save_to_disk`."""
+    import datasets
+
+    loaded = datasets.load_from_disk(str(path))
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise ValueError(f"{path}: saved DatasetDict has no split {split!r}; its splits are {sorted(loaded)}")
+        loaded = loaded[split]
+    return _dataset_records(loaded, limit)
+
+
+def _hub_records(source: str, split: str, limit: int | None) -> Iterator[tuple[Any, None]]:
+    import datasets
+
+    try:
+        loaded = datasets.load_dataset(source, split=split)
+    except Exception as exc:
+        raise ValueError(
+            f"could not load dataset {source!r} (split {split!r}) with datasets.load_dataset: {exc}"
+        ) from exc
+    return _dataset_records(loaded, limit)
+
+
+def _records(source: str, split: str, limit: int | None) -> Iterable[tuple[Any, int | None]]:
+    """Dispatch on the kind of source; yields (raw record, line number or None)."""
+    path = Path(source).expanduser()
+    if path.is_file():
+        if path.suffix == ".jsonl":
+            return _jsonl_records(path)
+        if path.suffix == ".parquet":
+            return _parquet_records(path, limit)
+        raise ValueError(f"{source}: unsupported file type {path.suffix!r}; expected one of {list(_FILE_SUFFIXES)}")
+    if path.is_dir() and (
+        (path / _SAVED_DATASET_DICT_MARKER).is_file() or all((path / m).is_file() for m in _SAVED_DATASET_MARKERS)
+    ):
+        return _saved_dataset_records(path, split, limit)
+    if path.suffix in _FILE_SUFFIXES and not path.exists():
+        raise FileNotFoundError(f"data file {source!r} does not exist")
+    # Anything else (a hub id, or a local folder of data files) is for `datasets.load_dataset`.
+    return _hub_records(source, split, limit)
+
+
+def load_rows(
+    source: str,
+    *,
+    split: str = "train",
+    fields: dict[str, str] | None = None,
+    limit: int | None = None,
+) -> list[dict]:
+    """Load rows from `source` and check that every row has a non-empty string `prompt`.
+
+    `source` is a `.jsonl` file (one JSON object a line; blank lines skipped), a `.parquet` file, a directory written
+    by `datasets` `save_to_disk` (for a `DatasetDict`, `split` picks the split; for a `Dataset` it is ignored), or
+    anything `datasets.load_dataset(source, split=split)` accepts (a hub id, a folder of data files).
+
+    `fields` maps our field names to the source's column names, e.g. `{"prompt": "question", "answer": "final"}`:
+    the mapped columns are renamed, all other columns are kept as they are. Every field named in `fields`, and
+    `prompt`, is required. `limit` keeps only the first `limit` rows (rows after them are not read or checked).
+
+    Raises ValueError naming the source, the row (0-based index; line number for JSON Lines) and the field for a
+    missing field, a non-string or empty prompt, or a malformed JSON line; FileNotFoundError for a missing data file;
+    ValueError if the source has no rows.
+    """
+    if not isinstance(source, str) or not source.strip():
+        raise ValueError(f"load_rows: source must be a non-empty string, got {source!r}")
+    if not isinstance(split, str) or not split:
+        raise ValueError(f"load_rows: split must be a non-empty string, got {split!r}")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"load_rows: limit must be None or an int >= 1, got {limit!r}")
+    mapping = _check_fields(fields)
+
+    rows: list[dict] = []
+    for index, (raw, line) in enumerate(_records(source, split, limit)):
+        if limit is not None and index >= limit:
+            break
+        rows.append(_normalize_row(raw, index, line, mapping, source))
+    if not rows:
+        raise ValueError(f"{source}: no rows found (split {split!r})")
+    return rows

@@ -1,0 +1,292 @@
+"""Models and tokenizers: tiny built-in presets for CPU runs and tests, and any Hugging Face causal LM by path or id.
+
+The presets are randomly initialised Qwen3 / Qwen3-MoE models a few MB in size, paired with a character-level
+tokenizer built in code, so the whole library can be exercised without network access. Everything else goes through
+`transformers`' `AutoModelForCausalLM` / `AutoTokenizer`, with the failure modes of a bad local path turned into short
+errors that name the path and what is missing.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import string
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import transformers
+from packaging import version
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
+
+__all__ = [
+    "DTYPES",
+    "PRESETS",
+    "SPECIAL_TOKENS",
+    "VOCAB_CHARS",
+    "build_preset",
+    "build_tokenizer",
+    "load_model",
+    "resolve_dtype",
+    "save_model",
+]
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+# Special tokens first, so their ids are fixed: <pad>=0, <eos>=1, <unk>=2.
+SPECIAL_TOKENS: tuple[str, ...] = ("<pad>", "<eos>", "<unk>")
+# Every character the built-in tasks need (digits, arithmetic, separators) plus space and a-z for short words.
+VOCAB_CHARS: str = string.digits + "+-*/=(),:;?. " + string.ascii_lowercase
+
+# Files of which at least one must be present for a local directory to hold loadable weights.
+_WEIGHT_FILES: tuple[str, ...] = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+# Files of which at least one must be present for a local directory to hold a tokenizer. (Without any, transformers 5
+# silently builds an empty tokenizer from the model type instead of failing.)
+_TOKENIZER_FILES: tuple[str, ...] = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+)
+
+# `from_pretrained` takes `dtype` since transformers 4.56 (and only that in 5.x); older versions call it `torch_dtype`.
+_DTYPE_KWARG = "dtype" if version.parse(transformers.__version__) >= version.parse("4.56") else "torch_dtype"
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """Turn a dtype name from `DTYPES` (or one of its torch dtypes) into the torch dtype.
+
+    Raises ValueError naming the value and the accepted names, so a typo in a config fails at load time.
+    """
+    if isinstance(dtype, torch.dtype):
+        if dtype in DTYPES.values():
+            return dtype
+        raise ValueError(f"unsupported dtype {dtype}; supported: {sorted(DTYPES)}")
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPES)} or the matching torch.dtype")
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """Build the character-level tokenizer used by the presets.
+
+    One token per character of `VOCAB_CHARS` (ids 3..), specials `<pad>`=0, `<eos>`=1, `<unk>`=2; any other
+    character encodes to `<unk>`. There is no normaliser and the decoder concatenates tokens, so
+    `decode(encode(s)) == s` for every string over `VOCAB_CHARS`, spaces included. No BOS/EOS is added when encoding
+    (the rollout and SFT code append EOS themselves). Padding is on the left, as generation needs.
+    """
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in VOCAB_CHARS:
+        vocab[ch] = len(vocab)
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    # `[\s\S]` matches any single character (including newlines), so every character becomes its own word.
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        padding_side="left",
+        clean_up_tokenization_spaces=False,  # the default clean-up would delete the space in "a ." on decode
+        model_max_length=256,
+    )
+    return tokenizer
+
+
+def tiny_moe_config(vocab_size: int) -> Qwen3MoeConfig:
+    """A ~1.8M-parameter Qwen3-MoE: 4 layers, 8 experts with top-2 routing, tied embeddings."""
+    return Qwen3MoeConfig(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=256,
+        moe_intermediate_size=128,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+        use_cache=True,
+    )
+
+
+def tiny_dense_config(vocab_size: int) -> Qwen3Config:
+    """A ~1M-parameter dense Qwen3 of the same shape as `tiny_moe_config` (one 512-wide MLP per layer)."""
+    return Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=512,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+        use_cache=True,
+    )
+
+
+# Preset name -> config factory taking the vocabulary size. `build_preset` / `load_model` turn one into a model.
+PRESETS: dict[str, Callable[[int], PretrainedConfig]] = {
+    "tiny-moe": tiny_moe_config,
+    "tiny-dense": tiny_dense_config,
+}
+
+
+def _init_from_config(config: PretrainedConfig) -> PreTrainedModel:
+    """Instantiate a randomly initialised causal LM, with SDPA attention where the model supports it."""
+    try:
+        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    except (ValueError, ImportError):  # transformers raises these when SDPA is unsupported for a model or torch
+        return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+
+
+def build_preset(
+    name: str, *, seed: int = 0, dtype: str | torch.dtype = "float32"
+) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """Build preset `name` with random weights that are a function of `seed` alone, plus `build_tokenizer()`.
+
+    The global torch RNG is forked around construction, so the caller's random state is left untouched. Weights
+    are initialised in float32 and then cast, so the same seed gives the same weights (up to rounding) in every dtype.
+    """
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; known presets: {sorted(PRESETS)}")
+    torch_dtype = resolve_dtype(dtype)
+    tokenizer = build_tokenizer()
+    config = PRESETS[name](len(tokenizer))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = _init_from_config(config)
+    return model.to(torch_dtype), tokenizer
+
+
+def _looks_like_local_path(name: str) -> bool:
+    """True if `name` can only be meant as a filesystem path (a hub id is `name` or `org/name`)."""
+    return (
+        os.path.isabs(name)
+        or name.startswith((".", "~"))
+        or name.endswith(("/", os.sep))
+        or name.count("/") > 1
+        or (os.sep != "/" and os.sep in name)
+    )
+
+
+def _check_local_model_dir(path: Path, shown: str) -> None:
+    """Raise a short, specific error (naming the path as the caller wrote it, `shown`) if `path` is not a directory
+    holding a config, weights and a tokenizer."""
+    if not path.exists():
+        raise FileNotFoundError(f"model directory {shown!r} does not exist")
+    if not path.is_dir():
+        raise ValueError(f"model path {shown!r} is a file; expected a model directory (as written by save_model)")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model directory {shown!r} has no config.json")
+    if not any((path / f).is_file() for f in _WEIGHT_FILES):
+        raise FileNotFoundError(f"model directory {shown!r} has no weights (looked for {', '.join(_WEIGHT_FILES)})")
+    if not any((path / f).is_file() for f in _TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"model directory {shown!r} has no tokenizer files (looked for {', '.join(_TOKENIZER_FILES)})"
+        )
+
+
+def load_model(
+    name_or_path: str,
+    *,
+    dtype: str | torch.dtype = "float32",
+    trust_remote_code: bool = False,
+    seed: int = 0,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer.
+
+    `name_or_path` is a preset name (`PRESETS`; weights random from `seed`), a local model directory (e.g. one
+    written by `save_model`), or a Hugging Face Hub id. `seed` only matters for presets. Remote code is only run when
+    `trust_remote_code=True`. A tokenizer without a pad token gets its EOS token as pad.
+
+    The model is returned as constructed: presets are in train mode and `from_pretrained` models in eval mode, so
+    callers that care (the trainer, evaluation) set the mode themselves.
+
+    Raises FileNotFoundError / ValueError naming the path and what is missing for a bad local directory, instead of
+    the deep traceback transformers would give.
+    """
+    if not isinstance(name_or_path, str) or not name_or_path.strip():
+        raise ValueError(f"load_model: name_or_path must be a non-empty string, got {name_or_path!r}")
+    torch_dtype = resolve_dtype(dtype)
+    if name_or_path in PRESETS:
+        return build_preset(name_or_path, seed=seed, dtype=torch_dtype)
+
+    path = Path(name_or_path).expanduser()
+    is_local = path.exists() or _looks_like_local_path(name_or_path)
+    source = str(path) if is_local else name_or_path
+    if is_local:
+        _check_local_model_dir(path, name_or_path)
+        try:
+            AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+        except Exception as exc:
+            raise ValueError(f"model directory {name_or_path!r} has an unreadable config.json: {exc}") from exc
+        where = f"model directory {name_or_path!r}"
+    else:
+        where = f"{source!r} (not a preset {sorted(PRESETS)} nor a local directory, so tried as a Hugging Face Hub id)"
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            source, trust_remote_code=trust_remote_code, **{_DTYPE_KWARG: torch_dtype}
+        )
+    except Exception as exc:
+        raise ValueError(f"could not load model weights from {where}: {exc}") from exc
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        raise ValueError(f"could not load a tokenizer from {where}: {exc}") from exc
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(f"tokenizer of {where} has neither a pad nor an eos token")
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: str | os.PathLike) -> Path:
+    """Write `model` (safetensors weights + config) and `tokenizer` to `out_dir`, loadable with `load_model(out_dir)`.
+
+    Returns the directory. Creates it (and parents) if needed; existing files of the same names are overwritten.
+    """
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"save_model: {str(out)!r} exists and is not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    kwargs = {}
+    # transformers 4.x takes `safe_serialization` (default True); 5.x always writes safetensors and dropped it.
+    if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
+        kwargs["safe_serialization"] = True
+    model.save_pretrained(out, **kwargs)
+    tokenizer.save_pretrained(out)
+    return out

@@ -1,0 +1,176 @@
+"""Built-in verifiable rewards: `fn(prompt, completion, **row) -> float`, 1.0 for a correct completion, else 0.0.
+
+A wrong or malformed completion scores 0.0; it is not an error. Errors (exceptions) are reserved for bad *data*, e.g. a
+row without the gold answer, so that `RewardRunner` reports them instead of silently training on zeros.
+Model output is never passed to `eval`: countdown expressions go through a small arithmetic parser.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections import Counter
+from fractions import Fraction
+from typing import Any
+
+__all__ = ["addition_reward", "countdown_reward", "math_reward", "parse_arithmetic"]
+
+_ANSWER_PREFIX = re.compile(r"-?[0-9]*")
+_INTEGER = re.compile(r"-?[0-9]+")
+_TOKEN = re.compile(r"\s*(?:([0-9]+)|([-+*/()]))")
+_COUNTDOWN_PROMPT = re.compile(r"\s*([0-9]+(?:,[0-9]+)*):([0-9]+)=\s*")
+_MAX_NESTING = 64  # parentheses deeper than this are rejected (bounds the parser's recursion)
+
+
+def _required(row: dict[str, Any], key: str, fn: str) -> Any:
+    if row.get(key) is None:
+        raise ValueError(f"{fn} needs the row field {key!r}; the row has {sorted(row)}")
+    return row[key]
+
+
+def addition_reward(prompt: str, completion: str, **row: Any) -> float:
+    """1.0 if the completion starts with exactly the answer, else 0.0.
+
+    The completion is stripped and cut at its first character that cannot be part of an integer (anything but a
+    leading `-` and digits); that prefix must equal `row["answer"]`: for answer "579", "579", " 579 " and "579 ok"
+    score 1, "5790", "0579" and "57" score 0.
+    """
+    answer = str(_required(row, "answer", "addition_reward")).strip()
+    if not _INTEGER.fullmatch(answer):
+        raise ValueError(f"addition_reward needs an integer answer, got {answer!r}")
+    prefix = _ANSWER_PREFIX.match(completion.strip())
+    return 1.0 if prefix is not None and prefix.group(0) == answer else 0.0
+
+
+class _Parser:
+    """Recursive-descent parser for `expr := term (('+'|'-') term)*`, `term := factor (('*'|'/') factor)*`,
+    `factor := integer | '(' expr ')'`, evaluating exactly with fractions. Raises ValueError on any malformation."""
+
+    def __init__(self, text: str) -> None:
+        self.tokens: list[str] = []
+        pos = 0
+        while pos < len(text):
+            match = _TOKEN.match(text, pos)
+            if match is None or match.end() == pos:
+                if text[pos:].strip():
+                    raise ValueError(f"unexpected character {text[pos]!r} at {pos}")
+                break  # only trailing whitespace left
+            self.tokens.append(match.group(1) or match.group(2))
+            pos = match.end()
+        self.pos = 0
+        self.used: list[int] = []
+
+    def peek(self) -> str | None:
+        return self.tokens[self.pos] if self.pos < len(self.tokens) else None
+
+    def take(self) -> str:
+        token = self.peek()
+        if token is None:
+            raise ValueError("unexpected end of expression")
+        self.pos += 1
+        return token
+
+    def expr(self, depth: int) -> Fraction:
+        value = self.term(depth)
+        while self.peek() in ("+", "-"):
+            value = value + self.term(depth) if self.take() == "+" else value - self.term(depth)
+        return value
+
+    def term(self, depth: int) -> Fraction:
+        value = self.factor(depth)
+        while self.peek() in ("*", "/"):
+            if self.take() == "*":
+                value *= self.factor(depth)
+            else:
+                divisor = self.factor(depth)
+                if divisor == 0:
+                    raise ValueError("division by zero")
+                value /= divisor
+        return value
+
+    def factor(self, depth: int) -> Fraction:
+        token = self.take()
+        if token == "(":
+            if depth >= _MAX_NESTING:
+                raise ValueError("parentheses nested too deeply")
+            value = self.expr(depth + 1)
+            if self.take() != ")":
+                raise ValueError("missing ')'")
+            return value
+        if token.isdigit():
+            if len(token) > 1 and token[0] == "0":
+                raise ValueError(f"number with a leading zero: {token}")
+            self.used.append(int(token))
+            return Fraction(int(token))
+        raise ValueError(f"unexpected {token!r}")
+
+
+def parse_arithmetic(text: str) -> tuple[Fraction, list[int]]:
+    """Evaluate an expression of non-negative integers, + - * / and parentheses exactly (no unary minus).
+
+    Returns the value and the integers the expression uses, in order. Raises ValueError for anything else,
+    including division by zero, so it is safe to call on untrusted model output.
+    """
+    parser = _Parser(text)
+    if not parser.tokens:
+        raise ValueError("empty expression")
+    value = parser.expr(0)
+    if parser.peek() is not None:
+        raise ValueError(f"unexpected {parser.peek()!r} after the expression")
+    return value, parser.used
+
+
+def _countdown_problem(prompt: str, row: dict[str, Any]) -> tuple[list[int], int]:
+    """The numbers and target: from the row's `numbers` and `answer` fields, else from a `n1,n2,...:target=` prompt."""
+    numbers, target = row.get("numbers"), row.get("answer")
+    if numbers is None or target is None:
+        match = _COUNTDOWN_PROMPT.fullmatch(prompt)
+        if match is None:
+            raise ValueError(
+                "countdown_reward needs row fields 'numbers' and 'answer' or a prompt 'n1,n2,...:target='; "
+                f"got prompt {prompt[:60]!r} and fields {sorted(row)}"
+            )
+        numbers = numbers if numbers is not None else [int(n) for n in match.group(1).split(",")]
+        target = target if target is not None else match.group(2)
+    try:
+        return [int(n) for n in numbers], int(str(target).strip())
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"countdown_reward: bad numbers {numbers!r} or target {target!r}: {exc}") from exc
+
+
+def countdown_reward(prompt: str, completion: str, **row: Any) -> float:
+    """1.0 if the stripped completion is an arithmetic expression (+ - * /, parentheses) over the given numbers,
+    each used at most once, whose exact value is the target; else 0.0.
+
+    The numbers and target come from `row["numbers"]` / `row["answer"]` when present (as `make_task("countdown")`
+    rows have), otherwise from the prompt `n1,n2,...:target=`.
+    """
+    numbers, target = _countdown_problem(prompt, row)
+    try:
+        value, used = parse_arithmetic(completion)
+    except ValueError:
+        return 0.0
+    if Counter(used) - Counter(numbers):  # some number used more often than it was given
+        return 0.0
+    return 1.0 if value == target else 0.0
+
+
+def math_reward(prompt: str, completion: str, **row: Any) -> float:
+    """1.0 if Math-Verify finds the completion's final answer equivalent to `row["answer"]`, else 0.0.
+
+    Both sides go through `math_verify.parse` (LaTeX and plain expressions), so "$\\frac{1}{2}$" matches "0.5".
+    A gold answer that does not parse raises ValueError (a data problem, not a wrong completion). Math-Verify's
+    signal-based timeouts only work in the main thread, so elsewhere they are turned off.
+    """
+    from math_verify import parse, verify
+
+    answer = str(_required(row, "answer", "math_reward"))
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    timeout = 5 if in_main_thread else None
+    gold = parse(answer, parsing_timeout=timeout)
+    if not gold:
+        raise ValueError(f"math_reward could not parse the gold answer {answer[:60]!r}")
+    predicted = parse(completion, parsing_timeout=timeout)
+    if not predicted:
+        return 0.0
+    return 1.0 if verify(gold, predicted, timeout_seconds=timeout) else 0.0

@@ -1,0 +1,374 @@
+"""The built-in rollout engine: batched sampling with a Hugging Face causal LM and its KV cache.
+
+`HFSampler` samples `group_size` completions per prompt, reproducibly per prompt, and returns the log-probability of
+every sampled token under the distribution it was actually drawn from (temperature, top-k and top-p applied), which is
+what GSPO's importance ratio needs as the behaviour policy's log-probabilities.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from gspo.rollout.base import RolloutBatch, SamplingParams
+
+__all__ = ["HFSampler", "filter_scores", "row_seed", "sample_from_logits"]
+
+_SEED_STRIDE = 1_000_003  # prime multiplier that spreads (prompt seed, index in group) over distinct generator seeds
+_DTYPE_ALIASES = {"bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16, "fp32": torch.float32}
+
+
+def row_seed(prompt_seed: int, index_in_group: int) -> int:
+    """The generator seed of completion `index_in_group` of a prompt whose seed is `prompt_seed`.
+
+    A function of these two numbers alone, so a prompt's group does not depend on the rest of the batch.
+    """
+    return (prompt_seed * _SEED_STRIDE + index_in_group) % 2**63
+
+
+def filter_scores(scores: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Mask (to -inf) the tokens that top-k and then top-p remove from temperature-scaled `scores` [A, V].
+
+    top-k keeps the `top_k` highest scores (ties with the k-th score are kept too); 0 disables it. top-p (nucleus)
+    then keeps the smallest set of most probable tokens whose cumulative probability reaches `top_p`, measured on the
+    top-k-filtered distribution; the most probable token is always kept; 1.0 disables it.
+    """
+    if top_k < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"need top_k >= 0 and top_p in (0, 1], got top_k={top_k}, top_p={top_p}")
+    if 0 < top_k < scores.shape[-1]:
+        kth = torch.topk(scores, top_k, dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_probs, order = torch.softmax(scores, dim=-1).sort(dim=-1, descending=True)
+        # A token is dropped once the strictly more probable tokens already cover top_p; the top one never is.
+        drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
+        drop_sorted[:, 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        scores = scores.masked_fill(drop, float("-inf"))
+    return scores
+
+
+def sample_from_logits(
+    logits: torch.Tensor, uniforms: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row of `logits` [A, V] by inverse CDF with the given `uniforms` [A] in [0, 1).
+
+    The distribution is softmax(filter_scores(logits / temperature)), computed in float32. Returns `(tokens [A] long,
+    logprobs [A] float32)`, the log-probability of each token under that same final distribution, i.e. the one
+    sampled from (renormalised over the kept tokens). With top_k=0 and top_p=1 it equals
+    log_softmax(logits / temperature). Sampling by inverse CDF makes the token a deterministic function of the
+    uniform, so per-row random streams give per-row reproducibility.
+    """
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    scores = filter_scores(logits.float() / temperature, top_k, top_p)
+    logp = torch.log_softmax(scores, dim=-1)
+    cdf = logp.exp().cumsum(dim=-1)
+    total = cdf[:, -1:]
+    # Scale by the total (float32 sums are not exactly 1) and stay strictly below it, so that searching with
+    # right=True lands on a token with non-zero probability: cdf[i] > v >= cdf[i-1] implies p[i] > 0.
+    v = torch.minimum(uniforms.to(cdf)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    idx = torch.searchsorted(cdf, v, right=True).clamp_(max=cdf.shape[-1] - 1)
+    return idx.squeeze(1), logp.gather(-1, idx).squeeze(1)
+
+
+def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """Turn 'bf16' / 'bfloat16' / 'torch.float32' / torch.float16 ... into a floating-point torch.dtype."""
+    if isinstance(dtype, str):
+        name = dtype.removeprefix("torch.").lower()
+        dtype = _DTYPE_ALIASES.get(name, getattr(torch, name, None))
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating-point torch dtype (e.g. torch.bfloat16 or 'bf16'), got {dtype!r}")
+    return dtype
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The bare model inside DDP/FSDP-style (`.module`) or torch.compile (`._orig_mod`) wrappers."""
+    for attr in ("module", "_orig_mod"):
+        inner = getattr(model, attr, None)
+        if isinstance(inner, nn.Module):
+            return _unwrap(inner)
+    return model
+
+
+class HFSampler:
+    """Rollout engine that samples from a Hugging Face causal LM with its KV cache (implements `RolloutEngine`).
+
+    With `dtype=None` (or the model's own dtype) it samples from the trainer's model object itself, so the weights
+    are shared and `update_weights` has nothing to do. With another dtype (e.g. bf16 rollouts for an fp32 trainer)
+    it acts as a separate inference engine: it keeps its own copy, parameters cast to `dtype` (buffers such as rotary
+    frequencies keep their dtype, as `from_pretrained(dtype=...)` would leave them), and `update_weights` copies the
+    trainer's current tensors into it in memory.
+
+    Generation: prompts are tokenized without special tokens and left-padded; one prefill, then one cached decode
+    step per token. Rows that finish (EOS or a stop string) are dropped from the batch and the KV cache, so they stop
+    costing compute; the loop ends when every row is finished or `max_new_tokens` is reached. Set
+    `drop_finished_rows = False` to keep finished rows in the batch instead (same results; for testing).
+    """
+
+    drop_finished_rows: bool = True
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer,
+        params: SamplingParams,
+        dtype: torch.dtype | str | None = None,
+    ) -> None:
+        model = _unwrap(model)
+        model_dtype = next(model.parameters()).dtype
+        target = model_dtype if dtype is None else _resolve_dtype(dtype)
+        self.tokenizer = tokenizer
+        self.params = params
+        self.owns_weights = target != model_dtype
+        if self.owns_weights:
+            engine = copy.deepcopy(model).eval()
+            for p in engine.parameters():
+                p.requires_grad_(False)
+                p.grad = None
+                p.data = p.data.to(target)
+            self.model = engine
+        else:
+            self.model = model
+        self.dtype = target
+
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if self.pad_id is None:
+            raise ValueError("the tokenizer needs a pad_token_id (or at least an eos_token_id to pad with)")
+        self.eos_ids = self._collect_eos_ids(model, tokenizer)
+        self._forward_takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._stop_table: tuple[tuple[str, ...], torch.Tensor] | None = None
+
+    @staticmethod
+    def _collect_eos_ids(model: nn.Module, tokenizer) -> list[int]:
+        """EOS ids: the tokenizer's plus any in the model's generation config (chat models often list several)."""
+        ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+        gen_cfg = getattr(model, "generation_config", None)
+        extra = getattr(gen_cfg, "eos_token_id", None)
+        for i in [extra] if isinstance(extra, int) else extra or []:
+            if i not in ids:
+                ids.append(int(i))
+        return ids
+
+    # ------------------------------------------------------------------ weights
+
+    @torch.no_grad()
+    def update_weights(self, model: nn.Module) -> None:
+        """Make the engine sample from `model`'s current weights.
+
+        Shared-weight engine: nothing to copy (if a different model object is passed, the engine switches to sampling
+        from that object, still without copying). Own-copy engine: copies every parameter and buffer by name, casting
+        to the engine's dtypes; raises ValueError if the models' tensors do not match.
+        """
+        model = _unwrap(model)
+        if not self.owns_weights:
+            self.model = model
+            return
+        src = dict(model.named_parameters())
+        src.update(model.named_buffers())
+        dst = dict(self.model.named_parameters())
+        dst.update(self.model.named_buffers())
+        if src.keys() != dst.keys():
+            missing, extra = sorted(dst.keys() - src.keys()), sorted(src.keys() - dst.keys())
+            raise ValueError(f"update_weights: tensor names differ (missing {missing[:5]}, unexpected {extra[:5]})")
+        for name, t in dst.items():
+            if t.shape != src[name].shape:
+                got, want = tuple(src[name].shape), tuple(t.shape)
+                raise ValueError(f"update_weights: {name} has shape {got}, expected {want}")
+            t.copy_(src[name])
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, prompts: list[str], group_size: int, seeds: list[int]) -> RolloutBatch:
+        """Sample `group_size` completions for each prompt (rows g*G .. g*G+G-1 belong to prompt g).
+
+        Row j of prompt i draws one uniform per generated token from its own generator seeded with
+        `row_seed(seeds[i], j)` and picks the token by inverse CDF, so a prompt's group depends only on its seed
+        (up to floating-point differences caused by the batch composition).
+
+        `logprobs` are float32 log-probabilities of the sampled tokens under the distribution actually sampled from:
+        logits / temperature, then top-k, then top-p, renormalised over the kept tokens. With top_k=0 and top_p=1
+        they equal log_softmax(logits / temperature). A row ends at EOS (included in `completion_ids`, masked 1, its
+        logprob counts, excluded from the text) or once its decoded text contains a stop string (the token that
+        completes it is the last one; `completions[i]` is exactly the decoded completion, so it can extend past the
+        stop string within that last token). Rows reaching `max_new_tokens` otherwise are `truncated`.
+        Returned tensors live on the model's device and are ordinary (not inference-mode) tensors.
+        """
+        unique_ids, unique_mask = self._encode(prompts, group_size, seeds)
+        max_new = self.params.max_new_tokens
+        uniforms = torch.stack(
+            [
+                torch.rand(max_new, generator=torch.Generator().manual_seed(row_seed(seed, j)))
+                for seed in seeds
+                for j in range(group_size)
+            ]
+        )
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.inference_mode():
+                raw = self._decode(unique_ids, unique_mask, group_size, uniforms.to(unique_ids.device))
+        finally:
+            self.model.train(was_training)
+        ids, logprobs, lengths, truncated = (x.clone() for x in raw)  # clones are ordinary tensors again
+
+        width = int(lengths.max())
+        mask = torch.arange(width, device=ids.device)[None, :] < lengths[:, None]
+        ids = ids[:, :width].masked_fill(~mask, self.pad_id)
+        logprobs = logprobs[:, :width].masked_fill(~mask, 0.0)
+        last = ids.gather(1, (lengths - 1)[:, None]).squeeze(1)
+        ends_with_eos = torch.isin(last, torch.tensor(self.eos_ids, device=ids.device, dtype=torch.long))
+        text_lengths = (lengths - ends_with_eos.long()).tolist()
+        pairs = zip(ids.tolist(), text_lengths, strict=True)
+        completions = [self.tokenizer.decode(row[:n], skip_special_tokens=True) for row, n in pairs]
+        return RolloutBatch(
+            prompt_ids=unique_ids.repeat_interleave(group_size, 0),
+            prompt_mask=unique_mask.repeat_interleave(group_size, 0),
+            completion_ids=ids,
+            completion_mask=mask.long(),
+            logprobs=logprobs,
+            truncated=truncated,
+            completions=completions,
+            prompt_index=torch.arange(len(prompts), device=ids.device).repeat_interleave(group_size),
+        )
+
+    def _encode(self, prompts: list[str], group_size: int, seeds: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Validate the request; return the left-padded prompt ids and mask [P, S] on the model's device."""
+        if not prompts:
+            raise ValueError("generate: prompts is empty")
+        if group_size < 1:
+            raise ValueError(f"generate: group_size must be >= 1, got {group_size}")
+        if len(seeds) != len(prompts):
+            raise ValueError(f"generate: got {len(seeds)} seeds for {len(prompts)} prompts (need one per prompt)")
+        if any(not s for s in self.params.stop):
+            raise ValueError(f"generate: stop strings must be non-empty, got {self.params.stop!r}")
+        encoded = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        max_pos = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
+        for i, toks in enumerate(encoded):
+            if not toks:
+                raise ValueError(f"generate: prompt {i} tokenizes to zero tokens: {prompts[i]!r}")
+            if max_pos is not None and len(toks) + self.params.max_new_tokens > max_pos:
+                raise ValueError(
+                    f"generate: prompt {i} has {len(toks)} tokens; with max_new_tokens={self.params.max_new_tokens} "
+                    f"that is {len(toks) + self.params.max_new_tokens} > max_position_embeddings={max_pos}"
+                )
+        width = max(len(t) for t in encoded)
+        ids = torch.full((len(encoded), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(encoded), width), dtype=torch.long)
+        for i, toks in enumerate(encoded):
+            ids[i, width - len(toks) :] = torch.tensor(toks, dtype=torch.long)
+            mask[i, width - len(toks) :] = 1
+        device = next(self.model.parameters()).device
+        return ids.to(device), mask.to(device)
+
+    def _decode(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int, uniforms: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The prefill + cached decode loop for P unique prompts [P, S], each sampled `group_size` times.
+
+        Returns (ids [N, max_new], logprobs [N, max_new], lengths [N], truncated [N]) for N = P * group_size rows;
+        truncated rows are those that never hit EOS or a stop string. Each prompt is prefilled once and its cache
+        repeated for its group. Batch position b holds output row `rows[b]`; finished rows are dropped from every
+        per-row tensor and from the KV cache (or, with `drop_finished_rows = False`, kept but ignored).
+        """
+        p = self.params
+        n_rows, prompt_len = prompt_ids.shape[0] * group_size, prompt_ids.shape[1]
+        device = prompt_ids.device
+        out_ids = torch.full((n_rows, p.max_new_tokens), self.pad_id, dtype=torch.long, device=device)
+        out_logprobs = torch.zeros((n_rows, p.max_new_tokens), dtype=torch.float32, device=device)
+        lengths = torch.full((n_rows,), p.max_new_tokens, dtype=torch.long, device=device)
+        truncated = torch.ones(n_rows, dtype=torch.bool, device=device)
+        eos_ids = torch.tensor(self.eos_ids, dtype=torch.long, device=device)
+
+        position_ids = (prompt_mask.cumsum(1) - 1).masked_fill(prompt_mask == 0, 1)
+        extra = {"logits_to_keep": 1} if self._forward_takes_logits_to_keep else {}
+        out = self.model(
+            input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids, use_cache=True, **extra
+        )
+        cache, logits = out.past_key_values, out.logits[:, -1, :]
+        if group_size > 1:
+            cache.batch_repeat_interleave(group_size)
+            logits = logits.repeat_interleave(group_size, 0)
+            prompt_mask = prompt_mask.repeat_interleave(group_size, 0)
+            position_ids = position_ids.repeat_interleave(group_size, 0)
+
+        # The attention mask for the whole run, sliced per step instead of re-concatenated.
+        attention = torch.cat([prompt_mask, prompt_mask.new_ones((n_rows, p.max_new_tokens))], dim=1)
+        next_position = position_ids[:, -1] + 1  # position of the first generated token, per row
+        rows = torch.arange(n_rows, device=device)
+        alive = torch.ones(n_rows, dtype=torch.bool, device=device)  # only shrinks when rows are not dropped
+        stop_candidates = self._stop_candidates(logits.shape[-1], device) if p.stop else None
+        for t in range(p.max_new_tokens):
+            tokens, logprobs = sample_from_logits(logits, uniforms[rows, t], p.temperature, p.top_k, p.top_p)
+            out_ids[rows, t] = tokens
+            out_logprobs[rows, t] = logprobs
+            finished = torch.isin(tokens, eos_ids) & alive
+            if stop_candidates is not None:
+                finished |= self._hits_stop(out_ids, rows, t, stop_candidates[tokens] & alive & ~finished)
+            if finished.any():
+                ended = rows[finished]
+                lengths[ended] = t + 1
+                truncated[ended] = False
+                if self.drop_finished_rows:
+                    keep = (~finished).nonzero().squeeze(1)
+                    if keep.numel() == 0:
+                        break
+                    rows, tokens, next_position = rows[keep], tokens[keep], next_position[keep]
+                    attention, alive = attention[keep], alive[keep]
+                    cache.batch_select_indices(keep)
+                else:
+                    alive &= ~finished
+                    if not alive.any():
+                        break
+            if t == p.max_new_tokens - 1:
+                break
+            out = self.model(
+                input_ids=tokens[:, None],
+                attention_mask=attention[:, : prompt_len + t + 1],
+                position_ids=(next_position + t)[:, None],
+                past_key_values=cache,
+                use_cache=True,
+            )
+            cache, logits = out.past_key_values, out.logits[:, -1, :]
+        return out_ids, out_logprobs, lengths, truncated
+
+    # ------------------------------------------------------------------ stop strings
+
+    def _hits_stop(self, out_ids: torch.Tensor, rows: torch.Tensor, t: int, candidates: torch.Tensor) -> torch.Tensor:
+        """Which batch positions' completions (tokens 0..t) now contain a stop string; only `candidates` are decoded.
+
+        A row that did not contain a stop string before this step and does now has just completed one, so checking
+        the whole text is enough; earlier steps would have ended the row otherwise.
+        """
+        hit_positions = []
+        for b in candidates.nonzero().squeeze(1).tolist():
+            text = self.tokenizer.decode(out_ids[rows[b], : t + 1].tolist(), skip_special_tokens=True)
+            if any(s in text for s in self.params.stop):
+                hit_positions.append(b)
+        hits = torch.zeros_like(candidates)
+        hits[hit_positions] = True
+        return hits
+
+    def _stop_candidates(self, vocab: int, device: torch.device) -> torch.Tensor:
+        """Bool [V]: tokens that can complete a stop string, i.e. whose text can contain a stop string's last char.
+
+        Conservative on purpose: a token decoded alone may lose leading whitespace or be a partial UTF-8 byte, so
+        tokens decoding to '' or containing U+FFFD count, and a stop string ending in whitespace makes every token a
+        candidate. Cached per tuple of stop strings.
+        """
+        stop = self.params.stop
+        if self._stop_table is None or self._stop_table[0] != stop or self._stop_table[1].numel() != vocab:
+            last_chars = {s[-1] for s in stop}
+            if any(c.isspace() for c in last_chars):
+                table = torch.ones(vocab, dtype=torch.bool)
+            else:
+                known = min(vocab, len(self.tokenizer))
+                pieces = self.tokenizer.batch_decode([[i] for i in range(known)], skip_special_tokens=True)
+                flags = [not s or "\ufffd" in s or any(c in s for c in last_chars) for s in pieces]
+                table = torch.tensor(flags + [True] * (vocab - known), dtype=torch.bool)
+            self._stop_table = (stop, table)
+        return self._stop_table[1].to(device)

@@ -1,0 +1,367 @@
+"""Metrics sinks (JSONL, TensorBoard, optionally Weights & Biases / MLflow), training curves and a progress bar.
+
+``OUT/metrics.jsonl`` is the run's source of truth: one strict-JSON object per logged step, flushed and fsynced as it
+is written so that a crash loses at most the line being written. Non-finite values are stored as ``null`` (a ``NaN``
+token is not JSON and breaks other readers). When a run resumes from the checkpoint of step k, lines of steps after k
+(logged after that checkpoint, before the crash) are removed, so that every step appears exactly once.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import logging
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TextIO
+
+import torch
+from tqdm.auto import tqdm
+
+logger = logging.getLogger(__name__)
+
+METRICS_FILENAME = "metrics.jsonl"
+TENSORBOARD_DIRNAME = "tb"
+
+Number = int | float
+
+
+class MetricsLogger:
+    """Writes each step's metrics to ``OUT/metrics.jsonl`` and to the enabled trackers.
+
+    `wandb` / `mlflow`: None to leave them off, or a dict of settings to turn them on (asking for one that is not
+    installed raises ImportError at once, not after the first training step):
+
+    * wandb: keyword arguments of ``wandb.init`` (``project``, ``name``, ``id``, ``resume``, ...); `run_config` is
+      passed as ``config`` unless the dict has one.
+    * mlflow: ``tracking_uri`` and ``experiment_name`` (optional), the rest goes to ``mlflow.start_run`` (``run_id``,
+      ``run_name``, ``tags``, ...); `run_config` is logged as flattened params on a fresh run.
+
+    `resume_step`: the step of the checkpoint the run resumes from; lines of later steps are dropped from
+    metrics.jsonl and from TensorBoard's view. None starts a fresh run: existing lines are kept and appended to.
+    """
+
+    def __init__(
+        self,
+        out_dir: str | os.PathLike,
+        *,
+        tensorboard: bool = True,
+        wandb: dict[str, Any] | None = None,
+        mlflow: dict[str, Any] | None = None,
+        resume_step: int | None = None,
+        run_config: dict[str, Any] | None = None,
+    ) -> None:
+        wandb_module = _import_tracker("wandb") if wandb is not None else None
+        mlflow_module = _import_tracker("mlflow") if mlflow is not None else None
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.out_dir / METRICS_FILENAME
+        if resume_step is not None:
+            truncate_metrics(self.metrics_path, resume_step)
+        else:
+            _drop_torn_tail(self.metrics_path)
+        self._file = open(self.metrics_path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        self._closed = False
+        self._tb: Any = None
+        self._wandb_run: Any = None
+        self._mlflow: Any = None
+        try:
+            if tensorboard:
+                self._start_tensorboard(resume_step, run_config)
+            if wandb_module is not None:
+                kwargs = dict(wandb)
+                if run_config is not None:
+                    kwargs.setdefault("config", run_config)
+                self._wandb_run = wandb_module.init(**kwargs)
+            if mlflow_module is not None:
+                self._start_mlflow(mlflow_module, dict(mlflow), resume_step, run_config)
+        except BaseException:
+            self.close()  # do not leak the file, writer or runs already opened
+            raise
+
+    def _start_tensorboard(self, resume_step: int | None, run_config: dict[str, Any] | None) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        purge = None if resume_step is None else resume_step + 1  # hide events of steps after the checkpoint
+        self._tb = SummaryWriter(log_dir=str(self.out_dir / TENSORBOARD_DIRNAME), purge_step=purge)
+        if run_config is not None and resume_step is None:
+            self._tb.add_text("run_config", f"```\n{json.dumps(run_config, indent=2, default=str)}\n```")
+        self._tb.flush()
+
+    def _start_mlflow(
+        self, mlflow: Any, settings: dict[str, Any], resume_step: int | None, run_config: dict[str, Any] | None
+    ) -> None:
+        if (uri := settings.pop("tracking_uri", None)) is not None:
+            mlflow.set_tracking_uri(uri)
+        if (experiment := settings.pop("experiment_name", None)) is not None:
+            mlflow.set_experiment(experiment)
+        mlflow.start_run(**settings)
+        self._mlflow = mlflow
+        if run_config is not None and resume_step is None:
+            mlflow.log_params(_flatten(run_config))
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Record `metrics` (numbers, or one-element tensors) of `step`: one JSON line, plus each enabled tracker."""
+        if self._closed:
+            raise RuntimeError("MetricsLogger.log called after close()")
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise TypeError(f"step must be an int, got {step!r}")
+        if "step" in metrics:
+            raise ValueError("'step' is reserved for the step number; rename that metric")
+        values = {str(key): _to_number(key, value) for key, value in metrics.items()}
+        self._file.write(json.dumps({"step": step, **values}, allow_nan=False) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+        finite = {key: value for key, value in values.items() if value is not None}
+        if self._tb is not None:
+            for key, value in finite.items():
+                self._tb.add_scalar(key, value, global_step=step)
+            self._tb.flush()
+        if self._wandb_run is not None:
+            self._wandb_run.log(finite, step=step)
+        if self._mlflow is not None:
+            self._mlflow.log_metrics({key: float(value) for key, value in finite.items()}, step=step)
+
+    def close(self) -> None:
+        """Flush and close every sink; calling it again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb_run is not None:
+            self._wandb_run.finish()
+        if self._mlflow is not None:
+            self._mlflow.end_run()
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def _import_tracker(name: str) -> Any:
+    """Import an optional tracker, or say which pip extra provides it."""
+    if importlib.util.find_spec(name) is None:
+        raise ImportError(
+            f"MetricsLogger({name}=...) needs the '{name}' package, which is not installed; "
+            f"install it with: pip install 'gspo[{name}]'",
+            name=name,
+        )
+    return importlib.import_module(name)
+
+
+def _to_number(key: str, value: Any) -> Number | None:
+    """A JSON-able number for `value`: tensors and numpy scalars via .item(), non-finite as None."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"metric {key!r} is a tensor of shape {tuple(value.shape)}; log a single number")
+        value = value.item()
+    elif hasattr(value, "item") and callable(value.item):  # numpy scalars and 0-d arrays
+        value = value.item()
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if value is None:
+        return None
+    raise TypeError(f"metric {key!r} must be a number or a one-element tensor, got {type(value).__name__}")
+
+
+def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """Nested config -> {"a.b": "value"} as MLflow params (flat strings)."""
+    flat: dict[str, str] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, f"{name}."))
+        else:
+            flat[name] = str(value)
+    return flat
+
+
+# ------------------------------------------------------------------------------------------------ reading, truncating
+
+
+def _parse_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """(raw line, record) for each line of the JSONL file at `path`; a torn or unreadable last line is dropped."""
+    lines = [line for line in path.read_text(encoding="utf-8", errors="replace").split("\n") if line.strip()]
+    parsed = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ValueError("not an object with an integer 'step'")
+        except ValueError as exc:
+            if number == len(lines):
+                logger.warning("dropping the torn last line of %s (a crash while writing it): %r", path, line[:80])
+                break
+            raise ValueError(f"{path}, line {number}, is not a metrics record: {exc}") from exc
+        parsed.append((line, record))
+    return parsed
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl file, in file order; a torn last line (crash mid-write) is dropped."""
+    return [record for _, record in _parse_lines(Path(path))]
+
+
+def truncate_metrics(path: str | os.PathLike, last_step: int) -> None:
+    """Atomically rewrite the metrics file at `path` keeping only the records of steps <= `last_step`.
+
+    Called when resuming from the checkpoint of `last_step`: what was logged after that checkpoint is logged again.
+    A missing file is fine (nothing to keep).
+    """
+    path = Path(path)
+    if not path.exists():
+        return
+    kept = [line for line, record in _parse_lines(path) if record["step"] <= last_step]
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as handle:
+            handle.writelines(line + "\n" for line in kept)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+
+
+def _drop_torn_tail(path: Path) -> None:
+    """Cut an unterminated last line so that the next appended line starts on a line of its own."""
+    if not path.exists():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        logger.warning("dropping the torn last line of %s (a crash while writing it)", path)
+        with open(path, "r+b") as handle:
+            handle.truncate(data.rfind(b"\n") + 1)
+            os.fsync(handle.fileno())
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ----------------------------------------------------------------------------------------------------------- curves
+
+
+def plot_curves(
+    metrics_path: str | os.PathLike,
+    out_png: str | os.PathLike,
+    *,
+    keys: Sequence[str],
+    title: str = "",
+    extra: Sequence[Mapping[str, Any]] = (),
+) -> Path:
+    """Plot each of `keys` against step from a metrics.jsonl file into one PNG (one subplot per key) and return it.
+    `extra` records (e.g. held-out evaluations, including step 0 before training) are plotted with them.
+
+    Keys logged only on some steps (held-out accuracy every N steps) are drawn as their points joined by lines;
+    keys with no value in any record are left out. Renders with the Agg backend: no display, no global pyplot state.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    records = [*read_metrics(metrics_path), *extra]
+    series: dict[str, tuple[list[int], list[float]]] = {}
+    for key in keys:
+        points = sorted((r["step"], r[key]) for r in records if r.get(key) is not None)
+        if points:
+            series[key] = ([step for step, _ in points], [value for _, value in points])
+        else:
+            logger.info("plot_curves: %r has no values in %s; leaving it out", key, metrics_path)
+    if not series:
+        raise ValueError(f"none of the keys {list(keys)} has a value in {metrics_path}")
+
+    figure = Figure(figsize=(8, 2.4 * len(series) + 0.6), layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(len(series), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, (key, (steps, values)) in zip(axes, series.items(), strict=True):
+        sparse = len(steps) <= 50
+        ax.plot(steps, values, marker="o" if sparse else None, markersize=3, linewidth=1.2)
+        ax.set_ylabel(key)
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("step")
+    if title:
+        figure.suptitle(title)
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out_png, format="png", dpi=110)
+    return out_png
+
+
+# --------------------------------------------------------------------------------------------------------- progress
+
+
+class Progress:
+    """A tqdm bar at `step`/`total` with a few chosen metrics (`keys`) as postfix.
+
+    `disable`: True turns it off, False forces it on, None (default) turns it off when its stream (`file`, stderr by
+    default) is not a terminal, so that redirected logs are not filled with bar redraws.
+    """
+
+    def __init__(
+        self,
+        total: int,
+        *,
+        initial: int = 0,
+        keys: Sequence[str] = (),
+        desc: str = "train",
+        disable: bool | None = None,
+        file: TextIO | None = None,
+    ) -> None:
+        self.keys = tuple(keys)
+        self._bar = tqdm(
+            total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True, disable=disable, file=file
+        )
+
+    @property
+    def disabled(self) -> bool:
+        return bool(self._bar.disable)
+
+    def update(self, step: int, metrics: Mapping[str, Any] | None = None) -> None:
+        """Move the bar to `step` (steps done so far) and show the chosen `keys` of `metrics`."""
+        if self.disabled:
+            return
+        if metrics:
+            shown = {key: metrics[key] for key in self.keys if key in metrics}
+            postfix = {key: _short(value) for key, value in shown.items()}
+            self._bar.set_postfix(postfix, refresh=False)
+        self._bar.update(step - self._bar.n)
+
+    def close(self) -> None:
+        self._bar.close()
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def _short(value: Any) -> str:
+    """A compact postfix string: 4 significant digits for numbers, as-is for anything else."""
+    try:
+        number = _to_number("", value)
+    except (TypeError, ValueError):
+        return str(value)
+    return "nan" if number is None else f"{number:.4g}"

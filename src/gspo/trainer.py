@@ -1,0 +1,324 @@
+"""The GSPO training loop (a recipe): rollout → rewards → group advantages → N off-policy minibatch updates → log.
+
+Everything it calls is a component (objectives, advantages, rollout engine, rewards, data, checkpoint, tracking);
+this file owns only the loop, the optimizer and the run folder:
+
+    OUT/config.yaml        the validated config, defaults resolved (a resume must match it)
+    OUT/cold_start/        the cold-start SFT model, when `cold_start` is configured
+    OUT/metrics.jsonl      one object per RL step;   OUT/eval.jsonl  held-out evaluations (step 0 = before RL)
+    OUT/checkpoints/       crash-safe checkpoints;   OUT/final/      the final model, a HF model directory
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+from gspo.advantages import group_advantages, zero_variance_groups
+from gspo.checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint, set_seed
+from gspo.config import Config, ConfigError, config_diff, config_to_dict
+from gspo.data import load_rows, make_task
+from gspo.logprobs import completion_logprobs
+from gspo.models import load_model, save_model
+from gspo.objectives import OBJECTIVES, kl_to_reference
+from gspo.optim import make_optimizer
+from gspo.rewards import RewardRunner
+from gspo.rollout import HFSampler, RolloutBatch, SamplingParams
+from gspo.sft import sft
+from gspo.tracking import MetricsLogger, Progress, read_metrics
+
+log = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------------------------------- data and seeds
+
+
+def load_split(cfg: Config, split: str, size: int) -> list[dict]:
+    """Rows of the configured embedded task or dataset for one split."""
+    d = cfg.data
+    if d.task is not None:
+        return make_task(d.task, split=split, size=size, seed=cfg.trainer.seed, **d.task_options)
+    return load_rows(d.path, split=split, fields=d.fields or None, limit=size)
+
+
+def derive_seed(*parts: int | str) -> int:
+    """A 63-bit seed that is a pure function of its parts (run seed, step, prompt index, ...)."""
+    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def prompt_indices(step: int, count: int, num_rows: int, seed: int) -> list[int]:
+    """Which rows step `step` trains on: consecutive slices of a per-epoch seeded permutation, so the data
+    position is a function of the step alone (exact resume, no sampler state to save)."""
+    out = []
+    for pos in range(step * count, (step + 1) * count):
+        epoch, offset = divmod(pos, num_rows)
+        perm = torch.randperm(num_rows, generator=torch.Generator().manual_seed(derive_seed(seed, "epoch", epoch)))
+        out.append(int(perm[offset]))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------ evaluation
+
+
+def evaluate(model, tokenizer, rows: list[dict], rewards: RewardRunner, max_new_tokens: int,
+             batch_size: int = 256) -> dict[str, float]:
+    """Greedy decoding on `rows`; accuracy = fraction of completions with full reward (≥ 1)."""
+    sampler = HFSampler(model, tokenizer, SamplingParams(top_k=1, max_new_tokens=max_new_tokens))
+    scores, lengths, truncated = [], [], []
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start:start + batch_size]
+        prompts = [r["prompt"] for r in chunk]
+        batch = sampler.generate(prompts, 1, [0] * len(prompts))
+        r, _ = rewards(prompts, batch.completions, chunk)
+        scores.append(r)
+        lengths.append(batch.completion_mask.sum(-1).float())
+        truncated.append(batch.truncated.float())
+    s = torch.cat(scores)
+    return {
+        "accuracy": float((s >= 1 - 1e-6).float().mean()),
+        "reward_mean": float(s.mean()),
+        "response_length": float(torch.cat(lengths).mean()),
+        "truncation_rate": float(torch.cat(truncated).mean()),
+    }
+
+
+# ------------------------------------------------------------------------------------------------------ one RL step
+
+
+@dataclass
+class RLStep:
+    """Everything one RL step needs besides the model and optimizer."""
+
+    cfg: Config
+    engine: HFSampler
+    rewards: RewardRunner
+    ref_model: torch.nn.Module | None = None
+
+
+def _rows(batch: RolloutBatch, idx: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return batch.prompt_ids[idx], batch.prompt_mask[idx], batch.completion_ids[idx], batch.completion_mask[idx]
+
+
+def rl_step(step: int, model, optimizer, scheduler, train_rows: list[dict], ctx: RLStep) -> dict[str, float]:
+    """One step of the paper's loop; returns its metrics."""
+    cfg, algo, ro = ctx.cfg, ctx.cfg.algorithm, ctx.cfg.rollout
+    t0 = time.perf_counter()
+
+    # 1. rollout: P prompts × G completions, each prompt's sampling seeded by (run seed, step, prompt position)
+    idx = prompt_indices(step, ro.prompts_per_step, len(train_rows), cfg.trainer.seed)
+    rows = [train_rows[i] for i in idx]
+    seeds = [derive_seed(cfg.trainer.seed, "rollout", step, j) for j in range(len(rows))]
+    batch = ctx.engine.generate([r["prompt"] for r in rows], ro.group_size, seeds)
+    t_rollout = time.perf_counter() - t0
+
+    # 2. rewards and group advantages (Eq. 6)
+    row_of = [rows[int(i)] for i in batch.prompt_index]
+    rewards, reward_stats = ctx.rewards([r["prompt"] for r in row_of], batch.completions, row_of)
+    advantages = group_advantages(rewards, ro.group_size, scale=algo.advantage_scale)
+    mask = batch.completion_mask.bool()
+
+    # 3. π_old: the engine's own logprobs (§5.4), or a no-grad forward of the trainer before the first update
+    model.train()
+    if algo.old_logprobs == "rollout":
+        old_logprobs = batch.logprobs
+    else:
+        with torch.no_grad():
+            old_logprobs = torch.cat([
+                completion_logprobs(model, *_rows(batch, mb), temperature=ro.temperature)[0]
+                for mb in torch.arange(len(batch)).chunk(algo.minibatches)
+            ])
+
+    # 4. minibatch updates: the batch is shuffled and split; all but the first update are off-policy
+    objective = OBJECTIVES[algo.loss]
+    perm = torch.randperm(len(batch), generator=torch.Generator().manual_seed(derive_seed(cfg.trainer.seed, step)))
+    sums: dict[str, float] = {}
+    grad_norms, skipped = [], 0
+    for k, mb in enumerate(perm.chunk(algo.minibatches)):
+        logprobs, entropy = completion_logprobs(model, *_rows(batch, mb), temperature=ro.temperature,
+                                                with_entropy=k == 0)
+        loss, m = objective(logprobs, old_logprobs[mb], advantages[mb], mask[mb],
+                            eps_low=algo.eps_low, eps_high=algo.eps_high)
+        if ctx.ref_model is not None and algo.kl_beta > 0:
+            with torch.no_grad():
+                ref_logprobs, _ = completion_logprobs(ctx.ref_model, *_rows(batch, mb), temperature=ro.temperature)
+            kl = kl_to_reference(logprobs, ref_logprobs, mask[mb])
+            loss = loss + algo.kl_beta * kl
+            m["kl_ref"] = float(kl)
+        if entropy is not None:
+            m["entropy"] = float(entropy[mask[mb]].mean())
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            model.parameters(), cfg.optim.grad_clip if cfg.optim.grad_clip else float("inf"))
+        if torch.isfinite(loss) and torch.isfinite(grad_norm):
+            optimizer.step()
+            grad_norms.append(float(grad_norm))
+        else:  # never let a non-finite update touch the weights
+            skipped += 1
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        m["loss"] = float(loss.detach())
+        for key, v in m.items():
+            sums[key] = sums.get(key, 0.0) + v / algo.minibatches
+        if k == 0:  # the on-policy minibatch: its clip fraction is 0 by construction when π_old is recomputed
+            sums["clip_frac_tokens_first_mb"] = m["clip_frac_tokens"]
+    if "entropy" in sums:
+        sums["entropy"] *= algo.minibatches  # logged from the first minibatch only
+    ctx.engine.update_weights(model)
+    t_total = time.perf_counter() - t0
+
+    lengths = batch.completion_mask.sum(-1).float()
+    correct = (rewards >= 1 - 1e-6).float()
+    metrics = {
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()),
+        "accuracy": float(correct.mean()),
+        "response_length": float(lengths.mean()),
+        "truncation_rate": float(batch.truncated.float().mean()),
+        "zero_variance_groups": float(zero_variance_groups(rewards, ro.group_size).float().mean()),
+        **sums,
+        "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else math.nan,
+        "skipped_updates": float(skipped),
+        "lr": scheduler.get_last_lr()[0],
+        "tokens_per_second": float(lengths.sum()) / t_total,
+        "time_rollout": t_rollout,
+        "time_update": t_total - t_rollout,
+        **reward_stats,
+    }
+    if algo.old_logprobs == "recompute":  # how far the engine's π_old is from the trainer's (precision mismatch)
+        diff = (batch.logprobs - old_logprobs)[mask].abs()
+        metrics["rollout_logprob_diff"] = float(diff.mean())
+    return metrics
+
+
+# ------------------------------------------------------------------------------------------------------------ train
+
+
+def _check_resume_config(out: Path, cfg_dict: dict) -> None:
+    saved_path = out / "config.yaml"
+    if not saved_path.exists():
+        return
+    saved = yaml.safe_load(saved_path.read_text())
+    diff = config_diff(saved, cfg_dict)
+    if diff:
+        raise ConfigError(f"cannot resume in {out}: its saved config differs in {', '.join(diff)}")
+
+
+def _cold_start(cfg: Config, out: Path, model, tokenizer, train_rows: list[dict]) -> None:
+    """Run cold-start SFT once; a complete OUT/cold_start/ is reused (so a resumed run does not redo it)."""
+    target = out / "cold_start"
+    if (target / "config.json").exists():
+        loaded, _ = load_model(str(target), dtype=cfg.model.dtype)
+        model.load_state_dict(loaded.state_dict())
+        log.info("reusing cold-start model %s", target)
+        return
+    cs = cfg.cold_start
+    solution_field = "solution"
+    sft(model, tokenizer, train_rows, steps=cs.steps, batch_size=cs.batch_size, lr=cs.lr,
+        warmup_steps=cs.warmup_steps, seed=derive_seed(cfg.trainer.seed, "sft"), solution_field=solution_field,
+        progress=cfg.log.progress)
+    tmp = out / "cold_start.tmp"
+    save_model(model, tokenizer, tmp)
+    tmp.rename(target)
+
+
+def train(cfg: Config, resume: bool = False) -> dict:
+    """Run (or resume) a GSPO training run as configured; returns the summary (also written to OUT/summary.json)."""
+    wall0 = time.perf_counter()
+    out = Path(cfg.trainer.out)
+    cfg_dict = config_to_dict(cfg)
+    if out.exists() and any(out.iterdir()) and not resume and (out / "config.yaml").exists():
+        raise ConfigError(f"{out} already holds a run: pass --resume to continue it, or choose another trainer.out")
+    if resume:
+        _check_resume_config(out, cfg_dict)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(yaml.safe_dump(cfg_dict, sort_keys=False))
+    if cfg.trainer.threads:
+        torch.set_num_threads(cfg.trainer.threads)
+    set_seed(cfg.trainer.seed)
+
+    model, tokenizer = load_model(cfg.model.name, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code,
+                                  seed=cfg.trainer.seed)
+    train_rows = load_split(cfg, cfg.data.split, cfg.data.train_size)
+    eval_rows = load_split(cfg, cfg.data.eval_split, cfg.data.eval_size) if cfg.data.eval_split else []
+    rewards = RewardRunner(cfg.rewards.functions, on_error=cfg.rewards.on_error)
+    ro = cfg.rollout
+    eval_tokens = cfg.trainer.eval_max_new_tokens or ro.max_new_tokens
+
+    checkpoint = find_latest_checkpoint(out) if resume else None
+    if cfg.cold_start is not None and checkpoint is None:
+        _cold_start(cfg, out, model, tokenizer, train_rows)
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.algorithm.kl_beta > 0 else None
+
+    total_updates = cfg.trainer.steps * cfg.algorithm.minibatches
+    optimizer, scheduler = make_optimizer(
+        model, cfg.optim.lr, total_updates, weight_decay=cfg.optim.weight_decay, betas=cfg.optim.betas,
+        warmup_steps=cfg.optim.warmup_steps, min_lr_ratio=cfg.optim.min_lr_ratio,
+        cosine=cfg.optim.schedule == "cosine")
+    start = 0
+    if checkpoint is not None:
+        state = load_checkpoint(checkpoint, model=model, optimizer=optimizer, scheduler=scheduler)
+        start = state["step"]
+        log.info("resumed from %s at step %d", checkpoint, start)
+
+    engine = HFSampler(model, tokenizer, SamplingParams(
+        temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k, max_new_tokens=ro.max_new_tokens,
+        stop=tuple(ro.stop)), dtype=ro.dtype)
+    ctx = RLStep(cfg, engine, rewards, ref_model)
+    logger = MetricsLogger(out, tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb, mlflow=cfg.log.mlflow,
+                           resume_step=start if resume else None, run_config=cfg_dict)
+    eval_path = out / "eval.jsonl"
+    evals = [r for r in read_metrics(eval_path) if r["step"] <= start] if eval_path.exists() else []
+
+    def run_eval(step: int) -> dict[str, float]:
+        result = {f"heldout_{k}": v for k, v in evaluate(model, tokenizer, eval_rows, rewards, eval_tokens).items()}
+        evals.append({"step": step, **result})
+        _write_jsonl(out / "eval.jsonl", evals)
+        return result
+
+    if start == 0 and eval_rows:
+        run_eval(0)
+    progress = Progress(total=cfg.trainer.steps, initial=start, disable=None if cfg.log.progress else True,
+                        keys=("reward_mean", "heldout_accuracy", "clip_frac_tokens"))
+    try:
+        for step in range(start, cfg.trainer.steps):
+            metrics = rl_step(step, model, optimizer, scheduler, train_rows, ctx)
+            done = step + 1
+            if eval_rows and cfg.trainer.eval_every and (done % cfg.trainer.eval_every == 0
+                                                         or done == cfg.trainer.steps):
+                metrics.update(run_eval(done))
+            logger.log(done, metrics)
+            progress.update(done, metrics)
+            if cfg.trainer.checkpoint_every and (done % cfg.trainer.checkpoint_every == 0 or done == cfg.trainer.steps):
+                save_checkpoint(out, done, model=model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
+                                state={"step": done, "data_position": done * ro.prompts_per_step},
+                                keep_last=cfg.trainer.keep_checkpoints)
+    finally:
+        progress.close()
+        logger.close()
+
+    save_model(model, tokenizer, out / "final")
+    summary = {
+        "heldout_accuracy_before_rl": evals[0]["heldout_accuracy"] if evals else None,
+        "heldout_accuracy_after_rl": evals[-1]["heldout_accuracy"] if evals else None,
+        "steps": cfg.trainer.steps,
+        "wall_seconds": time.perf_counter() - wall0,
+        "reward_failures": dict(rewards.failures),
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp.replace(path)

@@ -1,0 +1,251 @@
+"""Tests for gspo.data: procedural tasks (determinism, disjoint splits, correct answers) and file loading."""
+
+from __future__ import annotations
+
+import ast
+import json
+from collections import Counter
+from fractions import Fraction
+
+import datasets
+import pytest
+
+from gspo.data import TASKS, load_rows, make_task, split_of
+from gspo.models import VOCAB_CHARS
+
+# ---- an independent, safe evaluator for countdown solutions ----------------------------------------------------------
+
+_BINOPS = {
+    ast.Add: lambda a, b: a + b,
+    ast.Sub: lambda a, b: a - b,
+    ast.Mult: lambda a, b: a * b,
+    ast.Div: lambda a, b: a / b,
+}
+
+
+def _evaluate(expr: str) -> tuple[Fraction, list[int]]:
+    """Exact value of an expression of non-negative integers and + - * / ( ), and the integers it uses."""
+    used: list[int] = []
+
+    def walk(node: ast.AST) -> Fraction:
+        if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
+            return _BINOPS[type(node.op)](walk(node.left), walk(node.right))
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            used.append(node.value)
+            return Fraction(node.value)
+        raise AssertionError(f"disallowed syntax {ast.dump(node)} in {expr!r}")
+
+    return walk(ast.parse(expr, mode="eval").body), used
+
+
+# ---- tasks -----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_task_is_deterministic_from_seed(name: str, split: str) -> None:
+    a = make_task(name, split, size=200, seed=7)
+    assert a == make_task(name, split, size=200, seed=7)
+    assert a != make_task(name, split, size=200, seed=8)
+    assert len(a) == 200
+    # a smaller draw is a prefix of a larger one from the same seed
+    assert make_task(name, split, size=50, seed=7) == a[:50]
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_train_and_test_are_disjoint_for_any_seeds(name: str) -> None:
+    train = {r["prompt"] for seed in (0, 1, 2) for r in make_task(name, "train", size=500, seed=seed)}
+    test = {r["prompt"] for seed in (0, 1, 2) for r in make_task(name, "test", size=500, seed=seed)}
+    assert train and test
+    assert train.isdisjoint(test)
+    assert all(split_of(p) == "train" for p in train)
+    assert all(split_of(p) == "test" for p in test)
+
+
+def test_split_of_holds_out_about_a_tenth() -> None:
+    prompts = [f"{a}+{b}=" for a in range(100) for b in range(100)]
+    share = sum(split_of(p) == "test" for p in prompts) / len(prompts)
+    assert 0.08 < share < 0.12
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_rows_have_the_common_fields_in_the_tokenizer_vocab(name: str) -> None:
+    for row in make_task(name, size=100):
+        assert row["task"] == name
+        for key in ("prompt", "answer", "solution"):
+            assert isinstance(row[key], str) and row[key]
+            assert set(row[key]) <= set(VOCAB_CHARS), (key, row[key])
+
+
+@pytest.mark.parametrize("digits", [1, 3, 6])
+def test_addition_answers_are_correct(digits: int) -> None:
+    rows = make_task("addition", size=300, seed=1, digits=digits)
+    for row in rows:
+        left, right = row["prompt"].removesuffix("=").split("+")
+        assert row["prompt"] == f"{int(left)}+{int(right)}="
+        assert 0 <= int(left) < 10**digits and 0 <= int(right) < 10**digits
+        assert row["answer"] == row["solution"] == str(int(left) + int(right))
+    if digits >= 3:  # operands really span the range
+        assert max(int(r["prompt"].split("+")[0]) for r in rows) >= 10 ** (digits - 1)
+
+
+def test_addition_default_is_three_digits() -> None:
+    assert make_task("addition", size=50) == make_task("addition", size=50, digits=3)
+
+
+def test_countdown_solutions_reach_the_target_with_the_given_numbers() -> None:
+    rows = make_task("countdown", size=400, seed=3)
+    ops_seen: Counter[str] = Counter()
+    for row in rows:
+        numbers_text, target_text = row["prompt"].removesuffix("=").split(":")
+        numbers = [int(n) for n in numbers_text.split(",")]
+        assert row["numbers"] == numbers
+        assert 3 <= len(numbers) <= 4 and all(1 <= n <= 20 for n in numbers)
+        assert row["answer"] == target_text and 1 <= int(target_text) <= 100
+        value, used = _evaluate(row["solution"])
+        assert value == int(target_text), row
+        assert not Counter(used) - Counter(numbers), row  # each given number used at most once
+        ops_seen.update(c for c in row["solution"] if c in "+-*/")
+    assert set(ops_seen) == set("+-*/")
+
+
+def test_countdown_options() -> None:
+    rows = make_task("countdown", size=100, min_count=2, max_count=2, max_number=9, max_target=50)
+    for row in rows:
+        assert len(row["numbers"]) == 2 and max(row["numbers"]) <= 9
+        assert _evaluate(row["solution"])[0] == int(row["answer"]) <= 50
+
+
+def test_make_task_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match=r"unknown task 'sudoku'.*addition.*countdown"):
+        make_task("sudoku")
+    with pytest.raises(ValueError, match=r"unknown split 'validation'"):
+        make_task("addition", "validation")
+    for size in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="size"):
+            make_task("addition", size=size)
+    with pytest.raises(ValueError, match=r"no option\(s\) \['digit'\]"):
+        make_task("addition", digit=4)
+    with pytest.raises(ValueError, match="digits must be >= 1"):
+        make_task("addition", digits=0)
+    with pytest.raises(ValueError, match="digits must be an int"):
+        make_task("addition", digits="3")
+    with pytest.raises(ValueError, match="min_count"):
+        make_task("countdown", min_count=5, max_count=4)
+
+
+def test_make_task_reports_a_too_small_problem_space() -> None:
+    # two numbers in 1..1 with a target <= 1 admit one problem only, 1*1=1, and it is a train problem
+    space = {"min_count": 2, "max_count": 2, "max_number": 1, "max_target": 1}
+    assert split_of("1,1:1=") == "train"
+    assert {r["prompt"] for r in make_task("countdown", "train", size=5, **space)} == {"1,1:1="}
+    with pytest.raises(ValueError, match=r"only 0 of 5 problems.*too small"):
+        make_task("countdown", "test", size=5, **space)
+
+
+# ---- files -----------------------------------------------------------------------------------------------------------
+
+SOURCE_ROWS = [
+    {"question": "what is 1+1?", "final": "2", "level": 1},
+    {"question": "what is 2*3?", "final": "6", "level": 2},
+    {"question": "what is 9-4?", "final": "5", "level": 1},
+]
+FIELDS = {"prompt": "question", "answer": "final"}
+EXPECTED = [{"prompt": r["question"], "answer": r["final"], "level": r["level"]} for r in SOURCE_ROWS]
+
+
+def _write_jsonl(path, rows, extra_lines=()) -> str:
+    lines = [json.dumps(r) for r in rows] + list(extra_lines)
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_jsonl_round_trip_with_field_mapping(tmp_path) -> None:
+    src = _write_jsonl(tmp_path / "d.jsonl", SOURCE_ROWS)
+    assert load_rows(src, fields=FIELDS) == EXPECTED
+    assert load_rows(src, fields=FIELDS, limit=2) == EXPECTED[:2]
+
+
+def test_jsonl_without_mapping_keeps_rows_and_skips_blank_lines(tmp_path) -> None:
+    rows = make_task("addition", size=5)
+    path = tmp_path / "t.jsonl"
+    path.write_text(
+        "\n".join(json.dumps(r) for r in rows[:2]) + "\n\n   \n" + "\n".join(json.dumps(r) for r in rows[2:])
+    )
+    assert load_rows(str(path)) == rows
+
+
+def test_parquet_round_trip_with_field_mapping(tmp_path) -> None:
+    path = tmp_path / "d.parquet"
+    datasets.Dataset.from_list(SOURCE_ROWS).to_parquet(str(path))
+    assert load_rows(str(path), fields=FIELDS) == EXPECTED
+    assert load_rows(str(path), fields=FIELDS, limit=1) == EXPECTED[:1]
+
+
+def test_save_to_disk_dataset_and_dataset_dict(tmp_path) -> None:
+    single = tmp_path / "single"
+    datasets.Dataset.from_list(SOURCE_ROWS).save_to_disk(str(single))
+    assert load_rows(str(single), fields=FIELDS) == EXPECTED
+
+    splits = tmp_path / "splits"
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(SOURCE_ROWS[:2]), "test": datasets.Dataset.from_list(SOURCE_ROWS[2:])}
+    ).save_to_disk(str(splits))
+    assert load_rows(str(splits), fields=FIELDS) == EXPECTED[:2]
+    assert load_rows(str(splits), split="test", fields=FIELDS) == EXPECTED[2:]
+    with pytest.raises(ValueError, match=r"no split 'validation'.*\['test', 'train'\]"):
+        load_rows(str(splits), split="validation")
+
+
+def test_missing_mapped_field_names_row_line_and_field(tmp_path) -> None:
+    rows = [*SOURCE_ROWS[:2], {"question": "what is 3+3?", "level": 3}]
+    src = _write_jsonl(tmp_path / "d.jsonl", rows)
+    with pytest.raises(ValueError, match=r"d\.jsonl: row 2 \(line 3\) has no field 'final' \(mapped to 'answer'\)"):
+        load_rows(src, fields=FIELDS)
+
+
+def test_missing_prompt_names_row_and_field(tmp_path) -> None:
+    path = tmp_path / "d.parquet"
+    datasets.Dataset.from_list(SOURCE_ROWS).to_parquet(str(path))
+    with pytest.raises(ValueError, match=r"d\.parquet: row 0 has no field 'prompt'"):
+        load_rows(str(path))
+
+
+@pytest.mark.parametrize(("bad", "reason"), [("", "empty"), ("  \n", "empty"), (5, "must be a string")])
+def test_bad_prompt_names_row_and_field(tmp_path, bad, reason: str) -> None:
+    src = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "ok"}, {"prompt": bad}])
+    with pytest.raises(ValueError, match=rf"row 1 \(line 2\) field 'prompt' .*{reason}"):
+        load_rows(src)
+
+
+def test_null_mapped_field(tmp_path) -> None:
+    src = _write_jsonl(tmp_path / "d.jsonl", [{"question": "q", "final": None}])
+    with pytest.raises(ValueError, match=r"row 0 \(line 1\) field 'final' \(mapped to 'answer'\) is null"):
+        load_rows(src, fields=FIELDS)
+
+
+def test_malformed_json_line_is_named(tmp_path) -> None:
+    src = _write_jsonl(tmp_path / "d.jsonl", SOURCE_ROWS, extra_lines=['{"question": "oops",'])
+    with pytest.raises(ValueError, match=r"d\.jsonl: line 4 is not valid JSON"):
+        load_rows(src, fields=FIELDS)
+    # a line that is JSON but not an object
+    src = _write_jsonl(tmp_path / "e.jsonl", SOURCE_ROWS[:1], extra_lines=["[1, 2]"])
+    with pytest.raises(ValueError, match=r"row 1 \(line 2\) is a list"):
+        load_rows(src, fields=FIELDS)
+
+
+def test_load_rows_rejects_bad_arguments(tmp_path) -> None:
+    src = _write_jsonl(tmp_path / "d.jsonl", SOURCE_ROWS)
+    with pytest.raises(FileNotFoundError, match=r"nope\.jsonl.*does not exist"):
+        load_rows(str(tmp_path / "nope.jsonl"))
+    (tmp_path / "d.csv").write_text("prompt\nhi\n")
+    with pytest.raises(ValueError, match=r"unsupported file type '\.csv'"):
+        load_rows(str(tmp_path / "d.csv"))
+    for limit in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="limit"):
+            load_rows(src, fields=FIELDS, limit=limit)
+    with pytest.raises(ValueError, match="fields"):
+        load_rows(src, fields={"prompt": ""})
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match="no rows"):
+        load_rows(str(tmp_path / "empty.jsonl"))

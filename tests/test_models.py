@@ -1,0 +1,252 @@
+"""Tests for gspo.models: the character tokenizer, the presets, and save/load round trips (all offline)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoTokenizer, Qwen3ForCausalLM, Qwen3MoeForCausalLM
+
+from gspo.models import (
+    DTYPES,
+    PRESETS,
+    VOCAB_CHARS,
+    build_preset,
+    build_tokenizer,
+    load_model,
+    resolve_dtype,
+    save_model,
+)
+
+TOKENIZER = build_tokenizer()
+
+
+def _ids(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=True)["input_ids"]
+
+
+# ---- tokenizer -------------------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet=VOCAB_CHARS, max_size=60))
+def test_tokenizer_round_trips_every_vocab_string(text: str) -> None:
+    ids = _ids(TOKENIZER, text)
+    assert len(ids) == len(text)  # one token per character, nothing added (no BOS/EOS)
+    assert TOKENIZER.unk_token_id not in ids
+    assert TOKENIZER.decode(ids) == text
+
+
+def test_tokenizer_specials_and_vocab() -> None:
+    tok = TOKENIZER
+    assert (tok.pad_token, tok.pad_token_id) == ("<pad>", 0)
+    assert (tok.eos_token, tok.eos_token_id) == ("<eos>", 1)
+    assert (tok.unk_token, tok.unk_token_id) == ("<unk>", 2)
+    assert tok.bos_token is None
+    assert tok.padding_side == "left"
+    assert len(tok) == 3 + len(VOCAB_CHARS) == 52
+    # each vocabulary character has its own id, distinct from the specials
+    ids = [_ids(tok, c)[0] for c in VOCAB_CHARS]
+    assert sorted(ids) == list(range(3, len(tok)))
+    # characters outside the vocabulary become <unk>, one per character
+    assert _ids(tok, "A!\n") == [2, 2, 2]
+    assert tok.decode([ids[0], 1, 0], skip_special_tokens=True) == VOCAB_CHARS[0]
+
+
+def test_tokenizer_left_pads() -> None:
+    batch = TOKENIZER(["1+2=", "10+20="], padding=True, return_tensors="pt")
+    assert batch["input_ids"][0, :2].tolist() == [0, 0]
+    assert batch["attention_mask"][0].tolist() == [0, 0, 1, 1, 1, 1]
+
+
+def test_tokenizer_save_load_identical(tmp_path) -> None:
+    TOKENIZER.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    text = "the sum of 12 and 3 is 15. (2*3)-4/5;?: "
+    assert _ids(loaded, text) == _ids(TOKENIZER, text)
+    assert loaded.get_vocab() == TOKENIZER.get_vocab()
+    assert (loaded.pad_token_id, loaded.eos_token_id, loaded.unk_token_id) == (0, 1, 2)
+    assert loaded.padding_side == "left"
+    assert loaded.decode(_ids(loaded, text)) == text
+
+
+# ---- dtypes ----------------------------------------------------------------------------------------------------------
+
+
+def test_resolve_dtype() -> None:
+    for name, dtype in DTYPES.items():
+        assert resolve_dtype(name) is dtype
+        assert resolve_dtype(dtype) is dtype
+    with pytest.raises(ValueError, match=r"'fp33'.*bfloat16"):
+        resolve_dtype("fp33")
+    with pytest.raises(ValueError, match="int8"):
+        resolve_dtype(torch.int8)
+
+
+# ---- presets ---------------------------------------------------------------------------------------------------------
+
+
+def _state(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_preset_deterministic_from_seed_and_forward(name: str) -> None:
+    rng_before = torch.get_rng_state()
+    model_a, tok = build_preset(name, seed=3)
+    assert torch.equal(torch.get_rng_state(), rng_before)  # the caller's RNG is left alone
+    model_b, _ = build_preset(name, seed=3)
+    model_c, _ = build_preset(name, seed=4)
+    a, b, c = _state(model_a), _state(model_b), _state(model_c)
+    assert a.keys() == b.keys() == c.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], c[k]) for k in a)
+
+    cfg = model_a.config
+    assert cfg.vocab_size == len(tok)
+    assert (cfg.pad_token_id, cfg.eos_token_id, cfg.bos_token_id) == (0, 1, None)
+    assert cfg.use_cache and cfg.tie_word_embeddings
+    assert model_a.get_output_embeddings().weight is model_a.get_input_embeddings().weight
+    assert cfg._attn_implementation in ("sdpa", "eager")
+
+    ids = torch.tensor([_ids(tok, "12+34="), _ids(tok, "9+990=")])
+    logits = model_a(input_ids=ids).logits
+    assert logits.shape == (2, 6, len(tok))
+    assert torch.isfinite(logits).all()
+
+
+def test_tiny_moe_is_a_top2_moe_with_8_experts() -> None:
+    model, _ = build_preset("tiny-moe")
+    assert isinstance(model, Qwen3MoeForCausalLM)
+    assert model.config.num_experts == 8
+    assert model.config.num_experts_per_tok == 2
+    assert model.config.norm_topk_prob
+    n_params = sum(p.numel() for p in model.parameters())
+    assert 1.5e6 < n_params < 2.1e6
+    # the routed MLP really exists: every layer has a router producing one logit per expert
+    routers = [m for n, m in model.named_modules() if n.endswith("mlp.gate")]
+    assert len(routers) == model.config.num_hidden_layers
+    assert all(r.weight.shape[0] == 8 for r in routers)
+
+
+def test_tiny_dense_is_dense() -> None:
+    model, _ = build_preset("tiny-dense")
+    assert isinstance(model, Qwen3ForCausalLM)
+    assert model.config.intermediate_size == 512
+    assert not any(n.endswith("mlp.gate") for n, _ in model.named_modules())
+
+
+def test_unknown_preset() -> None:
+    with pytest.raises(ValueError, match="tiny-moe"):
+        build_preset("tiny-moo")
+
+
+def test_load_model_preset_matches_build_preset() -> None:
+    model, tok = load_model("tiny-moe", seed=5)
+    ref, _ = build_preset("tiny-moe", seed=5)
+    assert all(torch.equal(v, ref.state_dict()[k]) for k, v in model.state_dict().items())
+    assert tok.pad_token_id == 0
+
+
+# ---- save / load -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_save_then_load_gives_identical_logits(tmp_path, name: str) -> None:
+    model, tok = build_preset(name, seed=1)
+    out = save_model(model, tok, tmp_path / "ckpt")
+    assert (out / "model.safetensors").is_file()
+    assert (out / "config.json").is_file()
+
+    loaded, loaded_tok = load_model(str(out))
+    assert type(loaded) is type(model)
+    batch = tok(["123+456=579", "3,7,25:46=", "the end"], padding=True, return_tensors="pt")
+    model.eval()
+    loaded.eval()
+    with torch.no_grad():
+        assert torch.equal(model(**batch).logits, loaded(**batch).logits)
+    assert _ids(loaded_tok, "the 12 (x)") == _ids(tok, "the 12 (x)")
+    assert loaded_tok.padding_side == "left"
+    assert loaded_tok.pad_token_id == 0
+
+
+def test_load_model_bfloat16(tmp_path) -> None:
+    model, tok = build_preset("tiny-dense", seed=2)
+    save_model(model, tok, tmp_path)
+    loaded, _ = load_model(str(tmp_path), dtype="bfloat16")
+    assert all(p.dtype == torch.bfloat16 for p in loaded.parameters())
+    assert torch.equal(loaded.get_input_embeddings().weight, model.get_input_embeddings().weight.to(torch.bfloat16))
+    logits = loaded(input_ids=torch.tensor([_ids(tok, "1+1=")])).logits
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
+    preset_bf16, _ = build_preset("tiny-dense", seed=2, dtype=torch.bfloat16)
+    assert next(preset_bf16.parameters()).dtype == torch.bfloat16
+
+
+def test_load_model_missing_dir(tmp_path) -> None:
+    missing = tmp_path / "does-not-exist"
+    with pytest.raises(FileNotFoundError, match=r"does-not-exist.*does not exist"):
+        load_model(str(missing))
+    # a relative path is reported as written, never tried as a hub id
+    with pytest.raises(FileNotFoundError, match=r"'\./runs/nowhere/ckpt' does not exist"):
+        load_model("./runs/nowhere/ckpt")
+
+
+def test_load_model_on_a_file(tmp_path) -> None:
+    (tmp_path / "model.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"model\.bin' is a file"):
+        load_model(str(tmp_path / "model.bin"))
+
+
+def test_load_model_empty_dir(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path.name}.*no config.json"):
+        load_model(str(tmp_path))
+
+
+def test_load_model_config_without_weights(tmp_path) -> None:
+    model, tok = build_preset("tiny-dense")
+    save_model(model, tok, tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="no weights"):
+        load_model(str(tmp_path))
+
+
+def test_load_model_unreadable_config(tmp_path) -> None:
+    model, tok = build_preset("tiny-dense")
+    save_model(model, tok, tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"unreadable config.json"):
+        load_model(str(tmp_path))
+
+
+def test_load_model_without_tokenizer(tmp_path) -> None:
+    model, tok = build_preset("tiny-dense")
+    save_model(model, tok, tmp_path)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (tmp_path / f).unlink(missing_ok=True)
+    with pytest.raises(FileNotFoundError, match="no tokenizer files"):
+        load_model(str(tmp_path))
+    (tmp_path / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="could not load a tokenizer"):
+        load_model(str(tmp_path))
+
+
+def test_load_model_sets_missing_pad_to_eos(tmp_path) -> None:
+    model, tok = build_preset("tiny-dense")
+    save_model(model, tok, tmp_path)
+    cfg_path = tmp_path / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.pop("pad_token", None)
+    cfg_path.write_text(json.dumps(cfg))
+    _, loaded_tok = load_model(str(tmp_path))
+    assert loaded_tok.pad_token == "<eos>"
+    assert loaded_tok.pad_token_id == 1
+
+
+def test_load_model_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="non-empty"):
+        load_model("")
+    with pytest.raises(ValueError, match="dtype"):
+        load_model("tiny-moe", dtype="float8")

@@ -1,0 +1,334 @@
+"""Tests for gspo.rewards: the built-in rewards, resolving specs, and RewardRunner's weighting and failure handling."""
+
+from __future__ import annotations
+
+import logging
+import math
+import textwrap
+from fractions import Fraction
+
+import pytest
+import torch
+
+from gspo.data import make_task
+from gspo.rewards import (
+    REWARDS,
+    RewardFailure,
+    RewardRunner,
+    addition_reward,
+    countdown_reward,
+    math_reward,
+    parse_arithmetic,
+    resolve_reward,
+)
+
+# ---- addition --------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("completion", "expected"),
+    [
+        ("579", 1.0),
+        ("579 ", 1.0),
+        ("  579", 1.0),
+        ("579 is the sum", 1.0),
+        ("579.", 1.0),
+        ("5790", 0.0),
+        ("0579", 0.0),
+        ("57", 0.0),
+        ("-579", 0.0),
+        ("", 0.0),
+        ("the answer is 579", 0.0),
+        ("5 79", 0.0),
+    ],
+)
+def test_addition_reward(completion: str, expected: float) -> None:
+    assert addition_reward("123+456=", completion, answer="579") == expected
+
+
+def test_addition_reward_negative_and_int_answers() -> None:
+    assert addition_reward("p", "-12", answer="-12") == 1.0
+    assert addition_reward("p", "12", answer="-12") == 0.0
+    assert addition_reward("p", "12", answer=12) == 1.0
+
+
+def test_addition_reward_scores_task_solutions_1_and_others_0() -> None:
+    rows = make_task("addition", size=50, seed=4)
+    for row, other in zip(rows, rows[1:] + rows[:1], strict=True):
+        assert addition_reward(row["prompt"], row["solution"], answer=row["answer"]) == 1.0
+        if other["answer"] != row["answer"]:
+            assert addition_reward(row["prompt"], other["solution"], answer=row["answer"]) == 0.0
+
+
+def test_addition_reward_rejects_bad_rows() -> None:
+    with pytest.raises(ValueError, match="'answer'"):
+        addition_reward("1+1=", "2")
+    with pytest.raises(ValueError, match="integer answer"):
+        addition_reward("1+1=", "2", answer="2.0")
+
+
+# ---- countdown -------------------------------------------------------------------------------------------------------
+
+
+def test_parse_arithmetic() -> None:
+    assert parse_arithmetic("1+2*3") == (Fraction(7), [1, 2, 3])
+    assert parse_arithmetic(" (1 + 2) * 3 ") == (Fraction(9), [1, 2, 3])
+    assert parse_arithmetic("10-4-3") == (Fraction(3), [10, 4, 3])  # left-associative
+    assert parse_arithmetic("8/4/2") == (Fraction(1), [8, 4, 2])
+    assert parse_arithmetic("7/2") == (Fraction(7, 2), [7, 2])  # exact, not integer, division
+    for bad in ["", "1+", "(1+2", "1+2)", "-1+2", "1**2", "2(3)", "1/0", "1/(2-2)", "07+1", "x", "1e3", "__import__"]:
+        with pytest.raises(ValueError):
+            parse_arithmetic(bad)
+    with pytest.raises(ValueError, match="nested"):
+        parse_arithmetic("(" * 200 + "1" + ")" * 200)
+
+
+@pytest.mark.parametrize(
+    ("completion", "expected"),
+    [
+        ("25+7*3", 1.0),  # 46
+        ("(25-3)*7", 0.0),  # 154
+        ("7*3+25", 1.0),
+        (" 25 + 3*7 ", 1.0),
+        ("25+7+7+7", 0.0),  # 7 used three times
+        ("25+21", 0.0),  # 21 is not given
+        ("46", 0.0),
+        ("25+7*3=46", 0.0),  # not just an expression
+        ("", 0.0),
+        ("25+7*3+3-3", 0.0),  # 3 used twice
+        ("__import__('os')", 0.0),
+    ],
+)
+def test_countdown_reward(completion: str, expected: float) -> None:
+    prompt = "3,7,25:46="
+    assert countdown_reward(prompt, completion) == expected  # numbers and target from the prompt
+    assert countdown_reward(prompt, completion, numbers=[3, 7, 25], answer="46") == expected  # ... from the row
+
+
+def test_countdown_reward_allows_repeated_given_numbers_and_subsets() -> None:
+    assert countdown_reward("3,3,10:16=", "3+3+10") == 1.0
+    assert countdown_reward("3,3,10:13=", "3+10") == 1.0
+    assert countdown_reward("p", "3/4*8", numbers=[3, 4, 8], answer=6) == 1.0
+
+
+def test_countdown_reward_scores_task_solutions() -> None:
+    for row in make_task("countdown", size=200, seed=5):
+        fields = {k: v for k, v in row.items() if k != "prompt"}
+        assert countdown_reward(row["prompt"], row["solution"], **fields) == 1.0
+        assert countdown_reward(row["prompt"], row["solution"]) == 1.0
+        assert countdown_reward(row["prompt"], row["solution"] + "+1", **fields) == 0.0
+
+
+def test_countdown_reward_rejects_unusable_rows() -> None:
+    with pytest.raises(ValueError, match="'numbers' and 'answer'"):
+        countdown_reward("reach 10 with 3 and 7", "3+7")
+    with pytest.raises(ValueError, match="bad numbers"):
+        countdown_reward("p", "3+7", numbers=["three"], answer="10")
+
+
+# ---- math ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("completion", "answer", "expected"),
+    [
+        ("The answer is $\\frac{1}{2}$", "0.5", 1.0),
+        ("so the result is \\boxed{42}", "42", 1.0),
+        ("She sold 48 + 24 = 72 clips in total, so 72", "72", 1.0),
+        ("The answer is $\\frac{1}{3}$", "0.5", 0.0),
+        ("I do not know", "0.5", 0.0),
+        ("", "7", 0.0),
+    ],
+)
+def test_math_reward(completion: str, answer: str, expected: float) -> None:
+    assert math_reward("q", completion, answer=answer) == expected
+
+
+def test_math_reward_needs_a_parseable_answer() -> None:
+    with pytest.raises(ValueError, match="'answer'"):
+        math_reward("q", "1")
+    with pytest.raises(ValueError, match="could not parse the gold answer"):
+        math_reward("q", "1", answer="no number here")
+
+
+# ---- resolve_reward --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch) -> str:
+    """A module `gspo_test_user_rewards` importable from a temporary directory."""
+    (tmp_path / "gspo_test_user_rewards.py").write_text(
+        textwrap.dedent(
+            """
+            def length_reward(prompt, completion, **row):
+                return float(len(completion))
+
+            class Scorers:
+                @staticmethod
+                def always_one(prompt, completion, **row):
+                    return 1.0
+
+            NOT_CALLABLE = 3
+            """
+        )
+    )
+    (tmp_path / "gspo_test_broken_rewards.py").write_text("import module_that_does_not_exist_anywhere\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "gspo_test_user_rewards"
+
+
+def test_resolve_registry_names() -> None:
+    assert set(REWARDS) == {"addition", "countdown", "math"}
+    for name, fn in REWARDS.items():
+        assert resolve_reward(name) is fn
+    assert resolve_reward("gspo.rewards.builtin:addition_reward") is addition_reward
+    assert resolve_reward("gspo.rewards.builtin.addition_reward") is addition_reward
+
+
+def test_resolve_import_paths(user_module: str) -> None:
+    fn = resolve_reward(f"{user_module}:length_reward")
+    assert fn("p", "abcd") == 4.0
+    assert resolve_reward(f"{user_module}.length_reward") is fn
+    assert resolve_reward(f"{user_module}:Scorers.always_one")("p", "c") == 1.0
+
+
+def test_resolve_errors(user_module: str) -> None:
+    with pytest.raises(ValueError, match=r"unknown reward 'adition'.*\['addition', 'countdown', 'math'\]"):
+        resolve_reward("adition")
+    with pytest.raises(ValueError, match=r"'gspo_test_broken_rewards:f'.*ModuleNotFoundError.*module_that_does_not"):
+        resolve_reward("gspo_test_broken_rewards:f")
+    with pytest.raises(ValueError, match=r"cannot import module 'no_such_pkg_xyz'"):
+        resolve_reward("no_such_pkg_xyz.fn")
+    with pytest.raises(ValueError, match="has no attribute 'missing'"):
+        resolve_reward(f"{user_module}:missing")
+    with pytest.raises(ValueError, match="not a function"):
+        resolve_reward(f"{user_module}:NOT_CALLABLE")
+    for bad in ("", ":fn", "mod:"):
+        with pytest.raises(ValueError, match="reward spec"):
+            resolve_reward(bad)
+
+
+# ---- RewardRunner ----------------------------------------------------------------------------------------------------
+
+PROMPTS = ["1+2=", "10+20=", "5+5="]
+ROWS = [{"prompt": p, "answer": a} for p, a in zip(PROMPTS, ["3", "30", "10"], strict=True)]
+
+
+def test_runner_weighted_sum_is_exact(user_module: str) -> None:
+    runner = RewardRunner([("addition", 0.5), (f"{user_module}:length_reward", -0.25)])
+    completions = ["3", "31", "10 "]
+    rewards, stats = runner(PROMPTS, completions, ROWS)
+    assert rewards.dtype == torch.float32 and rewards.shape == (3,)
+    expected = [0.5 * 1 - 0.25 * 1, 0.5 * 0 - 0.25 * 2, 0.5 * 1 - 0.25 * 3]
+    assert rewards.tolist() == expected
+    assert stats == {"reward/addition": 2 / 3, f"reward/{user_module}:length_reward": 2.0, "reward_failures": 0.0}
+    assert runner.failures == {"addition": 0, f"{user_module}:length_reward": 0}
+
+
+def test_runner_accepts_dicts_and_callables() -> None:
+    def bonus(prompt, completion, **row):
+        return 1
+
+    runner = RewardRunner({"addition": 2.0})
+    assert runner(PROMPTS, ["3", "30", "0"], ROWS)[0].tolist() == [2.0, 2.0, 0.0]
+    runner = RewardRunner([("addition", 1.0), (bonus, 0.5)])
+    rewards, stats = runner(PROMPTS, ["3", "30", "0"], ROWS)
+    assert rewards.tolist() == [1.5, 1.5, 0.5]
+    assert stats["reward/bonus"] == 1.0
+
+
+def test_runner_passes_row_fields_but_not_prompt_twice() -> None:
+    seen = []
+
+    def spy(prompt, completion, **row):
+        seen.append((prompt, completion, row))
+        return 0.0
+
+    RewardRunner([(spy, 1.0)])(["p"], ["c"], [{"prompt": "p", "completion": "old", "answer": "a", "k": 1}])
+    assert seen == [("p", "c", {"answer": "a", "k": 1})]
+
+
+def _flaky(kind: str):
+    """A reward that misbehaves on row 1 in the given way and returns 1.0 elsewhere."""
+    bad = {"none": None, "nan": math.nan, "inf": -math.inf, "str": "1.0", "list": [1.0]}
+
+    def flaky(prompt, completion, **row):
+        if prompt != "bad":
+            return 1.0
+        if kind == "raise":
+            raise KeyError("missing_key_xyz")
+        return bad[kind]
+
+    return flaky
+
+
+FAILURE_KINDS = [
+    ("raise", r"raised KeyError: 'missing_key_xyz'"),
+    ("none", r"returned None"),
+    ("nan", r"returned a non-finite value nan"),
+    ("inf", r"returned a non-finite value -inf"),
+    ("str", r"returned a non-number str: '1\.0'"),
+    ("list", r"returned a non-number list: \[1\.0\]"),
+]
+
+
+@pytest.mark.parametrize(("kind", "reason"), FAILURE_KINDS)
+def test_runner_fail_mode_raises_with_details(kind: str, reason: str) -> None:
+    runner = RewardRunner([(_flaky(kind), 1.0)], on_error="fail")
+    completion = "a long completion " * 10
+    with pytest.raises(
+        RewardFailure, match=rf"'flaky' failed on row 1: {reason}; completion starts 'a long comp"
+    ) as info:
+        runner(["ok", "bad", "ok"], ["c", completion, "c"], [{}, {}, {}])
+    assert completion not in str(info.value)  # only a prefix is shown
+    assert runner.failures == {"flaky": 1}
+    if kind == "raise":
+        assert isinstance(info.value.__cause__, KeyError)
+
+
+@pytest.mark.parametrize(("kind", "reason"), FAILURE_KINDS)
+def test_runner_zero_mode_counts_and_warns_once(kind: str, reason: str, caplog) -> None:
+    runner = RewardRunner([(_flaky(kind), 2.0), ("addition", 1.0)], on_error="zero")
+    prompts, completions = ["bad", "ok", "bad"], ["3", "3", "5"]
+    rows = [{"answer": "3"}, {"answer": "3"}, {"answer": "4"}]
+    with caplog.at_level(logging.WARNING, logger="gspo.rewards"):
+        rewards, stats = runner(prompts, completions, rows)
+        rewards2, stats2 = runner(prompts, completions, rows)
+    assert rewards.tolist() == rewards2.tolist() == [1.0, 3.0, 0.0]
+    assert stats["reward_failures"] == stats2["reward_failures"] == 2.0
+    assert stats["reward/flaky"] == pytest.approx(1 / 3)
+    assert runner.failures == {"flaky": 4, "addition": 0}
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1  # once per function and kind, not per row or call
+    assert "'flaky' failed on row 0" in warnings[0].getMessage()
+
+
+def test_runner_bools_count_as_numbers() -> None:
+    runner = RewardRunner([(lambda p, c, **r: c == "yes", 1.0)])
+    assert runner(["a", "b"], ["yes", "no"], [{}, {}])[0].tolist() == [1.0, 0.0]
+
+
+def test_runner_validates_construction(user_module: str) -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        RewardRunner([])
+    with pytest.raises(ValueError, match="unknown reward 'nope'"):
+        RewardRunner({"nope": 1.0})
+    for weight in (math.nan, math.inf, "1", True):
+        with pytest.raises(ValueError, match=r"weight of reward 'addition' must be a finite number"):
+            RewardRunner([("addition", weight)])
+    with pytest.raises(ValueError, match="listed twice"):
+        RewardRunner([("addition", 1.0), ("addition", 2.0)])
+    with pytest.raises(ValueError, match="on_error"):
+        RewardRunner({"addition": 1.0}, on_error="ignore")
+    with pytest.raises(ValueError, match="pair"):
+        RewardRunner(["addition"])
+
+
+def test_runner_validates_inputs() -> None:
+    runner = RewardRunner({"addition": 1.0})
+    with pytest.raises(ValueError, match="2 prompts, 1 completions and 2 rows"):
+        runner(["1+1=", "1+2="], ["2"], [{"answer": "2"}, {"answer": "3"}])
+    with pytest.raises(ValueError, match="no completions"):
+        runner([], [], [])
+    with pytest.raises(ValueError, match="row 0 needs"):
+        runner(["1+1="], [None], [{"answer": "2"}])

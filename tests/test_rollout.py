@@ -1,0 +1,470 @@
+"""Properties of the built-in rollout engine `HFSampler` (and its sampling primitives).
+
+Everything is built locally: a character tokenizer and tiny randomly initialised Qwen3 (dense) and Qwen3-MoE models.
+The weights are initialised with a large std (0.1) so that distributions are far from uniform and rows end on EOS at
+varied steps, which exercises the dropping of finished rows from the batch and the KV cache.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer, decoders, models
+from transformers import (
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+
+from gspo.rollout import HFSampler, RolloutBatch, SamplingParams, filter_scores, row_seed, sample_from_logits
+
+PAD, EOS = 0, 1
+CHARS = "abcdefgh0123 .\n"
+PROMPTS = ["abc", "h", "a b c d e f", "0 1 2 3 hhh"]
+SEEDS = [11, 22, 33, 44]
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per character; <pad>=0, <eos>=1, <unk>=2; left padding."""
+    vocab = {"<pad>": PAD, "<eos>": EOS, "<unk>": 2}
+    for c in CHARS:
+        vocab[c] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", padding_side="left"
+    )
+
+
+def build_model(kind: str, vocab_size: int, seed: int = 0) -> torch.nn.Module:
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        max_position_embeddings=128,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        initializer_range=0.1,
+    )
+    torch.manual_seed(seed)
+    if kind == "moe":
+        config = Qwen3MoeConfig(moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2, **common)
+        return Qwen3MoeForCausalLM(config).eval()
+    return Qwen3ForCausalLM(Qwen3Config(**common)).eval()
+
+
+@pytest.fixture(scope="module")
+def tok() -> PreTrainedTokenizerFast:
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def tiny(tok) -> dict[str, torch.nn.Module]:
+    """Shared read-only models; tests that modify weights build their own."""
+    return {kind: build_model(kind, len(tok)) for kind in ("moe", "dense")}
+
+
+def teacher_forced_logprobs(model: torch.nn.Module, batch: RolloutBatch, temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T) at the sampled tokens from one cache-free forward over [prompt + completion]."""
+    return log_softmax_at(teacher_forced_logits(model, batch) / temperature, batch.completion_ids)
+
+
+def teacher_forced_logits(model: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
+    """float32 logits [N, T, V] predicting each completion token, same padding/mask/positions as the sampler."""
+    ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
+    mask = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)
+    positions = (mask.cumsum(1) - 1).masked_fill(mask == 0, 1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits.float()
+    start = batch.prompt_ids.shape[1] - 1
+    return logits[:, start : start + batch.completion_ids.shape[1]]
+
+
+def log_softmax_at(scores: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(scores, dim=-1).gather(-1, tokens[..., None]).squeeze(-1)
+
+
+def lengths(batch: RolloutBatch) -> list[int]:
+    return batch.completion_mask.sum(1).tolist()
+
+
+# ---------------------------------------------------------------------------------------------- 1. logprobs
+
+
+@pytest.mark.parametrize("kind", ["moe", "dense"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_match_teacher_forced_forward_fp32(tok, tiny, kind, temperature):
+    """fp32: cached decoding with row dropping reproduces a cache-free forward to atol 1e-5 (observed max ~2.5e-6).
+
+    A misaligned KV-cache row after dropping finished rows would break this, so the batch must mix rows that end on
+    EOS at different steps with truncated ones.
+    """
+    sampler = HFSampler(tiny[kind], tok, SamplingParams(temperature=temperature, max_new_tokens=24))
+    batch = sampler.generate(PROMPTS, 4, SEEDS)
+    assert batch.truncated.any() and not batch.truncated.all()
+    assert len(set(lengths(batch))) > 3
+    expected = teacher_forced_logprobs(tiny[kind], batch, temperature) * batch.completion_mask
+    torch.testing.assert_close(batch.logprobs, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["moe", "dense"])
+def test_logprobs_match_teacher_forced_forward_bf16(tok, tiny, kind):
+    """bf16 engine for an fp32 model vs a cache-free forward of the engine's own bf16 weights.
+
+    Dense: every token within atol 0.05 (observed max ~0.03). MoE: bf16 noise occasionally flips an expert choice,
+    which moves single logprobs by up to ~0.4 (the rollout/training mismatch routing replay addresses), so we assert
+    the mean absolute difference < 0.01 (observed ~0.004) and that fewer than 5% of tokens differ by more than 0.05.
+    """
+    sampler = HFSampler(tiny[kind], tok, SamplingParams(temperature=0.7, max_new_tokens=24), dtype=torch.bfloat16)
+    assert next(sampler.model.parameters()).dtype == torch.bfloat16
+    batch = sampler.generate(PROMPTS, 4, SEEDS)
+    assert batch.logprobs.dtype == torch.float32
+    expected = teacher_forced_logprobs(sampler.model, batch, 0.7) * batch.completion_mask
+    diff = (batch.logprobs - expected).abs()[batch.completion_mask.bool()]
+    if kind == "dense":
+        assert diff.max() < 0.05
+    else:
+        assert diff.mean() < 0.01
+        assert (diff > 0.05).float().mean() < 0.05
+
+
+# ---------------------------------------------------------------------------------------------- 2. greedy
+
+
+@pytest.mark.parametrize("kind", ["moe", "dense"])
+def test_top_k_1_is_greedy_decoding(tok, tiny, kind):
+    """top_k=1 keeps only the argmax: every row equals cache-free argmax decoding and every logprob is exactly 0."""
+    model, max_new = tiny[kind], 12
+    sampler = HFSampler(model, tok, SamplingParams(top_k=1, temperature=0.5, max_new_tokens=max_new))
+    batch = sampler.generate(PROMPTS, 3, SEEDS)
+    assert torch.all(batch.logprobs == 0)
+    for g, prompt in enumerate(PROMPTS):
+        ids = tok(prompt, add_special_tokens=False)["input_ids"]
+        greedy = []
+        with torch.no_grad():
+            for _ in range(max_new):
+                nxt = int(model(input_ids=torch.tensor([ids + greedy])).logits[0, -1].argmax())
+                greedy.append(nxt)
+                if nxt == EOS:
+                    break
+        for row in range(g * 3, g * 3 + 3):
+            assert batch.completion_ids[row, : lengths(batch)[row]].tolist() == greedy
+
+
+# ---------------------------------------------------------------------------------------------- 3. top-k / top-p
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(3, 1.0), (0, 0.6), (5, 0.8)])
+def test_filtered_sampling_stays_in_kept_set_and_renormalises(tok, tiny, top_k, top_p):
+    """Every sampled token lies in the top-k / nucleus set of the teacher-forced distribution, and its logprob is the
+    renormalised one: log(p / p(kept set)) >= the unfiltered log p."""
+    temperature = 0.9
+    sampler = HFSampler(tiny["dense"], tok, SamplingParams(temperature, top_p, top_k, max_new_tokens=16))
+    batch = sampler.generate(PROMPTS, 4, SEEDS)
+    mask = batch.completion_mask.bool()
+    scores = teacher_forced_logits(tiny["dense"], batch) / temperature
+    probs = scores.softmax(-1)
+    if top_k:
+        probs = probs.masked_fill(probs < probs.topk(top_k, dim=-1).values[..., -1:], 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    if top_p < 1:
+        # token v is in the nucleus iff the mass of the strictly more probable tokens is below top_p
+        above = (probs[..., None, :] * (probs[..., None, :] > probs[..., :, None])).sum(-1)
+        probs = probs * (above < top_p)
+    kept = probs > 0
+    assert kept.gather(-1, batch.completion_ids[..., None]).squeeze(-1)[mask].all()
+    tok_probs = probs.gather(-1, batch.completion_ids[..., None]).squeeze(-1)
+    expected = (tok_probs / probs.sum(-1)).log()
+    torch.testing.assert_close(batch.logprobs[mask], expected[mask], atol=1e-5, rtol=0)
+    unfiltered = log_softmax_at(scores, batch.completion_ids)
+    assert torch.all(batch.logprobs[mask] >= unfiltered[mask] - 1e-5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    rows=st.integers(1, 6),
+    vocab=st.integers(2, 40),
+    scale=st.floats(0.1, 8.0),
+    temperature=st.floats(0.2, 2.0),
+    top_k=st.integers(0, 10),
+    top_p=st.floats(0.05, 1.0),
+)
+def test_sample_from_logits_properties(seed, rows, vocab, scale, temperature, top_k, top_p):
+    """For random logits: tokens are kept by the filter, logprobs are the renormalised ones (never below the
+    unfiltered ones), the nucleus is minimal, and top_k=1 is argmax."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=gen) * scale
+    uniforms = torch.rand(rows, generator=gen)
+    tokens, logprobs = sample_from_logits(logits, uniforms, temperature, top_k, top_p)
+    scores = filter_scores(logits / temperature, top_k, top_p)
+    kept = torch.isfinite(scores)
+    assert kept.gather(1, tokens[:, None]).all()
+    torch.testing.assert_close(logprobs, log_softmax_at(scores, tokens), atol=1e-6, rtol=0)
+    assert torch.all(logprobs >= log_softmax_at(logits / temperature, tokens) - 1e-5)
+    probs_k = filter_scores(logits / temperature, top_k, 1.0).softmax(-1)
+    if top_k:
+        assert torch.all((probs_k > 0).sum(1) >= min(top_k, vocab))  # ties with the k-th may keep more
+    kept_mass = (probs_k * kept).sum(1)
+    smallest_kept = probs_k.masked_fill(~kept, float("inf")).min(1).values
+    assert torch.all((kept_mass >= top_p - 1e-5) | (kept.sum(1) == vocab))
+    assert torch.all((kept_mass - smallest_kept < top_p + 1e-5) | (kept.sum(1) == 1))
+    greedy, greedy_lp = sample_from_logits(logits, uniforms, temperature, top_k=1)
+    assert torch.equal(greedy, logits.argmax(1)) and torch.all(greedy_lp == 0)
+
+
+def test_inverse_cdf_edges_pick_tokens_with_probability():
+    """u = 0 and u just below 1 select the first and last tokens that the filter keeps, never a masked one."""
+    logits = torch.tensor([[0.0, 5.0, 1.0, 4.0, -2.0]])
+    for u, expected in [(0.0, 1), (1 - 2**-24, 3)]:
+        token, logprob = sample_from_logits(logits, torch.tensor([u]), top_k=2)
+        assert token.item() == expected and torch.isfinite(logprob).all()
+
+
+def test_row_seed_is_distinct_per_row_and_non_negative():
+    seeds = {row_seed(s, j) for s in (-5, 0, 1, 2**62) for j in range(64)}
+    assert len(seeds) == 4 * 64 and all(0 <= s < 2**63 for s in seeds)
+
+
+# ---------------------------------------------------------------------------------------------- 4. determinism
+
+
+def test_same_seeds_give_identical_batches(tok, tiny):
+    sampler = HFSampler(tiny["moe"], tok, SamplingParams(max_new_tokens=20))
+    a, b = sampler.generate(PROMPTS, 4, SEEDS), sampler.generate(PROMPTS, 4, SEEDS)
+    for field in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "logprobs", "truncated"):
+        assert torch.equal(getattr(a, field), getattr(b, field)), field
+    assert a.completions == b.completions
+    other = sampler.generate(PROMPTS, 4, [s + 1 for s in SEEDS])
+    assert a.completions != other.completions
+    # rows of one group use different random streams
+    assert len(set(a.completions[:4])) > 1
+
+
+@pytest.mark.parametrize("kind", ["moe", "dense"])
+def test_group_does_not_depend_on_other_prompts(tok, tiny, kind):
+    """A prompt's group is the same alone or in any batch/position (tokens exact, logprobs to 1e-5 in fp32)."""
+    sampler = HFSampler(tiny[kind], tok, SamplingParams(max_new_tokens=20))
+    together = sampler.generate(PROMPTS, 3, SEEDS)
+    shuffled = sampler.generate(PROMPTS[::-1], 3, SEEDS[::-1])
+    for g, (prompt, seed) in enumerate(zip(PROMPTS, SEEDS, strict=True)):
+        alone = sampler.generate([prompt], 3, [seed])
+        rows = slice(3 * g, 3 * g + 3)
+        rows_shuffled = slice(3 * (len(PROMPTS) - 1 - g), 3 * (len(PROMPTS) - g))
+        for other, sl in ((together, rows), (shuffled, rows_shuffled)):
+            width = alone.completion_ids.shape[1]
+            assert torch.equal(other.completion_mask[sl].sum(1), alone.completion_mask.sum(1))
+            assert torch.equal(other.completion_ids[sl, :width], alone.completion_ids)
+            torch.testing.assert_close(other.logprobs[sl, :width], alone.logprobs, atol=1e-5, rtol=0)
+            assert other.completions[sl] == alone.completions
+        assert torch.all(together.prompt_index[rows] == g)
+
+
+# ---------------------------------------------------------------------------------------------- 5. stopping
+
+
+def check_layout(batch: RolloutBatch, tok, max_new: int, eos_ids: set[int]) -> None:
+    """Masks are 1 exactly on the first L tokens; EOS only ever as the last one; padding and text are consistent."""
+    n = len(batch)
+    assert batch.completion_ids.shape[1] == max(lengths(batch))
+    n_prompts = int(batch.prompt_index.max()) + 1
+    assert torch.equal(batch.prompt_index, torch.arange(n_prompts).repeat_interleave(n // n_prompts))
+    for row in range(n):
+        length = lengths(batch)[row]
+        ids = batch.completion_ids[row].tolist()
+        assert batch.completion_mask[row].tolist() == [1] * length + [0] * (len(ids) - length)
+        assert all(i == PAD for i in ids[length:])
+        assert torch.all(batch.logprobs[row, length:] == 0) and torch.all(batch.logprobs[row, :length] <= 0)
+        assert not any(i in eos_ids for i in ids[: length - 1])
+        ended_on_eos = ids[length - 1] in eos_ids
+        if batch.truncated[row]:
+            assert length == max_new and not ended_on_eos
+        text_ids = ids[: length - 1] if ended_on_eos else ids[:length]
+        assert batch.completions[row] == tok.decode(text_ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("kind", ["moe", "dense"])
+def test_eos_ends_rows_and_masks_include_it(tok, tiny, kind):
+    max_new = 20
+    batch = HFSampler(tiny[kind], tok, SamplingParams(max_new_tokens=max_new)).generate(PROMPTS, 4, SEEDS)
+    check_layout(batch, tok, max_new, {EOS})
+    # without stop strings, a row is truncated exactly when it does not end on EOS
+    ended_on_eos = batch.completion_ids.gather(1, (batch.completion_mask.sum(1) - 1)[:, None]).squeeze(1) == EOS
+    assert torch.equal(batch.truncated, ~ended_on_eos)
+    assert batch.truncated.any() and ended_on_eos.any()
+    assert batch.prompt_index.tolist() == [g for g in range(len(PROMPTS)) for _ in range(4)]
+    assert batch.prompt_ids.shape == batch.prompt_mask.shape == (16, max(len(p) for p in PROMPTS))
+    assert torch.all(batch.prompt_mask[:, -1] == 1)  # left padded
+
+
+def test_generation_config_eos_ids_also_end_rows(tok):
+    model = build_model("dense", len(tok))
+    period = tok.convert_tokens_to_ids(".")
+    model.generation_config.eos_token_id = [EOS, period]
+    batch = HFSampler(model, tok, SamplingParams(max_new_tokens=20)).generate(PROMPTS, 4, SEEDS)
+    check_layout(batch, tok, 20, {EOS, period})
+    assert not any("." in c for c in batch.completions)
+
+
+def test_stop_strings_cut_rows_right_after_the_first_occurrence(tok, tiny):
+    """With stop strings, each row is the stop-free row (same seeds) cut at the first token whose decoded prefix
+    contains a stop string; that row is not truncated and its text keeps the stop string."""
+    max_new = 24
+    free = HFSampler(tiny["dense"], tok, SamplingParams(max_new_tokens=max_new)).generate(PROMPTS, 4, SEEDS)
+    # pick stop strings that occur somewhere (a two-character one and a one-character one)
+    pairs = [c[i : i + 2] for c in free.completions for i in range(len(c) - 1) if " " not in c[i : i + 2]]
+    stop = (max(set(pairs), key=pairs.count), "3")
+    stopped = HFSampler(tiny["dense"], tok, SamplingParams(max_new_tokens=max_new, stop=stop)).generate(
+        PROMPTS, 4, SEEDS
+    )
+    check_layout(stopped, tok, max_new, {EOS})
+    n_cut = 0
+    for row in range(len(free)):
+        ids = free.completion_ids[row, : lengths(free)[row]].tolist()
+        cut = next(
+            (
+                n
+                for n in range(1, len(ids) + 1)
+                if any(s in tok.decode(ids[:n], skip_special_tokens=True) for s in stop)
+            ),
+            None,
+        )
+        got = stopped.completion_ids[row, : lengths(stopped)[row]].tolist()
+        if cut is None:
+            assert got == ids and bool(stopped.truncated[row]) == bool(free.truncated[row])
+        else:
+            n_cut += 1
+            assert got == ids[:cut] and not stopped.truncated[row]
+            assert any(s in stopped.completions[row] for s in stop)
+    assert n_cut >= 2
+
+
+# ---------------------------------------------------------------------------------------------- 6. weights
+
+
+def test_separate_dtype_engine_follows_update_weights(tok):
+    trainer = build_model("moe", len(tok))
+    trainer.train()
+    sampler = HFSampler(trainer, tok, SamplingParams(max_new_tokens=16), dtype="bf16")
+    assert sampler.model is not trainer and sampler.owns_weights
+    assert all(p.dtype == torch.bfloat16 for p in sampler.model.parameters())
+    rotary = dict(sampler.model.named_buffers())["model.rotary_emb.inv_freq"]
+    assert rotary.dtype == torch.float32  # buffers keep their dtype
+    before = sampler.generate(PROMPTS, 2, SEEDS)
+
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    unchanged = sampler.generate(PROMPTS, 2, SEEDS)
+    assert torch.equal(unchanged.completion_ids, before.completion_ids)  # the engine's copy is independent
+
+    sampler.update_weights(trainer)
+    after = sampler.generate(PROMPTS, 2, SEEDS)
+    assert after.completions != before.completions
+    engine = dict(sampler.model.named_parameters())
+    for name, p in trainer.named_parameters():
+        assert torch.equal(engine[name], p.detach().to(torch.bfloat16)), name
+    assert trainer.training and all(p.requires_grad for p in trainer.parameters())
+
+
+def test_same_dtype_engine_shares_the_trainer_model(tok):
+    trainer = build_model("dense", len(tok))
+    sampler = HFSampler(trainer, tok, SamplingParams(max_new_tokens=16), dtype=torch.float32)
+    assert sampler.model is trainer and not sampler.owns_weights
+    before = sampler.generate(PROMPTS, 2, SEEDS)
+    with torch.no_grad():
+        trainer.lm_head.weight.mul_(3.0)
+    after = sampler.generate(PROMPTS, 2, SEEDS)  # no update_weights needed
+    assert after.completions != before.completions
+    sampler.update_weights(trainer)
+    assert sampler.model is trainer
+
+
+def test_update_weights_rejects_a_different_architecture(tok, tiny):
+    sampler = HFSampler(tiny["dense"], tok, SamplingParams(), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="tensor names differ"):
+        sampler.update_weights(tiny["moe"])
+
+
+def test_generate_restores_train_mode_and_returns_normal_tensors(tok):
+    model = build_model("dense", len(tok)).train()
+    batch = HFSampler(model, tok, SamplingParams(max_new_tokens=8)).generate(PROMPTS[:2], 2, SEEDS[:2])
+    assert model.training
+    assert not batch.logprobs.is_inference() and not batch.completion_ids.is_inference()
+    assert batch.logprobs.dtype == torch.float32 and batch.truncated.dtype == torch.bool
+    assert batch.prompt_index.dtype == torch.long
+
+
+# ---------------------------------------------------------------------------------------------- 7. validation
+
+
+@pytest.mark.parametrize(
+    ("prompts", "group_size", "seeds", "message"),
+    [
+        ([], 2, [], "prompts is empty"),
+        (["ab"], 0, [1], "group_size must be >= 1"),
+        (["ab", "cd"], 2, [1], "got 1 seeds for 2 prompts"),
+        (["ab", ""], 2, [1, 2], "prompt 1 tokenizes to zero tokens"),
+        (["ab", "a" * 120], 2, [1, 2], "prompt 1 has 120 tokens.*136 > max_position_embeddings=128"),
+    ],
+)
+def test_generate_rejects_bad_requests(tok, tiny, prompts, group_size, seeds, message):
+    sampler = HFSampler(tiny["dense"], tok, SamplingParams(max_new_tokens=16))
+    with pytest.raises(ValueError, match=message):
+        sampler.generate(prompts, group_size, seeds)
+
+
+def test_generate_rejects_empty_stop_strings(tok, tiny):
+    sampler = HFSampler(tiny["dense"], tok, SamplingParams(stop=("ab", "")))
+    with pytest.raises(ValueError, match="stop strings must be non-empty"):
+        sampler.generate(["ab"], 1, [0])
+
+
+@pytest.mark.parametrize("dtype", ["int8", "notadtype", torch.int32])
+def test_rejects_non_float_dtypes(tok, tiny, dtype):
+    with pytest.raises(ValueError, match="floating-point"):
+        HFSampler(tiny["dense"], tok, SamplingParams(), dtype=dtype)
+
+
+def test_filter_rejects_bad_settings():
+    with pytest.raises(ValueError):
+        filter_scores(torch.zeros(1, 3), top_k=-1)
+    with pytest.raises(ValueError):
+        sample_from_logits(torch.zeros(1, 3), torch.zeros(1), temperature=0.0)
+
+
+# ---------------------------------------------------------------------------------------------- 8. row dropping
+
+
+@pytest.mark.parametrize("kind", ["moe", "dense"])
+def test_dropping_finished_rows_does_not_change_results(tok, tiny, kind):
+    params = SamplingParams(temperature=0.8, top_p=0.95, max_new_tokens=24, stop=("3.",))
+    dropping = HFSampler(tiny[kind], tok, params)
+    keeping = HFSampler(tiny[kind], tok, params)
+    keeping.drop_finished_rows = False
+    a, b = dropping.generate(PROMPTS, 4, SEEDS), keeping.generate(PROMPTS, 4, SEEDS)
+    assert len(set(lengths(a))) > 3  # rows really finished at different steps
+    assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.truncated, b.truncated)
+    assert a.completions == b.completions
+    torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------- sanity
+
+
+def test_larger_moe_batch_sanity(tok, tiny):
+    """A larger run (8 prompts x 8 samples, 48 tokens, all filters on): well-formed output, no timing asserts."""
+    prompts = [CHARS[i : i + 1 + i % 5] for i in range(8)]
+    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=8, max_new_tokens=48, stop=("0 0",))
+    batch = HFSampler(tiny["moe"], tok, params).generate(prompts, 8, list(range(8)))
+    assert len(batch) == 64 and batch.completion_ids.shape[1] <= 48
+    assert torch.isfinite(batch.logprobs).all() and (batch.logprobs <= 0).all()
+    check_layout(batch, tok, 48, {EOS})

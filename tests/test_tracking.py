@@ -1,0 +1,236 @@
+"""Tests for gspo.tracking: strict JSONL metrics, resume truncation, TensorBoard, curves, optional trackers."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import math
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gspo.tracking import MetricsLogger, Progress, plot_curves, read_metrics, truncate_metrics
+
+
+def strict_loads(line: str) -> dict:
+    """json.loads that refuses NaN / Infinity tokens, as strict JSON readers do."""
+
+    def reject(token: str) -> None:
+        raise ValueError(f"non-JSON token {token}")
+
+    return json.loads(line, parse_constant=reject)
+
+
+metric_values = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-(2**53), 2**53))
+metric_dicts = st.dictionaries(
+    st.text(min_size=1, max_size=12).filter(lambda k: k != "step"), metric_values, max_size=6
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.lists(metric_dicts, max_size=6))
+def test_log_read_round_trip(tmp_path_factory, rows):
+    """Property: every line is strict JSON, finite values come back exactly, non-finite ones as null."""
+    out = tmp_path_factory.mktemp("run")
+    with MetricsLogger(out, tensorboard=False) as logger:
+        for step, row in enumerate(rows):
+            logger.log(step, row)
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert [strict_loads(line) for line in lines] == read_metrics(out / "metrics.jsonl")
+    expected = [
+        {"step": step, **{k: (v if math.isfinite(v) else None) for k, v in row.items()}}
+        for step, row in enumerate(rows)
+    ]
+    assert read_metrics(out / "metrics.jsonl") == expected
+
+
+def test_tensors_and_numpy_values_are_converted(tmp_path):
+    with MetricsLogger(tmp_path, tensorboard=False) as logger:
+        logger.log(
+            1, {"loss": torch.tensor(0.5), "nan": torch.tensor(float("nan")), "np": np.float32(2.0), "flag": True}
+        )
+        with pytest.raises(ValueError, match="single number"):
+            logger.log(2, {"vec": torch.ones(3)})
+        with pytest.raises(TypeError, match="must be a number"):
+            logger.log(2, {"text": "hi"})
+        with pytest.raises(ValueError, match="reserved"):
+            logger.log(2, {"step": 1.0})
+    assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 1, "loss": 0.5, "nan": None, "np": 2.0, "flag": 1}]
+    with pytest.raises(RuntimeError, match="after close"):
+        logger.log(3, {})
+
+
+def test_read_metrics_tolerates_torn_last_line_only(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "a": 1.0}\n{"step": 2, "a": 2.0}\n{"step": 3, "a"')
+    assert read_metrics(path) == [{"step": 1, "a": 1.0}, {"step": 2, "a": 2.0}]
+    path.write_text('{"step": 1, "a": 1.0}\n\x00\x00\x00\n')  # a crash can leave zero bytes at the end
+    assert read_metrics(path) == [{"step": 1, "a": 1.0}]
+    path.write_text('{"step": 1, "a": 1.0}\n{"step": 2, "a\n{"step": 3}\n')
+    with pytest.raises(ValueError, match="line 2"):
+        read_metrics(path)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    last_logged=st.integers(min_value=0, max_value=30),
+    resume_step=st.integers(min_value=0, max_value=30),
+    torn=st.booleans(),
+)
+def test_resume_keeps_each_step_once(tmp_path_factory, last_logged, resume_step, torn):
+    """Property: crash after logging steps 0..last_logged (maybe mid-line), resume from a checkpoint at resume_step,
+    log again from there: every step appears exactly once and lines <= resume_step are the originals."""
+    resume_step = min(resume_step, last_logged)
+    out = tmp_path_factory.mktemp("run")
+    with MetricsLogger(out, tensorboard=False) as logger:
+        for step in range(last_logged + 1):
+            logger.log(step, {"loss": float(step), "run": 1})
+    if torn:
+        with open(out / "metrics.jsonl", "a") as handle:
+            handle.write('{"step": 99, "loss": 1.')
+    with MetricsLogger(out, tensorboard=False, resume_step=resume_step) as logger:
+        assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(resume_step + 1))
+        for step in range(resume_step + 1, last_logged + 5):
+            logger.log(step, {"loss": float(step), "run": 2})
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(last_logged + 5))
+    assert [r["run"] for r in records] == [1] * (resume_step + 1) + [2] * (last_logged + 4 - resume_step)
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        strict_loads(line)
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temp file left behind
+
+
+def test_truncate_missing_file_is_fine(tmp_path):
+    truncate_metrics(tmp_path / "metrics.jsonl", 3)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_fresh_logger_repairs_torn_tail_before_appending(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "a": 1.0}\n{"step": 2, "a": 2.')
+    with MetricsLogger(tmp_path, tensorboard=False) as logger:
+        logger.log(2, {"a": 2.0})
+    assert [strict_loads(line) for line in path.read_text().splitlines()] == [
+        {"step": 1, "a": 1.0},
+        {"step": 2, "a": 2.0},
+    ]
+
+
+def test_tensorboard_event_file_has_finite_scalars(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with MetricsLogger(tmp_path, run_config={"lr": 1e-6, "model": {"name": "tiny"}}) as logger:
+        logger.log(1, {"loss": 0.5, "reward": float("nan")})
+        logger.log(2, {"loss": 0.25, "reward": 1.0})
+    events = list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert events and all(e.stat().st_size > 0 for e in events)
+    accumulator = EventAccumulator(str(tmp_path / "tb"))
+    accumulator.Reload()
+    assert [(e.step, e.value) for e in accumulator.Scalars("loss")] == [(1, 0.5), (2, 0.25)]
+    assert [(e.step, e.value) for e in accumulator.Scalars("reward")] == [(2, 1.0)]  # NaN skipped
+
+
+def test_plot_curves_with_mixed_frequency_keys(tmp_path):
+    with MetricsLogger(tmp_path, tensorboard=False) as logger:
+        for step in range(1, 31):
+            metrics = {"loss": 1.0 / step, "reward": float("nan") if step == 3 else step / 30}
+            if step % 10 == 0:
+                metrics["heldout_accuracy"] = step / 40
+            logger.log(step, metrics)
+    png = plot_curves(
+        tmp_path / "metrics.jsonl",
+        tmp_path / "plots" / "curves.png",
+        keys=["loss", "reward", "heldout_accuracy", "never_logged"],
+        title="tiny run",
+    )
+    assert png == tmp_path / "plots" / "curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
+    with pytest.raises(ValueError, match="none of the keys"):
+        plot_curves(tmp_path / "metrics.jsonl", tmp_path / "x.png", keys=["never_logged"])
+
+
+@pytest.mark.parametrize("tracker", ["wandb", "mlflow"])
+def test_missing_tracker_is_a_clear_error(tmp_path, tracker):
+    if importlib.util.find_spec(tracker) is not None:
+        pytest.skip(f"{tracker} is installed")
+    with pytest.raises(ImportError, match=rf"pip install 'gspo\[{tracker}\]'"):
+        MetricsLogger(tmp_path, **{tracker: {}})
+    assert not (tmp_path / "metrics.jsonl").exists()  # failed before touching the run folder
+
+
+class _Recorder:
+    """Records calls made to a fake tracker module."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def __getattr__(self, name: str):
+        return lambda *args, **kwargs: self.calls.append((name, args, kwargs)) or self
+
+
+def test_wandb_and_mlflow_receive_finite_metrics(tmp_path, monkeypatch):
+    """With fake modules standing in for the real packages: settings, config and finite values are passed on."""
+    fake_wandb, fake_mlflow = _Recorder(), _Recorder()
+    for name, recorder in (("wandb", fake_wandb), ("mlflow", fake_mlflow)):
+        module = types.ModuleType(name)
+        module.__getattr__ = recorder.__getattr__  # module-level __getattr__ (PEP 562)
+        module.__spec__ = importlib.util.spec_from_loader(name, loader=None)
+        monkeypatch.setitem(sys.modules, name, module)
+    config = {"lr": 1e-6, "model": {"name": "tiny"}}
+    with MetricsLogger(
+        tmp_path,
+        tensorboard=False,
+        wandb={"project": "p"},
+        mlflow={"experiment_name": "e", "run_name": "r"},
+        run_config=config,
+    ) as logger:
+        logger.log(5, {"loss": 0.5, "bad": float("inf")})
+    wandb_calls = [(name, args, kwargs) for name, args, kwargs in fake_wandb.calls]
+    assert wandb_calls == [
+        ("init", (), {"project": "p", "config": config}),
+        ("log", ({"loss": 0.5},), {"step": 5}),
+        ("finish", (), {}),
+    ]
+    assert fake_mlflow.calls == [
+        ("set_experiment", ("e",), {}),
+        ("start_run", (), {"run_name": "r"}),
+        ("log_params", ({"lr": "1e-06", "model.name": "tiny"},), {}),
+        ("log_metrics", ({"loss": 0.5},), {"step": 5}),
+        ("end_run", (), {}),
+    ]
+
+
+def test_progress_is_tiny_and_quiet_when_disabled(capsys):
+    with Progress(10, keys=["loss"], disable=True) as bar:
+        assert bar.disabled
+        bar.update(3, {"loss": torch.tensor(0.5), "other": 1.0})
+    assert capsys.readouterr().err == ""
+
+
+def test_progress_shows_step_and_chosen_metrics():
+    stream = io.StringIO()
+    with Progress(10, keys=["loss", "reward"], disable=False, file=stream) as bar:
+        bar.update(4, {"loss": 0.123456, "reward": float("nan"), "ignored": 3.0})
+    text = stream.getvalue()
+    assert "4/10" in text and "loss=0.1235" in text and "reward=nan" in text and "ignored" not in text
+
+
+def test_progress_is_off_when_not_a_terminal():
+    stream = io.StringIO()
+    with Progress(10, file=stream) as bar:
+        assert bar.disabled
+        bar.update(1, {"loss": 1.0})
+    assert stream.getvalue() == ""
+
+
+def test_metrics_logger_accepts_path_objects(tmp_path):
+    with MetricsLogger(Path(tmp_path) / "nested" / "run", tensorboard=False) as logger:
+        logger.log(0, {})
+    assert read_metrics(tmp_path / "nested" / "run" / "metrics.jsonl") == [{"step": 0}]
