@@ -35,17 +35,20 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if args.steps is not None:
         overrides.append(f"trainer.steps={args.steps}")
     cfg = load_config(demo_config_path(), overrides)
-    print(f"gspo demo: cold-start SFT ({cfg.cold_start.steps} steps) then {cfg.trainer.steps} GSPO steps of "
+    cold = f"cold-start SFT ({cfg.cold_start.steps} steps) then " if cfg.cold_start is not None else ""
+    print(f"gspo demo: {cold}{cfg.trainer.steps} GSPO steps of "
           f"{cfg.rollout.prompts_per_step} prompts × {cfg.rollout.group_size} completions on the embedded "
           f"{cfg.model.name} / {cfg.data.task} task → {args.out}", flush=True)
     summary = train(cfg, resume=args.resume)
     out = Path(args.out)
-    plot_curves(out / "metrics.jsonl", out / "curves.png", extra=read_metrics(out / "eval.jsonl"),
+    evals = read_metrics(out / "eval.jsonl") if (out / "eval.jsonl").exists() else []  # none without held-out data
+    plot_curves(out / "metrics.jsonl", out / "curves.png", extra=evals,
                 keys=["reward_mean", "heldout_accuracy", "clip_frac_tokens"],
                 title=f"GSPO on {cfg.model.name} / {cfg.data.task}")
     before, after = summary["heldout_accuracy_before_rl"], summary["heldout_accuracy_after_rl"]
-    print(f"held-out accuracy: {before:.1%} after cold-start SFT → {after:.1%} after GSPO "
-          f"({(after - before) * 100:+.1f} points) in {summary['wall_seconds']:.0f} s")
+    if before is not None and after is not None:  # None without held-out data (data.eval_split=null)
+        print(f"held-out accuracy: {before:.1%} after cold-start SFT → {after:.1%} after GSPO "
+              f"({(after - before) * 100:+.1f} points) in {summary['wall_seconds']:.0f} s")
     print(f"wrote {out / 'metrics.jsonl'}, {out / 'summary.json'}, {out / 'curves.png'}, model in {out / 'final'}")
     return 0
 
@@ -135,7 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # argparse leaves overrides that follow an option (`train c.yaml --resume a.b=1`) unparsed
+        if not hasattr(args, "overrides") or any(x.startswith("-") for x in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(message)s")
     if getattr(args, "reward", "unset") is None:
         args.reward = [args.task]

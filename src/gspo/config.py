@@ -7,6 +7,7 @@ are checked here too, so an invalid combination cannot reach the trainer.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -17,7 +18,8 @@ from gspo.objectives import OBJECTIVES, default_eps
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Numbers are accepted for string fields: an override `trainer.out=2024` is parsed as YAML, i.e. as an int.
+    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True)
 
 
 class ModelConfig(_Section):
@@ -132,7 +134,7 @@ class LogConfig(_Section):
 
 class TrainerConfig(_Section):
     steps: int = Field(100, ge=1)
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**32)  # the range `set_seed` accepts: checked here, before any compute
     out: str = "runs/gspo"
     eval_every: int = Field(10, ge=0)
     eval_max_new_tokens: int | None = Field(None, ge=1)
@@ -178,16 +180,34 @@ def _format_errors(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
-        value = "" if e["type"] == "extra_forbidden" else f" (got {e.get('input')!r})"
+        if e["type"] == "extra_forbidden":
+            msg, value = "unknown key", ""
+        elif e["type"] == "value_error":  # our validators' messages name the keys; the input is a whole section
+            msg, value = str(e.get("ctx", {}).get("error", e["msg"])), ""
+        else:
+            msg, value = e["msg"], f" (got {e.get('input')!r})"
         lines.append(f"  {key}: {msg}{value}")
     return "invalid configuration:\n" + "\n".join(lines)
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """PyYAML's SafeLoader (YAML 1.1), except that `1e-3` / `3E4` (exponent, no dot) are floats as in YAML 1.2 and
+    Python, not strings: otherwise an override `optim.lr=1e-3` or a `task_options` value would be read as text."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789")
+)
+
+
+def _yaml_load(text: str) -> Any:
+    return yaml.load(text, Loader=_YamlLoader)  # a SafeLoader subclass: no arbitrary objects
 
 
 def _parse_value(text: str) -> Any:
     """Parse an override value as YAML (numbers, booleans, null, lists, dicts), else keep it a string."""
     try:
-        return yaml.safe_load(text)
+        return _yaml_load(text)
     except yaml.YAMLError:
         return text
 
@@ -202,6 +222,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         parts = key.split(".")
         for part in parts[:-1]:
             child = node.setdefault(part, {})
+            if child is None:  # an empty section in the YAML file (`wandb:`) or one turned off (`cold_start=null`)
+                child = node[part] = {}
             if not isinstance(child, dict):
                 raise ConfigError(f"override {item!r}: {part!r} is not a section")
             node = child
@@ -217,7 +239,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = _yaml_load(path.read_text()) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
         if not isinstance(data, dict):

@@ -127,23 +127,28 @@ def rl_step(step: int, model, optimizer, scheduler, train_rows: list[dict], ctx:
     advantages = group_advantages(rewards, ro.group_size, scale=algo.advantage_scale)
     mask = batch.completion_mask.bool()
 
-    # 3. π_old: the engine's own logprobs (§5.4), or a no-grad forward of the trainer before the first update
+    # the batch is shuffled and split into minibatches; all but the first update are off-policy
+    perm = torch.randperm(len(batch), generator=torch.Generator().manual_seed(derive_seed(cfg.trainer.seed, step)))
+    minibatches = perm.chunk(algo.minibatches)
+
+    # 3. π_old: the engine's own logprobs (§5.4), or a no-grad forward of the trainer before the first update. The
+    # forward runs on the same row groups as the updates: a row's logits depend in the last bits on which rows share
+    # its batch (matmul blocking, MoE expert grouping), and with other groups the on-policy first minibatch would see
+    # ratios of 1 ± 1e-7 instead of exactly 1.
     model.train()
     if algo.old_logprobs == "rollout":
         old_logprobs = batch.logprobs
     else:
+        old_logprobs = torch.zeros_like(batch.logprobs)
         with torch.no_grad():
-            old_logprobs = torch.cat([
-                completion_logprobs(model, *_rows(batch, mb), temperature=ro.temperature)[0]
-                for mb in torch.arange(len(batch)).chunk(algo.minibatches)
-            ])
+            for mb in minibatches:
+                old_logprobs[mb] = completion_logprobs(model, *_rows(batch, mb), temperature=ro.temperature)[0]
 
-    # 4. minibatch updates: the batch is shuffled and split; all but the first update are off-policy
+    # 4. minibatch updates
     objective = OBJECTIVES[algo.loss]
-    perm = torch.randperm(len(batch), generator=torch.Generator().manual_seed(derive_seed(cfg.trainer.seed, step)))
     sums: dict[str, float] = {}
     grad_norms, skipped = [], 0
-    for k, mb in enumerate(perm.chunk(algo.minibatches)):
+    for k, mb in enumerate(minibatches):
         logprobs, entropy = completion_logprobs(model, *_rows(batch, mb), temperature=ro.temperature,
                                                 with_entropy=k == 0)
         loss, m = objective(logprobs, old_logprobs[mb], advantages[mb], mask[mb],
@@ -153,7 +158,7 @@ def rl_step(step: int, model, optimizer, scheduler, train_rows: list[dict], ctx:
                 ref_logprobs, _ = completion_logprobs(ctx.ref_model, *_rows(batch, mb), temperature=ro.temperature)
             kl = kl_to_reference(logprobs, ref_logprobs, mask[mb])
             loss = loss + algo.kl_beta * kl
-            m["kl_ref"] = float(kl)
+            m["kl_ref"] = float(kl.detach())
         if entropy is not None:
             m["entropy"] = float(entropy[mask[mb]].mean())
         loss.backward()
@@ -169,7 +174,7 @@ def rl_step(step: int, model, optimizer, scheduler, train_rows: list[dict], ctx:
         m["loss"] = float(loss.detach())
         for key, v in m.items():
             sums[key] = sums.get(key, 0.0) + v / algo.minibatches
-        if k == 0:  # the on-policy minibatch: its clip fraction is 0 by construction when π_old is recomputed
+        if k == 0:  # the on-policy minibatch: when π_old is recomputed its ratios are exactly 1 and nothing is clipped
             sums["clip_frac_tokens_first_mb"] = m["clip_frac_tokens"]
     if "entropy" in sums:
         sums["entropy"] *= algo.minibatches  # logged from the first minibatch only
@@ -231,8 +236,16 @@ def _cold_start(cfg: Config, out: Path, model, tokenizer, train_rows: list[dict]
     tmp.rename(target)
 
 
-def train(cfg: Config, resume: bool = False) -> dict:
-    """Run (or resume) a GSPO training run as configured; returns the summary (also written to OUT/summary.json)."""
+def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> dict:
+    """Run (or resume) a GSPO training run as configured; returns the summary (also written to OUT/summary.json).
+
+    `stop_after` (for tests: an interruption at a known point) returns as a crash would right after step
+    `stop_after` (counted from the start of the run, not of this call) was logged and, if the schedule says so,
+    checkpointed: no OUT/final/ and no summary.json are written; the return value is {"stopped_after": step}.
+    `train(cfg, resume=True)` then continues from the latest checkpoint.
+    """
+    if stop_after is not None and stop_after < 1:
+        raise ValueError(f"stop_after must be >= 1, got {stop_after}")
     wall0 = time.perf_counter()
     out = Path(cfg.trainer.out)
     cfg_dict = config_to_dict(cfg)
@@ -255,7 +268,8 @@ def train(cfg: Config, resume: bool = False) -> dict:
     eval_tokens = cfg.trainer.eval_max_new_tokens or ro.max_new_tokens
 
     checkpoint = find_latest_checkpoint(out) if resume else None
-    if cfg.cold_start is not None and checkpoint is None:
+    if cfg.cold_start is not None and (checkpoint is None or cfg.algorithm.kl_beta > 0):
+        # on a resume the checkpoint's weights replace these, but the KL reference must be the cold-start model
         _cold_start(cfg, out, model, tokenizer, train_rows)
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.algorithm.kl_beta > 0 else None
 
@@ -277,7 +291,8 @@ def train(cfg: Config, resume: bool = False) -> dict:
     logger = MetricsLogger(out, tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb, mlflow=cfg.log.mlflow,
                            resume_step=start if resume else None, run_config=cfg_dict)
     eval_path = out / "eval.jsonl"
-    evals = [r for r in read_metrics(eval_path) if r["step"] <= start] if eval_path.exists() else []
+    # evaluations up to the checkpoint are kept; a run that restarts from step 0 evaluates step 0 again
+    evals = [r for r in read_metrics(eval_path) if r["step"] <= start] if start > 0 and eval_path.exists() else []
 
     def run_eval(step: int) -> dict[str, float]:
         result = {f"heldout_{k}": v for k, v in evaluate(model, tokenizer, eval_rows, rewards, eval_tokens).items()}
@@ -293,8 +308,9 @@ def train(cfg: Config, resume: bool = False) -> dict:
         for step in range(start, cfg.trainer.steps):
             metrics = rl_step(step, model, optimizer, scheduler, train_rows, ctx)
             done = step + 1
-            if eval_rows and cfg.trainer.eval_every and (done % cfg.trainer.eval_every == 0
-                                                         or done == cfg.trainer.steps):
+            # the last step is always evaluated: the summary's accuracy after RL must be measured after RL
+            if eval_rows and (done == cfg.trainer.steps or (cfg.trainer.eval_every
+                                                            and done % cfg.trainer.eval_every == 0)):
                 metrics.update(run_eval(done))
             logger.log(done, metrics)
             progress.update(done, metrics)
@@ -302,6 +318,8 @@ def train(cfg: Config, resume: bool = False) -> dict:
                 save_checkpoint(out, done, model=model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
                                 state={"step": done, "data_position": done * ro.prompts_per_step},
                                 keep_last=cfg.trainer.keep_checkpoints)
+            if stop_after is not None and done >= stop_after and done < cfg.trainer.steps:
+                return {"stopped_after": done}
     finally:
         progress.close()
         logger.close()

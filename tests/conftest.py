@@ -1,0 +1,57 @@
+"""Shared settings for the recipe tests (trainer, CLI): the demo config shrunk to a few seconds of CPU per run."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from gspo.cli import demo_config_path
+from gspo.rewards import REWARDS
+
+# The models here are tiny: one intra-op thread is fastest, and on a machine whose cores are busy (another training
+# run) two OpenMP threads that wait on each other make a 5 ms forward take over a second. GSPO_TEST_THREADS overrides.
+torch.set_num_threads(int(os.environ.get("GSPO_TEST_THREADS", "1")))
+
+DEMO = demo_config_path()
+
+# On top of configs/demo.yaml: 16 completions of ≤ 4 tokens per step, a 5-step cold start, no progress bars or TB.
+TINY = [
+    "trainer.steps=3",
+    "rollout.prompts_per_step=4",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=4",
+    "data.train_size=200",
+    "data.eval_size=16",
+    "trainer.eval_every=2",
+    "cold_start.steps=5",
+    "cold_start.batch_size=16",
+    "log.progress=false",
+    "log.tensorboard=false",
+]
+
+
+def varied_reward(prompt: str, completion: str, **row) -> float:
+    """Fraction of digits in the completion: differs between the samples of a group even for an untrained model,
+    so advantages (and updates) are non-zero, unlike the addition reward of a model that cannot add yet."""
+    return sum(ch.isdigit() for ch in completion) / max(1, len(completion))
+
+
+def boom_reward(prompt: str, completion: str, **row) -> float:
+    raise RuntimeError("boom")
+
+
+@pytest.fixture(scope="session")
+def test_rewards():
+    """Register `varied` and `boom` in the reward registry for the tests that name them in a config."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(REWARDS, "varied", varied_reward)
+        mp.setitem(REWARDS, "boom", boom_reward)
+        yield
+
+
+def tiny_overrides(out: Path | str, *extra: str) -> list[str]:
+    """TINY plus `trainer.out=out` plus `extra` (later overrides win)."""
+    return [*TINY, f"trainer.out={out}", *extra]

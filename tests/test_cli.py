@@ -1,0 +1,138 @@
+"""The `gspo` command line, in process (`gspo.cli.main`) with tiny settings, plus `python -m gspo` in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from conftest import DEMO, tiny_overrides
+from gspo.cli import main
+from gspo.models import load_model
+from gspo.tracking import read_metrics
+
+
+def last_json(text: str) -> dict:
+    """The JSON object a command printed last (the summary / result; logging goes to stderr)."""
+    start = text.rindex("\n{") + 1 if "\n{" in text else text.index("{")
+    return json.loads(text[start:])
+
+
+@pytest.fixture(scope="module")
+def sft_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sft") / "model"
+    assert main(["sft", "--out", str(out), "--steps", "3", "--batch-size", "8", "--size", "64", "--lr", "1e-3"]) == 0
+    return out
+
+
+def test_train_writes_metrics_and_prints_the_summary(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", str(DEMO), *tiny_overrides(out, "trainer.steps=2")]) == 0
+    summary = last_json(capsys.readouterr().out)
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2]
+    assert summary == json.loads((out / "summary.json").read_text())
+    assert (out / "final" / "config.json").is_file()
+
+    # a second fresh run into the same folder is refused (exit 2, nothing touched) ...
+    before = (out / "metrics.jsonl").read_text()
+    assert main(["train", str(DEMO), *tiny_overrides(out, "trainer.steps=2")]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    # ... while --resume continues it; options may come before overrides (a finished run has nothing left to do)
+    assert main(["train", str(DEMO), "--resume", *tiny_overrides(out, "trainer.steps=2")]) == 0
+    assert (out / "metrics.jsonl").read_text() == before
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [("algorithm.lossx=1", "algorithm.lossx"), ("rollout.group_size=1", "rollout.group_size"),
+     ("nonsense", "nonsense")],
+)
+def test_invalid_config_exits_2_before_any_compute(tmp_path, capsys, override, named):
+    out = tmp_path / "run"
+    assert main(["train", str(DEMO), f"trainer.out={out}", override]) == 2
+    err = capsys.readouterr().err
+    assert "gspo train: error" in err and named in err
+    assert not out.exists()
+
+
+def test_missing_config_file_exits_2(tmp_path, capsys):
+    assert main(["train", str(tmp_path / "nope.yaml")]) == 2
+    assert "nope.yaml" in capsys.readouterr().err
+
+
+def test_unknown_option_is_a_usage_error(tmp_path, capsys):
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as info:
+        main(["train", str(DEMO), f"trainer.out={out}", "--bogus"])
+    assert info.value.code == 2
+    assert "--bogus" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_sft_writes_a_loadable_model_dir(sft_dir, capsys):
+    assert (sft_dir / "config.json").is_file()
+    assert any(sft_dir.glob("*.safetensors"))
+    model, tokenizer = load_model(str(sft_dir))
+    assert model.config.vocab_size == len(tokenizer)
+
+
+def test_sft_prints_its_loss(tmp_path, capsys):
+    out = tmp_path / "m"
+    assert main(["sft", "--out", str(out), "--steps", "2", "--batch-size", "4", "--size", "16",
+                 "--model", "tiny-dense"]) == 0
+    result = last_json(capsys.readouterr().out)
+    assert result["out"] == str(out) and math.isfinite(result["final_loss"]) and result["final_loss"] > 0
+
+
+def test_sft_rejects_bad_arguments(tmp_path, capsys):
+    assert main(["sft", "--out", str(tmp_path / "m"), "--steps", "0"]) == 2
+    assert "--steps" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()
+
+
+def test_eval_prints_accuracy(sft_dir, capsys):
+    assert main(["eval", str(sft_dir), "--size", "8", "--max-new-tokens", "4"]) == 0
+    result = last_json(capsys.readouterr().out)
+    assert result["rows"] == 8 and result["model"] == str(sft_dir)
+    assert 0 <= result["accuracy"] <= 1
+    assert 0 <= result["truncation_rate"] <= 1 and result["response_length"] >= 1
+
+
+def test_eval_of_a_missing_model_dir_exits_2(tmp_path, capsys):
+    missing = tmp_path / "no_model"
+    assert main(["eval", str(missing), "--size", "2"]) == 2
+    assert str(missing) in capsys.readouterr().err
+
+
+def test_demo_runs_and_plots(tmp_path, capsys):
+    out = tmp_path / "demo"
+    overrides = [o for o in tiny_overrides(out) if not o.startswith(("trainer.out=", "trainer.steps="))]
+    assert main(["demo", "--out", str(out), "--steps", "1", *overrides]) == 0
+    printed = capsys.readouterr().out
+    assert "held-out accuracy" in printed
+    assert (out / "curves.png").stat().st_size > 0
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1]
+
+
+def test_demo_without_held_out_data_or_cold_start(tmp_path, capsys):
+    out = tmp_path / "demo"
+    overrides = [o for o in tiny_overrides(out) if not o.startswith(("trainer.out=", "trainer.steps="))]
+    assert main(["demo", "--out", str(out), "--steps", "1", *overrides, "data.eval_split=null",
+                 "cold_start=null"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["heldout_accuracy_before_rl"] is None and summary["heldout_accuracy_after_rl"] is None
+    assert "held-out accuracy" not in capsys.readouterr().out
+    assert (out / "curves.png").is_file()
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"]])
+def test_python_dash_m_gspo_help(argv):
+    proc = subprocess.run([sys.executable, "-m", "gspo", *argv], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "usage: gspo" in proc.stdout
+    if argv == ["--help"]:
+        for command in ("demo", "train", "sft", "eval"):
+            assert command in proc.stdout

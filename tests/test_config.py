@@ -1,0 +1,224 @@
+"""The run configuration: YAML + dotted overrides, validated (unknown keys, bad values, incompatible options) with
+errors that name the offending key, before any compute."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from conftest import DEMO
+from gspo.config import (
+    Config,
+    ConfigError,
+    apply_overrides,
+    config_diff,
+    config_to_dict,
+    load_config,
+    validate_config,
+)
+
+
+def test_demo_config_validates():
+    cfg = load_config(DEMO)
+    assert isinstance(cfg, Config)
+    assert cfg.model.name == "tiny-moe"
+    assert cfg.algorithm.loss == "gspo"
+    assert cfg.algorithm.minibatches == 4
+    assert cfg.cold_start is not None and cfg.cold_start.steps == 150
+    assert cfg.data.task == "addition" and cfg.data.task_options == {"digits": 2}
+    assert cfg.optim.lr == pytest.approx(1e-3)
+    assert (cfg.rollout.prompts_per_step * cfg.rollout.group_size) % cfg.algorithm.minibatches == 0
+
+
+def test_defaults_without_a_file_validate():
+    cfg = load_config(None)
+    assert cfg.cold_start is None
+    assert cfg.algorithm.loss == "gspo"
+
+
+def test_validated_config_round_trips_through_its_saved_yaml():
+    """OUT/config.yaml is what a resume compares against: it must re-validate to the same config."""
+    cfg = load_config(DEMO, ["algorithm.loss=dr_grpo", "optim.lr=1e-3"])
+    saved = yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+    again = validate_config(yaml.safe_load(saved))
+    assert again == cfg
+    assert config_diff(config_to_dict(again), config_to_dict(cfg)) == []
+
+
+@pytest.mark.parametrize(
+    ("loss", "low", "high"),
+    [("gspo", 3e-4, 4e-4), ("gspo_token", 3e-4, 4e-4), ("grpo", 0.2, 0.27), ("dapo", 0.2, 0.28), ("cispo", 1.0, 0.28)],
+)
+def test_eps_defaults_resolve_per_loss(loss, low, high):
+    cfg = load_config(DEMO, [f"algorithm.loss={loss}"])
+    assert cfg.algorithm.eps_low == pytest.approx(low)
+    assert cfg.algorithm.eps_high == pytest.approx(high)
+    assert cfg.algorithm.advantage_scale == "group"
+
+
+def test_explicit_eps_wins_over_the_default():
+    cfg = load_config(DEMO, ["algorithm.loss=grpo", "algorithm.eps_high=0.3"])
+    assert cfg.algorithm.eps_low == pytest.approx(0.2)
+    assert cfg.algorithm.eps_high == pytest.approx(0.3)
+
+
+def test_dr_grpo_defaults_to_no_std_scaling():
+    cfg = load_config(DEMO, ["algorithm.loss=dr_grpo"])
+    assert cfg.algorithm.advantage_scale == "none"
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("lossx=1", "lossx"),
+        ("algorithm.lossx=1", "algorithm.lossx"),
+        ("trainer.stpes=3", "trainer.stpes"),
+        ("rollout.temprature=0.5", "rollout.temprature"),
+    ],
+)
+def test_unknown_key_is_an_error_naming_the_dotted_key(override, key):
+    with pytest.raises(ConfigError) as info:
+        load_config(DEMO, [override])
+    assert f"{key}: unknown key" in str(info.value)
+
+
+def test_unknown_key_in_the_yaml_file_is_an_error(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("algorithm:\n  loss: gspo\n  minibatch: 2\n")
+    with pytest.raises(ConfigError, match=r"algorithm\.minibatch: unknown key"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("algorithm.old_logprobs=foo", "algorithm.old_logprobs"),
+        ("rollout.group_size=1", "rollout.group_size"),
+        ("algorithm.loss=ppo", "algorithm.loss"),
+        ("optim.lr=0", "optim.lr"),
+        ("optim.lr=abc", "optim.lr"),
+        ("rollout.top_p=1.5", "rollout.top_p"),
+        ("model.dtype=float64", "model.dtype"),
+        ("trainer.steps=0", "trainer.steps"),
+        ("trainer.seed=-1", "trainer.seed"),  # set_seed would reject it only after the run folder was created
+        ("rewards.on_error=ignore", "rewards.on_error"),
+    ],
+)
+def test_bad_value_is_an_error_naming_the_key(override, key):
+    with pytest.raises(ConfigError) as info:
+        load_config(DEMO, [override])
+    assert key in str(info.value)
+
+
+def test_all_errors_are_reported_at_once():
+    with pytest.raises(ConfigError) as info:
+        load_config(DEMO, ["rollout.group_size=1", "optim.lr=-1", "trainer.bogus=1"])
+    message = str(info.value)
+    assert "rollout.group_size" in message and "optim.lr" in message and "trainer.bogus" in message
+
+
+@pytest.mark.parametrize(
+    ("overrides", "names"),
+    [
+        (["algorithm.loss=dr_grpo", "algorithm.advantage_scale=group"], ["dr_grpo", "advantage_scale"]),
+        (["algorithm.old_logprobs=rollout", "rollout.top_p=0.9"], ["old_logprobs=rollout", "top_p"]),
+        (["algorithm.old_logprobs=rollout", "rollout.top_k=5"], ["old_logprobs=rollout", "top_k"]),
+        (["rollout.prompts_per_step=3", "rollout.group_size=3"], ["algorithm.minibatches=4", "9 completions"]),
+        (["data.path=train.jsonl"], ["data.task", "data.path"]),  # both (the demo sets data.task)
+        (["data.task=null"], ["data.task", "data.path"]),  # neither
+        (["data.task=null", "data.path=train.jsonl"], ["cold_start", "solution"]),  # SFT without demonstrations
+    ],
+)
+def test_incompatible_options_raise(overrides, names):
+    with pytest.raises(ConfigError) as info:
+        load_config(DEMO, overrides)
+    for name in names:
+        assert name in str(info.value)
+
+
+def test_compatible_variants_of_those_options_validate():
+    load_config(DEMO, ["algorithm.loss=dr_grpo", "algorithm.advantage_scale=none"])
+    load_config(DEMO, ["algorithm.old_logprobs=recompute", "rollout.top_p=0.9"])
+    load_config(DEMO, ["rollout.prompts_per_step=3", "rollout.group_size=4", "algorithm.minibatches=3"])
+    cfg = load_config(DEMO, ["data.task=null", "data.path=train.jsonl", "data.fields={solution: answer}"])
+    assert cfg.data.fields == {"solution": "answer"}
+
+
+def test_overrides_parse_yaml_values():
+    cfg = load_config(DEMO, [
+        "trainer.steps=7",
+        "optim.lr=1e-3",
+        "algorithm.kl_beta=2.5E-2",
+        "optim.grad_clip=null",
+        "log.progress=false",
+        "rollout.stop=[';', '.']",
+        "optim.betas=[0.8, 0.95]",
+        "rewards.functions={addition: 2}",
+        "data.task_options.digits=3",
+        "trainer.out=2024",  # a number where a string is expected (a folder name) is taken as that string
+    ])
+    assert cfg.trainer.steps == 7 and isinstance(cfg.trainer.steps, int)
+    assert cfg.optim.lr == 1e-3
+    assert cfg.algorithm.kl_beta == 2.5e-2
+    assert cfg.optim.grad_clip is None
+    assert cfg.log.progress is False
+    assert cfg.rollout.stop == [";", "."]
+    assert cfg.optim.betas == (0.8, 0.95)
+    assert cfg.rewards.functions == {"addition": 2.0}
+    assert cfg.data.task_options == {"digits": 3}
+    assert cfg.trainer.out == "2024"
+
+
+def test_apply_overrides_types_untyped_values():
+    """Values in free-form dicts (task_options, wandb) keep their YAML type: `1e-3` is a float, not the text '1e-3'."""
+    data = apply_overrides({}, ["a.f=1e-3", "a.g=-2E+4", "a.i=10", "a.b=true", "a.s=hello", "a.l=[1, x]", "a.n=null"])
+    assert data == {"a": {"f": 1e-3, "g": -2e4, "i": 10, "b": True, "s": "hello", "l": [1, "x"], "n": None}}
+    assert isinstance(data["a"]["f"], float)
+
+
+def test_yaml_file_reads_exponent_floats(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("data:\n  task: addition\n  task_options: {digits: 2}\noptim:\n  lr: 5e-4\n")
+    cfg = load_config(path)
+    assert cfg.optim.lr == 5e-4
+
+
+def test_later_override_wins_and_an_empty_section_can_be_filled():
+    cfg = load_config(DEMO, ["trainer.steps=3", "trainer.steps=5", "cold_start=null"])
+    assert cfg.trainer.steps == 5 and cfg.cold_start is None
+    cfg = load_config(DEMO, ["cold_start=null", "cold_start.steps=4", "log.wandb=null", "log.wandb.project=p"])
+    assert cfg.cold_start is not None and cfg.cold_start.steps == 4
+    assert cfg.log.wandb == {"project": "p"}
+
+
+@pytest.mark.parametrize("override", ["foo", "=3", "trainer.steps"])
+def test_malformed_override_errors(override):
+    with pytest.raises(ConfigError, match=r"section\.key=value"):
+        load_config(DEMO, [override])
+
+
+def test_override_into_a_scalar_is_an_error():
+    with pytest.raises(ConfigError, match="not a section"):
+        load_config(DEMO, ["trainer.steps.x=1"])
+
+
+def test_missing_or_non_mapping_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    path = tmp_path / "list.yaml"
+    path.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(path)
+    path = tmp_path / "bad.yaml"
+    path.write_text("a: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(path)
+
+
+def test_config_diff_finds_differing_dotted_keys():
+    a = config_to_dict(load_config(DEMO))
+    b = config_to_dict(load_config(DEMO, ["optim.lr=2e-3", "rollout.group_size=4", "data.task_options.digits=3"]))
+    assert config_diff(a, b) == ["data.task_options.digits", "optim.lr", "rollout.group_size"]
+    assert config_diff(a, a) == []
+    assert config_diff({"x": {"y": 1}}, {"x": {"y": 1, "z": 2}, "w": 0}) == ["w", "x.z"]
+    assert config_diff({"x": {"y": 1}}, {"x": None}) == ["x"]

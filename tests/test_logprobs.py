@@ -1,0 +1,152 @@
+"""`completion_logprobs` (teacher-forced log π(y_t | x, y_<t)) against naive computations, on the tiny presets:
+left-padded prompts, right-padded completions, temperature, padding invariance, entropy bounds."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gspo.logprobs import completion_logprobs
+from gspo.models import build_preset
+
+PAD = 0
+ATOL = 2e-5  # float32: a padded batch vs one row at a time differs in the last bits only
+
+
+@pytest.fixture(scope="module", params=["tiny-dense", "tiny-moe"])
+def model(request):
+    model, _ = build_preset(request.param, seed=3)
+    with torch.no_grad():  # sharper than the default init, so that distributions are far from uniform
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(4.0)
+    return model.eval()
+
+
+def make_batch(vocab: int, seed: int = 0):
+    """4 rows: prompts of lengths 5, 2, 7, 1 left-padded; completions of lengths 3, 6, 1, 4 right-padded."""
+    g = torch.Generator().manual_seed(seed)
+    p_lens, c_lens = [5, 2, 7, 1], [3, 6, 1, 4]
+    s, t = max(p_lens), max(c_lens)
+    prompt_ids = torch.full((4, s), PAD)
+    prompt_mask = torch.zeros((4, s), dtype=torch.long)
+    completion_ids = torch.full((4, t), PAD)
+    completion_mask = torch.zeros((4, t), dtype=torch.long)
+    for i, (lp, lc) in enumerate(zip(p_lens, c_lens, strict=True)):
+        prompt_ids[i, s - lp:] = torch.randint(3, vocab, (lp,), generator=g)
+        prompt_mask[i, s - lp:] = 1
+        completion_ids[i, :lc] = torch.randint(1, vocab, (lc,), generator=g)
+        completion_mask[i, :lc] = 1
+    return prompt_ids, prompt_mask, completion_ids, completion_mask
+
+
+def naive_per_row(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature=1.0):
+    """Each row alone, without any padding: full forward, log_softmax over every position, gather."""
+    out = torch.zeros(completion_ids.shape)
+    for i in range(len(prompt_ids)):
+        p = prompt_ids[i][prompt_mask[i].bool()]
+        c = completion_ids[i][completion_mask[i].bool()]
+        ids = torch.cat([p, c])[None]
+        with torch.no_grad():
+            logits = model(input_ids=ids, use_cache=False).logits[0].float() / temperature
+        logp = torch.log_softmax(logits, -1)[len(p) - 1:-1]  # position j predicts token j + 1
+        out[i, :len(c)] = logp.gather(-1, c[:, None]).squeeze(-1)
+    return out
+
+
+def naive_padded(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature=1.0):
+    """The same padded batch, but logits of every position (no `logits_to_keep`)."""
+    ids = torch.cat([prompt_ids, completion_ids], 1)
+    mask = torch.cat([prompt_mask, completion_mask], 1)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits.float()
+    logp = torch.log_softmax(logits / temperature, -1)
+    s = prompt_ids.shape[1]
+    return logp[:, s - 1:-1].gather(-1, completion_ids[..., None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.6])
+def test_matches_naive_full_logits(model, temperature):
+    batch = make_batch(model.config.vocab_size)
+    mask = batch[3].bool()
+    with torch.no_grad():
+        got, entropy = completion_logprobs(model, *batch, temperature=temperature)
+    assert got.dtype == torch.float32 and got.shape == batch[2].shape
+    assert entropy is None
+    padded = naive_padded(model, *batch, temperature=temperature)
+    per_row = naive_per_row(model, *batch, temperature=temperature)
+    torch.testing.assert_close(got[mask], padded[mask], atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(got[mask], per_row[mask], atol=ATOL, rtol=1e-5)
+    assert bool((got[mask] < 0).all())
+    assert got[mask].std() > 0.1  # the check is not vacuous: log-probs vary a lot
+
+
+def test_temperature_changes_the_distribution(model):
+    batch = make_batch(model.config.vocab_size)
+    mask = batch[3].bool()
+    with torch.no_grad():
+        a, _ = completion_logprobs(model, *batch, temperature=1.0)
+        b, _ = completion_logprobs(model, *batch, temperature=0.5)
+    assert (a[mask] - b[mask]).abs().max() > 1e-2
+
+
+def test_padding_values_do_not_affect_real_positions(model):
+    batch = make_batch(model.config.vocab_size)
+    prompt_ids, prompt_mask, completion_ids, completion_mask = batch
+    g = torch.Generator().manual_seed(1)
+    other_prompt = torch.where(prompt_mask.bool(), prompt_ids, torch.randint(3, 40, prompt_ids.shape, generator=g))
+    other_compl = torch.where(completion_mask.bool(), completion_ids,
+                              torch.randint(3, 40, completion_ids.shape, generator=g))
+    assert not torch.equal(other_compl, completion_ids) and not torch.equal(other_prompt, prompt_ids)
+    mask = completion_mask.bool()
+    with torch.no_grad():
+        a, _ = completion_logprobs(model, *batch)
+        b, _ = completion_logprobs(model, other_prompt, prompt_mask, other_compl, completion_mask)
+    torch.testing.assert_close(a[mask], b[mask], atol=1e-5, rtol=1e-5)
+
+
+def test_a_row_does_not_depend_on_the_rest_of_the_batch(model):
+    batch = make_batch(model.config.vocab_size)
+    mask = batch[3].bool()
+    with torch.no_grad():
+        full, _ = completion_logprobs(model, *batch)
+        for i in range(len(batch[0])):
+            alone, _ = completion_logprobs(model, *(x[i:i + 1] for x in batch))
+            torch.testing.assert_close(alone[0][mask[i]], full[i][mask[i]], atol=ATOL, rtol=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_entropy_is_between_zero_and_log_vocab(model, temperature):
+    batch = make_batch(model.config.vocab_size)
+    mask = batch[3].bool()
+    logprobs, entropy = completion_logprobs(model, *batch, temperature=temperature, with_entropy=True)
+    assert entropy is not None and entropy.shape == logprobs.shape
+    assert not entropy.requires_grad  # a diagnostic: no graph kept
+    assert bool(torch.isfinite(entropy).all())
+    assert bool((entropy[mask] >= 0).all())
+    assert bool((entropy[mask] <= math.log(model.config.vocab_size) + 1e-4).all())
+    # and it is the entropy of the temperature-scaled next-token distribution
+    ids = torch.cat([batch[0], batch[2]], 1)
+    attn = torch.cat([batch[1], batch[3]], 1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0)).logits
+    logp = torch.log_softmax(logits[:, batch[0].shape[1] - 1:-1].float() / temperature, -1)
+    expected = -(logp.exp() * logp).sum(-1)
+    torch.testing.assert_close(entropy[mask], expected[mask], atol=1e-4, rtol=1e-4)
+
+
+def test_gradient_flows_to_the_weights_and_not_through_padding(model):
+    """The loss on real tokens has a gradient; log-probs at padded positions are not part of it."""
+    batch = make_batch(model.config.vocab_size)
+    mask = batch[3].bool()
+    model.zero_grad(set_to_none=True)
+    logprobs, _ = completion_logprobs(model, *batch)
+    assert logprobs.requires_grad
+    logprobs[mask].sum().backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+    assert sum(float(g.abs().sum()) for g in grads) > 0
+    model.zero_grad(set_to_none=True)

@@ -1,0 +1,321 @@
+"""The GSPO training recipe end to end on the tiny MoE (seconds per run): what a run writes, exact resume after an
+interruption, run-folder safety, π_old modes, every objective, reward failures and the KL term."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import DEMO, tiny_overrides
+from gspo.checkpoint import checkpoint_path, find_latest_checkpoint
+from gspo.config import ConfigError, load_config
+from gspo.models import load_model
+from gspo.objectives import OBJECTIVES
+from gspo.rewards import RewardFailure
+from gspo.tracking import read_metrics
+from gspo.trainer import train
+
+pytestmark = pytest.mark.usefixtures("test_rewards")
+
+REQUIRED = ("step", "reward_mean", "clip_frac_tokens", "clip_frac_seqs", "ratio_mean", "approx_kl", "entropy",
+            "grad_norm", "tokens_per_second", "time_rollout", "time_update")
+
+# Four RL steps with a varied reward (non-zero advantages, so the updates really change the weights), checkpoints
+# every 2 steps, evaluation every 2 steps.
+RUN = ["trainer.steps=4", "trainer.checkpoint_every=2", "trainer.keep_checkpoints=3",
+       "rewards.functions={addition: 1.0, varied: 0.5}"]
+
+
+def cfg_for(out: Path, *extra: str):
+    return load_config(DEMO, tiny_overrides(out, *extra))
+
+
+def finite_or_null(value) -> bool:
+    return value is None or (isinstance(value, (int, float)) and math.isfinite(value))
+
+
+def safetensors_of(folder: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    assert tensors, f"no safetensors in {folder}"
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def run_a(tmp_path_factory, test_rewards):
+    """The uninterrupted run."""
+    out = tmp_path_factory.mktemp("run_a")
+    summary = train(cfg_for(out, *RUN))
+    return out, summary
+
+
+@pytest.fixture(scope="module")
+def run_b(tmp_path_factory, test_rewards):
+    """The same run, interrupted right after step 3 (its last checkpoint is step 2), then resumed."""
+    out = tmp_path_factory.mktemp("run_b")
+    cfg = cfg_for(out, *RUN)
+    stopped = train(cfg, stop_after=3)
+    state = {
+        "returned": stopped,
+        "final_exists": (out / "final").exists(),
+        "summary_exists": (out / "summary.json").exists(),
+        "steps_logged": [r["step"] for r in read_metrics(out / "metrics.jsonl")],
+        "latest_checkpoint": find_latest_checkpoint(out),
+    }
+    summary = train(cfg, resume=True)
+    return out, summary, state
+
+
+# ------------------------------------------------------------------------------------------------ what a run writes
+
+
+def test_metrics_jsonl_has_one_complete_record_per_step(run_a):
+    out, _ = run_a
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for record in records:
+        missing = [key for key in REQUIRED if key not in record]
+        assert not missing, f"step {record['step']} lacks {missing}"
+        bad = {key: v for key, v in record.items() if not finite_or_null(v)}
+        assert not bad, f"step {record['step']}: non-finite or non-numeric values {bad}"
+        assert 0 <= record["clip_frac_tokens"] <= 1 and 0 <= record["clip_frac_seqs"] <= 1
+        assert record["entropy"] >= 0 and record["approx_kl"] >= 0
+        assert record["tokens_per_second"] > 0 and record["time_rollout"] > 0 and record["time_update"] > 0
+    # the updates are real: gradients flowed, and π moved between minibatches (off-policy ratios ≠ 1)
+    assert all(r["grad_norm"] > 0 for r in records)
+    assert any(r["approx_kl"] > 0 for r in records)
+    # evaluation results are merged into the metrics of the steps that ran one
+    assert [r["step"] for r in records if "heldout_accuracy" in r] == [2, 4]
+
+
+def test_metrics_lines_are_strict_json(run_a):
+    out, _ = run_a
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        json.loads(line, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c} in metrics.jsonl"))
+
+
+def test_summary_json(run_a):
+    out, summary = run_a
+    saved = json.loads((out / "summary.json").read_text())
+    assert saved == json.loads(json.dumps(summary))
+    for key in ("heldout_accuracy_before_rl", "heldout_accuracy_after_rl"):
+        assert 0 <= saved[key] <= 1
+    assert saved["wall_seconds"] > 0
+    assert saved["steps"] == 4
+    assert saved["reward_failures"] == {"addition": 0, "varied": 0}
+
+
+def test_eval_jsonl_starts_at_step_0(run_a):
+    out, summary = run_a
+    evals = read_metrics(out / "eval.jsonl")
+    assert [e["step"] for e in evals] == [0, 2, 4]
+    assert all(0 <= e["heldout_accuracy"] <= 1 for e in evals)
+    assert summary["heldout_accuracy_before_rl"] == evals[0]["heldout_accuracy"]
+    assert summary["heldout_accuracy_after_rl"] == evals[-1]["heldout_accuracy"]
+
+
+def test_run_folder_layout(run_a):
+    out, _ = run_a
+    assert (out / "config.yaml").is_file()
+    assert (out / "cold_start" / "config.json").is_file()
+    assert find_latest_checkpoint(out) == checkpoint_path(out, 4)
+    assert checkpoint_path(out, 2).is_dir()
+
+
+def test_final_model_loads_and_matches_the_last_checkpoint(run_a):
+    out, _ = run_a
+    final, tokenizer = load_model(str(out / "final"))
+    trained, _ = load_model(str(checkpoint_path(out, 4) / "model"))
+    cold, _ = load_model(str(out / "cold_start"))
+    ids = torch.tensor([tokenizer.encode(s, add_special_tokens=False) for s in ("12+34=46", "70+18=88")])
+    with torch.no_grad():
+        got = final.eval()(input_ids=ids).logits
+        want = trained.eval()(input_ids=ids).logits
+        before = cold.eval()(input_ids=ids).logits
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    assert (got - before).abs().max() > 1e-4  # RL changed the cold-start model
+
+
+# ------------------------------------------------------------------------------------------------------------ resume
+
+
+def test_interrupted_run_stops_like_a_crash(run_b):
+    _, _, state = run_b
+    assert state["returned"] == {"stopped_after": 3}
+    assert not state["final_exists"] and not state["summary_exists"]
+    assert state["steps_logged"] == [1, 2, 3]
+    assert state["latest_checkpoint"].name == "step_00000002"
+
+
+def test_resume_equals_uninterrupted(run_a, run_b):
+    out_a, summary_a = run_a
+    out_b, summary_b, _ = run_b
+    a, b = safetensors_of(out_a / "final"), safetensors_of(out_b / "final")
+    assert a.keys() == b.keys()
+    unequal = [name for name in a if not torch.equal(a[name], b[name])]
+    assert not unequal, f"weights differ after resume: {unequal[:5]}"
+
+    metrics_a, metrics_b = read_metrics(out_a / "metrics.jsonl"), read_metrics(out_b / "metrics.jsonl")
+    assert [r["step"] for r in metrics_b] == [1, 2, 3, 4]  # step 3 was redone after the resume, and logged once
+    assert [r["reward_mean"] for r in metrics_b] == [r["reward_mean"] for r in metrics_a]
+    assert [r["loss"] for r in metrics_b] == [r["loss"] for r in metrics_a]
+    assert read_metrics(out_b / "eval.jsonl") == read_metrics(out_a / "eval.jsonl")
+    assert summary_b["heldout_accuracy_before_rl"] == summary_a["heldout_accuracy_before_rl"]
+    assert summary_b["heldout_accuracy_after_rl"] == summary_a["heldout_accuracy_after_rl"]
+
+
+def test_resume_with_a_different_config_is_refused(run_a):
+    out, _ = run_a
+    saved = (out / "config.yaml").read_text()
+    with pytest.raises(ConfigError, match=r"optim\.lr"):
+        train(cfg_for(out, *RUN, "optim.lr=5e-4"), resume=True)
+    assert (out / "config.yaml").read_text() == saved
+
+
+def test_fresh_run_into_a_folder_holding_a_run_is_refused(run_a):
+    out, _ = run_a
+    before = sorted(p.name for p in out.iterdir())
+    with pytest.raises(ConfigError, match="already holds a run"):
+        train(cfg_for(out, *RUN))
+    assert sorted(p.name for p in out.iterdir()) == before
+
+
+def test_stop_after_must_be_positive(tmp_path):
+    with pytest.raises(ValueError, match="stop_after"):
+        train(cfg_for(tmp_path / "run"), stop_after=0)
+    assert not (tmp_path / "run").exists()
+
+
+def test_resume_without_a_checkpoint_restarts_cleanly(tmp_path):
+    """Interrupted before its first checkpoint: the resume starts over, and step 0 is evaluated once."""
+    cfg = cfg_for(tmp_path, "cold_start=null", "trainer.steps=2", "trainer.checkpoint_every=0")
+    assert train(cfg, stop_after=1) == {"stopped_after": 1}
+    train(cfg, resume=True)
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
+    assert [r["step"] for r in read_metrics(tmp_path / "eval.jsonl")] == [0, 2]
+
+
+def test_last_step_is_evaluated_even_without_eval_every(tmp_path):
+    summary = train(cfg_for(tmp_path, "cold_start=null", "trainer.steps=1", "trainer.eval_every=0"))
+    assert [r["step"] for r in read_metrics(tmp_path / "eval.jsonl")] == [0, 1]
+    assert summary["heldout_accuracy_after_rl"] is not None
+
+
+# ------------------------------------------------------------------------------------------------------- π_old modes
+
+
+@pytest.fixture
+def spy_objective(monkeypatch):
+    """Wrap the gspo objective to record (logprobs, old_logprobs, mask) of every minibatch."""
+    calls = []
+    inner = OBJECTIVES["gspo"]
+
+    @functools.wraps(inner)  # keeps its signature: the config reads the default eps from it
+    def spy(logprobs, old_logprobs, advantages, mask, **kw):
+        calls.append((logprobs.detach().clone(), old_logprobs.clone(), mask.bool().clone()))
+        return inner(logprobs, old_logprobs, advantages, mask, **kw)
+
+    monkeypatch.setitem(OBJECTIVES, "gspo", spy)
+    return calls
+
+
+def test_recompute_makes_the_first_minibatch_exactly_on_policy(tmp_path, spy_objective):
+    steps, minibatches = 2, 4
+    train(cfg_for(tmp_path, "cold_start=null", f"trainer.steps={steps}", "rewards.functions={varied: 1.0}",
+                  "algorithm.old_logprobs=recompute", "trainer.eval_every=0", "data.eval_size=1"))
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["clip_frac_tokens_first_mb"] for r in records] == [0.0] * steps
+    assert len(spy_objective) == steps * minibatches
+    for k, (logprobs, old, mask) in enumerate(spy_objective):
+        if k % minibatches == 0:  # first minibatch of a step: π_θ = π_old, bit for bit
+            assert torch.equal(logprobs[mask], old[mask]), f"step {k // minibatches + 1}: ratio ≠ 1 on-policy"
+    # the later minibatches are off-policy (the weights moved), so the check above is not vacuous
+    assert any(not torch.equal(lp[m], old[m]) for k, (lp, old, m) in enumerate(spy_objective) if k % minibatches)
+    assert all(r["rollout_logprob_diff"] < 1e-4 for r in records)
+
+
+def test_rollout_logprobs_as_pi_old(tmp_path, spy_objective):
+    train(cfg_for(tmp_path, "cold_start=null", "trainer.steps=2", "rewards.functions={varied: 1.0}",
+                  "algorithm.old_logprobs=rollout", "trainer.eval_every=0", "data.eval_size=1"))
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    for r in records:
+        for key in ("ratio_mean", "ratio_min", "ratio_max", "clip_frac_tokens", "clip_frac_tokens_first_mb",
+                    "approx_kl", "loss", "grad_norm"):
+            assert r[key] is not None and math.isfinite(r[key]), key
+        assert "rollout_logprob_diff" not in r
+    # first minibatch: the sampler's logprobs are the trainer's up to float32 noise (same weights, same temperature)
+    logprobs, old, mask = spy_objective[0]
+    assert (logprobs[mask] - old[mask]).abs().max() < 1e-4
+
+
+# ----------------------------------------------------------------------------------------------------------- losses
+
+
+@pytest.mark.parametrize("loss", ["gspo_token", "grpo", "dapo", "dr_grpo", "cispo"])
+def test_each_objective_runs_a_finite_step(tmp_path, loss):
+    summary = train(cfg_for(tmp_path, "cold_start=null", "trainer.steps=1", f"algorithm.loss={loss}",
+                            "rewards.functions={varied: 1.0}", "data.eval_size=4"))
+    if loss == "dr_grpo":
+        assert load_config(DEMO, [f"algorithm.loss={loss}"]).algorithm.advantage_scale == "none"
+    (record,) = read_metrics(tmp_path / "metrics.jsonl")
+    for key in (*REQUIRED[1:], "loss"):
+        assert record[key] is not None and math.isfinite(record[key]), f"{loss}: {key} = {record[key]}"
+    assert record["skipped_updates"] == 0
+    assert record["grad_norm"] > 0
+    assert summary["heldout_accuracy_after_rl"] is not None
+
+
+# ---------------------------------------------------------------------------------------------------------- rewards
+
+
+def test_failing_reward_with_on_error_zero_is_counted(tmp_path):
+    steps, rows, eval_rows = 2, 16, 4
+    summary = train(cfg_for(tmp_path, "cold_start=null", f"trainer.steps={steps}", "trainer.eval_every=0",
+                            f"data.eval_size={eval_rows}", "rewards.functions={addition: 1.0, boom: 1.0}",
+                            "rewards.on_error=zero"))
+    # every row of every rollout and of both evaluations (step 0 and the last step) failed, and was scored 0
+    assert summary["reward_failures"] == {"addition": 0, "boom": steps * rows + 2 * eval_rows}
+    assert json.loads((tmp_path / "summary.json").read_text())["reward_failures"]["boom"] == steps * rows + 8
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["reward_failures"] for r in records] == [rows] * steps
+    assert (tmp_path / "final" / "config.json").is_file()
+
+
+def test_failing_reward_with_on_error_fail_raises(tmp_path):
+    with pytest.raises(RewardFailure, match="boom"):
+        train(cfg_for(tmp_path, "cold_start=null", "trainer.steps=1", "rewards.functions={boom: 1.0}",
+                      "rewards.on_error=fail"))
+
+
+# --------------------------------------------------------------------------------------------------------------- KL
+
+
+KL_RUN = ["trainer.steps=2", "trainer.checkpoint_every=1", "algorithm.kl_beta=0.1", "trainer.eval_every=0",
+          "data.eval_size=4", "rewards.functions={varied: 1.0}"]
+
+
+def test_kl_beta_logs_kl_ref_and_resumes_against_the_same_reference(tmp_path):
+    """kl_ref is KL to the cold-start model; a resumed run must measure it against that same model."""
+    full = train(cfg_for(tmp_path / "full", *KL_RUN))
+    assert full["heldout_accuracy_after_rl"] is not None
+    records = read_metrics(tmp_path / "full" / "metrics.jsonl")
+    assert all(r["kl_ref"] is not None and r["kl_ref"] >= 0 for r in records)
+    assert records[-1]["kl_ref"] > 0  # the policy has moved away from the reference
+
+    cfg = cfg_for(tmp_path / "resumed", *KL_RUN)
+    train(cfg, stop_after=1)
+    train(cfg, resume=True)
+    resumed = read_metrics(tmp_path / "resumed" / "metrics.jsonl")
+    assert [r["kl_ref"] for r in resumed] == [r["kl_ref"] for r in records]
+
+
+def test_no_kl_ref_without_kl_beta(run_a):
+    out, _ = run_a
+    assert all("kl_ref" not in r for r in read_metrics(out / "metrics.jsonl"))
