@@ -35,7 +35,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if args.steps is not None:
         overrides.append(f"trainer.steps={args.steps}")
     cfg = load_config(demo_config_path(), overrides)
-    cold = f"cold-start SFT ({cfg.cold_start.steps} steps) then " if cfg.cold_start is not None else ""
+    cs = cfg.cold_start
+    until = f"until loss {cs.target_loss}, at most " if cs is not None and cs.target_loss else ""
+    cold = f"cold-start SFT ({until}{cs.steps} steps) then " if cs is not None else ""
     print(f"gspo demo: {cold}{cfg.trainer.steps} GSPO steps of "
           f"{cfg.rollout.prompts_per_step} prompts × {cfg.rollout.group_size} completions on the embedded "
           f"{cfg.model.name} / {cfg.data.task} task → {args.out}", flush=True)
@@ -147,10 +149,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(message)s")
     if getattr(args, "reward", "unset") is None:
         args.reward = [args.task]
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # per-save "Writing model shards" bars would drown the training bar
     try:
         return args.func(args)
     except (ConfigError, ValueError, FileNotFoundError) as e:
-        print(f"gspo {args.command}: error: {e}", file=sys.stderr)
+        if args.verbose:
+            raise
+        print(f"gspo {args.command}: error: {e}  (run with -v for the traceback)", file=sys.stderr)
         return 2
 
 

@@ -32,9 +32,11 @@ class ModelConfig(_Section):
 
 class ColdStartConfig(_Section):
     """Supervised fine-tuning on the data's `solution` field before RL (the paper starts RL from a cold-start model).
-    Runs once, at the start of a fresh run; its model is saved to OUT/cold_start/."""
+    Runs once, at the start of a fresh run, for `steps` or until `target_loss`; its model is saved to
+    OUT/cold_start/ with what it did in OUT/cold_start/sft.json."""
 
     steps: int = Field(200, ge=1)
+    target_loss: float | None = Field(None, gt=0)  # stop early once the ~20-step mean SFT loss reaches it
     batch_size: int = Field(64, ge=1)
     lr: float = Field(3e-3, gt=0)
     warmup_steps: int = Field(10, ge=0)
@@ -96,6 +98,9 @@ class AlgorithmConfig(_Section):
     eps_high: float | None = Field(None, ge=0)
     advantage_scale: Literal["group", "batch", "none"] | None = None
     kl_beta: float = Field(0.0, ge=0)
+    # MoE Routing Replay (§5.3): r2 replays the π_old forward's routing in the π_θ forwards; r3 replays the rollout
+    # engine's routing (arXiv 2510.11370) in every training forward. Both need an MoE model with a router adapter.
+    routing_replay: Literal["none", "r2", "r3"] = "none"
 
     @model_validator(mode="after")
     def _resolve_defaults(self) -> AlgorithmConfig:
@@ -169,6 +174,17 @@ class Config(_Section):
             )
         if self.cold_start is not None and self.data.task is None and "solution" not in self.data.fields:
             raise ValueError("cold_start needs demonstrations: map a `solution` column in data.fields")
+        replay = self.algorithm.routing_replay
+        if replay == "r2" and self.algorithm.old_logprobs != "recompute":
+            raise ValueError("algorithm.routing_replay=r2 replays the routing of the trainer's π_old forward, which "
+                             "old_logprobs=rollout skips: use old_logprobs=recompute, or routing_replay=r3 (the "
+                             "rollout engine's routing)")
+        if replay != "none":  # a preset or local directory is checked now; a hub id after loading, before any compute
+            from gspo.moe import replay_support_error
+
+            error = replay_support_error(self.model.name, replay, self.model.trust_remote_code)
+            if error:
+                raise ValueError(error)
         return self
 
 

@@ -43,10 +43,16 @@ def sft(
     warmup_steps: int = 10,
     seed: int = 0,
     solution_field: str = "solution",
+    target_loss: float | None = None,
     progress: bool = True,
 ) -> list[float]:
     """Minimise the token-mean negative log-likelihood of `row[solution_field]` + EOS given `row["prompt"]`, for
-    `steps` AdamW steps on random batches. Returns the loss per step."""
+    `steps` AdamW steps on random batches, or until a running mean of the loss reaches `target_loss` (after
+    warm-up). Returns the loss per step taken.
+
+    A loss target makes a cold start reproducible in *skill* rather than in steps: a tiny model learns arithmetic
+    through a sharp transition whose step varies widely with the seed, so a fixed step budget leaves some seeds
+    with nothing for RL to sharpen and others with nothing left to learn."""
     missing = [i for i, r in enumerate(rows) if not isinstance(r.get(solution_field), str)]
     if missing:
         raise ValueError(f"cold-start SFT needs a string {solution_field!r} in every row; row {missing[0]} has none "
@@ -56,7 +62,8 @@ def sft(
     optimizer, scheduler = make_optimizer(model, lr, steps, warmup_steps=warmup_steps, min_lr_ratio=0.0)
     rng = random.Random(seed)
     model.train()
-    losses = []
+    losses: list[float] = []
+    running = None
     bar = tqdm(range(steps), desc="cold-start SFT", disable=not progress, leave=False)
     for _ in bar:
         batch = [rows[rng.randrange(len(rows))] for _ in range(batch_size)]
@@ -70,5 +77,8 @@ def sft(
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
-        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        running = losses[-1] if running is None else 0.95 * running + 0.05 * losses[-1]  # ~20-step mean
+        bar.set_postfix(loss=f"{running:.3f}")
+        if target_loss is not None and len(losses) > max(warmup_steps, 20) and running <= target_loss:
+            break
     return losses

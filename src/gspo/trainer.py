@@ -11,6 +11,7 @@ this file owns only the loop, the optimizer and the run folder:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -29,6 +30,7 @@ from gspo.config import Config, ConfigError, config_diff, config_to_dict
 from gspo.data import load_rows, make_task
 from gspo.logprobs import completion_logprobs
 from gspo.models import load_model, save_model
+from gspo.moe import RoutingCapture, is_moe, require_replay_support, routing_change
 from gspo.objectives import OBJECTIVES, kl_to_reference
 from gspo.optim import make_optimizer
 from gspo.rewards import RewardRunner
@@ -103,6 +105,29 @@ class RLStep:
     engine: HFSampler
     rewards: RewardRunner
     ref_model: torch.nn.Module | None = None
+    moe: bool = False  # the policy has MoE routers with an adapter: routing is captured (volatility) and replayable
+
+
+def _routing_capture(ctx: RLStep, model, replay: torch.Tensor | None, mb: torch.Tensor):
+    """Capture the routing of one minibatch forward (MoE models), replaying `replay[mb]` when given."""
+    if not ctx.moe:
+        return contextlib.nullcontext(None)
+    return RoutingCapture(model, replay=None if replay is None else replay[mb])
+
+
+def _precision_ratio_metrics(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tensor,
+                             mask: torch.Tensor) -> dict[str, float]:
+    """Ratio noise between the trainer's and the engine's log-probabilities of the same tokens under the same weights
+    (§5.4): std over tokens of w_{i,t} = π_trainer/π_engine, and std over sequences of s_i = exp(mean_t log w_{i,t}).
+    Non-zero only through numerics (e.g. a bf16 engine for an fp32 trainer); GRPO clips w, GSPO clips s."""
+    log_w = torch.where(mask, trainer_logprobs - engine_logprobs, torch.zeros(()))
+    nonempty = mask.any(-1)
+    log_s = log_w.sum(-1)[nonempty] / mask.sum(-1)[nonempty]
+    w = log_w[mask].exp()
+    return {
+        "precision_ratio_std_token": float(w.std()) if w.numel() > 1 else 0.0,
+        "precision_ratio_std_seq": float(log_s.exp().std()) if log_s.numel() > 1 else 0.0,
+    }
 
 
 def _rows(batch: RolloutBatch, idx: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -135,22 +160,42 @@ def rl_step(step: int, model, optimizer, scheduler, train_rows: list[dict], ctx:
     # forward runs on the same row groups as the updates: a row's logits depend in the last bits on which rows share
     # its batch (matmul blocking, MoE expert grouping), and with other groups the on-policy first minibatch would see
     # ratios of 1 ± 1e-7 instead of exactly 1.
+    # MoE (§5.3): the π_old forward records each token's routing (the router's own choice; under R3 it runs with the
+    # engine's routing replayed), which R2 replays in the π_θ forwards and expert volatility is measured against.
     model.train()
+    engine_routing = batch.extras.get("routing")  # R3: the rollout engine's routing, [N, S+T, layers, k]
+    token_mask = torch.cat([batch.prompt_mask, batch.completion_mask], 1).bool()  # real tokens of the forward
+    old_routing = None
     if algo.old_logprobs == "rollout":
         old_logprobs = batch.logprobs
     else:
         old_logprobs = torch.zeros_like(batch.logprobs)
         with torch.no_grad():
             for mb in minibatches:
-                old_logprobs[mb] = completion_logprobs(model, *_rows(batch, mb), temperature=ro.temperature)[0]
+                with _routing_capture(ctx, model, engine_routing, mb) as cap:
+                    old_logprobs[mb] = completion_logprobs(model, *_rows(batch, mb), temperature=ro.temperature)[0]
+                if cap is not None:
+                    chosen = cap.take().chosen
+                    if old_routing is None:
+                        old_routing = chosen.new_empty((len(batch), token_mask.shape[1], *chosen.shape[1:]))
+                    old_routing[mb] = chosen.view(len(mb), token_mask.shape[1], *chosen.shape[1:])
+    replay = {"r2": old_routing, "r3": engine_routing}.get(algo.routing_replay)
 
     # 4. minibatch updates
     objective = OBJECTIVES[algo.loss]
     sums: dict[str, float] = {}
     grad_norms, skipped = [], 0
     for k, mb in enumerate(minibatches):
-        logprobs, entropy = completion_logprobs(model, *_rows(batch, mb), temperature=ro.temperature,
-                                                with_entropy=k == 0)
+        with _routing_capture(ctx, model, replay, mb) as cap:
+            logprobs, entropy = completion_logprobs(model, *_rows(batch, mb), temperature=ro.temperature,
+                                                    with_entropy=k == 0)
+        if cap is not None and old_routing is not None and k == len(minibatches) - 1 and k > 0:
+            # §5.3 volatility, measured for free on the last minibatch: after the step's k updates, the fraction of its
+            # tokens' expert activations that the router now picks differently from π_old's (whatever is replayed)
+            chosen = cap.take().chosen.view(old_routing[mb].shape)
+            sums["expert_volatility"] = routing_change(old_routing[mb], chosen, token_mask[mb])
+        if k == 0 and algo.old_logprobs == "rollout":  # same weights: trainer vs engine numerics alone (§5.4)
+            sums.update(_precision_ratio_metrics(logprobs.detach(), old_logprobs[mb], mask[mb]))
         loss, m = objective(logprobs, old_logprobs[mb], advantages[mb], mask[mb],
                             eps_low=algo.eps_low, eps_high=algo.eps_high)
         if ctx.ref_model is not None and algo.kl_beta > 0:
@@ -202,6 +247,9 @@ def rl_step(step: int, model, optimizer, scheduler, train_rows: list[dict], ctx:
     if algo.old_logprobs == "recompute":  # how far the engine's π_old is from the trainer's (precision mismatch)
         diff = (batch.logprobs - old_logprobs)[mask].abs()
         metrics["rollout_logprob_diff"] = float(diff.mean())
+        metrics.update(_precision_ratio_metrics(old_logprobs, batch.logprobs, mask))
+    if engine_routing is not None and old_routing is not None:  # R3's train–inference routing discrepancy
+        metrics["rollout_routing_mismatch"] = routing_change(engine_routing, old_routing, token_mask)
     return metrics
 
 
@@ -218,22 +266,25 @@ def _check_resume_config(out: Path, cfg_dict: dict) -> None:
         raise ConfigError(f"cannot resume in {out}: its saved config differs in {', '.join(diff)}")
 
 
-def _cold_start(cfg: Config, out: Path, model, tokenizer, train_rows: list[dict]) -> None:
-    """Run cold-start SFT once; a complete OUT/cold_start/ is reused (so a resumed run does not redo it)."""
+def _cold_start(cfg: Config, out: Path, model, tokenizer, train_rows: list[dict]) -> dict:
+    """Run cold-start SFT once; a complete OUT/cold_start/ is reused (so a resumed run does not redo it).
+    Returns what it did: {"steps", "final_loss"}."""
     target = out / "cold_start"
-    if (target / "config.json").exists():
+    if (target / "sft.json").exists():
         loaded, _ = load_model(str(target), dtype=cfg.model.dtype)
         model.load_state_dict(loaded.state_dict())
         log.info("reusing cold-start model %s", target)
-        return
+        return json.loads((target / "sft.json").read_text())
     cs = cfg.cold_start
-    solution_field = "solution"
-    sft(model, tokenizer, train_rows, steps=cs.steps, batch_size=cs.batch_size, lr=cs.lr,
-        warmup_steps=cs.warmup_steps, seed=derive_seed(cfg.trainer.seed, "sft"), solution_field=solution_field,
-        progress=cfg.log.progress)
+    losses = sft(model, tokenizer, train_rows, steps=cs.steps, batch_size=cs.batch_size, lr=cs.lr,
+                 warmup_steps=cs.warmup_steps, seed=derive_seed(cfg.trainer.seed, "sft"),
+                 target_loss=cs.target_loss, progress=cfg.log.progress)
+    info = {"steps": len(losses), "final_loss": sum(losses[-20:]) / len(losses[-20:])}
     tmp = out / "cold_start.tmp"
     save_model(model, tokenizer, tmp)
+    (tmp / "sft.json").write_text(json.dumps(info))
     tmp.rename(target)
+    return info
 
 
 def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> dict:
@@ -261,6 +312,11 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
 
     model, tokenizer = load_model(cfg.model.name, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code,
                                   seed=cfg.trainer.seed)
+    if cfg.algorithm.routing_replay != "none":  # a hub model's family is only known now: fail before any compute
+        try:
+            require_replay_support(model, cfg.algorithm.routing_replay)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     train_rows = load_split(cfg, cfg.data.split, cfg.data.train_size)
     eval_rows = load_split(cfg, cfg.data.eval_split, cfg.data.eval_size) if cfg.data.eval_split else []
     rewards = RewardRunner(cfg.rewards.functions, on_error=cfg.rewards.on_error)
@@ -268,9 +324,8 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
     eval_tokens = cfg.trainer.eval_max_new_tokens or ro.max_new_tokens
 
     checkpoint = find_latest_checkpoint(out) if resume else None
-    if cfg.cold_start is not None and (checkpoint is None or cfg.algorithm.kl_beta > 0):
-        # on a resume the checkpoint's weights replace these, but the KL reference must be the cold-start model
-        _cold_start(cfg, out, model, tokenizer, train_rows)
+    # on a resume the checkpoint's weights replace the cold-start ones, but the KL reference is the cold-start model
+    cold_start = _cold_start(cfg, out, model, tokenizer, train_rows) if cfg.cold_start is not None else None
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.algorithm.kl_beta > 0 else None
 
     total_updates = cfg.trainer.steps * cfg.algorithm.minibatches
@@ -286,8 +341,8 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
 
     engine = HFSampler(model, tokenizer, SamplingParams(
         temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k, max_new_tokens=ro.max_new_tokens,
-        stop=tuple(ro.stop)), dtype=ro.dtype)
-    ctx = RLStep(cfg, engine, rewards, ref_model)
+        stop=tuple(ro.stop)), dtype=ro.dtype, record_routing=cfg.algorithm.routing_replay == "r3")
+    ctx = RLStep(cfg, engine, rewards, ref_model, moe=is_moe(model))
     logger = MetricsLogger(out, tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb, mlflow=cfg.log.mlflow,
                            resume_step=start if resume else None, run_config=cfg_dict)
     eval_path = out / "eval.jsonl"
@@ -329,6 +384,7 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
         "heldout_accuracy_before_rl": evals[0]["heldout_accuracy"] if evals else None,
         "heldout_accuracy_after_rl": evals[-1]["heldout_accuracy"] if evals else None,
         "steps": cfg.trainer.steps,
+        "cold_start": cold_start,
         "wall_seconds": time.perf_counter() - wall0,
         "reward_failures": dict(rewards.failures),
     }

@@ -7,6 +7,7 @@ what GSPO's importance ratio needs as the behaviour policy's log-probabilities.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from gspo.moe import RolloutRoutingRecorder, require_replay_support
 from gspo.rollout.base import RolloutBatch, SamplingParams
 
 __all__ = ["HFSampler", "filter_scores", "row_seed", "sample_from_logits"]
@@ -108,6 +110,12 @@ class HFSampler:
     step per token. Rows that finish (EOS or a stop string) are dropped from the batch and the KV cache, so they stop
     costing compute; the loop ends when every row is finished or `max_new_tokens` is reached. Set
     `drop_finished_rows = False` to keep finished rows in the batch instead (same results; for testing).
+
+    `record_routing=True` (MoE models; for R3 routing replay, arXiv 2510.11370) also records which experts every
+    router chose for every prompt and generated token, into `RolloutBatch.extras["routing"]`: [N, S + T, layers, k]
+    int16, aligned to the training forward's tokens (left-padded prompt then right-padded completion), FREE (-1)
+    where the engine routed nothing (padding, and each completion's last token, which is never fed back; see
+    `gspo.moe.RolloutRoutingRecorder`). Off by default: normal rollouts install no hooks and pay nothing.
     """
 
     drop_finished_rows: bool = True
@@ -118,8 +126,12 @@ class HFSampler:
         tokenizer,
         params: SamplingParams,
         dtype: torch.dtype | str | None = None,
+        record_routing: bool = False,
     ) -> None:
         model = _unwrap(model)
+        if record_routing:
+            require_replay_support(model, "r3")
+        self.record_routing = record_routing
         model_dtype = next(model.parameters()).dtype
         target = model_dtype if dtype is None else _resolve_dtype(dtype)
         self.tokenizer = tokenizer
@@ -142,6 +154,7 @@ class HFSampler:
         self.eos_ids = self._collect_eos_ids(model, tokenizer)
         self._forward_takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._stop_table: tuple[tuple[str, ...], torch.Tensor] | None = None
+        self._routing: RolloutRoutingRecorder | None = None  # set during generate() when recording routing
 
     @staticmethod
     def _collect_eos_ids(model: nn.Module, tokenizer) -> list[int]:
@@ -209,8 +222,12 @@ class HFSampler:
         )
         was_training = self.model.training
         self.model.eval()
+        self._routing = None
+        if self.record_routing:
+            self._routing = RolloutRoutingRecorder(self.model, len(seeds) * group_size, unique_ids.shape[1], max_new,
+                                                   unique_ids.device)
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), self._routing or contextlib.nullcontext():
                 raw = self._decode(unique_ids, unique_mask, group_size, uniforms.to(unique_ids.device))
         finally:
             self.model.train(was_training)
@@ -225,6 +242,8 @@ class HFSampler:
         text_lengths = (lengths - ends_with_eos.long()).tolist()
         pairs = zip(ids.tolist(), text_lengths, strict=True)
         completions = [self.tokenizer.decode(row[:n], skip_special_tokens=True) for row, n in pairs]
+        extras = {} if self._routing is None else {"routing": self._routing.result(lengths, width)}
+        self._routing = None
         return RolloutBatch(
             prompt_ids=unique_ids.repeat_interleave(group_size, 0),
             prompt_mask=unique_mask.repeat_interleave(group_size, 0),
@@ -234,6 +253,7 @@ class HFSampler:
             truncated=truncated,
             completions=completions,
             prompt_index=torch.arange(len(prompts), device=ids.device).repeat_interleave(group_size),
+            extras=extras,
         )
 
     def _encode(self, prompts: list[str], group_size: int, seeds: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -290,6 +310,8 @@ class HFSampler:
             input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids, use_cache=True, **extra
         )
         cache, logits = out.past_key_values, out.logits[:, -1, :]
+        if self._routing is not None:
+            self._routing.prefill(prompt_mask, group_size)
         if group_size > 1:
             cache.batch_repeat_interleave(group_size)
             logits = logits.repeat_interleave(group_size, 0)
@@ -334,6 +356,8 @@ class HFSampler:
                 use_cache=True,
             )
             cache, logits = out.past_key_values, out.logits[:, -1, :]
+            if self._routing is not None:
+                self._routing.decode_step(rows, t)
         return out_ids, out_logprobs, lengths, truncated
 
     # ------------------------------------------------------------------ stop strings

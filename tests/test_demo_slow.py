@@ -1,0 +1,29 @@
+"""The full demo, as the README promises it (slow: ~4 min; `bash scripts/test.sh --slow`)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.slow
+def test_demo_reaches_its_promise(tmp_path):
+    out = tmp_path / "demo"
+    proc = subprocess.run([sys.executable, "-m", "gspo", "demo", "--out", str(out)], capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    summary = json.loads((out / "summary.json").read_text())
+    gain = summary["heldout_accuracy_after_rl"] - summary["heldout_accuracy_before_rl"]
+    assert gain >= 0.15, summary  # RL must add at least 15 points over the cold-start model
+    assert summary["wall_seconds"] <= 600, summary
+
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, summary["steps"] + 1))  # one object per RL step
+    for key in ("reward_mean", "clip_frac_tokens", "clip_frac_seqs"):
+        assert all(key in r for r in rows), key
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "final" / "config.json").exists()
