@@ -4,7 +4,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 . "$root/scripts/setup.sh" dev
 cd "$root"
-ruff check src tests benchmarks
+ruff check .
 if [ "${1:-}" = "--slow" ]; then
   shift
   exec python -m pytest -m slow "$@"
