@@ -355,3 +355,31 @@ def test_untied_model_round_trips(tmp_path):
     fresh = Qwen3ForCausalLM(Qwen3Config(**{**CONFIG, "tie_word_embeddings": False}))
     load_checkpoint(path, model=fresh, optimizer=torch.optim.SGD(fresh.parameters(), lr=0.1), scheduler=None)
     assert torch.equal(fresh.lm_head.weight, model.lm_head.weight)
+
+
+class _Payload:
+    """Unpickling this creates `marker`: proof that a pickle was executed."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_a_pickle_payload_in_optimizer_pt_is_refused_not_run(tmp_path, training):
+    """An attacker who can write the checkpoint can also fix its manifest: weights_only=True is the real guard."""
+    path = save(tmp_path, 1, training)
+    marker = tmp_path / "payload-ran"
+    torch.save({"state": {}, "param_groups": [], "evil": _Payload(marker)}, path / "optimizer.pt")
+    document = json.loads((path / "state.json").read_text())  # re-sign the tampered file
+    document["manifest"]["optimizer.pt"] = {"size": (path / "optimizer.pt").stat().st_size,
+                                            "sha256": ckpt._sha256(path / "optimizer.pt")}
+    (path / "state.json").write_text(json.dumps(document))
+    (path / "COMPLETE").write_text(ckpt._sha256(path / "state.json"))
+    verify_checkpoint(path)  # the tampering is invisible to the manifest
+
+    fresh = make_training(seed=1)
+    with pytest.raises(CheckpointError, match=r"optimizer\.pt holds objects other than tensors.*refusing"):
+        load_checkpoint(path, model=fresh[0], optimizer=fresh[1], scheduler=fresh[2])
+    assert not marker.exists()

@@ -102,6 +102,15 @@ def test_unknown_key_in_the_yaml_file_is_an_error(tmp_path):
         ("trainer.steps=0", "trainer.steps"),
         ("trainer.seed=-1", "trainer.seed"),  # set_seed would reject it only after the run folder was created
         ("rewards.on_error=ignore", "rewards.on_error"),
+        ("rewards.timeout_s=0", "rewards.timeout_s"),
+        ("rewards.timeout_s=.inf", "rewards.timeout_s"),
+        ("rewards.workers=0", "rewards.workers"),
+        ("data.max_prompt_tokens=0", "data.max_prompt_tokens"),
+        ("trainer.max_bad_steps=0", "trainer.max_bad_steps"),
+        ("trainer.steps=2.5", "trainer.steps"),  # a fractional number for an int
+        ("rollout.stop=abc", "rollout.stop"),  # a string for a list
+        ("model=3", "model"),  # a number for a section
+        ("optim.betas=[0.9]", "optim.betas"),  # a tuple of the wrong length
     ],
 )
 def test_bad_value_is_an_error_naming_the_key(override, key):
@@ -222,3 +231,28 @@ def test_config_diff_finds_differing_dotted_keys():
     assert config_diff(a, a) == []
     assert config_diff({"x": {"y": 1}}, {"x": {"y": 1, "z": 2}, "w": 0}) == ["w", "x.z"]
     assert config_diff({"x": {"y": 1}}, {"x": None}) == ["x"]
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [("trainer.eval_every=on", "trainer.eval_every"), ("trainer.steps=true", "trainer.steps"),
+     ("optim.lr=yes", "optim.lr"), ("trainer.threads=false", "trainer.threads"), ("cold_start=true", "cold_start"),
+     ("rewards.timeout_s=off", "rewards.timeout_s")],
+)
+def test_a_boolean_is_not_a_number(override, key):
+    """YAML reads on/off/yes/no as booleans, which pydantic would take as 1/0 for a number field."""
+    with pytest.raises(ConfigError, match=rf"{key}: got the boolean (true|false), which this key does not take"):
+        load_config(DEMO, [override])
+
+
+def test_booleans_stay_valid_where_a_key_takes_one():
+    cfg = load_config(DEMO, ["log.progress=no", "model.trust_remote_code=false", "data.task_options={digits: 2}"])
+    assert cfg.log.progress is False and cfg.model.trust_remote_code is False
+
+
+def test_reliability_defaults():
+    cfg = load_config(None)
+    assert cfg.rewards.timeout_s == 10.0 and cfg.rewards.workers == 1
+    assert cfg.data.max_prompt_tokens is None and cfg.trainer.max_bad_steps == 5
+    cfg = load_config(None, ["rewards.timeout_s=null", "trainer.max_bad_steps=null", "data.max_prompt_tokens=64"])
+    assert cfg.rewards.timeout_s is None and cfg.trainer.max_bad_steps is None and cfg.data.max_prompt_tokens == 64

@@ -249,3 +249,30 @@ def test_load_rows_rejects_bad_arguments(tmp_path) -> None:
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(ValueError, match="no rows"):
         load_rows(str(tmp_path / "empty.jsonl"))
+
+
+@pytest.mark.parametrize(
+    ("field", "bad", "reason"),
+    [
+        ("answer", ["4"], "'answer' must be a non-empty string or a number, got list"),
+        ("answer", {"value": 4}, "'answer' must be a non-empty string or a number, got dict"),
+        ("answer", True, "'answer' must be a non-empty string or a number, got bool"),
+        ("answer", None, "'answer' must be a non-empty string or a number, got NoneType"),
+        ("answer", " ", "'answer' must be a non-empty string or a number, got str"),
+        ("answer", float("nan"), "'answer' must be a non-empty string or a number, got float nan"),
+        ("solution", 12, "'solution' must be a non-empty string, got int"),
+        ("solution", "", "'solution' must be a non-empty string, got str"),
+        ("tests", ["assert f(1) == 1", 2], "'tests' must be a non-empty string or list of strings, got list"),
+        ("tests", [], "'tests' must be a non-empty string or list of strings, got list"),
+    ],
+)
+def test_wrong_typed_known_fields_name_row_and_field(tmp_path, field: str, bad, reason: str) -> None:
+    good = {"prompt": "1+1=", "answer": "2", "solution": "2", "tests": "assert True"}
+    src = _write_jsonl(tmp_path / "d.jsonl", [good, {**good, field: bad}])
+    with pytest.raises(ValueError, match=rf"d\.jsonl: row 1 \(line 2\) field {reason}"):
+        load_rows(src)
+
+
+def test_numeric_answers_become_strings(tmp_path) -> None:
+    src = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1=", "answer": 2}, {"prompt": "half?", "answer": 0.5}])
+    assert [r["answer"] for r in load_rows(src)] == ["2", "0.5"]

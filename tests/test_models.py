@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -250,3 +255,85 @@ def test_load_model_rejects_bad_arguments() -> None:
         load_model("")
     with pytest.raises(ValueError, match="dtype"):
         load_model("tiny-moe", dtype="float8")
+
+
+# ---- unreadable, corrupt and unsafe model directories ----------------------------------------------------------------
+
+
+class _Payload:
+    """Unpickling this creates `marker`: proof that a pickle was executed."""
+
+    def __init__(self, marker) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (type(self.marker).touch, (self.marker,))
+
+
+@pytest.fixture
+def saved(tmp_path):
+    model, tok = build_preset("tiny-dense")
+    save_model(model, tok, tmp_path / "model")
+    return tmp_path / "model"
+
+
+def test_load_model_corrupt_safetensors_names_the_directory(saved) -> None:
+    (saved / "model.safetensors").write_bytes(b"\x00garbage" * 64)
+    with pytest.raises(ValueError, match=rf"could not load model weights from model directory '{saved}'"):
+        load_model(str(saved))
+
+
+def test_load_model_refuses_pickle_only_weights_without_unpickling(saved, tmp_path) -> None:
+    marker = tmp_path / "unpickled"
+    torch.save({"weights": _Payload(marker)}, saved / "pytorch_model.bin")
+    (saved / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match=r"holds only pickle weights \(pytorch_model\.bin\); gspo loads safetensors"):
+        load_model(str(saved))
+    assert not marker.exists()
+
+
+def test_load_model_reads_safetensors_only(saved, monkeypatch) -> None:
+    import gspo.models as models
+
+    calls = []
+    real = models.AutoModelForCausalLM.from_pretrained
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(models.AutoModelForCausalLM, "from_pretrained", spy)
+    load_model(str(saved))
+    assert calls and calls[0]["use_safetensors"] is True and calls[0]["trust_remote_code"] is False
+
+
+@pytest.mark.skipif(not hasattr(os, "seteuid"), reason="POSIX only")
+def test_load_model_permission_denied_names_what_cannot_be_read(tmp_path) -> None:
+    """Root reads everything, so as root the check runs with the effective uid of `nobody` for the duration."""
+    folder = Path(tempfile.mkdtemp(prefix="gspo-test-perm-"))  # a world-traversable place, unlike pytest's tmp_path
+    try:
+        folder.chmod(0o755)
+        model, tok = build_preset("tiny-dense")
+        save_model(model, tok, folder / "model")
+        (folder / "model").chmod(0o700)
+        with as_unprivileged(), pytest.raises(PermissionError, match=r"model directory '.*model' cannot be read"):
+            load_model(str(folder / "model"))
+        (folder / "model").chmod(0o755)
+        (folder / "model" / "config.json").chmod(0o600)
+        with as_unprivileged(), pytest.raises(PermissionError, match=r"config\.json in model directory .* cannot be"):
+            load_model(str(folder / "model"))
+    finally:
+        shutil.rmtree(folder)
+
+
+@contextlib.contextmanager
+def as_unprivileged():
+    """Run the block with the effective uid of `nobody` when we are root (permissions do not apply to root)."""
+    if os.geteuid() != 0:
+        yield
+        return
+    os.seteuid(65534)
+    try:
+        yield
+    finally:
+        os.seteuid(0)

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import logging
 import math
+import subprocess
+import sys
 import textwrap
+import threading
 from fractions import Fraction
 
 import pytest
 import torch
 
+import gspo.rewards as rewards_module
 from gspo.data import make_task
 from gspo.rewards import (
     REWARDS,
@@ -21,6 +25,7 @@ from gspo.rewards import (
     parse_arithmetic,
     resolve_reward,
 )
+from gspo.rewards import deadline as deadline_module
 
 # ---- addition --------------------------------------------------------------------------------------------------------
 
@@ -178,7 +183,7 @@ def user_module(tmp_path, monkeypatch) -> str:
 
 
 def test_resolve_registry_names() -> None:
-    assert set(REWARDS) == {"addition", "countdown", "math"}
+    assert set(REWARDS) == {"addition", "code", "countdown", "math"}
     for name, fn in REWARDS.items():
         assert resolve_reward(name) is fn
     assert resolve_reward("gspo.rewards.builtin:addition_reward") is addition_reward
@@ -193,7 +198,7 @@ def test_resolve_import_paths(user_module: str) -> None:
 
 
 def test_resolve_errors(user_module: str) -> None:
-    with pytest.raises(ValueError, match=r"unknown reward 'adition'.*\['addition', 'countdown', 'math'\]"):
+    with pytest.raises(ValueError, match=r"unknown reward 'adition'.*\['addition', 'code', 'countdown', 'math'\]"):
         resolve_reward("adition")
     with pytest.raises(ValueError, match=r"'gspo_test_broken_rewards:f'.*ModuleNotFoundError.*module_that_does_not"):
         resolve_reward("gspo_test_broken_rewards:f")
@@ -221,7 +226,8 @@ def test_runner_weighted_sum_is_exact(user_module: str) -> None:
     assert rewards.dtype == torch.float32 and rewards.shape == (3,)
     expected = [0.5 * 1 - 0.25 * 1, 0.5 * 0 - 0.25 * 2, 0.5 * 1 - 0.25 * 3]
     assert rewards.tolist() == expected
-    assert stats == {"reward/addition": 2 / 3, f"reward/{user_module}:length_reward": 2.0, "reward_failures": 0.0}
+    assert stats == {"reward/addition": 2 / 3, f"reward/{user_module}:length_reward": 2.0, "reward_failures": 0.0,
+                     "reward_timeouts": 0.0}
     assert runner.failures == {"addition": 0, f"{user_module}:length_reward": 0}
 
 
@@ -332,3 +338,90 @@ def test_runner_validates_inputs() -> None:
         runner([], [], [])
     with pytest.raises(ValueError, match="row 0 needs"):
         runner(["1+1="], [None], [{"answer": "2"}])
+
+
+# ---- deadlines -------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def hang_on():
+    """A reward scoring 1.0 that blocks (until the test ends) on completions named "hang"."""
+    release = threading.Event()
+
+    def hang(prompt: str, completion: str, **row) -> float:
+        if completion == "hang":
+            release.wait()
+        return 1.0
+
+    yield hang
+    release.set()  # let the abandoned threads finish
+
+
+def test_a_hanging_call_times_out_is_counted_and_the_runner_goes_on(hang_on, caplog) -> None:
+    runner = RewardRunner([(hang_on, 1.0)], on_error="zero", timeout_s=0.5)
+    with caplog.at_level(logging.WARNING, logger="gspo.rewards"):
+        rewards, stats = runner(["p"] * 3, ["a", "hang", "b"], [{}] * 3)
+    assert rewards.tolist() == [1.0, 0.0, 1.0]
+    assert stats["reward_failures"] == 1.0 and stats["reward_timeouts"] == 1.0
+    assert runner.failures == runner.timeouts == {"hang": 1}
+    assert any("failed on row 1: timed out after 0.5 s" in r.getMessage() for r in caplog.records)
+    # the stuck thread was replaced: the next batch is scored as usual
+    assert runner(["p"] * 2, ["c", "d"], [{}] * 2)[0].tolist() == [1.0, 1.0]
+
+
+def test_a_hanging_call_in_fail_mode_raises(hang_on) -> None:
+    runner = RewardRunner([(hang_on, 1.0)], timeout_s=0.5)
+    with pytest.raises(RewardFailure, match=r"'hang' failed on row 1: timed out after 0\.5 s"):
+        runner(["p"] * 2, ["a", "hang"], [{}] * 2)
+
+
+def test_too_many_stuck_calls_stop_whatever_on_error_says(hang_on, monkeypatch) -> None:
+    monkeypatch.setattr(rewards_module, "MAX_STUCK_CALLS", 2)
+    runner = RewardRunner([(hang_on, 1.0)], on_error="zero", timeout_s=0.5, workers=3)
+    with pytest.raises(RewardFailure, match=r"3 reward calls that timed out .* are still running in background"):
+        runner(["p"] * 3, ["hang"] * 3, [{}] * 3)
+
+
+def test_workers_run_concurrently_and_keep_the_call_order() -> None:
+    """Four calls that each wait for all four to have started can only finish if they run at the same time."""
+    barrier = threading.Barrier(4, timeout=30)
+
+    def meet(prompt: str, completion: str, **row) -> float:
+        barrier.wait()
+        return float(completion)
+
+    runner = RewardRunner([(meet, 1.0)], workers=4, timeout_s=None)
+    rewards, stats = runner(["p"] * 4, ["3", "1", "4", "1"], [{}] * 4)
+    assert rewards.tolist() == [3.0, 1.0, 4.0, 1.0] and stats["reward_failures"] == 0.0
+
+
+def test_system_exit_in_a_reward_is_not_swallowed() -> None:
+    def leave(prompt: str, completion: str, **row) -> float:
+        raise SystemExit(3)
+
+    for timeout_s in (None, 5.0):
+        with pytest.raises(SystemExit):
+            RewardRunner([(leave, 1.0)], on_error="zero", timeout_s=timeout_s)(["p"], ["c"], [{}])
+
+
+def test_a_hung_reward_thread_does_not_keep_the_interpreter_alive() -> None:
+    """The abandoned threads are daemons: a process whose reward hung still exits (a thread pool would join them)."""
+    code = (
+        "import importlib.util, sys, time\n"
+        f"spec = importlib.util.spec_from_file_location('deadline', {deadline_module.__file__!r})\n"
+        "deadline = sys.modules['deadline'] = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(deadline)\n"
+        "(outcome,) = deadline.DeadlinePool(1, 0.2).map([(time.sleep, (3600,), {})])\n"
+        "print(outcome.timed_out)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout.strip()) == (0, "True"), proc.stderr
+
+
+def test_runner_validates_timeout_and_workers() -> None:
+    for timeout_s in (0, -1.0, math.inf, math.nan, True, "1"):
+        with pytest.raises(ValueError, match="timeout_s"):
+            RewardRunner({"addition": 1.0}, timeout_s=timeout_s)
+    for workers in (0, 1.5, True):
+        with pytest.raises(ValueError, match="workers"):
+            RewardRunner({"addition": 1.0}, workers=workers)

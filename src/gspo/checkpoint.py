@@ -22,6 +22,10 @@ Why each piece exists:
 * RNG states are saved so that a resumed run draws the same random numbers the uninterrupted run would have drawn.
 
 Only one process may save into a given OUT (in multi-process training: rank 0). POSIX only (directory fsync).
+
+Test hook: when the environment variable ``GSPO_TEST_CHECKPOINT_PAUSE_S`` holds a number of seconds, every save
+sleeps that long after each file it writes into the temporary folder. It exists so that a test can SIGKILL a real
+training process in the middle of a checkpoint write on purpose (tests/test_crash_resume.py); leave it unset.
 """
 
 from __future__ import annotations
@@ -32,9 +36,11 @@ import inspect
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +61,7 @@ _ASIDE_PREFIX = ".old-"  # an existing checkpoint of the same step, moved aside 
 _TRASH_PREFIX = ".trash-"  # a pruned checkpoint, moved out of the way before deletion so it is never seen half-deleted
 _ASIDE_RE = re.compile(r"^\.old-(step_\d{8,})-\d+$")
 _HASH_CHUNK = 1 << 20
+PAUSE_ENV = "GSPO_TEST_CHECKPOINT_PAUSE_S"  # the test hook described in the module docstring
 
 
 class CheckpointError(RuntimeError):
@@ -144,16 +151,26 @@ def _write_checkpoint(tmp: Path, step: int, *, model, tokenizer, optimizer, sche
     _save_model(model, model_dir)
     if tokenizer is not None:
         tokenizer.save_pretrained(model_dir)
+    _test_pause()
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    _test_pause()
     if scheduler is not None:
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
     torch.save(_get_rng_state(), tmp / "rng.pt")
+    _test_pause()
 
     document = {"format_version": FORMAT_VERSION, "step": step, "state": state, "manifest": _manifest(tmp)}
     _write_durably(tmp / STATE_FILENAME, json.dumps(document, indent=2, allow_nan=False).encode())
     _fsync_tree(tmp)
     _write_durably(tmp / COMPLETE_FILENAME, _sha256(tmp / STATE_FILENAME).encode())
     _fsync_dir(tmp)
+
+
+def _test_pause() -> None:
+    """The test hook (module docstring): sleep between files when GSPO_TEST_CHECKPOINT_PAUSE_S is set."""
+    value = os.environ.get(PAUSE_ENV)
+    if value:
+        time.sleep(float(value))
 
 
 def _save_model(model: Any, model_dir: Path) -> None:
@@ -338,7 +355,13 @@ def load_checkpoint(
 
 def _torch_load(file: Path) -> Any:
     """torch.load restricted to tensors and plain containers (no code can run from a tampered file)."""
-    return torch.load(file, map_location="cpu", weights_only=True)
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(
+            f"{file} holds objects other than tensors and plain containers; refusing to unpickle it "
+            f"(torch.load weights_only=True): {str(exc).splitlines()[0]}"
+        ) from exc
 
 
 def _load_model_weights(model: torch.nn.Module, model_dir: Path) -> None:
@@ -467,6 +490,12 @@ def _fsync_dir(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_tree(folder: str | os.PathLike) -> None:
+    """fsync every file and folder under `folder`: before a folder is published by rename, so that a power loss
+    cannot leave the published name pointing at files whose data never reached the disk."""
+    _fsync_tree(Path(folder))
 
 
 def _fsync_tree(folder: Path) -> None:

@@ -1,10 +1,11 @@
-"""`gspo` command line: demo | train | sft | eval. Configuration is validated before any model is built."""
+"""`gspo` command line: demo | train | sft | eval | compare. Configuration is validated before any model is built."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from importlib import resources
@@ -19,11 +20,16 @@ def demo_config_path() -> Path:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from gspo.distributed import shutdown
     from gspo.trainer import train
 
     cfg = load_config(args.config, args.overrides)
-    summary = train(cfg, resume=args.resume)
-    print(json.dumps(summary, indent=2))
+    try:
+        summary = train(cfg, resume=args.resume)
+    finally:
+        shutdown()  # under torchrun: leave the process group cleanly
+    if int(os.environ.get("RANK", "0")) == 0:  # one summary, not one per process
+        print(json.dumps(summary, indent=2))
     return 0
 
 
@@ -95,6 +101,27 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from gspo.compare import StudyOptions, run_study
+
+    opts = StudyOptions(out=Path(args.out), seeds=args.seeds, steps=args.steps, precision=args.precision,
+                        threads=args.threads, cold_start=args.cold_start,
+                        base_config=Path(args.config) if args.config else None, overrides=list(args.overrides))
+    n_runs = opts.seeds * len(opts.methods())
+    print(f"gspo compare: {', '.join(opts.methods())} × {opts.seeds} seeds ({n_runs} runs) → {opts.out}", flush=True)
+    summary = run_study(opts)
+    for name in opts.methods():
+        s = summary[name]
+        vol = "" if s["expert_volatility"] is None else f", expert volatility {s['expert_volatility']:.1%}"
+        print(f"  {name:20s} final accuracy {s['final_accuracy']:.1%} (best {s['best_accuracy']:.1%}), clipped "
+              f"tokens {s['clip_frac_tokens']:.2%}{vol}, failed runs {s['failed_runs']}/{s['runs']}")
+    for c in summary["claims"]:
+        print(f"  [{c['verdict']}] {c['claim']}")
+    print(f"wrote {opts.out / 'summary.json'} and {opts.out / 'report.md'} in "
+          f"{summary['study']['wall_seconds_this_call'] / 60:.1f} min")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gspo", description="Group Sequence Policy Optimization for LMs.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -136,6 +163,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=16)
     data_args(p, 500)
     p.set_defaults(func=_cmd_eval)
+
+    p = sub.add_parser("compare", help="MoE stability study: gspo, grpo, grpo_r2, gspo_token (+ bf16 precision runs)")
+    p.add_argument("--out", required=True, help="study folder: summary.json, report.md, plots, one folder per run")
+    p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (default 3)")
+    p.add_argument("--steps", type=int, default=None, help="RL steps per run (default: the study's, 60)")
+    p.add_argument("--no-precision", dest="precision", action="store_false",
+                   help="skip the §5.4 precision-tolerance runs (bf16 rollouts, π_old from the engine or recomputed)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads per run (default 1: the tiny model's ops are too small to split well)")
+    p.add_argument("--cold-start", choices=("shared", "per-seed"), default="shared",
+                   help="one cold-start SFT model for all seeds (default) or one per seed")
+    p.add_argument("--config", default=None, help="base YAML config (default: the demo config)")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides for every run")
+    p.set_defaults(func=_cmd_compare)
     return parser
 
 
@@ -154,11 +195,26 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()  # per-save "Writing model shards" bars would drown the training bar
     try:
         return args.func(args)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
+    except (ConfigError, ValueError, FileNotFoundError, PermissionError) as e:
         if args.verbose:
             raise
         print(f"gspo {args.command}: error: {e}  (run with -v for the traceback)", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # a run that stopped with a report of its own: exit 1, the message without a traceback
+        if args.verbose or not isinstance(e, _reported_failures()):
+            raise
+        print(f"gspo {args.command}: {type(e).__name__}: {e}  (run with -v for the traceback)", file=sys.stderr)
+        return 1
+
+
+def _reported_failures() -> tuple[type[RuntimeError], ...]:
+    """Errors that stop a run with a clear message: an unwritable checkpoint, a failing reward, too many steps
+    without a finite update. (Imported here, not at the top: `gspo --help` must not pay for torch.)"""
+    from gspo.checkpoint import CheckpointError
+    from gspo.rewards import RewardFailure
+    from gspo.trainer import TrainingError
+
+    return CheckpointError, RewardFailure, TrainingError
 
 
 if __name__ == "__main__":

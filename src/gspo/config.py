@@ -9,17 +9,31 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from gspo.objectives import OBJECTIVES, default_eps
+
+
+def _allows_bool(annotation: Any) -> bool:
+    return annotation is bool or annotation is Any or any(_allows_bool(arg) for arg in get_args(annotation))
 
 
 class _Section(BaseModel):
     # Numbers are accepted for string fields: an override `trainer.out=2024` is parsed as YAML, i.e. as an int.
     model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_as_number(cls, value: Any, info: ValidationInfo) -> Any:
+        """pydantic would read `true` as 1 for a number field: YAML's yes/no/on/off are booleans, so `eval_every: on`
+        would silently mean 1. A boolean is only accepted where the field takes one."""
+        if isinstance(value, bool) and not _allows_bool(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"got the boolean {str(value).lower()}, which this key does not take "
+                             "(YAML reads yes/no/on/off/true/false as booleans)")
+        return value
 
 
 class ModelConfig(_Section):
@@ -53,6 +67,9 @@ class DataConfig(_Section):
     fields: dict[str, str] = Field(default_factory=dict)
     train_size: int = Field(20000, ge=1)
     eval_size: int = Field(200, ge=1)
+    # Prompts longer than this many tokens are skipped at load time (counted, logged, in summary.json). None: the
+    # model's max_position_embeddings minus the tokens generated after the prompt (rollout or evaluation).
+    max_prompt_tokens: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _one_source(self) -> DataConfig:
@@ -62,10 +79,16 @@ class DataConfig(_Section):
 
 
 class RewardConfig(_Section):
-    """Reward functions by registry name or import path, with weights; what to do when one fails."""
+    """Reward functions by registry name or import path, with weights; what to do when one fails.
+
+    `timeout_s`: wall-clock limit of one call (None: none); a call past it is a failure handled by `on_error` and is
+    abandoned in its thread (see gspo.rewards.deadline). `workers`: threads running the calls of a batch at once
+    (> 1 only pays for rewards that wait, such as `code`; the functions must then be thread-safe)."""
 
     functions: dict[str, float] = Field(default_factory=lambda: {"addition": 1.0})
     on_error: Literal["fail", "zero"] = "fail"
+    timeout_s: float | None = Field(10.0, gt=0, allow_inf_nan=False)
+    workers: int = Field(1, ge=1)
 
     @model_validator(mode="after")
     def _nonempty(self) -> RewardConfig:
@@ -74,10 +97,31 @@ class RewardConfig(_Section):
         return self
 
 
+class VLLMConfig(_Section):
+    """Settings of the vLLM rollout engines (`rollout.engine: vllm | vllm_server`); the hf engine ignores them.
+
+    vllm (colocated): an in-process `vllm.LLM` per training process, sharing its GPU with the trainer, so
+    `gpu_memory_utilization` (the fraction of the GPU vLLM may take for weights + KV cache) must leave room for
+    training. vllm_server: a separately started `vllm serve` at `server_url`; new weights are written to
+    `weight_sync_dir` (a folder the server must see at the same path) and reloaded there after every step.
+    """
+
+    gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
+    max_model_len: int | None = Field(None, ge=1)  # None: the model's own limit (sizes the KV cache per sequence)
+    enable_prefix_caching: bool = True  # the G samples of a prompt share its prefill
+    enforce_eager: bool = False  # True skips CUDA-graph capture / compilation: slower sampling, faster start
+    engine_args: dict[str, Any] = Field(default_factory=dict)  # further `vllm.LLM(...)` keyword arguments, as is
+    server_url: str | None = None  # vllm_server: e.g. http://host:8000
+    weight_sync_dir: str | None = None  # vllm_server: default OUT/weight_sync
+    request_timeout: float = Field(600.0, gt=0)  # vllm_server: seconds per HTTP request
+    max_concurrent_requests: int = Field(64, ge=1)  # vllm_server: completion requests in flight per process
+
+
 class RolloutConfig(_Section):
     """The rollout engine and how it samples. `dtype` other than the model's makes it a separate engine copy."""
 
-    engine: Literal["hf"] = "hf"
+    engine: Literal["hf", "vllm", "vllm_server"] = "hf"
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig)
     prompts_per_step: int = Field(8, ge=1)
     group_size: int = Field(8, ge=2)
     temperature: float = Field(1.0, gt=0)
@@ -146,6 +190,14 @@ class TrainerConfig(_Section):
     checkpoint_every: int = Field(50, ge=0)
     keep_checkpoints: int = Field(2, ge=1)
     threads: int | None = Field(None, ge=1)
+    # Multi-process training (`torchrun --nproc_per_node=N -m gspo train ...`): ddp replicates the model on every
+    # process; fsdp shards parameters, gradients and optimizer state over them (FSDP2), for models that do not fit.
+    parallel: Literal["ddp", "fsdp"] = "ddp"
+    fsdp_mixed_precision: Literal["bfloat16", "float16"] | None = None  # fsdp: compute dtype over float32 params
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: this process's GPU (LOCAL_RANK) if CUDA is available
+    # Stop (TrainingError, summary.json with status "failed") after this many consecutive RL steps whose optimizer
+    # updates were all skipped for a non-finite loss or gradient norm. None: never stop.
+    max_bad_steps: int | None = Field(5, ge=1)
 
 
 class Config(_Section):
@@ -179,6 +231,7 @@ class Config(_Section):
             raise ValueError("algorithm.routing_replay=r2 replays the routing of the trainer's π_old forward, which "
                              "old_logprobs=rollout skips: use old_logprobs=recompute, or routing_replay=r3 (the "
                              "rollout engine's routing)")
+        _check_scaling(self)
         if replay != "none":  # a preset or local directory is checked now; a hub id after loading, before any compute
             from gspo.moe import replay_support_error
 
@@ -186,6 +239,21 @@ class Config(_Section):
             if error:
                 raise ValueError(error)
         return self
+
+
+def _check_scaling(cfg: Config) -> None:
+    """Cross-field rules of the rollout engine and the parallel training settings."""
+    ro, tr = cfg.rollout, cfg.trainer
+    if ro.engine == "vllm_server" and not ro.vllm.server_url:
+        raise ValueError("rollout.engine=vllm_server needs rollout.vllm.server_url (e.g. http://host:8000)")
+    if ro.engine != "vllm_server" and (ro.vllm.server_url or ro.vllm.weight_sync_dir):
+        raise ValueError("rollout.vllm.server_url and weight_sync_dir are for rollout.engine=vllm_server, not "
+                         f"{ro.engine}")
+    if ro.vllm.server_url and not re.match(r"^https?://[^/\s]+", ro.vllm.server_url):
+        raise ValueError(f"rollout.vllm.server_url must look like http://host:port, got {ro.vllm.server_url!r}")
+    if tr.fsdp_mixed_precision is not None and (tr.parallel != "fsdp" or cfg.model.dtype != "float32"):
+        raise ValueError("trainer.fsdp_mixed_precision computes in low precision over float32 parameters: it needs "
+                         "trainer.parallel=fsdp and model.dtype=float32")
 
 
 class ConfigError(ValueError):

@@ -210,14 +210,32 @@ def _check_local_model_dir(path: Path, shown: str) -> None:
         raise FileNotFoundError(f"model directory {shown!r} does not exist")
     if not path.is_dir():
         raise ValueError(f"model path {shown!r} is a file; expected a model directory (as written by save_model)")
-    if not (path / "config.json").is_file():
+    try:
+        names = set(os.listdir(path))
+    except PermissionError:
+        raise PermissionError(f"model directory {shown!r} cannot be read: permission denied") from None
+    if "config.json" not in names:
         raise FileNotFoundError(f"model directory {shown!r} has no config.json")
-    if not any((path / f).is_file() for f in _WEIGHT_FILES):
+    if not any(f in names for f in _WEIGHT_FILES):
         raise FileNotFoundError(f"model directory {shown!r} has no weights (looked for {', '.join(_WEIGHT_FILES)})")
-    if not any((path / f).is_file() for f in _TOKENIZER_FILES):
+    safetensors = sorted(name for name in names if name.endswith(".safetensors"))
+    if not safetensors:
+        raise ValueError(
+            f"model directory {shown!r} holds only pickle weights ({', '.join(sorted(names & set(_WEIGHT_FILES)))}); "
+            "gspo loads safetensors only, because unpickling a file can run arbitrary code. Convert it once, in a "
+            "trusted environment: AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, "
+            "safe_serialization=True)"
+        )
+    if not any(f in names for f in _TOKENIZER_FILES):
         raise FileNotFoundError(
             f"model directory {shown!r} has no tokenizer files (looked for {', '.join(_TOKENIZER_FILES)})"
         )
+    for name in ("config.json", *safetensors):  # as root this never fails; for anyone else, say which file
+        try:
+            with open(path / name, "rb"):
+                pass
+        except PermissionError:
+            raise PermissionError(f"{name} in model directory {shown!r} cannot be read: permission denied") from None
 
 
 def load_model(
@@ -231,13 +249,15 @@ def load_model(
 
     `name_or_path` is a preset name (`PRESETS`; weights random from `seed`), a local model directory (e.g. one
     written by `save_model`), or a Hugging Face Hub id. `seed` only matters for presets. Remote code is only run when
-    `trust_remote_code=True`. A tokenizer without a pad token gets its EOS token as pad.
+    `trust_remote_code=True`. Weights are only read from safetensors files (`use_safetensors=True`): a directory or
+    hub repository with only pickle weights (pytorch_model.bin) is refused, since unpickling can run code. A
+    tokenizer without a pad token gets its EOS token as pad.
 
     The model is returned as constructed: presets are in train mode and `from_pretrained` models in eval mode, so
     callers that care (the trainer, evaluation) set the mode themselves.
 
-    Raises FileNotFoundError / ValueError naming the path and what is missing for a bad local directory, instead of
-    the deep traceback transformers would give.
+    Raises FileNotFoundError / PermissionError / ValueError naming the path and what is missing, unreadable or
+    corrupt for a bad local directory, instead of the deep traceback transformers would give.
     """
     if not isinstance(name_or_path, str) or not name_or_path.strip():
         raise ValueError(f"load_model: name_or_path must be a non-empty string, got {name_or_path!r}")
@@ -259,7 +279,7 @@ def load_model(
         where = f"{source!r} (not a preset {sorted(PRESETS)} nor a local directory, so tried as a Hugging Face Hub id)"
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            source, trust_remote_code=trust_remote_code, **{_DTYPE_KWARG: torch_dtype}
+            source, trust_remote_code=trust_remote_code, use_safetensors=True, **{_DTYPE_KWARG: torch_dtype}
         )
     except Exception as exc:
         raise ValueError(f"could not load model weights from {where}: {exc}") from exc

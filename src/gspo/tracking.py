@@ -224,6 +224,8 @@ def truncate_metrics(path: str | os.PathLike, last_step: int) -> None:
     A missing file is fine (nothing to keep).
     """
     path = Path(path)
+    for stale in path.parent.glob(f".{path.name}.tmp-*"):  # left by a crash during an earlier truncation
+        stale.unlink(missing_ok=True)
     if not path.exists():
         return
     kept = [line for line, record in _parse_lines(path) if record["step"] <= last_step]

@@ -7,6 +7,12 @@ this file owns only the loop, the optimizer and the run folder:
     OUT/cold_start/        the cold-start SFT model, when `cold_start` is configured
     OUT/metrics.jsonl      one object per RL step;   OUT/eval.jsonl  held-out evaluations (step 0 = before RL)
     OUT/checkpoints/       crash-safe checkpoints;   OUT/final/      the final model, a HF model directory
+    OUT/summary.json       what the run achieved, or (status "failed") why it stopped
+
+A run can be killed at any moment and resumed (`train(cfg, resume=True)`, `gspo train ... --resume`) to the same
+weights and the same metrics.jsonl / eval.jsonl as an uninterrupted run: every file above is written to a temporary
+name and renamed into place (config.yaml, eval.jsonl, summary.json, cold_start/, final/), appended with fsync
+(metrics.jsonl, whose lines after the resumed checkpoint are dropped), or a verified checkpoint.
 """
 
 from __future__ import annotations
@@ -17,28 +23,36 @@ import hashlib
 import json
 import logging
 import math
+import os
+import shutil
 import time
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import yaml
 
 from gspo.advantages import group_advantages, zero_variance_groups
-from gspo.checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint, set_seed
-from gspo.config import Config, ConfigError, config_diff, config_to_dict
+from gspo.checkpoint import find_latest_checkpoint, fsync_tree, load_checkpoint, save_checkpoint, set_seed
+from gspo.config import Config, ConfigError, config_diff, config_to_dict, validate_config
 from gspo.data import load_rows, make_task
+from gspo.distributed import Dist, NullLogger, init_distributed
 from gspo.logprobs import completion_logprobs
 from gspo.models import load_model, save_model
 from gspo.moe import RoutingCapture, is_moe, require_replay_support, routing_change
 from gspo.objectives import OBJECTIVES, kl_to_reference
 from gspo.optim import make_optimizer
 from gspo.rewards import RewardRunner
-from gspo.rollout import HFSampler, RolloutBatch, SamplingParams
+from gspo.rollout import HFSampler, RolloutBatch, SamplingParams, eval_sampler, make_engine
 from gspo.sft import sft
 from gspo.tracking import MetricsLogger, Progress, read_metrics
 
 log = logging.getLogger(__name__)
+
+
+class TrainingError(RuntimeError):
+    """The run stopped because training itself went wrong (e.g. too many steps without a finite update)."""
 
 
 # --------------------------------------------------------------------------------------------------- data and seeds
@@ -50,6 +64,39 @@ def load_split(cfg: Config, split: str, size: int) -> list[dict]:
     if d.task is not None:
         return make_task(d.task, split=split, size=size, seed=cfg.trainer.seed, **d.task_options)
     return load_rows(d.path, split=split, fields=d.fields or None, limit=size)
+
+
+def prompt_token_limit(cfg: Config, model, new_tokens: int) -> int | None:
+    """The longest prompt (in tokens) a split may keep: `data.max_prompt_tokens`, and at most what the model's
+    max_position_embeddings leaves after `new_tokens` generated tokens (the sampler refuses longer). None: no limit."""
+    max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    room = None if max_pos is None else max_pos - new_tokens
+    if room is not None and room < 1:
+        raise ConfigError(f"generating {new_tokens} tokens leaves no room for a prompt in the model's "
+                          f"max_position_embeddings={max_pos}: lower rollout.max_new_tokens / eval_max_new_tokens")
+    wanted = cfg.data.max_prompt_tokens
+    if wanted is not None and room is not None and wanted > room:
+        log.warning("data.max_prompt_tokens=%d + %d new tokens exceeds the model's max_position_embeddings=%d: "
+                    "prompts over %d tokens are skipped", wanted, new_tokens, max_pos, room)
+    limits = [x for x in (wanted, room) if x is not None]
+    return min(limits) if limits else None
+
+
+def drop_long_prompts(rows: list[dict], tokenizer, limit: int | None, split: str) -> tuple[list[dict], int]:
+    """`rows` without those whose prompt has more than `limit` tokens (counted as the sampler encodes it), and how
+    many were dropped (logged). Raises ConfigError if none is left."""
+    if limit is None:
+        return rows, 0
+    lengths = [len(ids) for ids in tokenizer([r["prompt"] for r in rows], add_special_tokens=False)["input_ids"]]
+    kept = [row for row, n in zip(rows, lengths, strict=True) if n <= limit]
+    skipped = len(rows) - len(kept)
+    if not kept:
+        raise ConfigError(f"all {len(rows)} prompts of split {split!r} are longer than {limit} tokens (the longest has "
+                          f"{max(lengths)}): raise data.max_prompt_tokens, lower rollout.max_new_tokens, or use a "
+                          "model with more positions")
+    if skipped:
+        log.warning("skipped %d of %d prompts of split %r: longer than %d tokens", skipped, len(rows), split, limit)
+    return kept, skipped
 
 
 def derive_seed(*parts: int | str) -> int:
@@ -73,9 +120,10 @@ def prompt_indices(step: int, count: int, num_rows: int, seed: int) -> list[int]
 
 
 def evaluate(model, tokenizer, rows: list[dict], rewards: RewardRunner, max_new_tokens: int,
-             batch_size: int = 256) -> dict[str, float]:
-    """Greedy decoding on `rows`; accuracy = fraction of completions with full reward (≥ 1)."""
-    sampler = HFSampler(model, tokenizer, SamplingParams(top_k=1, max_new_tokens=max_new_tokens))
+             batch_size: int = 256, sampler=None) -> dict[str, float]:
+    """Greedy decoding on `rows`; accuracy = fraction of completions with full reward (≥ 1). `sampler`: a greedy
+    rollout engine to decode with (e.g. vLLM's, see `gspo.rollout.eval_sampler`); default an HFSampler on `model`."""
+    sampler = sampler or HFSampler(model, tokenizer, SamplingParams(top_k=1, max_new_tokens=max_new_tokens))
     scores, lengths, truncated = [], [], []
     for start in range(0, len(rows), batch_size):
         chunk = rows[start:start + batch_size]
@@ -106,6 +154,7 @@ class RLStep:
     rewards: RewardRunner
     ref_model: torch.nn.Module | None = None
     moe: bool = False  # the policy has MoE routers with an adapter: routing is captured (volatility) and replayable
+    dist: Dist = field(default_factory=Dist)  # the processes of a torchrun run (one process: no-ops)
 
 
 def _routing_capture(ctx: RLStep, model, replay: torch.Tensor | None, mb: torch.Tensor):
@@ -143,18 +192,21 @@ def rl_step(step: int, model, optimizer, scheduler, train_rows: list[dict], ctx:
     idx = prompt_indices(step, ro.prompts_per_step, len(train_rows), cfg.trainer.seed)
     rows = [train_rows[i] for i in idx]
     seeds = [derive_seed(cfg.trainer.seed, "rollout", step, j) for j in range(len(rows))]
-    batch = ctx.engine.generate([r["prompt"] for r in rows], ro.group_size, seeds)
+    mine = ctx.dist.shard(len(rows))  # this process's prompts (whole groups; all of them in a one-process run)
+    batch = ctx.engine.generate([r["prompt"] for r in rows[mine]], ro.group_size, seeds[mine])
     t_rollout = time.perf_counter() - t0
 
-    # 2. rewards and group advantages (Eq. 6)
-    row_of = [rows[int(i)] for i in batch.prompt_index]
+    # 2. rewards and group advantages (Eq. 6); every process then holds the whole batch
+    row_of = [rows[mine][int(i)] for i in batch.prompt_index]
     rewards, reward_stats = ctx.rewards([r["prompt"] for r in row_of], batch.completions, row_of)
+    batch, rewards, reward_stats = ctx.dist.gather_rollouts(batch, rewards, reward_stats, ctx.rewards,
+                                                            pad_id=getattr(ctx.engine, "pad_id", 0))
     advantages = group_advantages(rewards, ro.group_size, scale=algo.advantage_scale)
     mask = batch.completion_mask.bool()
 
     # the batch is shuffled and split into minibatches; all but the first update are off-policy
     perm = torch.randperm(len(batch), generator=torch.Generator().manual_seed(derive_seed(cfg.trainer.seed, step)))
-    minibatches = perm.chunk(algo.minibatches)
+    minibatches = [ctx.dist.share(mb) for mb in perm.chunk(algo.minibatches)]  # each process: its share of each
 
     # 3. π_old: the engine's own logprobs (§5.4), or a no-grad forward of the trainer before the first update. The
     # forward runs on the same row groups as the updates: a row's logits depend in the last bits on which rows share
@@ -179,6 +231,8 @@ def rl_step(step: int, model, optimizer, scheduler, train_rows: list[dict], ctx:
                     if old_routing is None:
                         old_routing = chosen.new_empty((len(batch), token_mask.shape[1], *chosen.shape[1:]))
                     old_routing[mb] = chosen.view(len(mb), token_mask.shape[1], *chosen.shape[1:])
+    old_logprobs, old_routing = ctx.dist.merge_rows(old_logprobs, minibatches), ctx.dist.merge_rows(old_routing,
+                                                                                                     minibatches)
     replay = {"r2": old_routing, "r3": engine_routing}.get(algo.routing_replay)
 
     # 4. minibatch updates
@@ -198,6 +252,7 @@ def rl_step(step: int, model, optimizer, scheduler, train_rows: list[dict], ctx:
             sums.update(_precision_ratio_metrics(logprobs.detach(), old_logprobs[mb], mask[mb]))
         loss, m = objective(logprobs, old_logprobs[mb], advantages[mb], mask[mb],
                             eps_low=algo.eps_low, eps_high=algo.eps_high)
+        loss = loss * ctx.dist.loss_scale(algo.loss, mask[mb])  # gradient averaging over processes = 1 process
         if ctx.ref_model is not None and algo.kl_beta > 0:
             with torch.no_grad():
                 ref_logprobs, _ = completion_logprobs(ctx.ref_model, *_rows(batch, mb), temperature=ro.temperature)
@@ -209,12 +264,14 @@ def rl_step(step: int, model, optimizer, scheduler, train_rows: list[dict], ctx:
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(
             model.parameters(), cfg.optim.grad_clip if cfg.optim.grad_clip else float("inf"))
-        if torch.isfinite(loss) and torch.isfinite(grad_norm):
+        if ctx.dist.all_finite(loss, grad_norm):  # every process steps, or none does
             optimizer.step()
             grad_norms.append(float(grad_norm))
         else:  # never let a non-finite update touch the weights
             skipped += 1
-        scheduler.step()
+        with warnings.catch_warnings():  # torch warns when the schedule steps before the (skipped) first update
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+            scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         m["loss"] = float(loss.detach())
         for key, v in m.items():
@@ -223,6 +280,7 @@ def rl_step(step: int, model, optimizer, scheduler, train_rows: list[dict], ctx:
             sums["clip_frac_tokens_first_mb"] = m["clip_frac_tokens"]
     if "entropy" in sums:
         sums["entropy"] *= algo.minibatches  # logged from the first minibatch only
+    sums = ctx.dist.mean_metrics(sums)
     ctx.engine.update_weights(model)
     t_total = time.perf_counter() - t0
 
@@ -261,6 +319,8 @@ def _check_resume_config(out: Path, cfg_dict: dict) -> None:
     if not saved_path.exists():
         return
     saved = yaml.safe_load(saved_path.read_text())
+    with contextlib.suppress(ConfigError):  # a run saved before a key existed had that key's default
+        saved = config_to_dict(validate_config(saved))
     diff = config_diff(saved, cfg_dict)
     if diff:
         raise ConfigError(f"cannot resume in {out}: its saved config differs in {', '.join(diff)}")
@@ -281,10 +341,44 @@ def _cold_start(cfg: Config, out: Path, model, tokenizer, train_rows: list[dict]
                  target_loss=cs.target_loss, progress=cfg.log.progress)
     info = {"steps": len(losses), "final_loss": sum(losses[-20:]) / len(losses[-20:])}
     tmp = out / "cold_start.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)  # what a crash during an earlier save left
     save_model(model, tokenizer, tmp)
     (tmp / "sft.json").write_text(json.dumps(info))
-    tmp.rename(target)
+    _publish_dir(tmp, target)
     return info
+
+
+def _publish_dir(tmp: Path, target: Path) -> None:
+    """Make the finished folder `tmp` appear as `target` in one rename (fsynced first); an existing `target` is
+    replaced: moved aside, then deleted once the new one is in place."""
+    fsync_tree(tmp)
+    old = target.with_name(f".{target.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if target.exists():
+        target.rename(old)
+    tmp.rename(target)
+    _fsync_dir(target.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Replace the file `path` by `text` in one rename after an fsync: a reader (or a resume after a crash) sees the
+    old or the new content, never a torn file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    tmp.replace(path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> dict:
@@ -293,19 +387,27 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
     `stop_after` (for tests: an interruption at a known point) returns as a crash would right after step
     `stop_after` (counted from the start of the run, not of this call) was logged and, if the schedule says so,
     checkpointed: no OUT/final/ and no summary.json are written; the return value is {"stopped_after": step}.
-    `train(cfg, resume=True)` then continues from the latest checkpoint.
+    `train(cfg, resume=True)` then continues from the latest checkpoint (or starts over when there is none yet).
+
+    Raises TrainingError (after writing summary.json with status "failed") when `trainer.max_bad_steps` consecutive
+    steps had all their updates skipped for a non-finite loss or gradient norm; CheckpointError when a checkpoint
+    cannot be written (earlier checkpoints stay intact and resumable).
     """
     if stop_after is not None and stop_after < 1:
         raise ValueError(f"stop_after must be >= 1, got {stop_after}")
     wall0 = time.perf_counter()
+    par = init_distributed(cfg.trainer.parallel, cfg.trainer.device)  # torchrun's processes, or just this one
     out = Path(cfg.trainer.out)
     cfg_dict = config_to_dict(cfg)
     if out.exists() and any(out.iterdir()) and not resume and (out / "config.yaml").exists():
         raise ConfigError(f"{out} already holds a run: pass --resume to continue it, or choose another trainer.out")
     if resume:
         _check_resume_config(out, cfg_dict)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(yaml.safe_dump(cfg_dict, sort_keys=False))
+    par.barrier()  # every process has checked the folder before rank 0 writes into it
+    if par.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        _write_atomic(out / "config.yaml", yaml.safe_dump(cfg_dict, sort_keys=False))
+    par.barrier()
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
     set_seed(cfg.trainer.seed)
@@ -317,47 +419,79 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
             require_replay_support(model, cfg.algorithm.routing_replay)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    train_rows = load_split(cfg, cfg.data.split, cfg.data.train_size)
-    eval_rows = load_split(cfg, cfg.data.eval_split, cfg.data.eval_size) if cfg.data.eval_split else []
-    rewards = RewardRunner(cfg.rewards.functions, on_error=cfg.rewards.on_error)
+    try:
+        par.check_sizes(cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.algorithm.minibatches)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    model = par.place(model)
     ro = cfg.rollout
     eval_tokens = cfg.trainer.eval_max_new_tokens or ro.max_new_tokens
+    train_rows, skipped_train = drop_long_prompts(load_split(cfg, cfg.data.split, cfg.data.train_size), tokenizer,
+                                                  prompt_token_limit(cfg, model, ro.max_new_tokens), cfg.data.split)
+    eval_rows, skipped_eval = [], 0
+    if cfg.data.eval_split:
+        eval_rows, skipped_eval = drop_long_prompts(load_split(cfg, cfg.data.eval_split, cfg.data.eval_size),
+                                                    tokenizer, prompt_token_limit(cfg, model, eval_tokens),
+                                                    cfg.data.eval_split)
+    rewards = RewardRunner(cfg.rewards.functions, on_error=cfg.rewards.on_error, timeout_s=cfg.rewards.timeout_s,
+                           workers=cfg.rewards.workers)
 
     checkpoint = find_latest_checkpoint(out) if resume else None
     # on a resume the checkpoint's weights replace the cold-start ones, but the KL reference is the cold-start model
-    cold_start = _cold_start(cfg, out, model, tokenizer, train_rows) if cfg.cold_start is not None else None
+    cold_start = None
+    if cfg.cold_start is not None:  # rank 0 trains and saves it; the other processes then load it
+        cold_start = _cold_start(cfg, out, model, tokenizer, train_rows) if par.is_main else None
+        par.barrier()
+        cold_start = cold_start or _cold_start(cfg, out, model, tokenizer, train_rows)
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.algorithm.kl_beta > 0 else None
 
     total_updates = cfg.trainer.steps * cfg.algorithm.minibatches
-    optimizer, scheduler = make_optimizer(
-        model, cfg.optim.lr, total_updates, weight_decay=cfg.optim.weight_decay, betas=cfg.optim.betas,
-        warmup_steps=cfg.optim.warmup_steps, min_lr_ratio=cfg.optim.min_lr_ratio,
-        cosine=cfg.optim.schedule == "cosine")
-    start = 0
+
+    def build_optimizer(module):
+        return make_optimizer(
+            module, cfg.optim.lr, total_updates, weight_decay=cfg.optim.weight_decay, betas=cfg.optim.betas,
+            warmup_steps=cfg.optim.warmup_steps, min_lr_ratio=cfg.optim.min_lr_ratio,
+            cosine=cfg.optim.schedule == "cosine")
+
+    optimizer, scheduler = build_optimizer(model)
+    start, bad_steps = 0, 0  # bad_steps: consecutive steps whose updates were all skipped (non-finite)
     if checkpoint is not None:
         state = load_checkpoint(checkpoint, model=model, optimizer=optimizer, scheduler=scheduler)
-        start = state["step"]
+        start, bad_steps = state["step"], state.get("bad_steps", 0)
+        # counts up to the checkpoint, so that the summary covers the whole run, not just this process
+        rewards.failures.update(state.get("reward_failures", {}))
+        rewards.timeouts.update(state.get("reward_timeouts", {}))
         log.info("resumed from %s at step %d", checkpoint, start)
+    elif resume:
+        log.info("no checkpoint in %s yet: starting the run over", out)
 
-    engine = HFSampler(model, tokenizer, SamplingParams(
-        temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k, max_new_tokens=ro.max_new_tokens,
-        stop=tuple(ro.stop)), dtype=ro.dtype, record_routing=cfg.algorithm.routing_replay == "r3")
-    ctx = RLStep(cfg, engine, rewards, ref_model, moe=is_moe(model))
+    par.watch_counters(rewards)  # the run's reward-failure totals so far (restored from the checkpoint)
+    engine = make_engine(cfg, model, tokenizer, out=out, dist=par)  # before wrapping: it may copy the full model
+    greedy = eval_sampler(cfg, engine, model, tokenizer, eval_tokens)
+    moe = is_moe(model)
+    model, optimizer, scheduler = par.wrap(model, optimizer, scheduler, build_optimizer,
+                                           cfg.trainer.fsdp_mixed_precision)  # DDP / FSDP2; one process: as is
+    ref_model = par.wrap_frozen(ref_model, cfg.trainer.fsdp_mixed_precision)
+    ctx = RLStep(cfg, engine, rewards, ref_model, moe=moe, dist=par)
     logger = MetricsLogger(out, tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb, mlflow=cfg.log.mlflow,
-                           resume_step=start if resume else None, run_config=cfg_dict)
+                           resume_step=start if resume else None, run_config=cfg_dict) if par.is_main else NullLogger()
     eval_path = out / "eval.jsonl"
     # evaluations up to the checkpoint are kept; a run that restarts from step 0 evaluates step 0 again
     evals = [r for r in read_metrics(eval_path) if r["step"] <= start] if start > 0 and eval_path.exists() else []
 
     def run_eval(step: int) -> dict[str, float]:
-        result = {f"heldout_{k}": v for k, v in evaluate(model, tokenizer, eval_rows, rewards, eval_tokens).items()}
+        scores = par.evaluate(lambda part: evaluate(model, tokenizer, part, rewards, eval_tokens, sampler=greedy),
+                              eval_rows, rewards)  # sharded over the processes
+        result = {f"heldout_{k}": v for k, v in scores.items()}
         evals.append({"step": step, **result})
-        _write_jsonl(out / "eval.jsonl", evals)
+        if par.is_main:
+            _write_jsonl(out / "eval.jsonl", evals)
         return result
 
     if start == 0 and eval_rows:
         run_eval(0)
-    progress = Progress(total=cfg.trainer.steps, initial=start, disable=None if cfg.log.progress else True,
+    progress = Progress(total=cfg.trainer.steps, initial=start,
+                        disable=None if cfg.log.progress and par.is_main else True,
                         keys=("reward_mean", "heldout_accuracy", "clip_frac_tokens"))
     try:
         for step in range(start, cfg.trainer.steps):
@@ -369,30 +503,62 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
                 metrics.update(run_eval(done))
             logger.log(done, metrics)
             progress.update(done, metrics)
+            bad_steps = bad_steps + 1 if metrics["skipped_updates"] == cfg.algorithm.minibatches else 0
             if cfg.trainer.checkpoint_every and (done % cfg.trainer.checkpoint_every == 0 or done == cfg.trainer.steps):
-                save_checkpoint(out, done, model=model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
-                                state={"step": done, "data_position": done * ro.prompts_per_step},
-                                keep_last=cfg.trainer.keep_checkpoints)
+                with par.full_state(model, optimizer) as (full_model, full_optimizer):  # None but on rank 0
+                    if full_model is not None:
+                        save_checkpoint(out, done, model=full_model, tokenizer=tokenizer, optimizer=full_optimizer,
+                                        scheduler=scheduler,
+                                        state={"step": done, "data_position": done * ro.prompts_per_step,
+                                               "bad_steps": bad_steps, "reward_failures": dict(rewards.failures),
+                                               "reward_timeouts": dict(rewards.timeouts)},
+                                        keep_last=cfg.trainer.keep_checkpoints)
+            if cfg.trainer.max_bad_steps is not None and bad_steps >= cfg.trainer.max_bad_steps:
+                error = (f"stopped at step {done}: the last {bad_steps} steps (trainer.max_bad_steps) had every update "
+                         f"skipped for a non-finite loss or gradient norm, so the weights stopped changing; "
+                         f"lower optim.lr, keep optim.grad_clip, or check the rewards and the model's dtype")
+                if par.is_main:
+                    _write_atomic(out / "summary.json", json.dumps({
+                        "status": "failed", "error": error, "steps_done": done, "steps": cfg.trainer.steps,
+                        "skipped_updates": _skipped_updates(out), "wall_seconds": time.perf_counter() - wall0,
+                    }, indent=2))
+                raise TrainingError(error)
             if stop_after is not None and done >= stop_after and done < cfg.trainer.steps:
                 return {"stopped_after": done}
     finally:
         progress.close()
         logger.close()
 
-    save_model(model, tokenizer, out / "final")
+    final_tmp = out / ".final.tmp"
+    with par.full_state(model) as (full_model, _):
+        if full_model is not None:
+            shutil.rmtree(final_tmp, ignore_errors=True)
+            save_model(full_model, tokenizer, final_tmp)
+            _publish_dir(final_tmp, out / "final")
     summary = {
+        "status": "completed",
         "heldout_accuracy_before_rl": evals[0]["heldout_accuracy"] if evals else None,
         "heldout_accuracy_after_rl": evals[-1]["heldout_accuracy"] if evals else None,
         "steps": cfg.trainer.steps,
         "cold_start": cold_start,
         "wall_seconds": time.perf_counter() - wall0,
         "reward_failures": dict(rewards.failures),
+        "reward_timeouts": dict(rewards.timeouts),
+        "skipped_updates": _skipped_updates(out),
+        "skipped_prompts": {"train": skipped_train, "eval": skipped_eval},
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    if par.is_main:
+        _write_atomic(out / "summary.json", json.dumps(summary, indent=2))
+    par.barrier()  # no process returns before the final model and summary exist
     return summary
 
 
+def _skipped_updates(out: Path) -> int:
+    """Optimizer updates skipped (non-finite) over the whole run, from metrics.jsonl (which survives resumes; None
+    where this process cannot see it, e.g. a rank on another machine)."""
+    path = out / "metrics.jsonl"
+    return int(sum(r.get("skipped_updates") or 0 for r in read_metrics(path))) if path.exists() else None
+
+
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    tmp.replace(path)
+    _write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))

@@ -1,13 +1,16 @@
 """Load prompt rows from files, saved datasets or the Hugging Face Hub, with early and specific validation.
 
-Whatever the source, the result is a list of plain dicts that each carry a non-empty string `prompt`. A bad row is
-reported by its 0-based index (and line number for JSON Lines) and by the field that is wrong, so a broken dataset
-fails at load time rather than deep inside training.
+Whatever the source, the result is a list of plain dicts that each carry a non-empty string `prompt`; the fields that
+rewards and cold start read, when present, are checked too (`answer`: a non-empty string, numbers converted;
+`solution`: a non-empty string; `tests`: a non-empty string or list of strings). A bad row is reported by its 0-based
+index (and line number for JSON Lines) and by the field that is wrong, so a broken dataset fails at load time rather
+than deep inside training.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -60,7 +63,32 @@ def _normalize_row(raw: Any, index: int, line: int | None, fields: Mapping[str, 
         raise ValueError(f"{source}: {where} field 'prompt' must be a string, got {type(prompt).__name__} {prompt!r}")
     if not prompt.strip():
         raise ValueError(f"{source}: {where} field 'prompt' is empty or whitespace")
+    _check_known_fields(row, f"{source}: {where}")
     return row
+
+
+def _check_known_fields(row: dict[str, Any], where: str) -> None:
+    """Check (in place) the optional fields whose meaning we know, so that a wrong type is reported here, at its row,
+    instead of as a reward failure at every step that draws the row. A numeric `answer` (JSON `42`) becomes "42"."""
+    answer = row.get("answer", "")
+    if "answer" in row and isinstance(answer, (int, float)) and not isinstance(answer, bool) and math.isfinite(answer):
+        row["answer"] = answer = str(answer)
+    if "answer" in row and not (isinstance(answer, str) and answer.strip()):
+        raise ValueError(f"{where} field 'answer' must be a non-empty string or a number, got {_shown(answer)}")
+    solution = row.get("solution", "")
+    if "solution" in row and not (isinstance(solution, str) and solution.strip()):
+        raise ValueError(f"{where} field 'solution' must be a non-empty string, got {_shown(solution)}")
+    tests = row.get("tests", "")
+    if "tests" in row and not (
+        (isinstance(tests, str) and tests.strip())
+        or (isinstance(tests, list) and tests and all(isinstance(t, str) for t in tests))
+    ):
+        raise ValueError(f"{where} field 'tests' must be a non-empty string or list of strings, got {_shown(tests)}")
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
 
 
 def _jsonl_records(path: Path) -> Iterator[tuple[Any, int]]:
@@ -156,7 +184,8 @@ def load_rows(
     `prompt`, is required. `limit` keeps only the first `limit` rows (rows after them are not read or checked).
 
     Raises ValueError naming the source, the row (0-based index; line number for JSON Lines) and the field for a
-    missing field, a non-string or empty prompt, or a malformed JSON line; FileNotFoundError for a missing data file;
+    missing field, a non-string or empty prompt, a wrong-typed or empty `answer` / `solution` / `tests`, or a
+    malformed JSON line; FileNotFoundError for a missing data file;
     ValueError if the source has no rows.
     """
     if not isinstance(source, str) or not source.strip():

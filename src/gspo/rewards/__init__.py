@@ -3,6 +3,9 @@
 A reward function is a plain function `fn(prompt: str, completion: str, **row) -> float`, where `row` holds the data
 row's other fields (e.g. `answer`). It is named either by a registry name (`REWARDS`) or by an import path
 (`"package.module:function"` or `"package.module.function"`), so user rewards need no registration.
+
+Each call runs under a wall-clock deadline (`timeout_s`, see `gspo.rewards.deadline` for how and at what cost), and
+the `code` reward runs model-written programs in a sandboxed child process (`gspo.rewards.sandbox`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from typing import Any, Literal
 import torch
 
 from gspo.rewards.builtin import addition_reward, countdown_reward, math_reward, parse_arithmetic
+from gspo.rewards.deadline import DeadlinePool, Outcome
+from gspo.rewards.sandbox import code_reward
 
 __all__ = [
     "REWARDS",
@@ -24,6 +29,7 @@ __all__ = [
     "RewardFn",
     "RewardRunner",
     "addition_reward",
+    "code_reward",
     "countdown_reward",
     "math_reward",
     "parse_arithmetic",
@@ -36,6 +42,7 @@ RewardFn = Callable[..., float]
 
 REWARDS: dict[str, RewardFn] = {
     "addition": addition_reward,
+    "code": code_reward,
     "countdown": countdown_reward,
     "math": math_reward,
 }
@@ -43,10 +50,12 @@ REWARDS: dict[str, RewardFn] = {
 # Row fields that are passed positionally, so they are dropped from the keyword arguments.
 _POSITIONAL_FIELDS = ("prompt", "completion")
 _PREFIX_CHARS = 60  # how much of a completion a failure message shows
+# Timed-out calls still running in abandoned threads beyond which training stops (each may hold CPU and memory).
+MAX_STUCK_CALLS = 16
 
 
 class RewardFailure(RuntimeError):
-    """A reward function raised or returned something that is not a finite number."""
+    """A reward function raised, timed out, or returned something that is not a finite number."""
 
 
 def resolve_reward(spec: str) -> RewardFn:
@@ -106,20 +115,33 @@ class RewardRunner:
     """Scores completions with a weighted sum of reward functions and accounts for their failures.
 
     `specs` maps reward specs (see `resolve_reward`; a callable is also accepted, named by its `__name__`) to finite
-    weights, as a dict or a list of `(spec, weight)` pairs. A function that raises, or returns None, NaN, ±inf or a
-    non-number, fails for that row: with `on_error="fail"` a `RewardFailure` is raised naming the function, the row,
-    the reason and the start of the completion; with `on_error="zero"` the function contributes 0 for that row, the
-    failure is counted (`self.failures`, cumulative per function, and `reward_failures` in each call's stats) and a
-    warning is logged once per function and kind of failure.
+    weights, as a dict or a list of `(spec, weight)` pairs. A function that raises, runs longer than `timeout_s`
+    seconds (None: no limit), or returns None, NaN, ±inf or a non-number, fails for that row: with `on_error="fail"`
+    a `RewardFailure` is raised naming the function, the row, the reason and the start of the completion; with
+    `on_error="zero"` the function contributes 0 for that row, the failure is counted (`self.failures`, cumulative
+    per function, and `reward_failures` in each call's stats) and a warning is logged once per function and kind of
+    failure. Timeouts are also counted in `self.timeouts` (and `reward_timeouts` in the stats).
+
+    Calls run in `workers` daemon threads (`DeadlinePool`) when there is a deadline or more than one worker, else
+    inline. A timed-out call cannot be stopped and keeps running in its abandoned thread; once more than
+    `MAX_STUCK_CALLS` of them are still running, a RewardFailure is raised whatever `on_error` says.
     """
 
     def __init__(
         self,
         specs: Sequence[tuple[str | RewardFn, float]] | Mapping[str, float],
         on_error: Literal["fail", "zero"] = "fail",
+        timeout_s: float | None = 10.0,
+        workers: int = 1,
     ) -> None:
         if on_error not in ("fail", "zero"):
             raise ValueError(f"RewardRunner: on_error must be 'fail' or 'zero', got {on_error!r}")
+        if timeout_s is not None and (
+            isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real) or not 0 < timeout_s < math.inf
+        ):
+            raise ValueError(f"RewardRunner: timeout_s must be a finite number > 0 or None, got {timeout_s!r}")
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"RewardRunner: workers must be an int >= 1, got {workers!r}")
         items = list(specs.items()) if isinstance(specs, Mapping) else list(specs)
         if not items:
             raise ValueError("RewardRunner needs at least one reward function")
@@ -142,19 +164,46 @@ class RewardRunner:
             self.functions.append(fn)
             self.weights.append(float(weight))
         self.on_error = on_error
+        self.timeout_s = None if timeout_s is None else float(timeout_s)
         self.failures: dict[str, int] = dict.fromkeys(self.names, 0)
+        self.timeouts: dict[str, int] = dict.fromkeys(self.names, 0)
         self._warned: set[tuple[str, str]] = set()
+        self._pool = DeadlinePool(workers, self.timeout_s) if self.timeout_s is not None or workers > 1 else None
 
-    def _score(
-        self, name: str, fn: RewardFn, index: int, prompt: str, completion: str, row: Mapping
-    ) -> tuple[float, bool]:
-        """One function on one row: (value, failed). Raises RewardFailure in "fail" mode."""
-        kwargs = {k: v for k, v in row.items() if k not in _POSITIONAL_FIELDS}
+    def _invoke(self, calls: list[tuple[RewardFn, tuple, dict]]) -> list[Outcome]:
+        """Run the calls (inline, or in the pool with the deadline); outcomes in call order."""
+        if self._pool is None:
+            outcomes = []
+            for fn, args, kwargs in calls:
+                try:
+                    outcomes.append(Outcome(value=fn(*args, **kwargs)))
+                except Exception as exc:
+                    outcomes.append(Outcome(error=exc))
+            return outcomes
+        outcomes = self._pool.map(calls)
+        stuck = self._pool.stuck
+        if stuck > MAX_STUCK_CALLS:
+            raise RewardFailure(
+                f"{stuck} reward calls that timed out (rewards.timeout_s={self.timeout_s:g}) are still running in "
+                "background threads, which Python cannot stop; stopping before they take over the process. Fix the "
+                "hanging reward function, or run untrusted code through gspo.rewards.sandbox"
+            )
+        return outcomes
+
+    def _score(self, name: str, index: int, completion: str, outcome: Outcome) -> tuple[float, bool]:
+        """Judge one function's outcome on one row: (value, failed). Raises RewardFailure in "fail" mode."""
         cause: BaseException | None = None
-        try:
-            value, kind, reason = _check_value(fn(prompt, completion, **kwargs))
-        except Exception as exc:
+        if outcome.timed_out:
+            self.timeouts[name] += 1
+            value, kind = None, "timeout"
+            reason = f"timed out after {self.timeout_s:g} s (rewards.timeout_s; the call was abandoned)"
+        elif outcome.error is not None:
+            if not isinstance(outcome.error, Exception):  # SystemExit from a reward function: not ours to swallow
+                raise outcome.error
+            exc = outcome.error
             value, kind, reason, cause = None, "exception", f"raised {type(exc).__name__}: {exc}", exc
+        else:
+            value, kind, reason = _check_value(outcome.value)
         if value is not None:
             return value, False
         self.failures[name] += 1
@@ -175,7 +224,8 @@ class RewardRunner:
         self, prompts: list[str], completions: list[str], rows: list[dict]
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """Score each completion. Returns float32 rewards [N] (the weighted sum) and stats: the unweighted mean of
-        each function (`reward/<name>`, failures counted as 0) and this call's failure count (`reward_failures`)."""
+        each function (`reward/<name>`, failures counted as 0), this call's failure count (`reward_failures`) and
+        how many of those were timeouts (`reward_timeouts`)."""
         n = len(completions)
         if len(prompts) != n or len(rows) != n:
             raise ValueError(
@@ -189,16 +239,22 @@ class RewardRunner:
                     f"RewardRunner: row {i} needs a str prompt, a str completion and a dict row, got "
                     f"{type(prompt).__name__}, {type(completion).__name__}, {type(row).__name__}"
                 )
+        kwargs = [{k: v for k, v in row.items() if k not in _POSITIONAL_FIELDS} for row in rows]
+        outcomes = self._invoke(
+            [(fn, (prompts[i], completions[i]), kwargs[i]) for fn in self.functions for i in range(n)]
+        )
         totals = [0.0] * n
         stats: dict[str, float] = {}
         call_failures = 0
-        for name, fn, weight in zip(self.names, self.functions, self.weights, strict=True):
+        timeouts_before = sum(self.timeouts.values())
+        for k, (name, weight) in enumerate(zip(self.names, self.weights, strict=True)):
             values = []
             for i in range(n):
-                value, failed = self._score(name, fn, i, prompts[i], completions[i], rows[i])
+                value, failed = self._score(name, i, completions[i], outcomes[k * n + i])
                 call_failures += failed
                 values.append(value)
                 totals[i] += weight * value
             stats[f"reward/{name}"] = sum(values) / n
         stats["reward_failures"] = float(call_failures)
+        stats["reward_timeouts"] = float(sum(self.timeouts.values()) - timeouts_before)
         return torch.tensor(totals, dtype=torch.float32), stats

@@ -1,0 +1,637 @@
+"""Run untrusted, model-written Python in a locked-down child process, and the `code` reward built on it.
+
+`run_sandboxed(code, tests)` runs `code` followed by `tests` (a Python snippet, typically `assert` statements) and
+scores 1.0 only if the tests ran to their end; anything else scores 0.0 with a reason ("tests failed", "timeout",
+"memory", "cpu time limit", "killed by signal 9", "exit code 1", ...). It never raises because of what the program
+does; it raises `SandboxError` only when the sandbox itself cannot be set up (e.g. no usable interpreter).
+
+How the program is contained (Linux). The trainer starts a small launcher (this file, run as a script by the
+trainer's interpreter in isolated mode, in a new session), which
+
+* enters new network, PID, mount and IPC namespaces (`unshare` through ctypes). When the trainer is not root, a user
+  namespace is created first so that this works unprivileged;
+* forks the sandbox's init process (PID 1 of the new PID namespace), which makes every mount read-only except the
+  private working folder, mounts a /proc of its own (host processes are invisible: no command lines, no
+  environments), sets resource limits (RLIMIT_CPU: CPU seconds; RLIMIT_AS: address space; RLIMIT_NPROC: processes;
+  no core dumps; 16 MiB files; 256 open files) and — when the trainer runs as root — drops to an unprivileged uid
+  (`nobody`, 65534) with no supplementary groups: that is what makes RLIMIT_NPROC bite (it is not enforced for
+  uid 0); without root the user namespace's own process count plays that part. It sets no-new-privileges and a
+  parent-death signal, forks the program and reaps every process until the program exits; when it exits in turn,
+  the kernel kills whatever the program left behind in the namespace, however it daemonised;
+* the program `exec`s `python -I -S -B main.py` (isolated mode, no site-packages: only the standard library is
+  importable and no PYTHON* variable is honoured) in the private temporary folder (created per call, removed
+  afterwards) with a clean environment (PATH, LANG, and HOME and TMPDIR in that folder; nothing inherited) and stdin
+  at EOF. In the new network namespace there is no interface but a downed loopback: no connection goes anywhere,
+  not even to the trainer's machine.
+
+The trainer enforces the wall-clock limit itself (killing the whole process group; the parent-death signals and the
+PID namespace take care of anything that left the group), caps the captured output, and reads the launcher's report
+of which layers were applied. A layer that could not be applied is never claimed: it is named in
+`SandboxResult.warnings` (and `require_isolation=True` turns that into an error).
+
+Reward hacking: `tests` only count as passed when the harness reaches its end and writes a per-call random token
+to a pipe the trainer reads, so `exit(0)` before the tests does not pass. The harness runs in the same process as
+the program, so a program that deliberately inspects the harness's frames can still forge a pass: this guards
+against accidental and common hacks, not against an adversary that targets this harness.
+
+Not contained: the program can read world-readable files and use CPU, memory and its folder's disk space up to its
+limits.
+
+This module imports only the standard library: the launcher runs it as a script (`python -I -S sandbox.py`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import logging
+import math
+import os
+import pwd
+import re
+import secrets
+import selectors
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["SandboxError", "SandboxResult", "code_reward", "extract_code", "make_code_reward", "run_sandboxed"]
+
+logger = logging.getLogger(__name__)
+
+_CLONE_NEWNS = 0x00020000
+_CLONE_NEWIPC = 0x08000000
+_CLONE_NEWUSER = 0x10000000
+_CLONE_NEWPID = 0x20000000
+_CLONE_NEWNET = 0x40000000
+_PR_SET_PDEATHSIG = 1
+_PR_SET_NO_NEW_PRIVS = 38
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_BIND = 0x1, 0x2, 0x4, 0x8, 0x20, 0x1000
+_MS_REC, _MS_PRIVATE = 0x4000, 0x40000
+# Per-mount flags that a remount must repeat (in a user namespace the kernel refuses to clear locked ones).
+_MOUNT_OPTION_FLAGS = {"nosuid": 0x2, "nodev": 0x4, "noexec": 0x8, "noatime": 0x400, "nodiratime": 0x800,
+                       "relatime": 0x200000, "strictatime": 0x1000000}
+
+NOBODY_UID = 65534
+_MAX_FILE_BYTES = 16 << 20  # RLIMIT_FSIZE: the largest file the program may write
+_MAX_OPEN_FILES = 256  # RLIMIT_NOFILE
+_MAX_REPORT_BYTES = 64 << 10  # what is kept of the launcher's report and the result pipe
+_RESULT_FD = 3  # where the harness finds the result pipe
+_SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
+_FALLBACK_PYTHONS = ("/usr/local/bin/python3", "/usr/bin/python3")
+
+# The program's entry point. It reads the per-call token from stdin, leaves stdin at EOF, runs solution.py (the code
+# followed by the tests) with __name__ "solution" (so an `if __name__ == "__main__":` block waiting for input does
+# not run), and writes the token to the result pipe only if that returned. Kept compatible with Python >= 3.8.
+_HARNESS = """\
+import os
+import sys
+
+
+def _main():
+    token = sys.stdin.readline().strip()
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    with open("solution.py", encoding="utf-8") as handle:
+        source = handle.read()
+    namespace = {"__name__": "solution", "__builtins__": __builtins__}
+    exec(compile(source, "solution.py", "exec"), namespace)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.write(3, token.encode() + b"\\n")
+
+
+_main()
+"""
+
+
+class SandboxError(RuntimeError):
+    """The sandbox could not run the program (a setup problem, not the program's fault)."""
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    """What became of one sandboxed program.
+
+    `score` 1.0 (the tests ran to their end) or 0.0; `reason` "passed" or why not; `stdout` / `stderr` as captured
+    (at most `max_output_bytes` each, decoded with replacement); `exit_code` the program's exit status (negative:
+    killed by that signal; None when the trainer killed it on timeout or output overflow); `isolation` the layers
+    that were applied; `warnings` the layers that could not be (never silently missing).
+    """
+
+    score: float
+    reason: str
+    stdout: str
+    stderr: str
+    exit_code: int | None
+    isolation: tuple[str, ...]
+    warnings: tuple[str, ...]
+
+
+# ------------------------------------------------------------------------------------------------------ the parent
+
+
+def run_sandboxed(
+    code: str,
+    tests: str | Sequence[str] = "",
+    *,
+    timeout_s: float = 5.0,
+    cpu_s: float = 5.0,
+    memory_mb: int = 512,
+    max_procs: int = 32,
+    max_output_bytes: int = 64 << 10,
+    python: str | None = None,
+    require_isolation: bool = False,
+) -> SandboxResult:
+    """Run `code` then `tests` in a sandbox (see the module docstring); score 1.0 if the tests ran to their end.
+
+    `tests`: a Python snippet, or a list of snippets (e.g. one `assert` each) joined by newlines, run after `code`
+    in the same namespace. `timeout_s`: wall-clock limit (interpreter start included); `cpu_s`: CPU seconds
+    (rounded up); `memory_mb`: address-space limit of each process; `max_procs`: processes the program may run at
+    once, itself included; `max_output_bytes`: per stream, more kills the program ("output limit exceeded").
+    `python`: the interpreter for the program (default: this one, or a system python3 when this one is not usable
+    by the unprivileged uid). `require_isolation`: raise SandboxError instead of running with a layer missing.
+    """
+    _check_limits(timeout_s, cpu_s, memory_mb, max_procs, max_output_bytes)
+    if not sys.platform.startswith("linux"):
+        raise SandboxError(f"the sandbox needs Linux (namespaces, rlimits, prctl); this is {sys.platform}")
+    if not isinstance(code, str):
+        raise TypeError(f"run_sandboxed: code must be a str, got {type(code).__name__}")
+    tests_source = _tests_source(tests)
+    drop_to: tuple[int, int] | None = _nobody() if os.geteuid() == 0 else None
+    interpreter = python or _default_python(drop_to is not None)
+    workdir = Path(tempfile.mkdtemp(prefix="gspo-sandbox-"))
+    try:
+        (workdir / "main.py").write_text(_HARNESS, encoding="utf-8")
+        (workdir / "solution.py").write_text(f"{code}\n\n{tests_source}\n", encoding="utf-8")
+        if drop_to is not None:
+            os.chown(workdir, *drop_to)
+        spec = {
+            "python": interpreter,
+            "workdir": str(workdir),
+            "uid_gid": drop_to,
+            "cpu_s": math.ceil(cpu_s),
+            "memory_bytes": int(memory_mb) << 20,
+            "max_procs": int(max_procs),
+            "env": {"PATH": _SAFE_PATH, "LANG": "C.UTF-8", "HOME": str(workdir), "TMPDIR": str(workdir)},
+        }
+        return _run(spec, timeout_s, max_output_bytes, require_isolation)
+    finally:
+        _remove_tree(workdir)
+
+
+def _check_limits(timeout_s: float, cpu_s: float, memory_mb: int, max_procs: int, max_output_bytes: int) -> None:
+    for name, value in (("timeout_s", timeout_s), ("cpu_s", cpu_s)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise ValueError(f"run_sandboxed: {name} must be a finite number > 0, got {value!r}")
+    for name, value, low in (("memory_mb", memory_mb, 16), ("max_procs", max_procs, 1),
+                             ("max_output_bytes", max_output_bytes, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"run_sandboxed: {name} must be an int >= {low}, got {value!r}")
+
+
+def _tests_source(tests: str | Sequence[str]) -> str:
+    if isinstance(tests, str):
+        return tests
+    if isinstance(tests, Sequence) and all(isinstance(t, str) for t in tests):
+        return "\n".join(tests)
+    raise TypeError(f"run_sandboxed: tests must be a str or a list of str, got {tests!r:.80}")
+
+
+def _nobody() -> tuple[int, int]:
+    """(uid, gid) of `nobody`, or 65534 for both where there is no such user."""
+    try:
+        entry = pwd.getpwnam("nobody")
+    except KeyError:
+        return NOBODY_UID, NOBODY_UID
+    return entry.pw_uid, entry.pw_gid
+
+
+def _usable_by_others(path: str) -> bool:
+    """Whether a user with no relation to the owners can execute `path`: it and every folder above it are o+x."""
+    target = Path(path)
+    try:
+        if not target.stat().st_mode & stat.S_IXOTH:
+            return False
+        return all(parent.stat().st_mode & stat.S_IXOTH for parent in target.parents)
+    except OSError:
+        return False
+
+
+def _default_python(dropping_privileges: bool) -> str:
+    """This interpreter, or (when the program runs as `nobody` and cannot reach it) a system python3."""
+    own = os.path.realpath(sys.executable)
+    if not dropping_privileges:
+        return own
+    for candidate in (own, *_FALLBACK_PYTHONS):
+        if os.path.isfile(candidate) and _usable_by_others(os.path.realpath(candidate)):
+            return candidate
+    raise SandboxError(
+        f"no Python interpreter that the unprivileged uid can run: {own} (this one) is in a folder closed to other "
+        f"users and none of {list(_FALLBACK_PYTHONS)} is usable; pass python=... (any python3 with its standard "
+        "library readable by all users)"
+    )
+
+
+def _run(spec: dict[str, Any], timeout_s: float, max_output: int, require_isolation: bool) -> SandboxResult:
+    """Start the launcher, feed the token, collect output and reports until EOF or a limit, kill what is left."""
+    token = secrets.token_hex(16)
+    status_r, status_w = os.pipe()
+    result_r, result_w = os.pipe()
+    spec = {**spec, "status_fd": status_w, "result_fd": result_w}
+    try:
+        proc = subprocess.Popen(
+            [os.path.realpath(sys.executable), "-I", "-S", "-B", os.path.abspath(__file__), "--launch",
+             json.dumps(spec)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=spec["workdir"],
+            env=spec["env"], start_new_session=True, pass_fds=(status_w, result_w),
+        )
+    except BaseException:
+        for fd in (status_r, status_w, result_r, result_w):
+            os.close(fd)
+        raise
+    os.close(status_w)
+    os.close(result_w)
+    streams = {"stdout": proc.stdout.fileno(), "stderr": proc.stderr.fileno(), "status": status_r,
+               "result": result_r}
+    ended = False
+    try:
+        with contextlib.suppress(OSError):  # the launcher is already gone; its report says why
+            proc.stdin.write(token.encode() + b"\n")
+            proc.stdin.close()
+        data, stopped = _collect(streams, time.monotonic() + timeout_s, max_output)
+        ended = stopped is None
+    finally:
+        _stop(proc, ended)
+        for handle in (proc.stdout, proc.stderr):
+            handle.close()
+        data_status = _drain(status_r)  # after a timeout: the launcher's report of what it set up
+        os.close(status_r)
+        os.close(result_r)
+    data["status"] = (data["status"] + data_status)[:_MAX_REPORT_BYTES]
+    reports = _parse_reports(data["status"])
+    if "setup_error" in reports:
+        raise SandboxError(f"the sandbox could not start the program: {reports['setup_error']}")
+    if "isolation" not in reports and stopped is None:  # the launcher died before saying what it set up
+        tail = data["stderr"][-2000:].decode("utf-8", "replace")
+        raise SandboxError(f"the sandbox launcher failed (exit {proc.returncode}) before starting the program: {tail}")
+    isolation, warnings = tuple(reports.get("isolation", ())), tuple(reports.get("warnings", ()))
+    if require_isolation and warnings:
+        raise SandboxError("the sandbox is missing isolation layers: " + "; ".join(warnings))
+    exit_code = None if stopped else reports.get("exit", reports.get("init_exit", proc.returncode))
+    passed = stopped is None and exit_code == 0 and token.encode() in data["result"].split(b"\n")
+    stdout, stderr = (data[name][:max_output].decode("utf-8", "replace") for name in ("stdout", "stderr"))
+    reason = "passed" if passed else _failure_reason(stopped, exit_code, stderr)
+    return SandboxResult(1.0 if passed else 0.0, reason, stdout, stderr, exit_code, isolation, warnings)
+
+
+def _collect(streams: dict[str, int], deadline: float, max_output: int) -> tuple[dict[str, bytes], str | None]:
+    """Read every stream until all are at EOF (None), the deadline ("timeout") or an overflow of stdout or stderr
+    ("output limit exceeded"). The reports are kept up to _MAX_REPORT_BYTES."""
+    data = {name: bytearray() for name in streams}
+    names = {fd: name for name, fd in streams.items()}
+    with selectors.DefaultSelector() as selector:
+        for fd in names:
+            selector.register(fd, selectors.EVENT_READ)
+        while selector.get_map():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return {k: bytes(v) for k, v in data.items()}, "timeout"
+            for key, _ in selector.select(remaining):
+                chunk = os.read(key.fd, 1 << 16)
+                if not chunk:
+                    selector.unregister(key.fd)
+                    continue
+                name = names[key.fd]
+                limit = max_output if name in ("stdout", "stderr") else _MAX_REPORT_BYTES
+                data[name] += chunk[: max(0, limit + 1 - len(data[name]))]
+                if len(data[name]) > limit:
+                    if name in ("stdout", "stderr"):
+                        return {k: bytes(v) for k, v in data.items()}, "output limit exceeded"
+                    del data[name][limit:]
+    return {k: bytes(v) for k, v in data.items()}, None
+
+
+def _drain(fd: int) -> bytes:
+    """What is left in a pipe whose writers are gone (or no longer write), without blocking."""
+    os.set_blocking(fd, False)
+    chunks = []
+    try:
+        while chunk := os.read(fd, 1 << 16):
+            chunks.append(chunk)
+            if sum(map(len, chunks)) > _MAX_REPORT_BYTES:
+                break
+    except BlockingIOError:
+        pass
+    return b"".join(chunks)
+
+
+def _stop(proc: subprocess.Popen, ended: bool) -> None:
+    """Make sure that nothing of the sandbox runs any more, then reap the launcher.
+
+    A launcher that did not end by itself (timeout, output overflow, an interrupted caller) gets SIGTERM: it kills
+    the sandbox's init, whose exit makes the kernel kill every process of the namespace, and returns once all are
+    gone; SIGKILL to the whole process group is the fallback. The group is killed while the launcher is unreaped, so
+    that its group id cannot have been reused by then."""
+    if not ended:
+        with contextlib.suppress(OSError):
+            os.kill(proc.pid, signal.SIGTERM)
+    if not _wait_exited(proc.pid, 10.0):
+        _kill_group(proc.pid)
+    _kill_group(proc.pid)  # whatever is left in the group (only possible without a PID namespace)
+    proc.wait()
+
+
+def _wait_exited(pid: int, timeout: float) -> bool:
+    """Wait up to `timeout` seconds for the child `pid` to exit, without reaping it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(ChildProcessError):
+            if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                return True
+        time.sleep(0.005)
+    return False
+
+
+def _kill_group(pgid: int) -> None:
+    with contextlib.suppress(OSError):  # nothing left in the group (ESRCH)
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def _parse_reports(raw: bytes) -> dict[str, Any]:
+    """Merge the launcher's JSON lines (only the launcher and the program's pre-exec setup write to this pipe)."""
+    merged: dict[str, Any] = {}
+    for line in raw.decode("utf-8", "replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            for key, value in record.items():  # lists (isolation, warnings) accumulate; the rest is replaced
+                merged[key] = merged.get(key, []) + value if isinstance(value, list) else value
+    return merged
+
+
+def _failure_reason(stopped: str | None, exit_code: int | None, stderr: str) -> str:
+    if stopped is not None:
+        return stopped
+    if exit_code is None:
+        return "no exit status"
+    if exit_code < 0:
+        return "cpu time limit" if -exit_code == signal.SIGXCPU else f"killed by signal {-exit_code}"
+    last = next((line.strip() for line in reversed(stderr.splitlines()) if line.strip()), "")
+    if last.startswith("MemoryError") or "Cannot allocate memory" in last:
+        return "memory"
+    if last.startswith("AssertionError"):
+        return "tests failed"
+    if exit_code == 0:
+        return "exited before the tests finished"
+    return f"exit code {exit_code}"
+
+
+def _remove_tree(path: Path) -> None:
+    """Delete the call's folder even if the program made parts of it unreadable or unwritable."""
+    if not path.exists():
+        return
+    for folder, dirs, _ in os.walk(path):
+        for name in dirs:
+            with contextlib.suppress(OSError):
+                os.chmod(os.path.join(folder, name), 0o700, follow_symlinks=False)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------------- the launcher
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _unshare(flags: int) -> int:
+    """unshare(2); returns 0 or the errno."""
+    libc = _libc()
+    if libc.unshare(ctypes.c_int(flags)) == 0:
+        return 0
+    return ctypes.get_errno()
+
+
+def _prctl(option: int, value: int) -> None:
+    if _libc().prctl(option, ctypes.c_ulong(value), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), f"prctl({option}) failed")
+
+
+def _launch(spec: dict[str, Any]) -> int:
+    """The launcher's main: namespaces, then fork the program's process, wait for it and report its exit status."""
+    import fcntl
+
+    # Move the report pipes out of the way of fd 3 (the harness's result fd), close-on-exec.
+    status_fd = fcntl.fcntl(spec["status_fd"], fcntl.F_DUPFD_CLOEXEC, 10)
+    result_fd = fcntl.fcntl(spec["result_fd"], fcntl.F_DUPFD_CLOEXEC, 10)
+    os.close(spec["status_fd"])
+    os.close(spec["result_fd"])
+
+    def report(**record: Any) -> None:
+        os.write(status_fd, (json.dumps(record) + "\n").encode())
+
+    dropping = spec["uid_gid"] is not None
+    own_uid = os.getuid()  # before a user namespace makes it read as the overflow uid
+    flags = _CLONE_NEWNET | _CLONE_NEWPID | _CLONE_NEWIPC | _CLONE_NEWNS | (0 if dropping else _CLONE_NEWUSER)
+    error = _unshare(flags)
+    isolation = ["rlimits (cpu, memory, files, core)", "clean environment", "private working folder"]
+    warnings = []
+    if error == 0:
+        isolation += ["network namespace (no network)", "PID namespace"]
+    else:
+        warnings.append(f"no network or PID namespace (unshare: {os.strerror(error)}): the program can use the "
+                        "network, and processes that leave its process group may outlive it")
+    if dropping:
+        isolation += [f"uid {spec['uid_gid'][0]}", f"process limit {spec['max_procs']}"]
+    elif error == 0:  # not root: the user namespace stands in for the uid drop (its processes are its own)
+        isolation += [f"user namespace (uid {own_uid}, no root to drop)",
+                      f"process limit {spec['max_procs']} (per user namespace)"]
+    else:
+        warnings += [f"not root and no user namespace: the program runs as the trainer's uid {own_uid} and can "
+                     "write the trainer's files and signal its processes",
+                     "no process limit (RLIMIT_NPROC would count every process of the trainer's user)"]
+    report(isolation=isolation, warnings=warnings)
+    limit_procs = dropping or error == 0
+    spec = {**spec, "namespaces": error == 0}
+
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _init_process(spec, result_fd, limit_procs, report)
+        except BaseException as exc:
+            try:
+                report(setup_error=f"{type(exc).__name__}: {exc}")
+            finally:
+                os._exit(127)
+    os.close(result_fd)
+    # the trainer's SIGTERM (timeout): kill the init, which takes the whole namespace with it; the wait below returns
+    # once all of it is gone
+    signal.signal(signal.SIGTERM, lambda *_: os.kill(pid, signal.SIGKILL))
+    _, status = os.waitpid(pid, 0)
+    report(init_exit=os.waitstatus_to_exitcode(status))
+    return 0
+
+
+def _read_only_filesystem(workdir: str, report: Callable[..., None]) -> None:
+    """In the sandbox's private mount namespace, remount every mount read-only except the working folder (bound
+    onto itself first, so that it stays writable): the program can write nowhere else, whatever its uid may."""
+    libc = _libc()
+    if libc.mount(b"none", b"/", None, ctypes.c_ulong(_MS_REC | _MS_PRIVATE), None) != 0:  # nothing leaks out
+        report(warnings=[f"the filesystem stays writable (mount: {os.strerror(ctypes.get_errno())})"])
+        return
+    mounts = []
+    with open("/proc/self/mountinfo", encoding="utf-8") as handle:
+        for line in handle:
+            fields = line.split()
+            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+            flags = sum(_MOUNT_OPTION_FLAGS.get(option, 0) for option in fields[5].split(","))
+            mounts.append((point, flags))
+    folder = workdir.encode()
+    failed = []
+    if libc.mount(folder, folder, None, ctypes.c_ulong(_MS_BIND | _MS_REC), None) != 0:
+        failed.append(f"{workdir} ({os.strerror(ctypes.get_errno())})")
+    for point, flags in sorted(mounts):
+        options = ctypes.c_ulong(_MS_BIND | _MS_REMOUNT | _MS_RDONLY | flags)
+        if libc.mount(None, point.encode(), None, options, None) != 0:
+            failed.append(f"{point} ({os.strerror(ctypes.get_errno())})")
+    if failed:
+        report(warnings=[f"not every mount could be made read-only, the program may write there: {', '.join(failed)}"])
+    else:
+        report(isolation=["read-only filesystem except the working folder"])
+
+
+def _mount_own_proc(report: Callable[..., None]) -> None:
+    """Mount a /proc of the sandbox's own PID namespace over the host's (in its private mount namespace), so that
+    the program cannot list the host's processes nor read their command lines or environments."""
+    libc = _libc()
+    if libc.mount(b"proc", b"/proc", b"proc", ctypes.c_ulong(_MS_NOSUID | _MS_NODEV | _MS_NOEXEC), None) == 0:
+        report(isolation=["own /proc (host processes hidden)"])
+        return
+    report(warnings=[f"the host's /proc stays visible (mount: {os.strerror(ctypes.get_errno())}): the program can "
+                     "list host processes and read their command lines (and, without root, the environments of the "
+                     "trainer's user's processes)"])
+
+
+def _init_process(spec: dict[str, Any], result_fd: int, limit_procs: bool, report: Callable[..., None]) -> None:
+    """The sandbox's first process (PID 1 of its namespace): limits and privilege drop, which its children inherit,
+    then fork the program, reap every process that ends (orphans come to PID 1), and report the program's exit
+    status. The program is not PID 1 itself, so signals behave for it as usual; and when this process exits, the
+    kernel kills whatever the program left running in the namespace. Only returns by raising."""
+    import resource
+
+    if spec["namespaces"]:
+        _read_only_filesystem(spec["workdir"], report)
+        _mount_own_proc(report)
+    cpu = spec["cpu_s"]
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # SIGXCPU at the soft limit, SIGKILL a second later
+    resource.setrlimit(resource.RLIMIT_AS, (spec["memory_bytes"], spec["memory_bytes"]))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (_MAX_FILE_BYTES, _MAX_FILE_BYTES))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (_MAX_OPEN_FILES, _MAX_OPEN_FILES))
+    if limit_procs:  # this process counts too, and in a user namespace (no root) so does the launcher
+        procs = spec["max_procs"] + (1 if spec["uid_gid"] is not None else 2)
+        resource.setrlimit(resource.RLIMIT_NPROC, (procs, procs))
+    if spec["uid_gid"] is not None:
+        uid, gid = spec["uid_gid"]
+        os.setgroups([])
+        os.setgid(gid)
+        os.setuid(uid)
+        if os.getuid() != uid or os.geteuid() != uid:
+            raise OSError(f"could not drop privileges to uid {uid}")
+    _prctl(_PR_SET_NO_NEW_PRIVS, 1)
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # after setuid, which clears it: dies with the launcher
+
+    program = os.fork()
+    if program == 0:
+        try:
+            _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # not inherited across fork
+            os.dup2(result_fd, _RESULT_FD)  # inheritable: the harness writes its token here
+            os.chdir(spec["workdir"])
+            python = spec["python"]
+            os.execve(python, [python, "-I", "-S", "-B", "main.py"], spec["env"])
+        except BaseException as exc:
+            try:
+                report(setup_error=f"{type(exc).__name__}: {exc}")
+            finally:
+                os._exit(127)
+    os.close(result_fd)
+    while True:
+        pid, status = os.wait()
+        if pid == program:
+            report(exit=os.waitstatus_to_exitcode(status))
+            os._exit(0)
+
+
+# ------------------------------------------------------------------------------------------------- the code reward
+
+_FENCE = re.compile(r"```[ \t]*([\w+.-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
+_PYTHON_TAGS = ("python", "python3", "py")
+
+
+def extract_code(completion: str) -> str:
+    """The program in a completion: the last ```python (or ```py) fenced block, else the last untagged ``` block,
+    else — when there is no fence at all — the whole completion. A block cut off by the token limit (no closing
+    fence) counts as running to the end. Blocks tagged with another language only give "" (no Python code)."""
+    blocks = _FENCE.findall(completion)
+    if not blocks:
+        return completion
+    for wanted in (lambda tag: tag.lower() in _PYTHON_TAGS, lambda tag: tag == ""):
+        chosen = [body for tag, body in blocks if wanted(tag)]
+        if chosen:
+            return chosen[-1]
+    return ""
+
+
+def make_code_reward(
+    *, timeout_s: float = 5.0, cpu_s: float = 5.0, memory_mb: int = 512, max_procs: int = 32,
+    python: str | None = None,
+) -> Callable[..., float]:
+    """A `code` reward with other sandbox limits, e.g. `my_rewards.py: slow_code = make_code_reward(timeout_s=20)`
+    named in the config as `my_rewards:slow_code`. Keep `timeout_s` below `rewards.timeout_s`."""
+    _check_limits(timeout_s, cpu_s, memory_mb, max_procs, 1)
+    warned: set[str] = set()
+
+    def code_reward(prompt: str, completion: str, **row: Any) -> float:
+        """1.0 if the completion's program (see `extract_code`) passes the row's `tests` in the sandbox, else 0.0.
+
+        `row["tests"]` is a Python snippet (or a list of snippets) run after the program, usually asserts on its
+        functions, e.g. `["assert add(2, 3) == 5", "assert add(-1, 1) == 0"]`. A row without usable tests is a data
+        error (ValueError), not a wrong completion. Isolation warnings are logged once each.
+        """
+        tests = row.get("tests")
+        if not (isinstance(tests, str) and tests.strip()) and not (
+            isinstance(tests, list) and tests and all(isinstance(t, str) for t in tests)
+        ):
+            raise ValueError(f"code_reward needs a row field 'tests' (a non-empty str or list of str), got {tests!r}")
+        code = extract_code(completion)
+        if not code.strip():
+            return 0.0
+        result = run_sandboxed(code, tests, timeout_s=timeout_s, cpu_s=cpu_s, memory_mb=memory_mb,
+                               max_procs=max_procs, python=python)
+        for warning in result.warnings:
+            if warning not in warned:
+                warned.add(warning)
+                logger.warning("code reward sandbox: %s", warning)
+        return result.score
+
+    return code_reward
+
+
+code_reward = make_code_reward()
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--launch"]:
+    raise SystemExit(_launch(json.loads(sys.argv[2])))

@@ -1,0 +1,170 @@
+"""Multi-process training (torchrun, gloo on CPU): 2 processes train the same weights as 1 (DDP, and FSDP2 interrupted
+and resumed), and the pure pieces of `gspo.distributed` (sharding, re-padding, loss scaling) behave as documented."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from safetensors.torch import load_file
+
+from conftest import DEMO, tiny_overrides
+from gspo.config import load_config
+from gspo.distributed import TOKEN_NORMALISED, Dist, _pad_batch
+from gspo.moe import FREE
+from gspo.objectives import OBJECTIVES
+from gspo.rollout import RolloutBatch
+from gspo.tracking import read_metrics
+from gspo.trainer import train
+
+TESTS = Path(__file__).parent
+# Three steps, a checkpoint after each, a large constant learning rate (so the weights move well beyond float noise),
+# and a reward that varies within groups even for an untrained model, named by import path so that the torchrun
+# processes find it too.
+RUN = ["trainer.steps=3", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=5", "optim.lr=3e-3",
+       "optim.warmup_steps=0", "rewards.functions={conftest.varied_reward: 1.0}"]
+REL_TOL = 1e-3  # per tensor: ‖W₂ − W₁‖ / ‖W₁‖ (Frobenius) after 3 steps; measured ≈ 2e-4
+
+
+def weights(folder: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    assert tensors, f"no weights in {folder}"
+    return tensors
+
+
+def torchrun(tmp: Path, *args: str) -> None:
+    """Run `torchrun --standalone --nproc_per_node=2 ARGS` (gloo, one thread per process)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
+    done = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"torchrun failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The reference: the run in this process (world size 1)."""
+    out = tmp_path_factory.mktemp("one")
+    train(load_config(DEMO, tiny_overrides(out, *RUN)))
+    return out
+
+
+def assert_same_run(one: Path, two: Path) -> None:
+    """Same final weights (to REL_TOL), and the same rollouts: identical rewards at every step."""
+    a, b, start = weights(one / "final"), weights(two / "final"), weights(one / "cold_start")
+    assert a.keys() == b.keys()
+    rel = {k: float((a[k] - b[k]).norm() / a[k].norm().clamp(min=1e-12)) for k in a}
+    worst = max(rel, key=rel.get)
+    assert rel[worst] <= REL_TOL, f"{worst}: relative difference {rel[worst]:.2e}"
+    moved = max(float((a[k] - start[k]).abs().max()) for k in a if k in start)
+    gap = max(float((a[k] - b[k]).abs().max()) for k in a)
+    assert gap < 0.05 * moved, f"1-vs-2-process gap {gap:.2e} is not small against the updates ({moved:.2e})"
+    m1, m2 = read_metrics(one / "metrics.jsonl"), read_metrics(two / "metrics.jsonl")
+    assert [r["step"] for r in m2] == [1, 2, 3]  # rank 0 alone logs, once per step
+    assert [r["reward_mean"] for r in m2] == [r["reward_mean"] for r in m1]
+    for r1, r2 in zip(m1, m2, strict=True):
+        assert r2["loss"] == pytest.approx(r1["loss"], rel=1e-3, abs=1e-6)
+        assert r2["grad_norm"] == pytest.approx(r1["grad_norm"], rel=1e-4)
+    e1, e2 = read_metrics(one / "eval.jsonl"), read_metrics(two / "eval.jsonl")
+    assert [e["step"] for e in e2] == [0, 2, 3]
+    assert [e["heldout_accuracy"] for e in e2] == [e["heldout_accuracy"] for e in e1]
+    assert (two / "summary.json").is_file()
+
+
+def test_ddp_two_processes_match_one(one_process, tmp_path):
+    """`torchrun --nproc_per_node=2 -m gspo train ...` (DDP) trains the weights of the one-process run."""
+    out = tmp_path / "ddp"
+    torchrun(tmp_path, "-m", "gspo", "train", str(DEMO), *tiny_overrides(out, *RUN))
+    assert_same_run(one_process, out)
+
+
+def test_fsdp_two_processes_interrupted_and_resumed_match_one(one_process, tmp_path):
+    """FSDP2 over 2 processes, stopped after step 2 and resumed from its (rank-0-written, gathered) checkpoint,
+    trains the weights of the uninterrupted one-process run; its checkpoints load like one-process ones."""
+    out = tmp_path / "fsdp"
+    torchrun(tmp_path, str(TESTS / "distributed_worker.py"), str(DEMO), "2",
+             *tiny_overrides(out, *RUN, "trainer.parallel=fsdp"))
+    assert_same_run(one_process, out)
+    step3 = Path("checkpoints") / "step_00000003" / "model"
+    assert weights(out / step3).keys() == weights(one_process / step3).keys()  # the one-process checkpoint format
+
+
+# ------------------------------------------------------------------------------------------------ pure pieces
+
+
+@given(world=st.integers(1, 8), per=st.integers(1, 6))
+def test_shards_partition_the_items_in_order(world, per):
+    n = world * per
+    shares = [Dist(rank=r, world_size=world).shard(n) for r in range(world)]
+    assert [i for s in shares for i in range(n)[s]] == list(range(n))
+    assert {s.stop - s.start for s in shares} == {per}
+
+
+@given(world=st.integers(1, 8), n=st.integers(1, 40))
+def test_uneven_evaluation_shards_partition_the_rows(world, n):
+    shares = [Dist(rank=r, world_size=world)._uneven_shard(n) for r in range(world)]
+    assert [i for s in shares for i in range(n)[s]] == list(range(n))
+    assert max(s.stop - s.start for s in shares) - min(s.stop - s.start for s in shares) <= 1
+    assert shares[0].stop > shares[0].start  # rank 0 always evaluates something
+
+
+def test_sizes_that_do_not_split_into_whole_groups_are_refused():
+    with pytest.raises(ValueError, match="prompts_per_step=3"):
+        Dist(world_size=2).check_sizes(prompts_per_step=3, group_size=4, minibatches=1)
+    with pytest.raises(ValueError, match="equal shares"):
+        Dist(world_size=4).check_sizes(prompts_per_step=4, group_size=2, minibatches=4)  # minibatches of 2 rows
+    Dist(world_size=2).check_sizes(prompts_per_step=4, group_size=4, minibatches=4)
+
+
+def test_one_process_is_the_identity():
+    d = Dist()
+    idx = torch.randperm(12)
+    assert torch.equal(d.share(idx), idx) and d.shard(5) == slice(0, 5)
+    assert d.loss_scale("dapo", torch.ones(3, 4)) == 1.0 and d.all_finite(torch.tensor(1.0))
+    assert not d.all_finite(torch.tensor(float("nan")))
+    assert d.mean_metrics({"a": 1.5}) == {"a": 1.5}
+    t = torch.arange(6.0)
+    assert d.merge_rows(t, [torch.tensor([0, 1])]) is t
+
+
+def test_token_normalised_objectives_are_the_token_mean_ones():
+    """`loss_scale` rescales exactly the objectives whose loss is a mean over the minibatch's tokens: their loss on
+    a batch is the token-weighted mean of the losses of its parts (sequence-mean ones: sequence-weighted)."""
+    torch.manual_seed(0)
+    lp, old = -torch.rand(6, 5), -torch.rand(6, 5)
+    adv, mask = torch.randn(6), torch.rand(6, 5) > 0.3
+    mask[:, 0] = True
+    for name, objective in OBJECTIVES.items():
+        whole = objective(lp, old, adv, mask)[0]
+        parts = [objective(lp[s], old[s], adv[s], mask[s])[0] for s in (slice(0, 2), slice(2, 6))]
+        weights_ = [mask[s].sum() for s in (slice(0, 2), slice(2, 6))] if name in TOKEN_NORMALISED else [2, 4]
+        combined = sum(w * p for w, p in zip(weights_, parts, strict=True)) / sum(weights_)
+        torch.testing.assert_close(combined, whole, msg=f"{name}: loss is not a mean of the assumed weights")
+
+
+@given(s=st.integers(1, 4), t=st.integers(1, 4), left=st.integers(0, 3), right=st.integers(0, 3))
+def test_repadding_keeps_every_token_in_place(s, t, left, right):
+    """Re-padding a rollout share to wider prompts (left) and completions (right) keeps every real token at the
+    same distance from the prompt/completion boundary, masks the new columns, and marks their routing FREE."""
+    n = 2
+    batch = RolloutBatch(
+        prompt_ids=torch.randint(3, 9, (n, s)), prompt_mask=torch.ones(n, s, dtype=torch.long),
+        completion_ids=torch.randint(3, 9, (n, t)), completion_mask=torch.ones(n, t, dtype=torch.long),
+        logprobs=-torch.rand(n, t), truncated=torch.zeros(n, dtype=torch.bool), completions=["a", "b"],
+        prompt_index=torch.arange(n), extras={"routing": torch.randint(0, 4, (n, s + t, 2, 2), dtype=torch.int16)})
+    out = _pad_batch(batch, s + left, t + right, pad_id=0)
+    assert torch.equal(out.prompt_ids[:, left:], batch.prompt_ids) and not out.prompt_mask[:, :left].any()
+    assert torch.equal(out.completion_ids[:, :t], batch.completion_ids) and not out.completion_mask[:, t:].any()
+    assert torch.equal(out.logprobs[:, :t], batch.logprobs) and not out.logprobs[:, t:].any()
+    r = out.extras["routing"]
+    assert r.shape[1] == s + left + t + right
+    assert torch.equal(r[:, left:left + s + t], batch.extras["routing"])
+    assert (r[:, :left] == FREE).all() and (r[:, left + s + t:] == FREE).all()

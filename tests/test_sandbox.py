@@ -1,0 +1,327 @@
+"""The sandbox for model-written code and the `code` reward: correct and wrong programs, and hostile ones (infinite
+loop, CPU burner, fork bomb, memory hog, network, files outside its folder, the parent's secrets, signals to the
+parent), each of which must score 0 with a reason, get nothing out, and leave no process behind."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from gspo.rewards import REWARDS, RewardRunner
+from gspo.rewards import sandbox as sandbox_module
+from gspo.rewards.sandbox import SandboxError, code_reward, extract_code, run_sandboxed
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox uses Linux namespaces and rlimits")
+
+ROOT = os.geteuid() == 0
+FAST = {"timeout_s": 5.0, "cpu_s": 5.0, "memory_mb": 256, "max_procs": 8}
+
+
+def sandbox_uid() -> int:
+    return pwd.getpwnam("nobody").pw_uid if ROOT else os.getuid()
+
+
+def processes_of(uid: int) -> set[int]:
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if entry.stat().st_uid == uid:
+                    pids.add(int(entry.name))
+            except FileNotFoundError:
+                pass
+    return pids
+
+
+@pytest.fixture(autouse=True)
+def no_stray_processes():
+    """Every test must leave no sandboxed process running (when the sandbox uses a uid of its own)."""
+    before = processes_of(sandbox_uid()) if ROOT else set()
+    yield
+    if ROOT:
+        stray = processes_of(sandbox_uid()) - before
+        assert not stray, f"processes left running after the test: {sorted(stray)}"
+
+
+def assert_contained(result) -> None:
+    assert not result.warnings, result.warnings
+    for layer in ("network namespace (no network)", "PID namespace", "read-only filesystem except the working folder",
+                  "own /proc (host processes hidden)"):
+        assert layer in result.isolation, (layer, result.isolation)
+
+
+# ------------------------------------------------------------------------------------------------ honest programs
+
+
+def test_a_correct_program_passes_and_a_wrong_one_fails_the_tests():
+    code = "def add(a, b):\n    return a + b\n"
+    passed = run_sandboxed(code, ["assert add(2, 3) == 5", "assert add(-1, 1) == 0"], **FAST)
+    assert (passed.score, passed.reason, passed.exit_code) == (1.0, "passed", 0)
+    assert_contained(passed)
+    if ROOT:
+        assert f"uid {sandbox_uid()}" in passed.isolation and "process limit 8" in passed.isolation
+
+    wrong = run_sandboxed("def add(a, b):\n    return a - b\n", "assert add(2, 3) == 5", **FAST)
+    assert (wrong.score, wrong.reason, wrong.exit_code) == (0.0, "tests failed", 1)
+    assert "AssertionError" in wrong.stderr
+
+
+def test_errors_and_early_exits_score_zero_with_a_reason():
+    assert run_sandboxed("def f(:\n", "", **FAST).reason == "exit code 1"  # a syntax error
+    # exiting with status 0 before the tests ran is not a pass (a common reward hack)
+    hack = run_sandboxed("import sys\nsys.exit(0)\n", "assert False", **FAST)
+    assert (hack.score, hack.reason, hack.exit_code) == (0.0, "exited before the tests finished", 0)
+    hack = run_sandboxed("import os\nos._exit(0)\n", "assert False", **FAST)
+    assert (hack.score, hack.reason) == (0.0, "exited before the tests finished")
+
+
+def test_the_program_sees_a_clean_environment_and_closed_stdin(monkeypatch):
+    monkeypatch.setenv("GSPO_TEST_SECRET", "hunter2-secret-value")
+    code = (
+        "import os, sys\n"
+        "print(sorted(os.environ))\n"
+        "print(open('/proc/self/environ', 'rb').read())\n"
+        "for pid in os.listdir('/proc'):\n"  # every process the program can see
+        "    if pid.isdigit():\n"
+        "        try:\n"
+        "            print(pid, open(f'/proc/{pid}/environ', 'rb').read())\n"
+        "        except OSError as e:\n"
+        "            print(pid, e)\n"
+        f"for pid in ({os.getpid()}, {os.getppid()}):\n"  # this test's process and its parent, by number
+        "    try:\n"
+        "        print(open(f'/proc/{pid}/environ', 'rb').read())\n"
+        "    except OSError as e:\n"
+        "        print(pid, e)\n"
+        "print('stdin', repr(sys.stdin.read()))\n"
+    )
+    result = run_sandboxed(code, "", **FAST)
+    assert result.reason == "passed", result.stderr
+    assert "hunter2" not in result.stdout + result.stderr
+    assert "['HOME', 'LANG', 'PATH', 'TMPDIR']" in result.stdout
+    assert "stdin ''" in result.stdout
+
+
+# ----------------------------------------------------------------------------------------------- hostile programs
+
+
+def test_an_infinite_loop_is_stopped_at_the_wall_clock_limit():
+    result = run_sandboxed("while True:\n    pass\n", "", timeout_s=1.0, cpu_s=60, memory_mb=256, max_procs=8)
+    assert (result.score, result.reason, result.exit_code) == (0.0, "timeout", None)
+    assert_contained(result)  # the launcher's report is read even after the kill
+
+
+def test_a_sleeping_program_is_stopped_at_the_wall_clock_limit():
+    result = run_sandboxed("import time\ntime.sleep(600)\n", "", timeout_s=1.0, cpu_s=60, memory_mb=256, max_procs=8)
+    assert (result.score, result.reason) == (0.0, "timeout")
+
+
+def test_a_cpu_burner_is_stopped_at_the_cpu_limit():
+    result = run_sandboxed("while True:\n    pass\n", "", timeout_s=60, cpu_s=1, memory_mb=256, max_procs=8)
+    assert (result.score, result.reason, result.exit_code) == (0.0, "cpu time limit", -signal.SIGXCPU)
+
+
+def test_a_memory_hog_fails_with_memory():
+    result = run_sandboxed("blocks = []\nwhile True:\n    blocks.append(bytearray(1 << 24))\n", "", **FAST)
+    assert (result.score, result.reason) == (0.0, "memory")
+
+
+def test_a_fork_bomb_is_capped_and_its_daemonised_children_do_not_survive():
+    """Children leave the process group and the session (setsid) and sleep: the PID namespace still ends them."""
+    code = (
+        "import os, time\n"
+        "forks = 0\n"
+        "try:\n"
+        "    while True:\n"
+        "        if os.fork() == 0:\n"
+        "            os.setsid()\n"
+        "            time.sleep(120)\n"
+        "            os._exit(0)\n"
+        "        forks += 1\n"
+        "except OSError as e:\n"
+        "    print('forks', forks, 'errno', e.errno, flush=True)\n"
+        "raise SystemExit(3)\n"
+    )
+    result = run_sandboxed(code, "", **FAST)
+    assert (result.score, result.reason) == (0.0, "exit code 3"), result.stderr
+    forks = int(result.stdout.split()[1])
+    assert forks == FAST["max_procs"] - 1  # the program itself counts: capped at max_procs processes
+    assert "errno 11" in result.stdout  # EAGAIN
+    # (the autouse fixture checks that none of the sleeping children is still alive)
+
+
+def test_network_connections_go_nowhere():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        listener.setblocking(False)
+        port = listener.getsockname()[1]
+        code = (
+            "import socket\n"
+            f"for address in [('127.0.0.1', {port}), ('1.1.1.1', 53), ('8.8.8.8', 443)]:\n"
+            "    try:\n"
+            "        socket.create_connection(address, timeout=1).close()\n"
+            "        print('CONNECTED', address)\n"
+            "    except OSError as e:\n"
+            "        print('blocked', address, e)\n"
+            "try:\n"
+            "    socket.getaddrinfo('example.com', 80)\n"
+            "    print('RESOLVED')\n"
+            "except OSError as e:\n"
+            "    print('no dns', e)\n"
+        )
+        result = run_sandboxed(code, "", **FAST)
+        assert result.reason == "passed", result.stderr
+        assert "CONNECTED" not in result.stdout and "RESOLVED" not in result.stdout
+        assert result.stdout.count("blocked") == 3
+        with pytest.raises(BlockingIOError):  # nobody knocked on the test's own port
+            listener.accept()
+
+
+def test_files_outside_the_working_folder_cannot_be_written(tmp_path):
+    outside = Path(tempfile.mkdtemp(prefix="gspo-test-victim-"))
+    try:
+        outside.chmod(0o777)  # even a world-writable folder is out of reach
+        victim = outside / "victim.txt"
+        victim.write_text("original")
+        victim.chmod(0o666)
+        escape = outside / "escape.txt"
+        code = (
+            f"for path, mode in [({str(victim)!r}, 'a'), ({str(escape)!r}, 'w'), ('/tmp/gspo-escape.txt', 'w')]:\n"
+            "    try:\n"
+            "        open(path, mode).write('pwned')\n"
+            "        print('WROTE', path)\n"
+            "    except OSError as e:\n"
+            "        print('denied', path, e)\n"
+            "open('inside.txt', 'w').write('fine')\n"  # its own folder is writable
+            "print(open('inside.txt').read())\n"
+        )
+        result = run_sandboxed(code, "", **FAST)
+        assert result.reason == "passed", result.stderr
+        assert "WROTE" not in result.stdout and result.stdout.count("denied") == 3 and "fine" in result.stdout
+        assert victim.read_text() == "original" and not escape.exists() and not Path("/tmp/gspo-escape.txt").exists()
+    finally:
+        shutil.rmtree(outside)
+
+
+def test_signals_to_the_parent_and_its_group_hurt_nobody_but_the_program():
+    me = os.getpid()
+    code = (
+        "import os, signal\n"
+        f"for target in ({me}, os.getppid(), -1):\n"  # this test by pid, the sandbox's init, everything it may
+        "    try:\n"
+        "        os.kill(target, signal.SIGKILL)\n"
+        "        print('sent', target, flush=True)\n"
+        "    except OSError as e:\n"
+        "        print('refused', target, e, flush=True)\n"
+        "os.killpg(os.getpgid(0), signal.SIGKILL)\n"  # its own process group: the program itself dies
+        "print('still here')\n"
+    )
+    result = run_sandboxed(code, "", **FAST)
+    assert (result.score, result.reason, result.exit_code) == (0.0, "killed by signal 9", -9)
+    assert f"refused {me}" in result.stdout  # no such process in its namespace
+    assert "still here" not in result.stdout
+    os.kill(me, 0)  # and this process is alive
+
+
+def test_output_is_capped():
+    result = run_sandboxed("while True:\n    print('x' * 1000)\n", "", **FAST, max_output_bytes=10_000)
+    assert (result.score, result.reason) == (0.0, "output limit exceeded")
+    assert len(result.stdout) <= 10_000
+
+
+def test_an_unusable_interpreter_is_a_sandbox_error_not_a_score():
+    with pytest.raises(SandboxError, match="could not start the program"):
+        run_sandboxed("pass", "", **FAST, python="/nonexistent/python3")
+
+
+def test_bad_arguments_are_rejected():
+    for kwargs, match in [({"timeout_s": 0}, "timeout_s"), ({"cpu_s": float("inf")}, "cpu_s"),
+                          ({"memory_mb": 8}, "memory_mb"), ({"max_procs": 0}, "max_procs")]:
+        with pytest.raises(ValueError, match=match):
+            run_sandboxed("pass", "", **{**FAST, **kwargs})
+    with pytest.raises(TypeError, match="tests"):
+        run_sandboxed("pass", [1, 2], **FAST)
+
+
+@pytest.mark.skipif(not ROOT or not os.path.exists("/usr/bin/python3"), reason="needs root to become another user")
+def test_without_root_the_user_namespace_contains_the_program(tmp_path):
+    """The trainer as an ordinary user (here `nobody`): same containment through a user namespace, or, where that
+    is unavailable, warnings that say what is missing — never a silent claim."""
+    script = tmp_path / "as_user.py"
+    script.write_text(
+        "import importlib.util, json, sys\n"
+        f"spec = importlib.util.spec_from_file_location('sandbox', {sandbox_module.__file__!r})\n"
+        "sandbox = sys.modules['sandbox'] = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(sandbox)\n"
+        "ok = sandbox.run_sandboxed('def f():\\n    return 1\\n', 'assert f() == 1', timeout_s=5)\n"
+        "net = sandbox.run_sandboxed(\"import socket\\nsocket.create_connection(('1.1.1.1', 53), timeout=1)\", '',"
+        " timeout_s=5)\n"
+        "print(json.dumps([ok.reason, net.reason, ok.isolation, ok.warnings]))\n"
+    )
+    folder = Path(tempfile.mkdtemp(prefix="gspo-test-user-"))
+    try:
+        shutil.copy(script, folder / "as_user.py")
+        folder.chmod(0o755)
+        (folder / "as_user.py").chmod(0o644)
+        nobody = pwd.getpwnam("nobody")
+        proc = subprocess.run(["/usr/bin/python3", "-I", str(folder / "as_user.py")], capture_output=True, text=True,
+                              timeout=60, user=nobody.pw_uid, group=nobody.pw_gid, extra_groups=[], cwd=folder,
+                              env={"PATH": "/usr/bin:/bin"})
+    finally:
+        shutil.rmtree(folder)
+    assert proc.returncode == 0, proc.stderr
+    import json
+
+    ok_reason, net_reason, isolation, warnings = json.loads(proc.stdout)
+    assert ok_reason == "passed"
+    if warnings:  # no user namespaces on this machine: what is missing must be said
+        assert any("no user namespace" in w or "namespace" in w for w in warnings), warnings
+    else:
+        assert net_reason == "exit code 1"  # the connection failed inside the sandbox
+        assert any(layer.startswith("user namespace") for layer in isolation), isolation
+        assert "read-only filesystem except the working folder" in isolation
+
+
+# ------------------------------------------------------------------------------------------------ the code reward
+
+
+def test_extract_code():
+    assert extract_code("def f(): pass") == "def f(): pass"
+    text = "Try:\n```python\nx = 1\n```\nbetter:\n```py\nx = 2\n```\n"
+    assert extract_code(text) == "x = 2\n"  # the last Python block
+    assert extract_code("```\ny = 3\n```") == "y = 3\n"  # an untagged block
+    assert extract_code("```python\nz = 4\n```\n```\nnot this\n```") == "z = 4\n"  # Python tags win
+    assert extract_code("```cpp\nint main() {}\n```") == ""  # only another language: no Python code
+    assert extract_code("```python\ndef f():\n    return 1") == "def f():\n    return 1"  # cut off by the limit
+
+
+def test_code_reward_scores_completions_and_rejects_rows_without_tests():
+    row = {"tests": ["assert square(3) == 9", "assert square(-2) == 4"]}
+    right = "Here you go:\n```python\ndef square(x):\n    return x * x\n```"
+    wrong = "```python\ndef square(x):\n    return 2 * x\n```"
+    assert code_reward("p", right, **row) == 1.0
+    assert code_reward("p", wrong, **row) == 0.0
+    assert code_reward("p", "```cpp\nint x;\n```", **row) == 0.0  # no Python: not even run
+    for tests in (None, "", [], [1], 3):
+        with pytest.raises(ValueError, match="tests"):
+            code_reward("p", right, tests=tests)
+
+
+def test_code_is_a_registered_reward_that_runs_concurrently_in_the_runner():
+    assert REWARDS["code"] is code_reward
+    row = {"tests": "assert inc(1) == 2"}
+    completions = ["def inc(x):\n    return x + 1\n", "def inc(x):\n    return x\n", "raise SystemExit(1)\n",
+                   "```python\ndef inc(x):\n    return 1 + x\n```"]
+    runner = RewardRunner({"code": 1.0}, on_error="fail", timeout_s=30, workers=4)
+    rewards, stats = runner(["p"] * 4, completions, [row] * 4)
+    assert rewards.tolist() == [1.0, 0.0, 0.0, 1.0]  # in call order, whatever order the workers finished in
+    assert stats["reward_failures"] == 0.0  # a wrong program is a score of 0, not a failure
