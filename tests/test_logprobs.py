@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from gspo.logprobs import completion_logprobs
+from gspo.logprobs import _backbone_and_head, _length_buckets, chunked_token_logprobs, completion_logprobs
 from gspo.models import build_preset
 
 PAD = 0
@@ -150,3 +150,87 @@ def test_gradient_flows_to_the_weights_and_not_through_padding(model):
     assert grads and all(torch.isfinite(g).all() for g in grads)
     assert sum(float(g.abs().sum()) for g in grads) > 0
     model.zero_grad(set_to_none=True)
+
+
+# --------------------------------------------------------------------------- chunked head and padding-free forwards
+
+GRAD_RTOL = 1e-5  # float32 gradients differ by summation order only: ≤ 1e-5 of each parameter's largest entry
+
+
+def _logprobs_and_grads(model, batch, **kwargs):
+    """Masked log-probs and the gradient of a fixed weighted sum of them, per parameter."""
+    model.zero_grad(set_to_none=True)
+    logprobs, entropy = completion_logprobs(model, *batch, **kwargs)
+    mask = batch[3].bool()
+    weights = torch.linspace(-1.0, 2.0, int(mask.sum()))
+    (logprobs[mask] * weights).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return logprobs.detach()[mask], None if entropy is None else entropy[mask], grads
+
+
+@pytest.mark.parametrize("options", [{"chunk_size": None}, {"chunk_size": 3}, {"chunk_size": 5, "trim_padding": True},
+                                     {"chunk_size": None, "trim_padding": True}])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_and_trimmed_paths_equal_the_full_logits_path(model, options, temperature):
+    """Values, entropy and every parameter's gradient equal the naive full-logits path (chunk_size=0)."""
+    batch = make_batch(model.config.vocab_size, seed=4)
+    want, want_entropy, want_grads = _logprobs_and_grads(model, batch, chunk_size=0, temperature=temperature,
+                                                         with_entropy=True)
+    got, entropy, grads = _logprobs_and_grads(model, batch, temperature=temperature, with_entropy=True, **options)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(entropy, want_entropy, atol=1e-4, rtol=1e-4)
+    assert grads.keys() == want_grads.keys()
+    for name, g in grads.items():
+        scale = float(want_grads[name].abs().max())
+        torch.testing.assert_close(g, want_grads[name], atol=GRAD_RTOL * scale, rtol=1e-4, msg=name)
+
+
+def test_chunked_path_is_zero_at_padding_and_differentiable(model):
+    batch = make_batch(model.config.vocab_size)
+    logprobs, _ = completion_logprobs(model, *batch, chunk_size=2, trim_padding=True)
+    assert logprobs.requires_grad
+    assert bool((logprobs[~batch[3].bool()] == 0).all())
+
+
+def test_chunked_token_logprobs_matches_log_softmax_with_bias():
+    g = torch.Generator().manual_seed(0)
+    hidden = (0.5 * torch.randn(37, 16, generator=g)).requires_grad_()
+    weight = torch.randn(101, 16, generator=g, requires_grad=True)
+    bias = torch.randn(101, generator=g, requires_grad=True)
+    targets = torch.randint(0, 101, (37,), generator=g)
+    upstream = torch.randn(37, generator=g)
+    grads = []
+    for chunked in (False, True):
+        if chunked:
+            lp, ent = chunked_token_logprobs(hidden, weight, targets, bias, temperature=0.8, chunk_size=4,
+                                             with_entropy=True)
+        else:
+            logp = torch.log_softmax((hidden @ weight.T + bias) / 0.8, -1)
+            lp, ent = logp.gather(-1, targets[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+        grads.append((lp.detach(), ent.detach(), *torch.autograd.grad((lp * upstream).sum(), [hidden, weight, bias])))
+    for got, want in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_length_buckets_cover_every_row_once_and_bound_the_padding():
+    g = torch.Generator().manual_seed(0)
+    p_len, c_len = torch.randint(1, 20, (200,), generator=g), torch.randint(1, 600, (200,), generator=g)
+    buckets = _length_buckets(p_len, c_len)
+    assert sorted(torch.cat(buckets).tolist()) == list(range(200))
+    assert len(buckets) > 1  # ragged lengths are split
+    padded = sum(len(b) * int(p_len[b].max() + c_len[b].max()) for b in buckets)
+    real = int((p_len + c_len).sum())
+    assert padded <= real * 1.25 + 256 * len(buckets)
+    assert len(_length_buckets(torch.full((16,), 6), torch.full((16,), 16))) == 1  # equal lengths: one forward
+
+
+def test_models_with_scaled_logits_take_the_full_logits_path(model):
+    assert _backbone_and_head(model) is not None
+    wrapper = torch.nn.Sequential()  # no backbone / head split: not recognised
+    assert _backbone_and_head(wrapper) is None
+    model.config.final_logit_softcapping = 30.0
+    try:
+        assert _backbone_and_head(model) is None
+    finally:
+        del model.config.final_logit_softcapping

@@ -25,13 +25,11 @@ pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/test-vllm.sh sets up an environment with it)")
 
 from conftest import DEMO, tiny_overrides  # noqa: E402
-from gspo.config import load_config  # noqa: E402
 from gspo.logprobs import completion_logprobs  # noqa: E402
 from gspo.models import build_preset, load_model, save_model  # noqa: E402
 from gspo.rollout import SamplingParams  # noqa: E402
 from gspo.rollout.vllm import ServerError, VLLMEngine, VLLMServerEngine  # noqa: E402
 from gspo.tracking import read_metrics  # noqa: E402
-from gspo.trainer import train  # noqa: E402
 
 # vLLM's CPU backend: a small KV cache, and no pinning of OpenMP threads to cores shared with other jobs.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -133,6 +131,22 @@ def check_update(engine, model, tokenizer, name: str) -> None:
 # ------------------------------------------------------------------------------------------------- colocated
 
 
+# vLLM cannot start an MoE engine in a process that already ran a dense one (its expert-parallel group is not
+# re-created), so the MoE engine comes first; the trainer runs in its own process.
+
+
+def test_colocated_moe(tmp_path_factory):
+    """Qwen3-MoE on vLLM: rollouts match the trainer, and so do rollouts after a push (on the CPU backend only with
+    the engine's re-pack of the fused experts, see gspo.rollout.vllm)."""
+    folder, model, tokenizer = saved(tmp_path_factory, "tiny-moe")
+    engine = VLLMEngine(str(folder), tokenizer, params(), dtype="float32", enforce_eager=True, max_model_len=256)
+    try:
+        report("colocated tiny-moe", repack_workaround=engine._repack_moe)
+        check_update(engine, model, tokenizer, "colocated tiny-moe")
+    finally:
+        close(engine)
+
+
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory):
     folder, model, tokenizer = saved(tmp_path_factory, "tiny-dense")
@@ -158,37 +172,25 @@ def test_colocated_logprobs_match_the_trainer_and_follow_pushed_weights(dense):
     check_update(engine, model, tokenizer, "colocated tiny-dense")
 
 
-def test_colocated_moe(tmp_path_factory):
-    """Qwen3-MoE on vLLM: rollouts match the trainer, and so do rollouts after a push (on the CPU backend only with
-    the engine's re-pack of the fused experts, see gspo.rollout.vllm)."""
-    folder, model, tokenizer = saved(tmp_path_factory, "tiny-moe")
-    engine = VLLMEngine(str(folder), tokenizer, params(), dtype="float32", enforce_eager=True, max_model_len=256)
-    try:
-        report("colocated tiny-moe", repack_workaround=engine._repack_moe)
-        check_update(engine, model, tokenizer, "colocated tiny-moe")
-    finally:
-        close(engine)
-
-
-def test_trainer_runs_on_the_vllm_engine(tmp_path, test_rewards):
-    """Two GSPO steps sampling with vLLM: the trainer's recomputed π_old equals vLLM's logprobs under the same
-    weights at every step (so the pushed weights are the trained ones), and evaluation decodes with vLLM."""
-    cfg = load_config(DEMO, tiny_overrides(tmp_path, "cold_start=null", "trainer.steps=3", "rollout.engine=vllm",
-                                           "rollout.vllm.enforce_eager=true", "rollout.vllm.max_model_len=64",
-                                           "optim.lr=3e-3", "optim.warmup_steps=0", "rewards.functions={varied: 1.0}"))
-    try:
-        summary = train(cfg)
-    finally:
-        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-        gc.collect()
-        cleanup_dist_env_and_memory()
-    records = read_metrics(tmp_path / "metrics.jsonl")
+def test_trainer_runs_on_the_vllm_engine(tmp_path):
+    """`gspo train` sampling with vLLM (the demo's tiny MoE, 3 steps): at every step the trainer's recomputed π_old
+    equals vLLM's logprobs of the same tokens (so vLLM samples from the trained weights), updates are real, and
+    evaluation decodes with vLLM."""
+    out = tmp_path / "run"
+    overrides = tiny_overrides(out, "cold_start=null", "trainer.steps=3", "rollout.engine=vllm",
+                               "rollout.vllm.enforce_eager=true", "rollout.vllm.max_model_len=64", "optim.lr=3e-3",
+                               "optim.warmup_steps=0", "rewards.functions={conftest.varied_reward: 1.0}")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "gspo", "train", str(DEMO), *overrides], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-6000:]
+    records = read_metrics(out / "metrics.jsonl")
     report("trainer on vllm (tiny-moe)", rollout_logprob_diff=[r["rollout_logprob_diff"] for r in records])
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["rollout_logprob_diff"] < 1e-5 for r in records)
     assert all(r["grad_norm"] > 0 for r in records)
-    assert summary["heldout_accuracy_after_rl"] is not None
+    assert json.loads((out / "summary.json").read_text())["heldout_accuracy_after_rl"] is not None
+    assert (out / "vllm_init" / "config.json").is_file()  # the preset, saved for vLLM to start from
 
 
 # ---------------------------------------------------------------------------------------------------- server
@@ -208,7 +210,8 @@ def server(tmp_path):
     def start(folder: Path) -> str:
         port = _free_port()
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
-        cmd = [str(Path(sys.executable).parent / "vllm"), "serve", str(folder), "--port", str(port),
+        # = `vllm serve FOLDER ...`; vllm-cpu's `vllm` script cannot find its own package metadata (named vllm-cpu)
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--port", str(port),
                "--dtype", "float32", "--logprobs-mode", "processed_logprobs", "--enforce-eager",
                "--max-model-len", "256"]
         log = open(tmp_path / f"server-{port}.log", "w")  # noqa: SIM115 (closed with the process)

@@ -501,7 +501,9 @@ def plot_methods(summary: dict, names: Sequence[str], y_key: str, path: Path, ti
 def _fmt(x: Any, pct: bool = False) -> str:
     if x is None:
         return "n/a"
-    return f"{100 * x:.1f}%" if pct else f"{x:.3g}"
+    if pct:
+        return f"{100 * x:.2f}%" if abs(x) < 0.01 else f"{100 * x:.1f}%"
+    return f"{x:.3g}"
 
 
 def _mean_std(s: dict, key: str) -> str:
@@ -586,7 +588,16 @@ def _precision_section(out: Path, summary: dict, names: Sequence[str]) -> list[s
                      f"{_fmt(s['std']['final_accuracy'], True)} | {_fmt(s['mean_accuracy_during_rl'], True)} |")
     ref = summary["gspo"]
     lines += ["", f"For reference, the fp32 engine of the main runs: std(w_i,t) = "
-                  f"{_fmt(ref['precision_ratio_std_token'])}, std(s_i) = {_fmt(ref['precision_ratio_std_seq'])}.", ""]
+                  f"{_fmt(ref['precision_ratio_std_token'])}, std(s_i) = {_fmt(ref['precision_ratio_std_seq'])}."]
+    gspo, grpo = summary.get("gspo_bf16_rollout"), summary.get("grpo_bf16_rollout")
+    noise = summary.get("gspo_bf16_recompute", {}).get("precision_ratio_std_seq")
+    if gspo and grpo and noise is not None:
+        eps = default_eps("gspo")[1]
+        lines += ["", f"With π_old taken from the bf16 engine, precision noise alone clips "
+                      f"{_fmt(gspo['clip_frac_tokens_first_mb'], True)} of GSPO's tokens in the on-policy minibatch "
+                      f"(GRPO: {_fmt(grpo['clip_frac_tokens_first_mb'], True)}): std(s_i) is {noise / eps:.0f}× "
+                      f"GSPO's ε_high = {eps:g}. Whether that costs accuracy is in the claims below."]
+    lines.append("")
     if plot_methods(summary, names, "heldout_accuracy", out / "precision_accuracy.png",
                     "held-out accuracy, bf16 rollouts", False) is not None:
         lines += ["![held-out accuracy, bf16 rollouts](precision_accuracy.png)", ""]

@@ -1,9 +1,144 @@
-"""Per-token log-probabilities of given completions under a causal LM (teacher forcing)."""
+"""Per-token log-probabilities of given completions under a causal LM (teacher forcing).
+
+Two things keep this cheap (both exact up to float rounding, both tested against the naive computation):
+
+- Memory: log π(y_t) is computed from the final hidden states in chunks of tokens (`chunked_token_logprobs`), so the
+  N×T×V logits never exist at once; the backward recomputes each chunk's logits instead of keeping them. At Qwen3's
+  vocabulary (151,936) and 4k completion tokens that is ~20 MB of logits instead of ~7 GB for logits, log-softmax
+  and their gradients (benchmarks/logprobs_memory.py).
+- Padding (`trim_padding=True`): rows are forwarded in length buckets, each cut to its own longest prompt and
+  completion, and the last completion token (which predicts nothing) is not fed, so left/right padding costs
+  (almost) nothing. This changes the token layout the model sees, so it is off by default: MoE routing capture and
+  replay (`gspo.moe.RoutingCapture`) need one forward over the full [N, S + T] layout.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+LOGPROB_CHUNK_ELEMENTS = 1 << 22
+"""Default logits per chunk of `chunked_token_logprobs` (16 MiB in float32): chunk tokens = this // vocabulary.
+Large enough that the vocab projection stays one big matmul per chunk, small enough to be noise in peak memory."""
+
+_SCALED_LOGITS_KEYS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier",
+                       "lm_head_multiplier", "attn_logit_softcapping_final")
+
+
+class _ChunkedTokenLogprob(torch.autograd.Function):
+    """log softmax(h W^T + b)/τ at the target token, computed `chunk` rows at a time; backward recomputes the chunk's
+    logits (∂/∂logits = (onehot − softmax)·g/τ), so only the [M] log-sum-exps are saved besides the inputs."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk, with_entropy):
+        n = hidden.shape[0]
+        logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=hidden.device)
+        for s in range(0, n, chunk):
+            logits = _chunk_logits(hidden[s:s + chunk], weight, bias, temperature)
+            lse[s:s + chunk] = torch.logsumexp(logits, -1)
+            logprobs[s:s + chunk] = logits.gather(-1, targets[s:s + chunk, None]).squeeze(-1) - lse[s:s + chunk]
+            if with_entropy:  # H = lse − Σ p·logits
+                probs = torch.exp(logits - lse[s:s + chunk, None])
+                entropy[s:s + chunk] = lse[s:s + chunk] - (probs * logits).sum(-1)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, _grad_entropy):
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+        for s in range(0, hidden.shape[0], ctx.chunk):
+            h = hidden[s:s + ctx.chunk]
+            logits = _chunk_logits(h, weight, bias, ctx.temperature)
+            g = grad_logprobs[s:s + ctx.chunk, None].float()
+            grad_logits = torch.exp(logits - lse[s:s + ctx.chunk, None]).mul_(-g)
+            grad_logits.scatter_add_(-1, targets[s:s + ctx.chunk, None], g)
+            if ctx.temperature != 1.0:
+                grad_logits /= ctx.temperature
+            grad_logits = grad_logits.to(hidden.dtype)
+            if need_h:
+                grad_h[s:s + ctx.chunk] = grad_logits @ weight
+            if need_w:
+                grad_w += (grad_logits.t() @ h).float()
+            if need_b:
+                grad_b += grad_logits.float().sum(0)
+        grad_w = None if grad_w is None else grad_w.to(weight.dtype)
+        grad_b = None if grad_b is None else grad_b.to(bias.dtype)
+        return grad_h, grad_w, grad_b, None, None, None, None
+
+
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  temperature: float) -> torch.Tensor:
+    """float32 logits / τ of one chunk, rounded exactly as the model's own head would round them (its dtype)."""
+    logits = nn.functional.linear(hidden, weight, bias).float()
+    return logits / temperature if temperature != 1.0 else logits
+
+
+def chunked_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax((hidden @ weight.T + bias) / temperature)[targets] for hidden [M, H], targets [M]: returns
+    (logprobs [M] float32 with gradient to hidden/weight/bias, entropy [M] float32 detached or None).
+
+    Equal to the naive full-logits computation in value and gradient up to float rounding, but never holds more than
+    `chunk_size` rows of logits (default: LOGPROB_CHUNK_ELEMENTS // vocabulary).
+    """
+    chunk = max(1, chunk_size or LOGPROB_CHUNK_ELEMENTS // weight.shape[0])
+    logprobs, entropy = _ChunkedTokenLogprob.apply(hidden, weight, bias, targets, temperature, chunk, with_entropy)
+    return logprobs, entropy if with_entropy else None
+
+
+def _backbone_and_head(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
+    """(decoder backbone, LM head) of a plain Hugging Face causal LM whose logits are exactly `head(last hidden
+    state)`; None when that cannot be relied on (wrappers such as DDP, soft-capped or scaled logits, custom heads),
+    in which case the caller takes the full-logits path."""
+    prefix = getattr(model, "base_model_prefix", None)
+    backbone = getattr(model, prefix, None) if isinstance(prefix, str) and prefix else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(backbone, nn.Module) or backbone is model or type(head) is not nn.Linear:
+        return None
+    if not type(model).__name__.endswith("ForCausalLM"):
+        return None
+    config = getattr(model, "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if any(getattr(text_config, key, None) not in (None, 1, 1.0) for key in _SCALED_LOGITS_KEYS):
+        return None
+    return backbone, head
+
+
+def _length_buckets(prompt_len: torch.Tensor, completion_len: torch.Tensor, min_waste: int = 256,
+                    max_waste: float = 0.25) -> list[torch.Tensor]:
+    """Row indices grouped so that each group, cut to its longest prompt and completion, wastes little on padding.
+
+    Rows are taken longest first; a row starts a new group when adding it would make the group's padding exceed both
+    `min_waste` tokens and `max_waste` × its real tokens (small batches stay one forward: a forward has a fixed cost).
+    """
+    order = torch.argsort(prompt_len + completion_len, descending=True, stable=True).tolist()
+    p, c = prompt_len.tolist(), completion_len.tolist()
+    buckets, current, p_max, c_max, real = [], [], 0, 0, 0
+    for i in order:
+        new_p, new_c, new_real = max(p_max, p[i]), max(c_max, c[i]), real + p[i] + c[i]
+        waste = (len(current) + 1) * (new_p + new_c) - new_real
+        if current and waste > max(min_waste, max_waste * new_real):
+            buckets.append(torch.tensor(current))
+            current, new_p, new_c, new_real = [], p[i], c[i], p[i] + c[i]
+        current.append(i)
+        p_max, c_max, real = new_p, new_c, new_real
+    buckets.append(torch.tensor(current))
+    return buckets
 
 
 def completion_logprobs(
@@ -14,15 +149,27 @@ def completion_logprobs(
     completion_mask: torch.Tensor,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    *,
+    chunk_size: int | None = None,
+    trim_padding: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log π(y_t | x, y_<t) / temperature-scaled, for every completion token: returns (logprobs [N, T] float32,
     entropy [N, T] float32 or None). Prompts are left-padded, completions right-padded; position ids count real
     tokens only, so left padding does not shift positions (same convention as the rollout sampler).
 
-    Only the T+1 last positions' logits are computed (`logits_to_keep`), so the prompt never costs a vocab
-    projection. The temperature matches the sampler's: π_θ and π_old must be the same distribution family.
-    Entropy is of the temperature-scaled distribution, detached (a diagnostic).
+    The prompt never costs a vocab projection. The temperature matches the sampler's: π_θ and π_old must be the same
+    distribution family. Entropy is of the temperature-scaled distribution, detached (a diagnostic).
+
+    chunk_size: tokens per chunk of the vocab projection (`chunked_token_logprobs`); None = LOGPROB_CHUNK_ELEMENTS //
+        vocabulary; 0 = the full-logits path (`logits_to_keep`), also taken for models whose head is not a plain
+        linear map of the last hidden state. The chunked path returns 0 at padded completion positions.
+    trim_padding: forward in length buckets cut to their own lengths (see the module docstring); the model then does
+        not see the [N, S + T] layout, so leave it off under MoE routing capture or replay.
     """
+    split = _backbone_and_head(model) if chunk_size != 0 else None
+    if split is not None:
+        return _hidden_state_logprobs(split, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
+                                      with_entropy, chunk_size, trim_padding)
     input_ids = torch.cat([prompt_ids, completion_ids], 1)
     attention_mask = torch.cat([prompt_mask, completion_mask], 1).long()
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -39,4 +186,57 @@ def completion_logprobs(
     if with_entropy:
         with torch.no_grad():
             entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logprobs, entropy
+
+
+def _hidden_state_logprobs(
+    split: tuple[nn.Module, nn.Linear],
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    chunk_size: int | None,
+    trim_padding: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`completion_logprobs` through the backbone's last hidden states and `chunked_token_logprobs`: one backbone
+    forward per length bucket (one over the full layout without `trim_padding`), then one chunked head call over the
+    real completion tokens of all buckets, scattered back to [N, T] (0 at padding)."""
+    backbone, head = split
+    n, s = prompt_ids.shape
+    t = completion_ids.shape[1]
+    c_mask = completion_mask.bool()
+    buckets = _length_buckets(prompt_mask.sum(-1), completion_mask.sum(-1)) if trim_padding else [torch.arange(n)]
+    hidden, rows, cols = [], [], []
+    for idx in buckets:
+        idx = idx.to(prompt_ids.device)
+        p_ids, p_mask, c_ids, cm = prompt_ids[idx], prompt_mask[idx], completion_ids[idx], c_mask[idx]
+        if trim_padding:  # cut to this bucket's longest prompt and completion; the last completion token is not fed
+            p_len, c_len = int(p_mask.sum(-1).max()), int(cm.sum(-1).max())
+            if c_len == 0:
+                continue
+            p_ids, p_mask, c_ids, cm = p_ids[:, s - p_len:], p_mask[:, s - p_len:], c_ids[:, :c_len], cm[:, :c_len]
+            inputs, attention = torch.cat([p_ids, c_ids[:, :-1]], 1), torch.cat([p_mask, cm[:, :-1]], 1).long()
+        else:
+            p_len = s
+            inputs, attention = torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, cm], 1).long()
+        position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+        last = backbone(input_ids=inputs, attention_mask=attention, position_ids=position_ids,
+                        use_cache=False).last_hidden_state
+        predicting = last[:, p_len - 1:p_len - 1 + cm.shape[1]]  # position p_len-1+j predicts completion token j
+        r, c = cm.nonzero(as_tuple=True)
+        hidden.append(predicting[r, c])
+        rows.append(idx[r])
+        cols.append(c)
+    logprobs = torch.zeros((n, t), dtype=torch.float32, device=prompt_ids.device)
+    entropy = torch.zeros((n, t), dtype=torch.float32, device=prompt_ids.device) if with_entropy else None
+    if not hidden:
+        return logprobs + 0.0 * sum(p.sum() for p in head.parameters()), entropy
+    rows_all, cols_all = torch.cat(rows), torch.cat(cols)
+    lp, ent = chunked_token_logprobs(torch.cat(hidden), head.weight, completion_ids[rows_all, cols_all], head.bias,
+                                     temperature, chunk_size, with_entropy)
+    logprobs = logprobs.index_put((rows_all, cols_all), lp)
+    if entropy is not None:
+        entropy[rows_all, cols_all] = ent
     return logprobs, entropy

@@ -154,6 +154,7 @@ class RLStep:
     rewards: RewardRunner
     ref_model: torch.nn.Module | None = None
     moe: bool = False  # the policy has MoE routers with an adapter: routing is captured (volatility) and replayable
+    # (so its forwards keep the padded [N, S+T] token layout; without capture they trim padding: gspo.logprobs)
     dist: Dist = field(default_factory=Dist)  # the processes of a torchrun run (one process: no-ops)
 
 
@@ -225,7 +226,8 @@ def rl_step(step: int, model, optimizer, scheduler, train_rows: list[dict], ctx:
         with torch.no_grad():
             for mb in minibatches:
                 with _routing_capture(ctx, model, engine_routing, mb) as cap:
-                    old_logprobs[mb] = completion_logprobs(model, *_rows(batch, mb), temperature=ro.temperature)[0]
+                    old_logprobs[mb] = completion_logprobs(model, *_rows(batch, mb), temperature=ro.temperature,
+                                                           trim_padding=not ctx.moe)[0]
                 if cap is not None:
                     chosen = cap.take().chosen
                     if old_routing is None:
@@ -242,7 +244,7 @@ def rl_step(step: int, model, optimizer, scheduler, train_rows: list[dict], ctx:
     for k, mb in enumerate(minibatches):
         with _routing_capture(ctx, model, replay, mb) as cap:
             logprobs, entropy = completion_logprobs(model, *_rows(batch, mb), temperature=ro.temperature,
-                                                    with_entropy=k == 0)
+                                                    with_entropy=k == 0, trim_padding=not ctx.moe)
         if cap is not None and old_routing is not None and k == len(minibatches) - 1 and k > 0:
             # §5.3 volatility, measured for free on the last minibatch: after the step's k updates, the fraction of its
             # tokens' expert activations that the router now picks differently from π_old's (whatever is replayed)
@@ -255,7 +257,8 @@ def rl_step(step: int, model, optimizer, scheduler, train_rows: list[dict], ctx:
         loss = loss * ctx.dist.loss_scale(algo.loss, mask[mb])  # gradient averaging over processes = 1 process
         if ctx.ref_model is not None and algo.kl_beta > 0:
             with torch.no_grad():
-                ref_logprobs, _ = completion_logprobs(ctx.ref_model, *_rows(batch, mb), temperature=ro.temperature)
+                ref_logprobs, _ = completion_logprobs(ctx.ref_model, *_rows(batch, mb), temperature=ro.temperature,
+                                                      trim_padding=True)
             kl = kl_to_reference(logprobs, ref_logprobs, mask[mb])
             loss = loss + algo.kl_beta * kl
             m["kl_ref"] = float(kl.detach())

@@ -105,8 +105,15 @@ def checkpoint_weights(model: nn.Module, dtype: torch.dtype | None = None) -> It
     more than one full tensor beyond the model."""
     bare = _unwrap(model)
     revert = _to_checkpoint_layout(bare)
+    tied, seen = set(), set()  # tied parameters (one tensor, several names) are sent once, as HF saves them
+    for name, param in bare.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            tied.add(name)
+        seen.add(id(param))
     with torch.no_grad():
         for name, tensor in bare.state_dict().items():
+            if name in tied:
+                continue
             full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
             full = full.detach()
             if dtype is not None and full.is_floating_point():

@@ -1,0 +1,118 @@
+"""Peak memory of per-token log-probabilities at Qwen3's vocabulary (151,936): full logits vs `gspo.logprobs`' chunks.
+
+    .venv/bin/python benchmarks/logprobs_memory.py [--lengths 1024,2048,4096,8192] [--hidden 64]
+
+Each measurement is one forward + backward of `completion_logprobs` (a training step's log-prob work) on one
+sequence of an 8-token prompt and a T-token completion, through a 2-layer Qwen3 with a small hidden size (so that it
+runs on a CPU) and the full 151,936-token vocabulary, in a fresh subprocess: peak memory = the subprocess's peak RSS
+(`ru_maxrss`) minus its RSS just before the call (model, inputs and imports already resident). The full-logits path
+(`chunk_size=0`) holds the [T, V] float32 logits, their log-softmax and their gradients (~3 × 4·T·V bytes); the
+chunked path holds one chunk of logits at a time. The naive path is skipped where its projected peak would not fit in
+the machine's free memory. Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+VOCAB = 151_936
+
+
+def measure(length: int, hidden: int, chunked: bool) -> dict:
+    """In this process: RSS growth and time of one forward + backward of completion_logprobs."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from gspo.logprobs import completion_logprobs
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=hidden // 2,
+                         max_position_embeddings=length + 16, tie_word_embeddings=True)
+    model = Qwen3ForCausalLM._from_config(config, attn_implementation="sdpa")
+    prompt = torch.randint(0, VOCAB, (1, 8))
+    completion = torch.randint(0, VOCAB, (1, length))
+    masks = torch.ones_like(prompt), torch.ones_like(completion)
+    with open("/proc/self/statm") as f:
+        before = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    t0 = time.perf_counter()
+    logprobs, _ = completion_logprobs(model, prompt, masks[0], completion, masks[1], chunk_size=None if chunked else 0)
+    logprobs.sum().backward()
+    seconds = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"length": length, "chunked": chunked, "peak_bytes": peak - before, "seconds": seconds}
+
+
+def run(length: int, hidden: int, chunked: bool) -> dict:
+    """`measure` in a fresh subprocess (peak RSS is per process and never goes down)."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--measure", str(length), "--hidden", str(hidden)]
+    if chunked:
+        cmd.append("--chunked")
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"measurement failed ({length}, chunked={chunked}):\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def available_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        info = dict(line.split(":", 1) for line in f)
+    return int(info["MemAvailable"].split()[0]) * 1024
+
+
+def table(lengths: list[int], hidden: int) -> tuple[list[dict], dict[int, float]]:
+    """Rows for every length (naive where it fits), and chunked/naive peak ratios by length."""
+    rows, ratios = [], {}
+    for length in lengths:
+        chunked = run(length, hidden, True)
+        projected = 4 * 4 * length * VOCAB  # logits, log-softmax, their gradients: ~4 [T, V] float32 buffers
+        naive = run(length, hidden, False) if projected < 0.7 * available_bytes() else None
+        rows.append({"length": length, "naive": naive, "chunked": chunked})
+        if naive is not None:
+            ratios[length] = chunked["peak_bytes"] / naive["peak_bytes"]
+    return rows, ratios
+
+
+def print_table(rows: list[dict], ratios: dict[int, float]) -> None:
+    mib = 2**20
+    print(f"log-prob peak memory, vocab {VOCAB:,}, forward + backward, one sequence (fresh process per cell)")
+    print(f"{'completion tokens':>18} | {'full logits':>12} | {'chunked':>10} | {'ratio':>7} | {'time full':>9} | "
+          f"{'time chunked':>12}")
+    for r in rows:
+        n, c = r["naive"], r["chunked"]
+        full = f"{n['peak_bytes'] / mib:,.0f} MiB" if n else "skipped"
+        ratio = f"1/{1 / ratios[r['length']]:.0f}" if r["length"] in ratios else "-"
+        t_full = f"{n['seconds']:.2f} s" if n else "-"
+        print(f"{r['length']:>18,} | {full:>12} | {c['peak_bytes'] / mib:>6,.0f} MiB | {ratio:>7} | {t_full:>9} | "
+              f"{c['seconds']:>10.2f} s")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", default="1024,2048,4096,8192")
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--measure", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--chunked", action="store_true", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.measure:
+        import torch
+
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+        print(json.dumps(measure(a.measure, a.hidden, a.chunked)))
+        return
+    rows, ratios = table([int(x) for x in a.lengths.split(",")], a.hidden)
+    print_table(rows, ratios)
+    print(json.dumps({"logprob_peak_memory_ratio": ratios.get(4096),
+                      "ratios": {str(k): v for k, v in ratios.items()}}))
+
+
+if __name__ == "__main__":
+    main()
