@@ -5,7 +5,8 @@
 Each measurement is one forward + backward of `completion_logprobs` (a training step's log-prob work) on one
 sequence of an 8-token prompt and a T-token completion, through a 2-layer Qwen3 with a small hidden size (so that it
 runs on a CPU) and the full 151,936-token vocabulary, in a fresh subprocess: peak memory = the subprocess's peak RSS
-(`ru_maxrss`) minus its RSS just before the call (model, inputs and imports already resident). The full-logits path
+(VmHWM) minus its RSS just before the call (model, inputs, imports and the gradient buffers of a 16-token
+warm-up call already resident). The full-logits path
 (`chunk_size=0`) holds the [T, V] float32 logits, their log-softmax and their gradients (~3 × 4·T·V bytes); the
 chunked path holds one chunk of logits at a time. The naive path is skipped where its projected peak would not fit in
 the machine's free memory. Prints a table, then one JSON line.
@@ -16,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -40,13 +40,17 @@ def measure(length: int, hidden: int, chunked: bool) -> dict:
     prompt = torch.randint(0, VOCAB, (1, 8))
     completion = torch.randint(0, VOCAB, (1, length))
     masks = torch.ones_like(prompt), torch.ones_like(completion)
+    chunk_size = None if chunked else 0
+    warm, _ = completion_logprobs(model, prompt, masks[0], completion[:, :16], masks[1][:, :16], chunk_size=chunk_size)
+    warm.sum().backward()  # one-time set-up (kernels, thread pool, gradient buffers) is not the method's memory
     with open("/proc/self/statm") as f:
         before = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     t0 = time.perf_counter()
-    logprobs, _ = completion_logprobs(model, prompt, masks[0], completion, masks[1], chunk_size=None if chunked else 0)
+    logprobs, _ = completion_logprobs(model, prompt, masks[0], completion, masks[1], chunk_size=chunk_size)
     logprobs.sum().backward()
     seconds = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with open("/proc/self/status") as f:  # VmHWM: ru_maxrss would include the parent's peak (kept across exec)
+        peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
     return {"length": length, "chunked": chunked, "peak_bytes": peak - before, "seconds": seconds}
 
 

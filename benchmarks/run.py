@@ -18,13 +18,14 @@ stamps the end of every optimizer step, so a rollout batch is 4 consecutive step
 
 Each measurement is a fresh subprocess (warm-up batches discarded), and the sides alternate A/B/A/B so that load from
 other jobs on the machine hits both alike; times are medians over all measured batches, ratios are of medians.
-Peak memory is the subprocess's peak RSS (`ru_maxrss`); "growth" is that peak minus the RSS just before the first
+Peak memory is the subprocess's peak RSS (VmHWM); "growth" is that peak minus the RSS just before the first
 step (the model, the optimizer and the imports are already in it), i.e. what the steps themselves needed.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import resource
@@ -62,7 +63,12 @@ def rss_bytes() -> int:
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process so far (Linux reports ru_maxrss in KiB)."""
+    """Peak resident set size of this process so far: VmHWM, which (unlike ru_maxrss, inherited from the parent
+    across fork + exec on Linux) starts afresh with the process's own address space."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -101,8 +107,6 @@ def addition_rows(n: int = 2048) -> list[dict]:
 
 def gspo_worker(path: str, batches: int, warmup: int, options: dict) -> dict:
     """Time `batches` rollout batches of `gspo.trainer.rl_step` (after `warmup` more)."""
-    import torch
-
     from gspo.config import validate_config
     from gspo.models import load_model
     from gspo.moe import is_moe
@@ -120,9 +124,6 @@ def gspo_worker(path: str, batches: int, warmup: int, options: dict) -> dict:
         "trainer": options.get("trainer", {}),
     })
     model, tokenizer = load_model(cfg.model.name, dtype=cfg.model.dtype)
-    apply = getattr(__import__("gspo.models", fromlist=["apply_speed_options"]), "apply_speed_options", None)
-    if apply is not None:
-        apply(model, cfg)
     rows = addition_rows()
     optimizer, scheduler = make_optimizer(model, cfg.optim.lr, 1000, betas=cfg.optim.betas)
     ro = cfg.rollout
@@ -184,12 +185,87 @@ def trl_worker(path: str, batches: int, warmup: int, options: dict) -> dict:
                               processing_class=tokenizer, callbacks=[Stamp()])
         trainer.train()
     ends = stamps[::MINIBATCHES]  # train begin, then the end of every 4th optimizer step
-    times = [b - a for a, b in zip(ends, ends[1:], strict=False)][warmup:]
+    times = [b - a for a, b in itertools.pairwise(ends)][warmup:]
     return {"times": times, "tokens": [PROMPTS * GROUP * NEW_TOKENS] * len(times), "rss_before": rss[0],
             "peak_rss": peak_rss_bytes()}
 
 
-WORKERS = {"gspo": gspo_worker, "trl": trl_worker}
+def padding_worker(path: str, batches: int, warmup: int, options: dict) -> dict:
+    """Training-forward time (log-probs forward + backward) of ragged rows vs the same rows without padding.
+
+    32 rows with 6-token prompts; completions of 48 or 208 tokens, interleaved (a typical RL batch: some short, some
+    long answers). "no padding": the same rows forwarded as two padding-free batches (16 × 48, 16 × 208): same real
+    tokens, same attention work. "ragged, trimmed": `trim_padding` (length buckets); "ragged, padded": the padded
+    [N, S+T] layout. Also a uniform spread of lengths (8..248, same total) trimmed and padded. Timed alternately.
+    """
+    import torch
+
+    from gspo.logprobs import completion_logprobs
+    from gspo.models import load_model
+
+    model, _ = load_model(path)
+    model.train()
+    g = torch.Generator().manual_seed(0)
+    rows = 32
+    prompt = torch.randint(3, 52, (rows, 6), generator=g)
+
+    def batch(lengths: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        width = int(lengths.max())
+        mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
+        p = prompt[: len(lengths)]
+        return p, torch.ones_like(p), torch.randint(3, 52, (len(lengths), width), generator=g) * mask, mask
+
+    bimodal = torch.tensor([48, 208] * (rows // 2))
+    uniform = torch.tensor([8 + 15 * k for k in range(rows // 2)] + [248 - 15 * k for k in range(rows // 2)])
+    cases = {"bimodal, trimmed": ([batch(bimodal)], True), "bimodal, padded": ([batch(bimodal)], False),
+             "no padding": ([batch(torch.full((rows // 2,), 48)), batch(torch.full((rows // 2,), 208))], True),
+             "uniform, trimmed": ([batch(uniform)], True), "uniform, padded": ([batch(uniform)], False)}
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    for rep in range(warmup + batches):
+        for name, (parts, trim) in cases.items():
+            t0 = time.perf_counter()
+            for b in parts:
+                logprobs, _ = completion_logprobs(model, *b, trim_padding=trim)
+                logprobs.sum().backward()
+            model.zero_grad(set_to_none=True)
+            if rep >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return {"times": times, "real_tokens": int(bimodal.sum() + 6 * rows), "padded_tokens": rows * (208 + 6)}
+
+
+def sampler_worker(path: str, batches: int, warmup: int, options: dict) -> dict:
+    """Built-in sampler tokens/s (64 rows × 16 tokens) vs one no-grad forward over the same tokens (the bound)."""
+    import torch
+
+    from gspo.models import load_model
+    from gspo.rollout import HFSampler, SamplingParams
+
+    model, tokenizer = load_model(path)
+    prompts = [r["prompt"] for r in addition_rows()[:PROMPTS]]
+    out = {}
+    for dtype in (None, "bfloat16"):
+        engine = HFSampler(model, tokenizer, SamplingParams(max_new_tokens=NEW_TOKENS), dtype=dtype)
+        engine.eos_ids = []
+        sample_times, forward_times = [], []
+        for rep in range(warmup + batches):
+            t0 = time.perf_counter()
+            b = engine.generate(prompts, GROUP, list(range(PROMPTS)))
+            t1 = time.perf_counter()
+            ids = torch.cat([b.prompt_ids, b.completion_ids], 1)
+            mask = torch.cat([b.prompt_mask, b.completion_mask], 1)
+            with torch.inference_mode():
+                engine.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                             use_cache=False, logits_to_keep=NEW_TOKENS)
+            t2 = time.perf_counter()
+            if rep >= warmup:
+                sample_times.append(t1 - t0)
+                forward_times.append(t2 - t1)
+        out[dtype or "float32"] = {"sample": sample_times, "forward": forward_times,
+                                   "tokens": int(b.completion_mask.sum())}
+    return out
+
+
+WORKERS = {"gspo": gspo_worker, "trl": trl_worker, "padding": padding_worker, "sampler": sampler_worker}
 
 
 def run_worker(side: str, path: Path, batches: int, warmup: int, threads: int, options: dict | None = None) -> dict:
@@ -204,26 +280,128 @@ def run_worker(side: str, path: Path, batches: int, warmup: int, threads: int, o
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+# gspo configurations compared with TRL. "exact" is the same computation as TRL's, step for step (fp32 sampling,
+# π_old recomputed by a no-grad forward). "fast" adds the two options the GSPO paper itself recommends (§5.4): a bf16
+# rollout engine (sampling only: the trainer, its forwards, gradients and AdamW stay fp32) and π_old taken from the
+# engine (`old_logprobs=rollout`) instead of recomputed. Same objective, updates, tokens.
+GSPO_CONFIGS: dict[str, dict] = {
+    "gspo exact": {},
+    "gspo fast": {"rollout": {"dtype": "bfloat16"}, "algorithm": {"old_logprobs": "rollout"}},
+}
+HEADLINE = "gspo fast"
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def compare(paths: dict[str, Path], models: list[str], rounds: int, threads: int, sizes: dict[str, tuple[int, int]]
+            ) -> dict[str, dict[str, dict]]:
+    """For each model, `rounds` rounds of TRL and every gspo configuration, alternating (order reversed every other
+    round); returns {model: {side: {"times", "peak_rss", "growth"}}}."""
+    results: dict[str, dict[str, dict]] = {}
+    sides = ["trl", *GSPO_CONFIGS]
+    for model in models:
+        batches, warmup = sizes[model]
+        results[model] = {side: {"times": [], "peak_rss": 0, "growth": 0} for side in sides}
+        for r in range(rounds):
+            for side in sides if r % 2 == 0 else sides[::-1]:
+                worker = "trl" if side == "trl" else "gspo"
+                out = run_worker(worker, paths[model], batches, warmup, threads, GSPO_CONFIGS.get(side))
+                if any(t != PROMPTS * GROUP * NEW_TOKENS for t in out["tokens"]):
+                    raise RuntimeError(f"{side} generated {out['tokens']} tokens per batch, not the fixed length")
+                acc = results[model][side]
+                acc["times"] += out["times"]
+                acc["peak_rss"] = max(acc["peak_rss"], out["peak_rss"])
+                acc["growth"] = max(acc["growth"], out["peak_rss"] - out["rss_before"])
+                print(f"  {model:>10} round {r + 1}/{rounds} {side:>10}: "
+                      f"{' '.join(f'{t:.3f}' for t in out['times'])} s", flush=True)
+    return results
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--worker", choices=sorted(WORKERS))
-    p.add_argument("--path")
-    p.add_argument("--batches", type=int, default=4)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--options", default="{}")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--models", default="tiny_moe,medium_moe")
-    p.add_argument("--quick", action="store_true")
+    p.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
+    p.add_argument("--path", help=argparse.SUPPRESS)
+    p.add_argument("--batches", type=int, default=4, help=argparse.SUPPRESS)
+    p.add_argument("--warmup", type=int, default=2, help=argparse.SUPPRESS)
+    p.add_argument("--options", default="{}", help=argparse.SUPPRESS)
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads of every measurement (default 2)")
+    p.add_argument("--rounds", type=int, default=3, help="A/B rounds per model (default 3)")
+    p.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of " + ", ".join(MODELS))
+    p.add_argument("--memory-lengths", default="1024,2048,4096,8192", help="completion lengths of the memory rows")
+    p.add_argument("--quick", action="store_true", help="1 round, fewer batches, memory at 1k and 4k only")
     a = p.parse_args()
     if a.worker:
         import torch
 
         torch.set_num_threads(a.threads)
-        result = WORKERS[a.worker](a.path, a.batches, a.warmup, json.loads(a.options))
-        print(json.dumps(result))
+        print(json.dumps(WORKERS[a.worker](a.path, a.batches, a.warmup, json.loads(a.options))))
         return
-    raise SystemExit("driver not written yet")
+
+    import platform
+
+    import logprobs_memory  # benchmarks/ is on sys.path: this script's folder
+    import torch
+    import transformers
+    import trl
+
+    rounds = 1 if a.quick else a.rounds
+    sizes = {"tiny_moe": (3, 1), "medium_moe": (1, 1)} if a.quick else {"tiny_moe": (6, 2), "medium_moe": (3, 1)}
+    models = a.models.split(",")
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}, "
+          f"python {platform.python_version()}, {os.cpu_count()} CPUs, {a.threads} threads, {rounds} rounds")
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = build_models(Path(tmp))
+        results = compare(paths, models, rounds, a.threads, sizes)
+        padding = run_worker("padding", paths["tiny_moe"], 3 if a.quick else 6, 1, a.threads)
+        samplers = {m: run_worker("sampler", paths[m], 2 if a.quick else 4, 1, a.threads) for m in models}
+    lengths = [1024, 4096] if a.quick else [int(x) for x in a.memory_lengths.split(",")]
+    memory_rows, memory_ratios = logprobs_memory.table(lengths, 64)
+
+    summary = print_report(results, padding, samplers, memory_rows, memory_ratios, models)
+    print(json.dumps(summary))
+
+
+def print_report(results: dict, padding: dict, samplers: dict, memory_rows: list[dict], memory_ratios: dict,
+                 models: list[str]) -> dict:
+    """Print the tables; return the summary that is the last line of output."""
+    import logprobs_memory
+
+    mib = 2**20
+    tokens = PROMPTS * GROUP * NEW_TOKENS
+    summary: dict[str, float | None] = {}
+    print(f"\nper rollout batch: {PROMPTS} prompts × {GROUP} completions × {NEW_TOKENS} tokens, "
+          f"{MINIBATCHES} minibatch updates, GSPO ε 3e-4/4e-4, β=0, fp32 trainer")
+    print(f"{'model':>10} | {'run':>10} | {'s / batch':>9} | {'TRL / this':>10} | {'tokens/s':>8} | "
+          f"{'peak RSS':>9} | {'growth':>8}")
+    for model in models:
+        trl_time = median(results[model]["trl"]["times"])
+        for side, r in results[model].items():
+            t = median(r["times"])
+            print(f"{model:>10} | {side:>10} | {t:>9.3f} | {trl_time / t:>9.2f}× | {tokens / t:>8.0f} | "
+                  f"{r['peak_rss'] / mib:>5.0f} MiB | {r['growth'] / mib:>4.0f} MiB")
+            if side != "trl":
+                key = "" if side == HEADLINE else "_" + side.split()[-1]
+                summary[f"speedup_{model}{key}"] = trl_time / t
+                summary[f"peak_rss_ratio_{model}{key}"] = r["peak_rss"] / results[model]["trl"]["peak_rss"]
+    print(f"\npadding in the training forward (tiny_moe, log-probs forward + backward, 32 rows; bimodal: "
+          f"{padding['real_tokens']:,} real tokens, {padding['padded_tokens']:,} in the padded layout)")
+    base = median(padding["times"]["no padding"])
+    for name, ts in padding["times"].items():
+        print(f"{name:>16}: {median(ts) * 1e3:7.1f} ms  ({median(ts) / base:.2f}× no padding)")
+    summary["padding_ragged_over_unpadded"] = median(padding["times"]["bimodal, trimmed"]) / base
+    print("\nbuilt-in sampler vs the forward-only bound (one no-grad forward over the same tokens)")
+    for model in models:
+        for dtype, r in samplers[model].items():
+            sample, forward = r["tokens"] / median(r["sample"]), r["tokens"] / median(r["forward"])
+            print(f"{model:>10} {dtype:>8}: sampler {sample:8.0f} tokens/s | bound {forward:8.0f} tokens/s | "
+                  f"{sample / forward:.2f} of the bound")
+            summary[f"sampler_over_bound_{model}_{dtype}"] = sample / forward
+    print()
+    logprobs_memory.print_table(memory_rows, memory_ratios)
+    summary["logprob_peak_memory_ratio"] = memory_ratios.get(4096)
+    return summary
 
 
 if __name__ == "__main__":

@@ -25,10 +25,10 @@ from gspo.trainer import train
 
 TESTS = Path(__file__).parent
 # Three steps, a checkpoint after each, a large constant learning rate (so the weights move well beyond float noise),
-# and a reward that varies within groups even for an untrained model, named by import path so that the torchrun
-# processes find it too.
+# a KL term (a reference model, sharded too under FSDP), and a reward that varies within groups even for an untrained
+# model, named by import path so that the torchrun processes find it too.
 RUN = ["trainer.steps=3", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=5", "optim.lr=3e-3",
-       "optim.warmup_steps=0", "rewards.functions={conftest.varied_reward: 1.0}"]
+       "optim.warmup_steps=0", "rewards.functions={conftest.varied_reward: 1.0}", "algorithm.kl_beta=0.05"]
 REL_TOL = 1e-3  # per tensor: ‖W₂ − W₁‖ / ‖W₁‖ (Frobenius) after 3 steps; measured ≈ 2e-4
 
 
@@ -67,11 +67,13 @@ def assert_same_run(one: Path, two: Path) -> None:
     moved = max(float((a[k] - start[k]).abs().max()) for k in a if k in start)
     gap = max(float((a[k] - b[k]).abs().max()) for k in a)
     assert gap < 0.05 * moved, f"1-vs-2-process gap {gap:.2e} is not small against the updates ({moved:.2e})"
+    print(f"{two.name}: max relative difference {rel[worst]:.2e} ({worst}), max abs {gap:.2e}, updates {moved:.2e}")
     m1, m2 = read_metrics(one / "metrics.jsonl"), read_metrics(two / "metrics.jsonl")
     assert [r["step"] for r in m2] == [1, 2, 3]  # rank 0 alone logs, once per step
     assert [r["reward_mean"] for r in m2] == [r["reward_mean"] for r in m1]
     for r1, r2 in zip(m1, m2, strict=True):
         assert r2["loss"] == pytest.approx(r1["loss"], rel=1e-3, abs=1e-6)
+        assert r2["kl_ref"] == pytest.approx(r1["kl_ref"], rel=1e-3, abs=1e-7)
         assert r2["grad_norm"] == pytest.approx(r1["grad_norm"], rel=1e-4)
     e1, e2 = read_metrics(one / "eval.jsonl"), read_metrics(two / "eval.jsonl")
     assert [e["step"] for e in e2] == [0, 2, 3]
@@ -133,6 +135,7 @@ def test_one_process_is_the_identity():
     assert d.mean_metrics({"a": 1.5}) == {"a": 1.5}
     t = torch.arange(6.0)
     assert d.merge_rows(t, [torch.tensor([0, 1])]) is t
+    assert d.main_first(lambda: 7) == 7
 
 
 def test_token_normalised_objectives_are_the_token_mean_ones():

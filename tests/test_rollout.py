@@ -469,3 +469,22 @@ def test_larger_moe_batch_sanity(tok, tiny):
     assert len(batch) == 64 and batch.completion_ids.shape[1] <= 48
     assert torch.isfinite(batch.logprobs).all() and (batch.logprobs <= 0).all()
     check_layout(batch, tok, 48, {EOS})
+
+
+def test_release_weights_frees_the_copy_until_update_weights(tok):
+    """An own-copy engine's parameters are freed by release_weights and come back, equal, from update_weights (or
+    from the model last given, when generate comes first)."""
+    trainer = build_model("moe", len(tok))
+    sampler = HFSampler(trainer, tok, SamplingParams(max_new_tokens=8), dtype="bf16")
+    before = sampler.generate(PROMPTS, 2, SEEDS)
+    sampler.release_weights()
+    assert all(p.numel() == 0 for p in sampler.model.parameters())
+    sampler.update_weights(trainer)
+    for name, p in trainer.named_parameters():
+        assert torch.equal(dict(sampler.model.named_parameters())[name], p.detach().to(torch.bfloat16)), name
+    assert torch.equal(sampler.generate(PROMPTS, 2, SEEDS).completion_ids, before.completion_ids)
+    sampler.release_weights()
+    assert torch.equal(sampler.generate(PROMPTS, 2, SEEDS).completion_ids, before.completion_ids)
+    shared = HFSampler(trainer, tok, SamplingParams(max_new_tokens=8))
+    shared.release_weights()  # a shared-weight engine has nothing to free
+    assert all(p.numel() > 0 for p in trainer.parameters())

@@ -319,3 +319,15 @@ def test_kl_beta_logs_kl_ref_and_resumes_against_the_same_reference(tmp_path):
 def test_no_kl_ref_without_kl_beta(run_a):
     out, _ = run_a
     assert all("kl_ref" not in r for r in read_metrics(out / "metrics.jsonl"))
+
+
+def test_trimmed_padding_keeps_the_first_minibatch_exactly_on_policy(tmp_path, spy_objective):
+    """A dense model's forwards trim padding (gspo.logprobs trim_padding): π_old and π_θ of the first minibatch use
+    the same buckets, so its ratios are still exactly 1 — and the rollout's ragged completions are padded."""
+    train(cfg_for(tmp_path, "cold_start=null", "model.name=tiny-dense", "trainer.steps=1", "rollout.max_new_tokens=12",
+                  "rollout.stop=[1, 2, 3, 4]", "rewards.functions={varied: 1.0}", "algorithm.old_logprobs=recompute",
+                  "trainer.eval_every=0", "data.eval_size=1"))
+    logprobs, old, mask = spy_objective[0]
+    assert (~mask).any()  # ragged lengths: padding exists and is trimmed
+    assert torch.equal(logprobs[mask], old[mask])
+    assert read_metrics(tmp_path / "metrics.jsonl")[0]["rollout_logprob_diff"] < 1e-4

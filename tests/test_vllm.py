@@ -178,7 +178,8 @@ def test_trainer_runs_on_the_vllm_engine(tmp_path):
     evaluation decodes with vLLM."""
     out = tmp_path / "run"
     overrides = tiny_overrides(out, "cold_start=null", "trainer.steps=3", "rollout.engine=vllm",
-                               "rollout.vllm.enforce_eager=true", "rollout.vllm.max_model_len=64", "optim.lr=3e-3",
+                               "rollout.vllm.enforce_eager=true", "rollout.vllm.max_model_len=64",
+                               "data.max_prompt_tokens=32", "optim.lr=3e-3",
                                "optim.warmup_steps=0", "rewards.functions={conftest.varied_reward: 1.0}")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-m", "gspo", "train", str(DEMO), *overrides], env=env, cwd=tmp_path,

@@ -251,6 +251,13 @@ def _check_scaling(cfg: Config) -> None:
                          f"{ro.engine}")
     if ro.vllm.server_url and not re.match(r"^https?://[^/\s]+", ro.vllm.server_url):
         raise ValueError(f"rollout.vllm.server_url must look like http://host:port, got {ro.vllm.server_url!r}")
+    if ro.engine == "vllm" and ro.vllm.max_model_len is not None:
+        longest = max(ro.max_new_tokens, tr.eval_max_new_tokens or 0)
+        prompt = cfg.data.max_prompt_tokens
+        if prompt is None or prompt + longest > ro.vllm.max_model_len:
+            raise ValueError(f"rollout.vllm.max_model_len={ro.vllm.max_model_len} must hold the longest prompt plus "
+                             f"{longest} new tokens: set data.max_prompt_tokens to at most "
+                             f"{ro.vllm.max_model_len - longest} (longer prompts are then skipped at load time)")
     if tr.fsdp_mixed_precision is not None and (tr.parallel != "fsdp" or cfg.model.dtype != "float32"):
         raise ValueError("trainer.fsdp_mixed_precision computes in low precision over float32 parameters: it needs "
                          "trainer.parallel=fsdp and model.dtype=float32")

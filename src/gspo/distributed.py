@@ -153,6 +153,13 @@ class Dist:
         if self.enabled:
             dist.barrier()
 
+    def main_first(self, fn: Callable[[], Any]) -> Any:
+        """`fn()` on rank 0, then, once it is done, on the other processes: for work whose files rank 0 writes and
+        the others then read (cold-start SFT, repairing the checkpoint folder after a crash)."""
+        result = fn() if self.is_main else None
+        self.barrier()
+        return result if self.is_main else fn()
+
     def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Concatenate equal-shaped tensors of every process along dim 0, in rank order."""
         wire = tensor.to(self.device)

@@ -195,6 +195,8 @@ def rl_step(step: int, model, optimizer, scheduler, train_rows: list[dict], ctx:
     seeds = [derive_seed(cfg.trainer.seed, "rollout", step, j) for j in range(len(rows))]
     mine = ctx.dist.shard(len(rows))  # this process's prompts (whole groups; all of them in a one-process run)
     batch = ctx.engine.generate([r["prompt"] for r in rows[mine]], ro.group_size, seeds[mine])
+    if hasattr(ctx.engine, "release_weights"):  # an own-copy engine frees its copy until update_weights below
+        ctx.engine.release_weights()
     t_rollout = time.perf_counter() - t0
 
     # 2. rewards and group advantages (Eq. 6); every process then holds the whole batch
@@ -241,10 +243,15 @@ def rl_step(step: int, model, optimizer, scheduler, train_rows: list[dict], ctx:
     objective = OBJECTIVES[algo.loss]
     sums: dict[str, float] = {}
     grad_norms, skipped = [], 0
+    # MoE routing is captured where it is used (replay; volatility against π_old's routing), over the full [N, S+T]
+    # layout, and then every π_θ forward keeps that layout too, so the first minibatch's ratios stay exactly 1. Without
+    # either (dense, or old_logprobs=rollout and no replay) the forwards trim padding and install no hooks.
+    full_layout = ctx.moe and (old_routing is not None or replay is not None)
     for k, mb in enumerate(minibatches):
-        with _routing_capture(ctx, model, replay, mb) as cap:
+        capture = _routing_capture(ctx, model, replay, mb) if full_layout else contextlib.nullcontext(None)
+        with capture as cap:
             logprobs, entropy = completion_logprobs(model, *_rows(batch, mb), temperature=ro.temperature,
-                                                    with_entropy=k == 0, trim_padding=not ctx.moe)
+                                                    with_entropy=k == 0, trim_padding=not full_layout)
         if cap is not None and old_routing is not None and k == len(minibatches) - 1 and k > 0:
             # §5.3 volatility, measured for free on the last minibatch: after the step's k updates, the fraction of its
             # tokens' expert activations that the router now picks differently from π_old's (whatever is replayed)
@@ -439,13 +446,11 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
     rewards = RewardRunner(cfg.rewards.functions, on_error=cfg.rewards.on_error, timeout_s=cfg.rewards.timeout_s,
                            workers=cfg.rewards.workers)
 
-    checkpoint = find_latest_checkpoint(out) if resume else None
+    checkpoint = par.main_first(lambda: find_latest_checkpoint(out)) if resume else None  # rank 0 repairs first
     # on a resume the checkpoint's weights replace the cold-start ones, but the KL reference is the cold-start model
-    cold_start = None
-    if cfg.cold_start is not None:  # rank 0 trains and saves it; the other processes then load it
-        cold_start = _cold_start(cfg, out, model, tokenizer, train_rows) if par.is_main else None
-        par.barrier()
-        cold_start = cold_start or _cold_start(cfg, out, model, tokenizer, train_rows)
+    cold_start = None  # rank 0 trains and saves it; the other processes then load it
+    if cfg.cold_start is not None:
+        cold_start = par.main_first(lambda: _cold_start(cfg, out, model, tokenizer, train_rows))
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.algorithm.kl_beta > 0 else None
 
     total_updates = cfg.trainer.steps * cfg.algorithm.minibatches

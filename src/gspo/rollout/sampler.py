@@ -155,6 +155,8 @@ class HFSampler:
         self._forward_takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._stop_table: tuple[tuple[str, ...], torch.Tensor] | None = None
         self._routing: RolloutRoutingRecorder | None = None  # set during generate() when recording routing
+        self._released_shapes: dict[str, torch.Size] = {}  # parameters freed by release_weights
+        self._source = model  # the model last given (init / update_weights): what a released copy is rebuilt from
 
     @staticmethod
     def _collect_eos_ids(model: nn.Module, tokenizer) -> list[int]:
@@ -181,6 +183,7 @@ class HFSampler:
         if not self.owns_weights:
             self.model = model
             return
+        self._source = model
         src = dict(model.named_parameters())
         src.update(model.named_buffers())
         dst = dict(self.model.named_parameters())
@@ -188,11 +191,28 @@ class HFSampler:
         if src.keys() != dst.keys():
             missing, extra = sorted(dst.keys() - src.keys()), sorted(src.keys() - dst.keys())
             raise ValueError(f"update_weights: tensor names differ (missing {missing[:5]}, unexpected {extra[:5]})")
+        released, self._released_shapes = self._released_shapes, {}
         for name, t in dst.items():
-            if t.shape != src[name].shape:
-                got, want = tuple(src[name].shape), tuple(t.shape)
+            if released.get(name, t.shape) != src[name].shape:
+                got, want = tuple(src[name].shape), tuple(released.get(name, t.shape))
                 raise ValueError(f"update_weights: {name} has shape {got}, expected {want}")
-            t.copy_(src[name])
+            if name in released:  # freed by release_weights: allocate it again
+                t.data = src[name].detach().to(t.dtype, copy=True)
+            else:
+                t.copy_(src[name])
+
+    def release_weights(self) -> None:
+        """Own-copy engine: free the copy's parameters until the next `update_weights`, which allocates them again
+        from the model it is given. The trainer calls this after each rollout, so that the copy (e.g. a bf16 engine's)
+        never coexists with the gradients and optimizer state of the updates: peak memory as with a shared engine.
+        Shared-weight engine: nothing to do. A `generate` before the next `update_weights` first updates from the
+        model last given."""
+        if not self.owns_weights:
+            return
+        for name, p in self.model.named_parameters():
+            if name not in self._released_shapes:
+                self._released_shapes[name] = p.shape
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
     # ------------------------------------------------------------------ generation
 
@@ -211,6 +231,8 @@ class HFSampler:
         stop string within that last token). Rows reaching `max_new_tokens` otherwise are `truncated`.
         Returned tensors live on the model's device and are ordinary (not inference-mode) tensors.
         """
+        if self._released_shapes:  # released and not updated since (e.g. a step retried after a failure)
+            self.update_weights(self._source)
         unique_ids, unique_mask = self._encode(prompts, group_size, seeds)
         max_new = self.params.max_new_tokens
         uniforms = torch.stack(

@@ -102,18 +102,13 @@ def checkpoint_weights(model: nn.Module, dtype: torch.dtype | None = None) -> It
     Accepts a bare model, a DDP wrapper or an FSDP2-sharded model; sharded tensors (DTensors) are gathered one at a
     time with `full_tensor()`, a collective, so under FSDP every process must iterate this to the end in lockstep.
     Tensors are detached, contiguous and cast to `dtype` when given (e.g. the engine's bf16), so a push never holds
-    more than one full tensor beyond the model."""
+    more than one full tensor beyond the model. Tied tensors are sent under each of their names (`lm_head.weight` as
+    well as the embeddings): vLLM's in-place reload restores a layer that receives nothing to its old weights, which
+    would leave a tied output head stale."""
     bare = _unwrap(model)
     revert = _to_checkpoint_layout(bare)
-    tied, seen = set(), set()  # tied parameters (one tensor, several names) are sent once, as HF saves them
-    for name, param in bare.named_parameters(remove_duplicate=False):
-        if id(param) in seen:
-            tied.add(name)
-        seen.add(id(param))
     with torch.no_grad():
         for name, tensor in bare.state_dict().items():
-            if name in tied:
-                continue
             full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
             full = full.detach()
             if dtype is not None and full.is_floating_point():
@@ -133,6 +128,7 @@ def write_safetensors(weights: Iterable[tuple[str, torch.Tensor]], folder: str |
     files: list[Path] = []
     shard: dict[str, torch.Tensor] = {}
     size = 0
+    written: set[int] = set()  # storages already in a shard: a tied tensor's second name gets its own copy
 
     def flush() -> None:
         nonlocal shard, size
@@ -149,7 +145,11 @@ def write_safetensors(weights: Iterable[tuple[str, torch.Tensor]], folder: str |
         nbytes = tensor.numel() * tensor.element_size()
         if shard and size + nbytes > shard_bytes:
             flush()
-        shard[name] = tensor.detach().cpu().contiguous()
+        tensor = tensor.detach().cpu().contiguous()
+        if tensor.untyped_storage().data_ptr() in written:
+            tensor = tensor.clone()
+        written.add(tensor.untyped_storage().data_ptr())
+        shard[name] = tensor
         size += nbytes
     flush()
     return files
@@ -351,13 +351,23 @@ class VLLMEngine:
         other.params = params
         return other
 
+    def _reload(self, **kwargs) -> None:
+        """vLLM's in-place reload on every worker (from `weights_iterator`, or from disk without arguments)."""
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs=kwargs)
+        except AttributeError as e:
+            if "reload_weights" not in str(e):
+                raise
+            raise RuntimeError("this vLLM's workers have no reload_weights (in-place weight reload), which "
+                               "rollout.engine=vllm needs; tested with vLLM 0.32") from e
+
     def _check_reload(self) -> bool:
         """Whether in-place reloads need the MoE re-pack workaround (see module doc): reload the unchanged weights
         from disk and compare the first MoE layer bit for bit. Dense models skip this."""
         before = self.llm.apply_model(_first_moe_layer_tensors)[0]
         if before is None:
             return False
-        self.llm.collective_rpc("reload_weights")
+        self._reload()
         if _same_tensors(before, self.llm.apply_model(_first_moe_layer_tensors)[0]):
             return False
         self.llm.apply_model(_repack_moe_experts)
@@ -393,7 +403,7 @@ class VLLMEngine:
 
     def update_weights(self, model: nn.Module) -> None:
         """Stream `model`'s current weights into vLLM in memory (collective under FSDP: every process calls this)."""
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": checkpoint_weights(model, self.dtype)})
+        self._reload(weights_iterator=checkpoint_weights(model, self.dtype))
         if self._repack_moe:
             self.llm.apply_model(_repack_moe_experts)
         self.llm.reset_prefix_cache()
