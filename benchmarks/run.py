@@ -40,9 +40,12 @@ HERE = Path(__file__).resolve().parent
 PROMPTS, GROUP, NEW_TOKENS, MINIBATCHES = 8, 8, 16, 4
 
 # The two model sizes of the comparison. tiny = gspo's `tiny-moe` preset (1.78M parameters); medium = a 58.8M Qwen3-MoE.
+# "fast": the rollout engine's dtype for "gspo fast" on that model, from the sampler rows below: bf16 sampling pays
+# where matmuls dominate (58.8M: 1.5x the fp32 sampler) and costs where per-op overhead does (tiny: 0.75x).
 MODELS: dict[str, dict] = {
-    "tiny_moe": {"preset": "tiny-moe"},
+    "tiny_moe": {"preset": "tiny-moe", "fast": {"rollout": {"dtype": None}}},
     "medium_moe": {
+        "fast": {"rollout": {"dtype": "bfloat16"}},
         "config": {
             "vocab_size": 2048, "hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8,
             "num_key_value_heads": 4, "head_dim": 64, "intermediate_size": 1024, "moe_intermediate_size": 256,
@@ -85,7 +88,7 @@ def build_models(root: Path) -> dict[str, Path]:
         paths[name] = path
         if (path / "config.json").exists():
             continue
-        if "preset" in spec:
+        if "config" not in spec:
             model, tokenizer = build_preset(spec["preset"], seed=0)
         else:
             tokenizer = build_tokenizer()
@@ -132,7 +135,7 @@ def gspo_worker(path: str, batches: int, warmup: int, options: dict) -> dict:
     engine.eos_ids = []  # fixed-length completions: EOS is an ordinary token here (TRL side: min_new_tokens)
     ctx = RLStep(cfg, engine, RewardRunner(cfg.rewards.functions), moe=is_moe(model))
     model.train()
-    times, tokens = [], []
+    times, tokens, rollout = [], [], []
     rss0 = rss_bytes()
     for step in range(warmup + batches):
         t0 = time.perf_counter()
@@ -140,7 +143,8 @@ def gspo_worker(path: str, batches: int, warmup: int, options: dict) -> dict:
         if step >= warmup:
             times.append(time.perf_counter() - t0)
             tokens.append(metrics["response_length"] * PROMPTS * GROUP)
-    return {"times": times, "tokens": tokens, "rss_before": rss0, "peak_rss": peak_rss_bytes()}
+            rollout.append(metrics["time_rollout"])
+    return {"times": times, "tokens": tokens, "rollout": rollout, "rss_before": rss0, "peak_rss": peak_rss_bytes()}
 
 
 def trl_worker(path: str, batches: int, warmup: int, options: dict) -> dict:
@@ -281,12 +285,13 @@ def run_worker(side: str, path: Path, batches: int, warmup: int, threads: int, o
 
 
 # gspo configurations compared with TRL. "exact" is the same computation as TRL's, step for step (fp32 sampling,
-# π_old recomputed by a no-grad forward). "fast" adds the two options the GSPO paper itself recommends (§5.4): a bf16
-# rollout engine (sampling only: the trainer, its forwards, gradients and AdamW stay fp32) and π_old taken from the
-# engine (`old_logprobs=rollout`) instead of recomputed. Same objective, updates, tokens.
+# π_old recomputed by a no-grad forward). "fast" uses what the GSPO paper itself recommends (§5.4): π_old taken from
+# the rollout engine (`old_logprobs=rollout`) instead of recomputed, and on the 58.8M model a bf16 rollout engine
+# (MODELS[...]["fast"]; sampling only: the trainer's forwards, gradients and AdamW stay fp32). Same objective, updates
+# and tokens.
 GSPO_CONFIGS: dict[str, dict] = {
     "gspo exact": {},
-    "gspo fast": {"rollout": {"dtype": "bfloat16"}, "algorithm": {"old_logprobs": "rollout"}},
+    "gspo fast": {"algorithm": {"old_logprobs": "rollout"}},
 }
 HEADLINE = "gspo fast"
 
@@ -303,15 +308,17 @@ def compare(paths: dict[str, Path], models: list[str], rounds: int, threads: int
     sides = ["trl", *GSPO_CONFIGS]
     for model in models:
         batches, warmup = sizes[model]
-        results[model] = {side: {"times": [], "peak_rss": 0, "growth": 0} for side in sides}
+        results[model] = {side: {"times": [], "rollout": [], "peak_rss": 0, "growth": 0} for side in sides}
         for r in range(rounds):
             for side in sides if r % 2 == 0 else sides[::-1]:
                 worker = "trl" if side == "trl" else "gspo"
-                out = run_worker(worker, paths[model], batches, warmup, threads, GSPO_CONFIGS.get(side))
+                options = {**GSPO_CONFIGS.get(side, {}), **(MODELS[model]["fast"] if side == "gspo fast" else {})}
+                out = run_worker(worker, paths[model], batches, warmup, threads, options)
                 if any(t != PROMPTS * GROUP * NEW_TOKENS for t in out["tokens"]):
                     raise RuntimeError(f"{side} generated {out['tokens']} tokens per batch, not the fixed length")
                 acc = results[model][side]
                 acc["times"] += out["times"]
+                acc["rollout"] += out.get("rollout", [])
                 acc["peak_rss"] = max(acc["peak_rss"], out["peak_rss"])
                 acc["growth"] = max(acc["growth"], out["peak_rss"] - out["rss_before"])
                 print(f"  {model:>10} round {r + 1}/{rounds} {side:>10}: "
@@ -374,13 +381,20 @@ def print_report(results: dict, padding: dict, samplers: dict, memory_rows: list
     print(f"\nper rollout batch: {PROMPTS} prompts × {GROUP} completions × {NEW_TOKENS} tokens, "
           f"{MINIBATCHES} minibatch updates, GSPO ε 3e-4/4e-4, β=0, fp32 trainer")
     print(f"{'model':>10} | {'run':>10} | {'s / batch':>9} | {'TRL / this':>10} | {'tokens/s':>8} | "
-          f"{'peak RSS':>9} | {'growth':>8}")
+          f"{'peak RSS':>9} | {'growth':>8} | {'rollout s':>9} | {'updates s':>9}")
     for model in models:
         trl_time = median(results[model]["trl"]["times"])
         for side, r in results[model].items():
             t = median(r["times"])
+            phases = "        - |         -"
+            if r["rollout"]:  # gspo: rl_step's own split (rollout = sampling; updates = the rest)
+                roll = median(r["rollout"])
+                upd = median([a - b for a, b in zip(r["times"], r["rollout"], strict=True)])
+                phases = f"{roll:>9.3f} | {upd:>9.3f}"
+                if side == HEADLINE:  # what gspo would reach with free sampling: the fp32 updates' bound
+                    summary[f"speedup_bound_{model}"] = trl_time / upd
             print(f"{model:>10} | {side:>10} | {t:>9.3f} | {trl_time / t:>9.2f}× | {tokens / t:>8.0f} | "
-                  f"{r['peak_rss'] / mib:>5.0f} MiB | {r['growth'] / mib:>4.0f} MiB")
+                  f"{r['peak_rss'] / mib:>5.0f} MiB | {r['growth'] / mib:>4.0f} MiB | {phases}")
             if side != "trl":
                 key = "" if side == HEADLINE else "_" + side.split()[-1]
                 summary[f"speedup_{model}{key}"] = trl_time / t

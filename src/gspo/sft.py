@@ -68,7 +68,7 @@ def sft(
     for _ in bar:
         batch = [rows[rng.randrange(len(rows))] for _ in range(batch_size)]
         enc = encode_pairs(tokenizer, [r["prompt"] for r in batch], [r[solution_field] for r in batch])
-        logprobs, _ = completion_logprobs(model, *enc)
+        logprobs, _ = completion_logprobs(model, *enc, trim_padding=True)  # no routing capture here: skip padding
         mask = enc[3].bool()
         loss = -logprobs[mask].mean()
         loss.backward()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
 import inspect
 
 import torch
@@ -88,6 +89,13 @@ def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return dtype
 
 
+def _trim_heap() -> None:
+    """Return the C heap's free pages to the system (glibc's malloc_trim; nothing elsewhere): freed tensors of a few
+    MB live in the heap, and without this the process's resident memory keeps them."""
+    with contextlib.suppress(AttributeError, OSError):
+        ctypes.CDLL(None).malloc_trim(0)
+
+
 def _unwrap(model: nn.Module) -> nn.Module:
     """The bare model inside DDP/FSDP-style (`.module`) or torch.compile (`._orig_mod`) wrappers."""
     for attr in ("module", "_orig_mod"):
@@ -157,6 +165,9 @@ class HFSampler:
         self._routing: RolloutRoutingRecorder | None = None  # set during generate() when recording routing
         self._released_shapes: dict[str, torch.Size] = {}  # parameters freed by release_weights
         self._source = model  # the model last given (init / update_weights): what a released copy is rebuilt from
+        if self.owns_weights:  # hold the copy in one buffer from the start (see update_weights)
+            self.release_weights()
+            self.update_weights(model)
 
     @staticmethod
     def _collect_eos_ids(model: nn.Module, tokenizer) -> list[int]:
@@ -196,10 +207,19 @@ class HFSampler:
             if released.get(name, t.shape) != src[name].shape:
                 got, want = tuple(src[name].shape), tuple(released.get(name, t.shape))
                 raise ValueError(f"update_weights: {name} has shape {got}, expected {want}")
-            if name in released:  # freed by release_weights: allocate it again
-                t.data = src[name].detach().to(t.dtype, copy=True)
-            else:
-                t.copy_(src[name])
+        # parameters freed by release_weights come back as views of one buffer: one allocation, which the allocator
+        # hands back to the system as a whole when they are released again (scattered ones would fragment the heap);
+        # the free heap pages the trainer's gradients left are handed back first, so the copy does not stack on them
+        if released:
+            _trim_heap()
+        flat = torch.empty(sum(shape.numel() for shape in released.values()), dtype=self.dtype,
+                           device=next(iter(src.values())).device)
+        offset = 0
+        for name, t in dst.items():
+            if name in released:
+                t.data = flat[offset:offset + released[name].numel()].view(released[name])
+                offset += released[name].numel()
+            t.copy_(src[name])
 
     def release_weights(self) -> None:
         """Own-copy engine: free the copy's parameters until the next `update_weights`, which allocates them again
@@ -213,6 +233,7 @@ class HFSampler:
             if name not in self._released_shapes:
                 self._released_shapes[name] = p.shape
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        _trim_heap()
 
     # ------------------------------------------------------------------ generation
 
