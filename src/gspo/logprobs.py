@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 
 LOGPROB_CHUNK_ELEMENTS = 1 << 24
 """Default logits per chunk of `chunked_token_logprobs` (64 MiB in float32; 110 tokens at Qwen3's vocabulary):
@@ -119,9 +120,9 @@ def _backbone_and_head(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
     prefix = getattr(model, "base_model_prefix", None)
     backbone = getattr(model, prefix, None) if isinstance(prefix, str) and prefix else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if not isinstance(backbone, nn.Module) or backbone is model or type(head) is not nn.Linear:
+    if not isinstance(backbone, PreTrainedModel) or backbone is model or type(head) is not nn.Linear:
         return None
-    if not type(model).__name__.endswith("ForCausalLM"):
+    if not (isinstance(model, PreTrainedModel) and type(model).__name__.endswith("ForCausalLM")):
         return None
     if _is_fsdp_sharded(model):  # its parameters are whole only inside the root module's forward
         return None
