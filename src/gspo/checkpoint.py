@@ -163,7 +163,7 @@ def _write_checkpoint(tmp: Path, step: int, *, model, tokenizer, optimizer, sche
     _write_durably(tmp / STATE_FILENAME, json.dumps(document, indent=2, allow_nan=False).encode())
     _fsync_tree(tmp)
     _write_durably(tmp / COMPLETE_FILENAME, _sha256(tmp / STATE_FILENAME).encode())
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
 
 
 def _test_pause() -> None:
@@ -207,7 +207,7 @@ def _publish(tmp: Path, final: Path) -> None:
         if aside is not None:
             os.rename(aside, final)
         raise
-    _fsync_dir(parent)
+    fsync_dir(parent)
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)  # whatever is left is removed by the next save
 
@@ -249,7 +249,7 @@ def _restore_set_aside(root: Path) -> None:
         if match and entry.is_dir() and not (root / match.group(1)).exists():
             logger.warning("restoring %s, set aside by a save that was interrupted", root / match.group(1))
             os.rename(entry, root / match.group(1))
-            _fsync_dir(root)
+            fsync_dir(root)
 
 
 # ------------------------------------------------------------------------------------------------- finding, verifying
@@ -483,7 +483,7 @@ def _write_durably(file: Path, data: bytes) -> None:
         os.fsync(handle.fileno())
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: Path) -> None:
     """fsync a directory so that the names created in (or renamed into) it survive a power loss."""
     fd = os.open(folder, os.O_RDONLY)
     try:
@@ -507,4 +507,4 @@ def _fsync_tree(folder: Path) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        _fsync_dir(Path(current))
+        fsync_dir(Path(current))

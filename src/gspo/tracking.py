@@ -22,6 +22,8 @@ from typing import Any, TextIO
 import torch
 from tqdm.auto import tqdm
 
+from gspo.checkpoint import fsync_dir
+
 logger = logging.getLogger(__name__)
 
 METRICS_FILENAME = "metrics.jsonl"
@@ -238,7 +240,7 @@ def truncate_metrics(path: str | os.PathLike, last_step: int) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def _drop_torn_tail(path: Path) -> None:
@@ -251,14 +253,6 @@ def _drop_torn_tail(path: Path) -> None:
         with open(path, "r+b") as handle:
             handle.truncate(data.rfind(b"\n") + 1)
             os.fsync(handle.fileno())
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ----------------------------------------------------------------------------------------------------------- curves

@@ -34,7 +34,14 @@ import torch
 import yaml
 
 from gspo.advantages import group_advantages, zero_variance_groups
-from gspo.checkpoint import find_latest_checkpoint, fsync_tree, load_checkpoint, save_checkpoint, set_seed
+from gspo.checkpoint import (
+    find_latest_checkpoint,
+    fsync_dir,
+    fsync_tree,
+    load_checkpoint,
+    save_checkpoint,
+    set_seed,
+)
 from gspo.config import Config, ConfigError, config_diff, config_to_dict, validate_config
 from gspo.data import load_rows, make_task
 from gspo.distributed import Dist, NullLogger, init_distributed
@@ -367,7 +374,7 @@ def _publish_dir(tmp: Path, target: Path) -> None:
     if target.exists():
         target.rename(old)
     tmp.rename(target)
-    _fsync_dir(target.parent)
+    fsync_dir(target.parent)
     shutil.rmtree(old, ignore_errors=True)
 
 
@@ -380,15 +387,7 @@ def _write_atomic(path: Path, text: str) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     tmp.replace(path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(path.parent)
 
 
 def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> dict:

@@ -96,12 +96,12 @@ def _trim_heap() -> None:
         ctypes.CDLL(None).malloc_trim(0)
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
+def unwrap_model(model: nn.Module) -> nn.Module:
     """The bare model inside DDP/FSDP-style (`.module`) or torch.compile (`._orig_mod`) wrappers."""
     for attr in ("module", "_orig_mod"):
         inner = getattr(model, attr, None)
         if isinstance(inner, nn.Module):
-            return _unwrap(inner)
+            return unwrap_model(inner)
     return model
 
 
@@ -136,7 +136,7 @@ class HFSampler:
         dtype: torch.dtype | str | None = None,
         record_routing: bool = False,
     ) -> None:
-        model = _unwrap(model)
+        model = unwrap_model(model)
         if record_routing:
             require_replay_support(model, "r3")
         self.record_routing = record_routing
@@ -190,7 +190,7 @@ class HFSampler:
         from that object, still without copying). Own-copy engine: copies every parameter and buffer by name, casting
         to the engine's dtypes; raises ValueError if the models' tensors do not match.
         """
-        model = _unwrap(model)
+        model = unwrap_model(model)
         if not self.owns_weights:
             self.model = model
             return

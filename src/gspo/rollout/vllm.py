@@ -54,7 +54,7 @@ from torch import nn
 
 from gspo.moe import FREE, ROUTING_DTYPE
 from gspo.rollout.base import RolloutBatch, SamplingParams
-from gspo.rollout.sampler import row_seed
+from gspo.rollout.sampler import row_seed, unwrap_model
 
 __all__ = [
     "Sample",
@@ -73,15 +73,6 @@ _SHARD_BYTES = 4 << 30  # safetensors shard size when writing weights for a serv
 
 
 # ------------------------------------------------------------------------------------------------------ weights out
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The bare model inside DDP (`.module`) or torch.compile (`._orig_mod`) wrappers (FSDP2 wraps in place)."""
-    for attr in ("module", "_orig_mod"):
-        inner = getattr(model, attr, None)
-        if isinstance(inner, nn.Module):
-            return _unwrap(inner)
-    return model
 
 
 def _to_checkpoint_layout(model: nn.Module) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
@@ -105,7 +96,7 @@ def checkpoint_weights(model: nn.Module, dtype: torch.dtype | None = None) -> It
     more than one full tensor beyond the model. Tied tensors are sent under each of their names (`lm_head.weight` as
     well as the embeddings): vLLM's in-place reload restores a layer that receives nothing to its old weights, which
     would leave a tied output head stale."""
-    bare = _unwrap(model)
+    bare = unwrap_model(model)
     revert = _to_checkpoint_layout(bare)
     with torch.no_grad():
         for name, tensor in bare.state_dict().items():
