@@ -51,6 +51,17 @@ class RolloutBatch:
         return self.completion_ids.shape[0]
 
 
+def check_request(prompts: list[str], group_size: int, seeds: list[int]) -> None:
+    """Raise ValueError for a `generate` request no engine can serve: no prompts, group_size < 1, not one seed per
+    prompt."""
+    if not prompts:
+        raise ValueError("generate: prompts is empty")
+    if group_size < 1:
+        raise ValueError(f"generate: group_size must be >= 1, got {group_size}")
+    if len(seeds) != len(prompts):
+        raise ValueError(f"generate: got {len(seeds)} seeds for {len(prompts)} prompts (need one per prompt)")
+
+
 class RolloutEngine(Protocol):
     """Generates completions and receives new weights after each optimizer step."""
 

@@ -17,7 +17,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from gspo.moe import RolloutRoutingRecorder, require_replay_support
-from gspo.rollout.base import RolloutBatch, SamplingParams
+from gspo.rollout.base import RolloutBatch, SamplingParams, check_request
 
 __all__ = ["HFSampler", "filter_scores", "row_seed", "sample_from_logits"]
 
@@ -301,12 +301,7 @@ class HFSampler:
 
     def _encode(self, prompts: list[str], group_size: int, seeds: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Validate the request; return the left-padded prompt ids and mask [P, S] on the model's device."""
-        if not prompts:
-            raise ValueError("generate: prompts is empty")
-        if group_size < 1:
-            raise ValueError(f"generate: group_size must be >= 1, got {group_size}")
-        if len(seeds) != len(prompts):
-            raise ValueError(f"generate: got {len(seeds)} seeds for {len(prompts)} prompts (need one per prompt)")
+        check_request(prompts, group_size, seeds)
         if any(not s for s in self.params.stop):
             raise ValueError(f"generate: stop strings must be non-empty, got {self.params.stop!r}")
         encoded = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]

@@ -53,7 +53,7 @@ import torch
 from torch import nn
 
 from gspo.moe import FREE, ROUTING_DTYPE
-from gspo.rollout.base import RolloutBatch, SamplingParams
+from gspo.rollout.base import RolloutBatch, SamplingParams, check_request
 from gspo.rollout.sampler import row_seed, unwrap_model
 
 __all__ = [
@@ -163,12 +163,7 @@ class Sample:
 def encode_prompts(tokenizer, prompts: list[str], group_size: int, seeds: list[int], max_new_tokens: int,
                    max_len: int | None = None) -> list[list[int]]:
     """Validate a `generate` request and tokenize its prompts (no special tokens, as the trainer's sampler does)."""
-    if not prompts:
-        raise ValueError("generate: prompts is empty")
-    if group_size < 1:
-        raise ValueError(f"generate: group_size must be >= 1, got {group_size}")
-    if len(seeds) != len(prompts):
-        raise ValueError(f"generate: got {len(seeds)} seeds for {len(prompts)} prompts (need one per prompt)")
+    check_request(prompts, group_size, seeds)
     encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     for i, ids in enumerate(encoded):
         if not ids:
