@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from gspo.cli import demo_config_path
 from gspo.rewards import REWARDS
@@ -55,3 +56,12 @@ def test_rewards():
 def tiny_overrides(out: Path | str, *extra: str) -> list[str]:
     """TINY plus `trainer.out=out` plus `extra` (later overrides win)."""
     return [*TINY, f"trainer.out={out}", *extra]
+
+
+def safetensors_of(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors files in a saved model folder (final/, a checkpoint's model/)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    assert tensors, f"no safetensors in {folder}"
+    return tensors

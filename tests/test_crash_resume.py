@@ -20,9 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from conftest import DEMO, tiny_overrides
+from conftest import DEMO, safetensors_of, tiny_overrides
 from gspo.checkpoint import PAUSE_ENV, find_latest_checkpoint
 from gspo.config import load_config
 from gspo.tracking import read_metrics
@@ -37,14 +36,6 @@ STEPS = 8
 EXTRA = [f"trainer.steps={STEPS}", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=2", "trainer.eval_every=1",
          "trainer.threads=1", "rewards.functions={addition: 1.0, conftest.varied_reward: 0.5}"]
 TIMING_KEYS = ("time_rollout", "time_update", "tokens_per_second")
-
-
-def safetensors_of(folder: Path) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        tensors.update(load_file(file))
-    assert tensors, f"no safetensors in {folder}"
-    return tensors
 
 
 def metric_lines(out: Path) -> int:

@@ -12,9 +12,8 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from safetensors.torch import load_file
 
-from conftest import DEMO, tiny_overrides
+from conftest import DEMO, safetensors_of, tiny_overrides
 from gspo.config import load_config
 from gspo.distributed import TOKEN_NORMALISED, Dist, _pad_batch
 from gspo.moe import FREE
@@ -30,14 +29,6 @@ TESTS = Path(__file__).parent
 RUN = ["trainer.steps=3", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=5", "optim.lr=3e-3",
        "optim.warmup_steps=0", "rewards.functions={conftest.varied_reward: 1.0}", "algorithm.kl_beta=0.05"]
 REL_TOL = 1e-3  # per tensor: ‖W₂ − W₁‖ / ‖W₁‖ (Frobenius) after 3 steps; measured ≈ 2e-4
-
-
-def weights(folder: Path) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        tensors.update(load_file(file))
-    assert tensors, f"no weights in {folder}"
-    return tensors
 
 
 def torchrun(tmp: Path, *args: str) -> None:
@@ -59,7 +50,7 @@ def one_process(tmp_path_factory):
 
 def assert_same_run(one: Path, two: Path) -> None:
     """Same final weights (to REL_TOL), and the same rollouts: identical rewards at every step."""
-    a, b, start = weights(one / "final"), weights(two / "final"), weights(one / "cold_start")
+    a, b, start = safetensors_of(one / "final"), safetensors_of(two / "final"), safetensors_of(one / "cold_start")
     assert a.keys() == b.keys()
     rel = {k: float((a[k] - b[k]).norm() / a[k].norm().clamp(min=1e-12)) for k in a}
     worst = max(rel, key=rel.get)
@@ -96,7 +87,8 @@ def test_fsdp_two_processes_interrupted_and_resumed_match_one(one_process, tmp_p
              *tiny_overrides(out, *RUN, "trainer.parallel=fsdp"))
     assert_same_run(one_process, out)
     step3 = Path("checkpoints") / "step_00000003" / "model"
-    assert weights(out / step3).keys() == weights(one_process / step3).keys()  # the one-process checkpoint format
+    # the one-process checkpoint format
+    assert safetensors_of(out / step3).keys() == safetensors_of(one_process / step3).keys()
 
 
 # ------------------------------------------------------------------------------------------------ pure pieces

@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
 
-from conftest import DEMO, tiny_overrides, varied_reward
+from conftest import DEMO, safetensors_of, tiny_overrides, varied_reward
 from gspo import checkpoint as ckpt
 from gspo.checkpoint import checkpoint_path, find_latest_checkpoint
 from gspo.cli import main
@@ -41,13 +40,6 @@ QUICK = ["cold_start=null", "trainer.eval_every=0", "data.eval_size=4", "rewards
 
 def cfg_for(out: Path, *extra: str):
     return load_config(DEMO, tiny_overrides(out, *QUICK, *extra))
-
-
-def safetensors_of(folder: Path) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        tensors.update(load_file(file))
-    return tensors
 
 
 @pytest.fixture
