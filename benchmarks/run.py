@@ -182,7 +182,7 @@ def trl_worker(path: str, batches: int, warmup: int, options: dict) -> dict:
             max_completion_length=NEW_TOKENS, generation_kwargs={"min_new_tokens": NEW_TOKENS},
             temperature=1.0, top_p=1.0, importance_sampling_level="sequence", loss_type="grpo",
             epsilon=3e-4, epsilon_high=4e-4, beta=0.0, learning_rate=1e-5, max_grad_norm=1.0,
-            gradient_checkpointing=False, bf16=False, disable_dropout=True, log_completions=False,
+            gradient_checkpointing=False, bf16=options.get("bf16", False), disable_dropout=True, log_completions=False,
             max_steps=MINIBATCHES * (warmup + batches), dataloader_num_workers=0,
         )
         trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
@@ -284,15 +284,22 @@ def run_worker(side: str, path: Path, batches: int, warmup: int, threads: int, o
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-# gspo configurations compared with TRL. "exact" is the same computation as TRL's, step for step (fp32 sampling,
-# π_old recomputed by a no-grad forward). "fast" uses what the GSPO paper itself recommends (§5.4): π_old taken from
-# the rollout engine (`old_logprobs=rollout`) instead of recomputed, and on the 58.8M model a bf16 rollout engine
+# What is compared with what. "exact" is the same computation as TRL's, step for step (fp32 sampling, π_old
+# recomputed by a no-grad forward). "fast" uses what the GSPO paper itself recommends (§5.4): π_old taken from the
+# rollout engine (`old_logprobs=rollout`) instead of recomputed, and on the 58.8M model a bf16 rollout engine
 # (MODELS[...]["fast"]; sampling only: the trainer's forwards, gradients and AdamW stay fp32). Same objective, updates
-# and tokens.
-GSPO_CONFIGS: dict[str, dict] = {
-    "gspo exact": {},
-    "gspo fast": {"algorithm": {"old_logprobs": "rollout"}},
+# and tokens. On the 58.8M model, the bf16 mixed-precision rows compare like with like: TRL with `bf16=True`
+# (autocast over fp32 weights) against gspo fast with `trainer.mixed_precision=bfloat16` (the same).
+# side: (worker, options, baseline side of its ratio)
+SIDES: dict[str, tuple[str, dict, str]] = {
+    "trl": ("trl", {}, "trl"),
+    "gspo exact": ("gspo", {}, "trl"),
+    "gspo fast": ("gspo", {"algorithm": {"old_logprobs": "rollout"}}, "trl"),
+    "trl bf16": ("trl", {"bf16": True}, "trl bf16"),
+    "gspo bf16": ("gspo", {"algorithm": {"old_logprobs": "rollout"}, "trainer": {"mixed_precision": "bfloat16"}},
+                  "trl bf16"),
 }
+MODEL_SIDES = {"tiny_moe": ["trl", "gspo exact", "gspo fast"], "medium_moe": list(SIDES)}
 HEADLINE = "gspo fast"
 
 
@@ -305,14 +312,15 @@ def compare(paths: dict[str, Path], models: list[str], rounds: int, threads: int
     """For each model, `rounds` rounds of TRL and every gspo configuration, alternating (order reversed every other
     round); returns {model: {side: {"times", "peak_rss", "growth"}}}."""
     results: dict[str, dict[str, dict]] = {}
-    sides = ["trl", *GSPO_CONFIGS]
     for model in models:
+        sides = MODEL_SIDES[model]
         batches, warmup = sizes[model]
         results[model] = {side: {"times": [], "rollout": [], "peak_rss": 0, "growth": 0} for side in sides}
         for r in range(rounds):
             for side in sides if r % 2 == 0 else sides[::-1]:
-                worker = "trl" if side == "trl" else "gspo"
-                options = {**GSPO_CONFIGS.get(side, {}), **(MODELS[model]["fast"] if side == "gspo fast" else {})}
+                worker, options, _ = SIDES[side]
+                if worker == "gspo" and side != "gspo exact":  # fast and bf16: the model's rollout engine dtype
+                    options = {**options, **MODELS[model]["fast"]}
                 out = run_worker(worker, paths[model], batches, warmup, threads, options)
                 if any(t != PROMPTS * GROUP * NEW_TOKENS for t in out["tokens"]):
                     raise RuntimeError(f"{side} generated {out['tokens']} tokens per batch, not the fixed length")
@@ -379,13 +387,13 @@ def print_report(results: dict, padding: dict, samplers: dict, memory_rows: list
     tokens = PROMPTS * GROUP * NEW_TOKENS
     summary: dict[str, float | None] = {}
     print(f"\nper rollout batch: {PROMPTS} prompts × {GROUP} completions × {NEW_TOKENS} tokens, "
-          f"{MINIBATCHES} minibatch updates, GSPO ε 3e-4/4e-4, β=0, fp32 trainer")
+          f"{MINIBATCHES} minibatch updates, GSPO ε 3e-4/4e-4, β=0; bf16 rows: ratio against TRL bf16")
     print(f"{'model':>10} | {'run':>10} | {'s / batch':>9} | {'TRL / this':>10} | {'tokens/s':>8} | "
           f"{'peak RSS':>9} | {'growth':>8} | {'rollout s':>9} | {'updates s':>9}")
     for model in models:
-        trl_time = median(results[model]["trl"]["times"])
         for side, r in results[model].items():
-            t = median(r["times"])
+            base = results[model][SIDES[side][2]]
+            trl_time, t = median(base["times"]), median(r["times"])
             phases = "        - |         -"
             if r["rollout"]:  # gspo: rl_step's own split (rollout = sampling; updates = the rest)
                 roll = median(r["rollout"])
@@ -395,10 +403,10 @@ def print_report(results: dict, padding: dict, samplers: dict, memory_rows: list
                     summary[f"speedup_bound_{model}"] = trl_time / upd
             print(f"{model:>10} | {side:>10} | {t:>9.3f} | {trl_time / t:>9.2f}× | {tokens / t:>8.0f} | "
                   f"{r['peak_rss'] / mib:>5.0f} MiB | {r['growth'] / mib:>4.0f} MiB | {phases}")
-            if side != "trl":
+            if SIDES[side][0] == "gspo":
                 key = "" if side == HEADLINE else "_" + side.split()[-1]
                 summary[f"speedup_{model}{key}"] = trl_time / t
-                summary[f"peak_rss_ratio_{model}{key}"] = r["peak_rss"] / results[model]["trl"]["peak_rss"]
+                summary[f"peak_rss_ratio_{model}{key}"] = r["peak_rss"] / base["peak_rss"]
     print(f"\npadding in the training forward (tiny_moe, log-probs forward + backward, 32 rows; bimodal: "
           f"{padding['real_tokens']:,} real tokens, {padding['padded_tokens']:,} in the padded layout)")
     base = median(padding["times"]["no padding"])

@@ -249,3 +249,22 @@ def test_prompt_sharing_equals_the_full_logits_path(model):
     for name, g in grads.items():
         scale = float(want_grads[name].abs().max())
         torch.testing.assert_close(g, want_grads[name], atol=GRAD_RTOL * scale, rtol=1e-4, msg=name)
+
+
+def test_chunked_head_runs_in_float32_under_autocast():
+    """trainer.mixed_precision: the backbone hands bf16 hidden states to a float32 head under autocast. The chunked
+    log-softmax still runs in float32 (the upcast hidden states times the float32 weights), and its gradients come
+    back in each input's own dtype."""
+    g = torch.Generator().manual_seed(0)
+    hidden = (0.5 * torch.randn(23, 16, generator=g)).to(torch.bfloat16).requires_grad_()
+    weight = torch.randn(67, 16, generator=g, requires_grad=True)
+    targets = torch.randint(0, 67, (23,), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp, _ = chunked_token_logprobs(hidden, weight, targets, chunk_size=5)
+    grad_h, grad_w = torch.autograd.grad(lp.sum(), [hidden, weight])
+    assert lp.dtype == torch.float32 and grad_h.dtype == torch.bfloat16 and grad_w.dtype == torch.float32
+    upcast = hidden.detach().float().requires_grad_()
+    want = torch.log_softmax(upcast @ weight.detach().T, -1).gather(-1, targets[:, None]).squeeze(-1)
+    torch.testing.assert_close(lp, want, atol=2e-5, rtol=1e-5)  # fp32 logits: not bf16-rounded (errors ~1e-2)
+    (want_h,) = torch.autograd.grad(want.sum(), [upcast])
+    torch.testing.assert_close(grad_h.float(), want_h, atol=1e-2, rtol=1e-2)  # rounded to bf16 on the way out

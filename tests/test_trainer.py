@@ -255,6 +255,35 @@ def test_rollout_logprobs_as_pi_old(tmp_path, spy_objective):
     assert (logprobs[mask] - old[mask]).abs().max() < 1e-4
 
 
+def test_mixed_precision_computes_in_bf16_over_float32_weights(tmp_path, spy_objective):
+    """trainer.mixed_precision=bfloat16: π_old and π_θ run the same bf16 arithmetic, so the first minibatch is still
+    exactly on-policy; the fp32 sampler's log-probs differ from the trainer's by bf16 rounding (so bf16 really ran);
+    the weights (and the saved model) stay float32."""
+    steps, minibatches = 2, 4
+    train(cfg_for(tmp_path, "cold_start=null", f"trainer.steps={steps}", "rewards.functions={varied: 1.0}",
+                  "algorithm.old_logprobs=recompute", "trainer.mixed_precision=bfloat16", "trainer.eval_every=0",
+                  "data.eval_size=1"))
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["clip_frac_tokens_first_mb"] for r in records] == [0.0] * steps
+    for k, (logprobs, old, mask) in enumerate(spy_objective):
+        assert logprobs.dtype == torch.float32
+        if k % minibatches == 0:
+            assert torch.equal(logprobs[mask], old[mask])
+    assert any(not torch.equal(lp[m], old[m]) for k, (lp, old, m) in enumerate(spy_objective) if k % minibatches)
+    assert all(1e-4 < r["rollout_logprob_diff"] < 0.1 for r in records)  # fp32 engine vs bf16 trainer: rounding only
+    assert {t.dtype for t in safetensors_of(tmp_path / "final").values()} == {torch.float32}
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["model.dtype=bfloat16", "optim.lr=1e-6", "cold_start=null"], "optim.lr"),
+    (["model.dtype=bfloat16", "optim.lr=1e-2", "cold_start.lr=1e-5"], "cold_start.lr"),
+])
+def test_weights_too_coarse_for_the_learning_rate_are_refused_before_any_compute(tmp_path, overrides, key):
+    with pytest.raises(ConfigError, match=rf"{key}: .*rounds away on .*mixed_precision=bfloat16"):
+        train(cfg_for(tmp_path, *overrides))
+    assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "cold_start").exists()
+
+
 # ----------------------------------------------------------------------------------------------------------- losses
 
 

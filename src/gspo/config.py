@@ -193,7 +193,11 @@ class TrainerConfig(_Section):
     # Multi-process training (`torchrun --nproc_per_node=N -m gspo train ...`): ddp replicates the model on every
     # process; fsdp shards parameters, gradients and optimizer state over them (FSDP2), for models that do not fit.
     parallel: Literal["ddp", "fsdp"] = "ddp"
-    fsdp_mixed_precision: Literal["bfloat16", "float16"] | None = None  # fsdp: compute dtype over float32 params
+    # bf16 compute over float32 weights (model.dtype float32): the policy's forwards and backwards run in bfloat16
+    # (torch.autocast; under fsdp, FSDP2's MixedPrecisionPolicy with float32 gradient reduction), while weights,
+    # gradients and AdamW stay float32 and the LM head's log-softmax runs in float32. float16 is not offered: its
+    # gradients need loss scaling, which gspo does not implement.
+    mixed_precision: Literal["bfloat16"] | None = None
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: this process's GPU (LOCAL_RANK) if CUDA is available
     # Stop (TrainingError, summary.json with status "failed") after this many consecutive RL steps whose optimizer
     # updates were all skipped for a non-finite loss or gradient norm. None: never stop.
@@ -258,9 +262,9 @@ def _check_scaling(cfg: Config) -> None:
             raise ValueError(f"rollout.vllm.max_model_len={ro.vllm.max_model_len} must hold the longest prompt plus "
                              f"{longest} new tokens: set data.max_prompt_tokens to at most "
                              f"{ro.vllm.max_model_len - longest} (longer prompts are then skipped at load time)")
-    if tr.fsdp_mixed_precision is not None and (tr.parallel != "fsdp" or cfg.model.dtype != "float32"):
-        raise ValueError("trainer.fsdp_mixed_precision computes in low precision over float32 parameters: it needs "
-                         "trainer.parallel=fsdp and model.dtype=float32")
+    if tr.mixed_precision is not None and cfg.model.dtype != "float32":
+        raise ValueError(f"trainer.mixed_precision={tr.mixed_precision} computes in low precision over float32 "
+                         f"weights: it needs model.dtype=float32, not {cfg.model.dtype}")
 
 
 class ConfigError(ValueError):

@@ -341,6 +341,13 @@ class Dist:
             new_scheduler.load_state_dict(scheduler.state_dict())
         return model, new_optimizer, new_scheduler
 
+    def autocast(self, mixed_precision: str | None) -> contextlib.AbstractContextManager:
+        """Where the training forwards run in `mixed_precision` over float32 weights: torch.autocast on this process's
+        device, except under FSDP, whose MixedPrecisionPolicy (set in `wrap`) already gathers parameters in it."""
+        if mixed_precision is None or self.fsdp:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=getattr(torch, mixed_precision))
+
     def wrap_frozen(self, model: nn.Module | None, mixed_precision: str | None = None) -> nn.Module | None:
         """A no-gradient model used in the training forwards (the KL reference): sharded like the policy under FSDP."""
         if model is not None and self.fsdp:

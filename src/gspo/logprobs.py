@@ -65,11 +65,11 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
             grad_logits.scatter_add_(-1, targets[s:s + ctx.chunk, None], g)
             if ctx.temperature != 1.0:
                 grad_logits /= ctx.temperature
-            grad_logits = grad_logits.to(hidden.dtype)
+            grad_logits = grad_logits.to(weight.dtype)
             if need_h:
                 grad_h[s:s + ctx.chunk] = grad_logits @ weight
             if need_w:
-                grad_w += (grad_logits.t() @ h).float()
+                grad_w += (grad_logits.t() @ h.to(weight.dtype)).float()
             if need_b:
                 grad_b += grad_logits.float().sum(0)
         grad_w = None if grad_w is None else grad_w.to(weight.dtype)
@@ -79,8 +79,11 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
 
 def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   temperature: float) -> torch.Tensor:
-    """float32 logits / τ of one chunk, rounded exactly as the model's own head would round them (its dtype)."""
-    logits = nn.functional.linear(hidden, weight, bias).float()
+    """float32 logits / τ of one chunk, rounded exactly as the model's own head would round them (its weights' dtype).
+    Under autocast (trainer.mixed_precision) the head still runs in the weights' dtype, float32: bf16 hidden states
+    are upcast, so the log-softmax that the importance ratios are made of is not computed from bf16 logits."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        logits = nn.functional.linear(hidden.to(weight.dtype), weight, bias).float()
     return logits / temperature if temperature != 1.0 else logits
 
 

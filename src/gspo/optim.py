@@ -36,10 +36,12 @@ def make_optimizer(
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over the trainable parameters with a warm-up + cosine LambdaLR (stepped once per optimizer step).
 
+    Raises ValueError when the parameters' precision cannot represent steps of size `lr` (check_update_precision).
     `fused=None` uses torch's fused AdamW kernel where it applies (`can_fuse`): one kernel per step instead of ~10
     ops per parameter tensor, the same update up to float rounding (tests/test_optim.py), and the same state dict.
     """
     params = [p for p in model.parameters() if p.requires_grad]
+    check_update_precision([p for p in params if type(p) in (torch.Tensor, nn.Parameter)], lr)
     fused = can_fuse(params) if fused is None else fused
     optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, fused=fused or None)
     schedule = warmup_cosine(total_steps, warmup_steps, min_lr_ratio, cosine)
@@ -54,3 +56,40 @@ def can_fuse(params: list[torch.Tensor]) -> bool:
     devices = {p.device for p in params}
     return (len(devices) == 1 and next(iter(devices)).type in ("cpu", "cuda")
             and all(type(p) in (torch.Tensor, nn.Parameter) and p.is_floating_point() for p in params))
+
+
+LOST_UPDATES_MAX = 0.5
+"""make_optimizer refuses weights on which more than this fraction of AdamW steps of size lr would round away."""
+
+
+def lost_update_fraction(params: list[torch.Tensor], lr: float) -> float:
+    """Fraction of the non-zero weight elements that a step of size `lr` leaves unchanged after rounding to their dtype.
+
+    AdamW moves every weight by about lr per step (m̂/√v̂ ≈ ±1; exactly ±lr on the first step). A float with machine
+    epsilon ε and |w| in [2^e, 2^(e+1)) is spaced ε·2^e apart, so round-to-nearest drops the step when
+    lr < ε·2^(e−1). For bfloat16 (ε = 2^-7) that is every |w| ≥ 256·lr: at lr 1e-6 all but the weights below 2.6e-4,
+    i.e. ~99% of a Qwen3 checkpoint, never move. float32 (ε = 2^-23) only loses steps on |w| ≥ 8.4e6·lr.
+    """
+    lost = total = 0
+    for p in params:
+        if not p.is_floating_point() or p.numel() == 0:
+            continue
+        w = p.detach().float()
+        _, exponent = torch.frexp(w)  # |w| = m·2^exponent with m in [0.5, 1): the binade's e = exponent − 1
+        spacing_half = torch.finfo(p.dtype).eps * torch.pow(2.0, (exponent - 2).float())
+        nonzero = w != 0
+        lost += int((nonzero & (spacing_half > lr)).sum())
+        total += int(nonzero.sum())
+    return lost / total if total else 0.0
+
+
+def check_update_precision(params: list[torch.Tensor], lr: float) -> None:
+    """Refuse to train weights whose dtype rounds most AdamW steps of size `lr` away (pure bfloat16/float16 weights at
+    RL learning rates): the run would look healthy while its policy barely changes."""
+    fraction = lost_update_fraction(params, lr) if any(p.dtype != torch.float32 for p in params) else 0.0
+    if fraction > LOST_UPDATES_MAX:
+        dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in params})
+        raise ValueError(
+            f"learning rate {lr:g} is below the resolution of the {'/'.join(dtypes)} weights: an AdamW step of that "
+            f"size rounds away on {fraction:.1%} of them. Train float32 weights with low-precision compute instead "
+            f"(model.dtype=float32, trainer.mixed_precision=bfloat16), or raise the learning rate")

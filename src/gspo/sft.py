@@ -3,6 +3,8 @@ starts from a model whose samples sometimes earn reward (the paper's RL starts f
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import random
 
@@ -45,6 +47,7 @@ def sft(
     solution_field: str = "solution",
     target_loss: float | None = None,
     progress: bool = True,
+    mixed_precision: str | None = None,
 ) -> list[float]:
     """Minimise the token-mean negative log-likelihood of `row[solution_field]` + EOS given `row["prompt"]`, for
     `steps` AdamW steps on random batches, or until a running mean of the loss reaches `target_loss` (after
@@ -52,7 +55,9 @@ def sft(
 
     A loss target makes a cold start reproducible in *skill* rather than in steps: a tiny model learns arithmetic
     through a sharp transition whose step varies widely with the seed, so a fixed step budget leaves some seeds
-    with nothing for RL to sharpen and others with nothing left to learn."""
+    with nothing for RL to sharpen and others with nothing left to learn.
+
+    `mixed_precision` ("bfloat16"): forwards and backwards under torch.autocast over the float32 weights."""
     missing = [i for i, r in enumerate(rows) if not isinstance(r.get(solution_field), str)]
     if missing:
         raise ValueError(f"cold-start SFT needs a string {solution_field!r} in every row; row {missing[0]} has none "
@@ -62,13 +67,17 @@ def sft(
     optimizer, scheduler = make_optimizer(model, lr, steps, warmup_steps=warmup_steps, min_lr_ratio=0.0)
     rng = random.Random(seed)
     model.train()
+    device = next(model.parameters()).device.type
+    amp = (functools.partial(torch.autocast, device, dtype=getattr(torch, mixed_precision)) if mixed_precision
+           else contextlib.nullcontext)
     losses: list[float] = []
     running = None
     bar = tqdm(range(steps), desc="cold-start SFT", disable=not progress, leave=False)
     for _ in bar:
         batch = [rows[rng.randrange(len(rows))] for _ in range(batch_size)]
         enc = encode_pairs(tokenizer, [r["prompt"] for r in batch], [r[solution_field] for r in batch])
-        logprobs, _ = completion_logprobs(model, *enc, trim_padding=True)  # no routing capture here: skip padding
+        with amp():
+            logprobs, _ = completion_logprobs(model, *enc, trim_padding=True)  # no routing capture: skip padding
         mask = enc[3].bool()
         loss = -logprobs[mask].mean()
         loss.backward()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import hashlib
 import json
 import logging
@@ -49,7 +50,7 @@ from gspo.logprobs import completion_logprobs
 from gspo.models import load_model, save_model
 from gspo.moe import RoutingCapture, is_moe, require_replay_support, routing_change
 from gspo.objectives import OBJECTIVES, kl_to_reference
-from gspo.optim import make_optimizer
+from gspo.optim import check_update_precision, make_optimizer
 from gspo.rewards import RewardRunner
 from gspo.rollout import HFSampler, RolloutBatch, SamplingParams, eval_sampler, make_engine
 from gspo.sft import sft
@@ -225,6 +226,7 @@ def rl_step(step: int, model, optimizer, scheduler, train_rows: list[dict], ctx:
     # MoE (§5.3): the π_old forward records each token's routing (the router's own choice; under R3 it runs with the
     # engine's routing replayed), which R2 replays in the π_θ forwards and expert volatility is measured against.
     model.train()
+    amp = functools.partial(ctx.dist.autocast, cfg.trainer.mixed_precision)  # trainer.mixed_precision, or a no-op
     engine_routing = batch.extras.get("routing")  # R3: the rollout engine's routing, [N, S+T, layers, k]
     token_mask = torch.cat([batch.prompt_mask, batch.completion_mask], 1).bool()  # real tokens of the forward
     old_routing = None
@@ -234,7 +236,7 @@ def rl_step(step: int, model, optimizer, scheduler, train_rows: list[dict], ctx:
         old_logprobs = torch.zeros_like(batch.logprobs)
         with torch.no_grad():
             for mb in minibatches:
-                with _routing_capture(ctx, model, engine_routing, mb) as cap:
+                with _routing_capture(ctx, model, engine_routing, mb) as cap, amp():
                     old_logprobs[mb] = completion_logprobs(model, *_rows(batch, mb), temperature=ro.temperature,
                                                            trim_padding=not ctx.moe)[0]
                 if cap is not None:
@@ -256,7 +258,7 @@ def rl_step(step: int, model, optimizer, scheduler, train_rows: list[dict], ctx:
     full_layout = ctx.moe and (old_routing is not None or replay is not None)
     for k, mb in enumerate(minibatches):
         capture = _routing_capture(ctx, model, replay, mb) if full_layout else contextlib.nullcontext(None)
-        with capture as cap:
+        with capture as cap, amp():
             logprobs, entropy = completion_logprobs(model, *_rows(batch, mb), temperature=ro.temperature,
                                                     with_entropy=k == 0, trim_padding=not full_layout)
         if cap is not None and old_routing is not None and k == len(minibatches) - 1 and k > 0:
@@ -270,7 +272,7 @@ def rl_step(step: int, model, optimizer, scheduler, train_rows: list[dict], ctx:
                             eps_low=algo.eps_low, eps_high=algo.eps_high)
         loss = loss * ctx.dist.loss_scale(algo.loss, mask[mb])  # gradient averaging over processes = 1 process
         if ctx.ref_model is not None and algo.kl_beta > 0:
-            with torch.no_grad():
+            with torch.no_grad(), amp():
                 ref_logprobs, _ = completion_logprobs(ctx.ref_model, *_rows(batch, mb), temperature=ro.temperature,
                                                       trim_padding=True)
             kl = kl_to_reference(logprobs, ref_logprobs, mask[mb])
@@ -355,7 +357,7 @@ def _cold_start(cfg: Config, out: Path, model, tokenizer, train_rows: list[dict]
     cs = cfg.cold_start
     losses = sft(model, tokenizer, train_rows, steps=cs.steps, batch_size=cs.batch_size, lr=cs.lr,
                  warmup_steps=cs.warmup_steps, seed=derive_seed(cfg.trainer.seed, "sft"),
-                 target_loss=cs.target_loss, progress=cfg.log.progress)
+                 target_loss=cs.target_loss, progress=cfg.log.progress, mixed_precision=cfg.trainer.mixed_precision)
     info = {"steps": len(losses), "final_loss": sum(losses[-20:]) / len(losses[-20:])}
     tmp = out / "cold_start.tmp"
     shutil.rmtree(tmp, ignore_errors=True)  # what a crash during an earlier save left
@@ -423,6 +425,11 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
 
     model, tokenizer = load_model(cfg.model.name, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code,
                                   seed=cfg.trainer.seed)
+    for key, lr in [("optim.lr", cfg.optim.lr)] + ([("cold_start.lr", cfg.cold_start.lr)] if cfg.cold_start else []):
+        try:  # bf16/fp16 weights that an AdamW step of this size cannot move: refused before any compute
+            check_update_precision([p for p in model.parameters() if p.requires_grad], lr)
+        except ValueError as e:
+            raise ConfigError(f"{key}: {e}") from None
     if cfg.algorithm.routing_replay != "none":  # a hub model's family is only known now: fail before any compute
         try:
             require_replay_support(model, cfg.algorithm.routing_replay)
@@ -477,8 +484,8 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
     greedy = eval_sampler(cfg, engine, model, tokenizer, eval_tokens)
     moe = is_moe(model)
     model, optimizer, scheduler = par.wrap(model, optimizer, scheduler, build_optimizer,
-                                           cfg.trainer.fsdp_mixed_precision)  # DDP / FSDP2; one process: as is
-    ref_model = par.wrap_frozen(ref_model, cfg.trainer.fsdp_mixed_precision)
+                                           cfg.trainer.mixed_precision)  # DDP / FSDP2; one process: as is
+    ref_model = par.wrap_frozen(ref_model, cfg.trainer.mixed_precision)
     ctx = RLStep(cfg, engine, rewards, ref_model, moe=moe, dist=par)
     logger = MetricsLogger(out, tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb, mlflow=cfg.log.mlflow,
                            resume_step=start if resume else None, run_config=cfg_dict) if par.is_main else NullLogger()
