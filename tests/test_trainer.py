@@ -6,13 +6,13 @@ from __future__ import annotations
 import functools
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from conftest import DEMO, tiny_overrides
+from conftest import DEMO, safetensors_of, tiny_overrides
 from gspo.checkpoint import checkpoint_path, find_latest_checkpoint
 from gspo.config import ConfigError, load_config
 from gspo.models import load_model
@@ -40,14 +40,6 @@ def finite_or_null(value) -> bool:
     return value is None or (isinstance(value, (int, float)) and math.isfinite(value))
 
 
-def safetensors_of(folder: Path) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        tensors.update(load_file(file))
-    assert tensors, f"no safetensors in {folder}"
-    return tensors
-
-
 @pytest.fixture(scope="module")
 def run_a(tmp_path_factory, test_rewards):
     """The uninterrupted run."""
@@ -69,7 +61,9 @@ def run_b(tmp_path_factory, test_rewards):
         "steps_logged": [r["step"] for r in read_metrics(out / "metrics.jsonl")],
         "latest_checkpoint": find_latest_checkpoint(out),
     }
+    t0 = time.perf_counter()
     summary = train(cfg, resume=True)
+    state["resume_seconds"] = time.perf_counter() - t0
     return out, summary, state
 
 
@@ -169,6 +163,15 @@ def test_resume_equals_uninterrupted(run_a, run_b):
     assert read_metrics(out_b / "eval.jsonl") == read_metrics(out_a / "eval.jsonl")
     assert summary_b["heldout_accuracy_before_rl"] == summary_a["heldout_accuracy_before_rl"]
     assert summary_b["heldout_accuracy_after_rl"] == summary_a["heldout_accuracy_after_rl"]
+
+
+def test_resumed_run_wall_time_includes_the_time_before_its_checkpoint(run_b):
+    """summary.json's wall_seconds = the interrupted process's time up to the checkpoint resumed from (kept in the
+    checkpoint) + the resuming process's time, not the last process's alone."""
+    out, summary, state = run_b
+    before = json.loads((checkpoint_path(out, 2) / "state.json").read_text())["state"]["wall_seconds"]
+    assert before > 0
+    assert before + 0.8 * state["resume_seconds"] <= summary["wall_seconds"] <= before + state["resume_seconds"]
 
 
 def test_resume_with_a_different_config_is_refused(run_a):

@@ -472,6 +472,7 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
     if checkpoint is not None:
         state = load_checkpoint(checkpoint, model=model, optimizer=optimizer, scheduler=scheduler)
         start, bad_steps = state["step"], state.get("bad_steps", 0)
+        wall0 -= state.get("wall_seconds", 0.0)  # the run's wall time up to that checkpoint (not the lost work after)
         # counts up to the checkpoint, so that the summary covers the whole run, not just this process
         rewards.failures.update(state.get("reward_failures", {}))
         rewards.timeouts.update(state.get("reward_timeouts", {}))
@@ -525,7 +526,8 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
                                         scheduler=scheduler,
                                         state={"step": done, "data_position": done * ro.prompts_per_step,
                                                "bad_steps": bad_steps, "reward_failures": dict(rewards.failures),
-                                               "reward_timeouts": dict(rewards.timeouts)},
+                                               "reward_timeouts": dict(rewards.timeouts),
+                                               "wall_seconds": time.perf_counter() - wall0},
                                         keep_last=cfg.trainer.keep_checkpoints)
             if cfg.trainer.max_bad_steps is not None and bad_steps >= cfg.trainer.max_bad_steps:
                 error = (f"stopped at step {done}: the last {bad_steps} steps (trainer.max_bad_steps) had every update "
