@@ -259,7 +259,7 @@ def test_without_root_the_user_namespace_contains_the_program(tmp_path):
     script = tmp_path / "as_user.py"
     script.write_text(
         "import importlib.util, json, sys\n"
-        f"spec = importlib.util.spec_from_file_location('sandbox', {sandbox_module.__file__!r})\n"
+        "spec = importlib.util.spec_from_file_location('sandbox', 'sandbox.py')\n"
         "sandbox = sys.modules['sandbox'] = importlib.util.module_from_spec(spec)\n"
         "spec.loader.exec_module(sandbox)\n"
         "ok = sandbox.run_sandboxed('def f():\\n    return 1\\n', 'assert f() == 1', timeout_s=5)\n"
@@ -270,8 +270,11 @@ def test_without_root_the_user_namespace_contains_the_program(tmp_path):
     folder = Path(tempfile.mkdtemp(prefix="gspo-test-user-"))
     try:
         shutil.copy(script, folder / "as_user.py")
+        # a copy of the module: `nobody` may not be able to read the checkout (e.g. a clone inside a 0700 mktemp dir)
+        shutil.copy(sandbox_module.__file__, folder / "sandbox.py")
         folder.chmod(0o755)
-        (folder / "as_user.py").chmod(0o644)
+        for name in ("as_user.py", "sandbox.py"):
+            (folder / name).chmod(0o644)
         nobody = pwd.getpwnam("nobody")
         proc = subprocess.run(["/usr/bin/python3", "-I", str(folder / "as_user.py")], capture_output=True, text=True,
                               timeout=60, user=nobody.pw_uid, group=nobody.pw_gid, extra_groups=[], cwd=folder,
