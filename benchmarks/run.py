@@ -2,6 +2,7 @@
 
     bash benchmarks/setup.sh                        # once: .venv-bench with torch (CPU), transformers, TRL, gspo
     .venv-bench/bin/python benchmarks/run.py        # ~15 min on 2 busy cores; --quick for a smoke run
+    python benchmarks/run.py --device cuda [--models dense|moe] [--quick]   # one GPU: see "GPU mode" below
 
 What is compared (both sides, per model): the same saved model (weights and config, loaded from the same folder), the
 same "a+b=" prompts (gspo's addition task), 8 prompts × 8 completions × exactly 16 new tokens per rollout batch, the
@@ -20,6 +21,22 @@ Each measurement is a fresh subprocess (warm-up batches discarded), and the side
 other jobs on the machine hits both alike; times are medians over all measured batches, ratios are of medians.
 Peak memory is the subprocess's peak RSS (VmHWM); "growth" is that peak minus the RSS just before the first
 step (the model, the optimizer and the imports are already in it), i.e. what the steps themselves needed.
+
+GPU mode (`--device cuda`, one CUDA GPU, an environment with torch for CUDA, transformers and TRL): the same A/B
+machinery and workers on two random-init models at Qwen3's vocabulary (151,936; gspo's character tokenizer padded
+with plain tokens so that every id decodes): `dense` = Qwen3-0.6B's shape (28 layers, hidden 1,024, tied head) and
+`moe` = Qwen3-30B-A3B's layer shape with 4 layers (hidden 2,048, 128 experts top-8; 2.8B parameters). Per rollout
+batch 16 prompts × 8 completions × exactly 256 new tokens, 4 minibatches, GSPO as above, float32 weights and AdamW
+with bf16 autocast on both sides (TRL `bf16=True`; gspo `trainer.mixed_precision=bfloat16`), no gradient
+checkpointing, a pseudo-random reward of the completion text (`hash_reward`: a random-init model never solves the
+task, and advantages must be non-zero for the updates to be real). Sides: TRL; "gspo exact" (π_old recomputed by a
+no-grad forward, as TRL does; the fp32 policy samples); "gspo fast" (a bf16 rollout engine and π_old from it, §5.4).
+Clocks are read after torch.cuda.synchronize(); generation / update split: gspo's `rl_step` timings, TRL's
+`_generate` timed (its old-log-prob forward counts as update on both sides); peak GPU memory is
+torch.cuda.max_memory_allocated() of the worker (model, AdamW state and the steps). Each model is built once, saved in
+bf16 and loaded in float32 by every worker. The last line's JSON has speedup_{dense,moe}_gpu (TRL / gspo fast, per
+rollout batch), speedup_*_gpu_exact, and update_ratio_*_gpu (gspo exact update / TRL update: the same work on both).
+A full run of both models takes longer than 10 minutes: run `--models dense` and `--models moe` separately.
 """
 
 from __future__ import annotations
@@ -108,9 +125,38 @@ def addition_rows(n: int = 2048) -> list[dict]:
 # ------------------------------------------------------------------------------------------------------------ workers
 
 
+def hash_reward(prompt: str, completion: str, **row) -> float:
+    """GPU mode's reward: pseudo-random in [0, 1) from the completion text, the same on both sides, so that group
+    advantages are non-zero (a random-init model never solves the addition task)."""
+    import hashlib
+
+    return int.from_bytes(hashlib.blake2b(completion.encode(), digest_size=4).digest(), "big") / 2**32
+
+
+def worker_shape(options: dict) -> tuple[int, int, int, str]:
+    """(prompts, completions per prompt, new tokens, device) of a worker: the CPU mode's unless `options` says."""
+    prompts, group, tokens = options.get("shape", (PROMPTS, GROUP, NEW_TOKENS))
+    return prompts, group, tokens, options.get("device", "cpu")
+
+
+def sync(device: str) -> None:
+    """Wait for the GPU's queued work before a clock is read (a no-op on the CPU)."""
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def gpu_peak_bytes(device: str) -> int:
+    import torch
+
+    return torch.cuda.max_memory_allocated() if device == "cuda" else 0
+
+
 def gspo_worker(path: str, batches: int, warmup: int, options: dict) -> dict:
     """Time `batches` rollout batches of `gspo.trainer.rl_step` (after `warmup` more)."""
     from gspo.config import validate_config
+    from gspo.distributed import init_distributed
     from gspo.models import load_model
     from gspo.moe import is_moe
     from gspo.optim import make_optimizer
@@ -118,33 +164,41 @@ def gspo_worker(path: str, batches: int, warmup: int, options: dict) -> dict:
     from gspo.rollout import HFSampler, SamplingParams
     from gspo.trainer import RLStep, rl_step
 
+    prompts, group, new_tokens, device = worker_shape(options)
+    rewards = {"functions": {"run:hash_reward": 1.0}} if options.get("reward") == "hash" else {}
     cfg = validate_config({
         "model": {"name": path, **options.get("model", {})},
-        "rollout": {"prompts_per_step": PROMPTS, "group_size": GROUP, "max_new_tokens": NEW_TOKENS,
+        "rollout": {"prompts_per_step": prompts, "group_size": group, "max_new_tokens": new_tokens,
                     **options.get("rollout", {})},
         "algorithm": {"loss": "gspo", "minibatches": MINIBATCHES, "kl_beta": 0.0, **options.get("algorithm", {})},
         "optim": {"lr": 1e-5, "grad_clip": 1.0},
-        "trainer": options.get("trainer", {}),
+        **({"rewards": rewards} if rewards else {}),
+        "trainer": {"device": device, **options.get("trainer", {})},
     })
+    dist = init_distributed(cfg.trainer.parallel, cfg.trainer.device)  # one process: this device
     model, tokenizer = load_model(cfg.model.name, dtype=cfg.model.dtype)
+    model = dist.place(model)
     rows = addition_rows()
     optimizer, scheduler = make_optimizer(model, cfg.optim.lr, 1000, betas=cfg.optim.betas)
     ro = cfg.rollout
     engine = HFSampler(model, tokenizer, SamplingParams(temperature=ro.temperature, max_new_tokens=ro.max_new_tokens),
                        dtype=ro.dtype)
     engine.eos_ids = []  # fixed-length completions: EOS is an ordinary token here (TRL side: min_new_tokens)
-    ctx = RLStep(cfg, engine, RewardRunner(cfg.rewards.functions), moe=is_moe(model))
+    ctx = RLStep(cfg, engine, RewardRunner(cfg.rewards.functions), moe=is_moe(model), dist=dist)
     model.train()
     times, tokens, rollout = [], [], []
     rss0 = rss_bytes()
     for step in range(warmup + batches):
+        sync(device)
         t0 = time.perf_counter()
         metrics = rl_step(step, model, optimizer, scheduler, rows, ctx)
+        sync(device)
         if step >= warmup:
             times.append(time.perf_counter() - t0)
-            tokens.append(metrics["response_length"] * PROMPTS * GROUP)
+            tokens.append(metrics["response_length"] * prompts * group)
             rollout.append(metrics["time_rollout"])
-    return {"times": times, "tokens": tokens, "rollout": rollout, "rss_before": rss0, "peak_rss": peak_rss_bytes()}
+    return {"times": times, "tokens": tokens, "rollout": rollout, "rss_before": rss0, "peak_rss": peak_rss_bytes(),
+            "peak_gpu": gpu_peak_bytes(device)}
 
 
 def trl_worker(path: str, batches: int, warmup: int, options: dict) -> dict:
@@ -156,30 +210,35 @@ def trl_worker(path: str, batches: int, warmup: int, options: dict) -> dict:
 
     from gspo.rewards import addition_reward
 
+    n_prompts, group, new_tokens, device = worker_shape(options)
+    score = hash_reward if options.get("reward") == "hash" else addition_reward
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **options.get("from_pretrained", {}))
     tokenizer = AutoTokenizer.from_pretrained(path)
     data = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in addition_rows()])
 
     def reward(prompts, completions, answer, **_):
-        return [addition_reward(p, c, answer=a) for p, c, a in zip(prompts, completions, answer, strict=True)]
+        return [score(p, c, answer=a) for p, c, a in zip(prompts, completions, answer, strict=True)]
 
     stamps: list[float] = []
     rss: list[int] = []
+    generation: list[float] = []
 
     class Stamp(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
             rss.append(rss_bytes())
+            sync(device)
             stamps.append(time.perf_counter())
 
         def on_step_end(self, args, state, control, **kwargs):
+            sync(device)
             stamps.append(time.perf_counter())
 
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(
-            output_dir=out, report_to="none", save_strategy="no", logging_steps=10**6, use_cpu=True, seed=0,
-            per_device_train_batch_size=PROMPTS * GROUP // MINIBATCHES, gradient_accumulation_steps=1,
-            steps_per_generation=MINIBATCHES, num_generations=GROUP, num_iterations=1,
-            max_completion_length=NEW_TOKENS, generation_kwargs={"min_new_tokens": NEW_TOKENS},
+            output_dir=out, report_to="none", save_strategy="no", logging_steps=10**6, use_cpu=device != "cuda",
+            seed=0, per_device_train_batch_size=n_prompts * group // MINIBATCHES, gradient_accumulation_steps=1,
+            steps_per_generation=MINIBATCHES, num_generations=group, num_iterations=1,
+            max_completion_length=new_tokens, generation_kwargs={"min_new_tokens": new_tokens},
             temperature=1.0, top_p=1.0, importance_sampling_level="sequence", loss_type="grpo",
             epsilon=3e-4, epsilon_high=4e-4, beta=0.0, learning_rate=1e-5, max_grad_norm=1.0,
             gradient_checkpointing=False, bf16=options.get("bf16", False), disable_dropout=True, log_completions=False,
@@ -187,11 +246,24 @@ def trl_worker(path: str, batches: int, warmup: int, options: dict) -> dict:
         )
         trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
                               processing_class=tokenizer, callbacks=[Stamp()])
+        if options.get("time_generation") and hasattr(trainer, "_generate"):  # GPU mode: TRL 1.16's sampling call
+            generate = trainer._generate
+
+            def timed_generate(*args, **kwargs):
+                sync(device)
+                t0 = time.perf_counter()
+                result = generate(*args, **kwargs)
+                sync(device)
+                generation.append(time.perf_counter() - t0)
+                return result
+
+            trainer._generate = timed_generate
         trainer.train()
     ends = stamps[::MINIBATCHES]  # train begin, then the end of every 4th optimizer step
     times = [b - a for a, b in itertools.pairwise(ends)][warmup:]
-    return {"times": times, "tokens": [PROMPTS * GROUP * NEW_TOKENS] * len(times), "rss_before": rss[0],
-            "peak_rss": peak_rss_bytes()}
+    return {"times": times, "tokens": [n_prompts * group * new_tokens] * len(times), "rss_before": rss[0],
+            "peak_rss": peak_rss_bytes(), "rollout": generation[warmup:warmup + len(times)],
+            "peak_gpu": gpu_peak_bytes(device)}
 
 
 def padding_worker(path: str, batches: int, warmup: int, options: dict) -> dict:
@@ -334,6 +406,161 @@ def compare(paths: dict[str, Path], models: list[str], rounds: int, threads: int
     return results
 
 
+# ------------------------------------------------------------------------------------------------------------ GPU mode
+
+GPU_SHAPE = (16, 8, 256)  # prompts × completions × forced new tokens per rollout batch (4 minibatches, as above)
+GPU_VOCAB = 151_936  # Qwen3's
+_GPU_COMMON = {"vocab_size": GPU_VOCAB, "max_position_embeddings": 4096, "rope_theta": 1_000_000.0,
+               "tie_word_embeddings": True, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": None}
+# name: (transformers config class, its arguments)
+GPU_MODELS: dict[str, tuple[str, dict]] = {
+    # Qwen3-0.6B (596M parameters)
+    "dense": ("Qwen3Config", {**_GPU_COMMON, "hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16,
+                              "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 3072}),
+    # Qwen3-30B-A3B's layer (hidden 2,048, 32/4 heads, 128 experts top-8, expert FFN 768), 4 layers (2.80B parameters)
+    "moe": ("Qwen3MoeConfig", {**_GPU_COMMON, "hidden_size": 2048, "num_hidden_layers": 4, "num_attention_heads": 32,
+                               "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
+                               "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+                               "norm_topk_prob": True, "decoder_sparse_step": 1}),
+}
+MIXED = {"trainer": {"mixed_precision": "bfloat16"}}
+# side: (worker, options). Both sides: float32 weights and AdamW, bf16 autocast.
+GPU_SIDES: dict[str, tuple[str, dict]] = {
+    "trl": ("trl", {"bf16": True}),
+    "gspo exact": ("gspo", MIXED),
+    "gspo fast": ("gspo", {**MIXED, "rollout": {"dtype": "bfloat16"}, "algorithm": {"old_logprobs": "rollout"}}),
+}
+GPU_HEADLINE, GPU_LIKE_FOR_LIKE = "gspo fast", "gspo exact"
+
+
+def padded_tokenizer(vocab_size: int):
+    """gspo's character tokenizer (same specials, characters and ids) followed by plain tokens <x0>, <x1>, ... up to
+    `vocab_size`, so that every id a model of that vocabulary samples decodes to text."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from gspo.models import SPECIAL_TOKENS, VOCAB_CHARS
+
+    tokens = [*SPECIAL_TOKENS, *VOCAB_CHARS]
+    tokens += [f"<x{i}>" for i in range(vocab_size - len(tokens))]
+    core = Tokenizer(models.WordLevel({tok: i for i, tok in enumerate(tokens)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
+                                   padding_side="left", clean_up_tokenization_spaces=False, model_max_length=4096)
+
+
+def build_gpu_models(root: Path, names: list[str], specs: dict[str, tuple[str, dict]], device: str) -> dict[str, Path]:
+    """Save each model (seeded random init on `device`, stored in bf16) and its padded tokenizer to `root/NAME`."""
+    import torch
+    import transformers
+
+    from gspo.models import save_model
+
+    paths = {}
+    for name in names:
+        config_class, kwargs = specs[name]
+        config = getattr(transformers, config_class)(**kwargs)
+        tokenizer = padded_tokenizer(config.vocab_size)
+        assert len(tokenizer) == config.vocab_size, (len(tokenizer), config.vocab_size)
+        torch.manual_seed(0)
+        with torch.device(device):  # a 2.8B init on the CPU takes minutes
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        params = sum(p.numel() for p in model.parameters())
+        paths[name] = root / name
+        save_model(model.to("cpu", torch.bfloat16), tokenizer, paths[name])
+        del model
+        print(f"  built {name}: {params / 1e9:.2f}B parameters", flush=True)
+    return paths
+
+
+def compare_gpu(paths: dict[str, Path], rounds: int, threads: int, batches: int, warmup: int,
+                shape: tuple[int, int, int] = GPU_SHAPE, device: str = "cuda") -> dict[str, dict[str, dict]]:
+    """For each model, `rounds` rounds of every GPU side, alternating (order reversed every other round), each a
+    fresh worker subprocess; returns {model: {side: {"times", "rollout", "update", "peak_gpu"}}}."""
+    results: dict[str, dict[str, dict]] = {}
+    sides = list(GPU_SIDES)
+    for model, path in paths.items():
+        results[model] = {side: {"times": [], "rollout": [], "update": [], "peak_gpu": 0} for side in sides}
+        for r in range(rounds):
+            for side in sides if r % 2 == 0 else sides[::-1]:
+                worker, options = GPU_SIDES[side]
+                options = {**options, "shape": list(shape), "device": device, "reward": "hash", "time_generation": True}
+                out = run_worker(worker, path, batches, warmup, threads, options)
+                if any(t != shape[0] * shape[1] * shape[2] for t in out["tokens"]):
+                    raise RuntimeError(f"{side} generated {out['tokens']} tokens per batch, not the fixed length")
+                acc = results[model][side]
+                acc["times"] += out["times"]
+                if len(out["rollout"]) == len(out["times"]):  # generation time of each measured batch
+                    acc["rollout"] += out["rollout"]
+                    acc["update"] += [t - g for t, g in zip(out["times"], out["rollout"], strict=True)]
+                else:
+                    print(f"  {side}: no generation / update split ({len(out['rollout'])} generation times for "
+                          f"{len(out['times'])} batches)", flush=True)
+                acc["peak_gpu"] = max(acc["peak_gpu"], out["peak_gpu"])
+                print(f"  {model:>5} round {r + 1}/{rounds} {side:>10}: "
+                      f"{' '.join(f'{t:.3f}' for t in out['times'])} s", flush=True)
+    return results
+
+
+def print_gpu_report(results: dict[str, dict[str, dict]], shape: tuple[int, int, int] = GPU_SHAPE) -> dict:
+    """Print the GPU table; return the summary that is the last line of output."""
+    tokens = shape[0] * shape[1] * shape[2]
+    summary: dict[str, float | None] = {}
+    print(f"\nper rollout batch: {shape[0]} prompts × {shape[1]} completions × {shape[2]} tokens, {MINIBATCHES} "
+          "minibatch updates, GSPO ε 3e-4/4e-4, β=0, fp32 weights + bf16 autocast on both sides")
+    print(f"{'model':>5} | {'run':>10} | {'s / batch':>9} | {'TRL / this':>10} | {'tokens/s':>8} | "
+          f"{'generation s':>12} | {'update s':>8} | {'update / TRL':>12} | {'peak GPU':>9}")
+    for model, by_side in results.items():
+        trl = by_side["trl"]
+        trl_time, trl_update = median(trl["times"]), median(trl["update"])
+        for side, r in by_side.items():
+            t, gen, update = median(r["times"]), median(r["rollout"]), median(r["update"])
+            print(f"{model:>5} | {side:>10} | {t:>9.3f} | {trl_time / t:>9.2f}× | {tokens / t:>8.0f} | "
+                  f"{gen:>12.3f} | {update:>8.3f} | {update / trl_update:>11.2f}× | "
+                  f"{r['peak_gpu'] / 2**30:>5.2f} GiB")
+            if side == GPU_HEADLINE:
+                summary[f"speedup_{model}_gpu"] = trl_time / t
+                summary[f"update_ratio_{model}_gpu_fast"] = update / trl_update
+                summary[f"peak_gpu_ratio_{model}_fast"] = r["peak_gpu"] / trl["peak_gpu"] if trl["peak_gpu"] else None
+            elif side == GPU_LIKE_FOR_LIKE:
+                summary[f"speedup_{model}_gpu_exact"] = trl_time / t
+                summary[f"update_ratio_{model}_gpu"] = update / trl_update
+                summary[f"peak_gpu_ratio_{model}_exact"] = r["peak_gpu"] / trl["peak_gpu"] if trl["peak_gpu"] else None
+    return summary
+
+
+def main_gpu(a: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """`--device cuda`: the GPU A/B (module docstring, "GPU mode")."""
+    import platform
+
+    import torch
+
+    if not torch.cuda.is_available():
+        parser.error(f"--device cuda: CUDA is not available here (torch {torch.__version__}, CUDA build "
+                     f"{torch.version.cuda or 'none'}, torch.cuda.is_available() is False). Run it on a machine with "
+                     "a GPU, or leave --device out for the CPU comparison.")
+    try:
+        import transformers
+        import trl
+    except ImportError as e:
+        parser.error(f"--device cuda compares against TRL, which this environment lacks ({e}): pip install trl")
+    models = (a.models or ",".join(GPU_MODELS)).split(",")
+    unknown = [m for m in models if m not in GPU_MODELS]
+    if unknown:
+        parser.error(f"--device cuda: unknown model(s) {unknown}; GPU models: {', '.join(GPU_MODELS)}")
+    rounds, batches, warmup = (1, 1, 1) if a.quick else (a.rounds, 3, 1)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__} (CUDA {torch.version.cuda}), transformers "
+          f"{transformers.__version__}, trl {trl.__version__}, python {platform.python_version()}, "
+          f"{a.threads} threads, {rounds} rounds × ({warmup} warm-up + {batches} measured batches) per side",
+          flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = build_gpu_models(Path(tmp), models, GPU_MODELS, "cuda")
+        results = compare_gpu(paths, rounds, a.threads, batches, warmup)
+    summary = {"device": torch.cuda.get_device_name(), "quick": a.quick, **print_gpu_report(results)}
+    print(json.dumps(summary))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
@@ -343,15 +570,22 @@ def main() -> None:
     p.add_argument("--options", default="{}", help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads of every measurement (default 2)")
     p.add_argument("--rounds", type=int, default=3, help="A/B rounds per model (default 3)")
-    p.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of " + ", ".join(MODELS))
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cpu (default): the CPU comparison; cuda: the GPU comparison (module docstring)")
+    p.add_argument("--models", default=None, help=f"comma-separated subset of {', '.join(MODELS)} (cpu; default: all) "
+                   f"or {', '.join(GPU_MODELS)} (cuda; default: both)")
     p.add_argument("--memory-lengths", default="1024,2048,4096,8192", help="completion lengths of the memory rows")
-    p.add_argument("--quick", action="store_true", help="1 round, fewer batches, memory at 1k and 4k only")
+    p.add_argument("--quick", action="store_true", help="1 round, fewer batches, memory at 1k and 4k only (cuda: 1 "
+                   "round of 1 warm-up + 1 measured batch per side)")
     a = p.parse_args()
     if a.worker:
         import torch
 
         torch.set_num_threads(a.threads)
         print(json.dumps(WORKERS[a.worker](a.path, a.batches, a.warmup, json.loads(a.options))))
+        return
+    if a.device == "cuda":
+        main_gpu(a, p)
         return
 
     import platform
@@ -363,7 +597,7 @@ def main() -> None:
 
     rounds = 1 if a.quick else a.rounds
     sizes = {"tiny_moe": (3, 1), "medium_moe": (1, 1)} if a.quick else {"tiny_moe": (6, 2), "medium_moe": (3, 1)}
-    models = a.models.split(",")
+    models = (a.models or ",".join(MODELS)).split(",")
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}, "
           f"python {platform.python_version()}, {os.cpu_count()} CPUs, {a.threads} threads, {rounds} rounds")
     with tempfile.TemporaryDirectory() as tmp:

@@ -18,6 +18,13 @@ torch.set_num_threads(int(os.environ.get("GSPO_TEST_THREADS", "1")))
 
 DEMO = demo_config_path()
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+"""Where the tests that train run (`trainer.device`, set by `tiny_overrides`): the GPU when torch sees one, so that
+the suite on a GPU machine covers the CUDA path, else the CPU. Tests whose assertions need bit-for-bit reproducible
+training (an interrupted run resumed equals an uninterrupted one) pin `trainer.device=cpu` instead: CUDA kernels that
+accumulate with atomic float adds (e.g. the backward of SDPA's memory-efficient attention, which the fp32 models here
+use) do not give bitwise-identical results from one run to the next, so a resumed run drifts by rounding."""
+
 # On top of configs/demo.yaml: 16 completions of ≤ 4 tokens per step, a 5-step cold start, no progress bars or TB.
 TINY = [
     "trainer.steps=3",
@@ -53,9 +60,15 @@ def test_rewards():
         yield
 
 
+@pytest.fixture(scope="session")
+def device() -> str:
+    """`trainer.device` for a test that trains: "cuda" when torch sees a GPU, else "cpu" (DEVICE)."""
+    return DEVICE
+
+
 def tiny_overrides(out: Path | str, *extra: str) -> list[str]:
-    """TINY plus `trainer.out=out` plus `extra` (later overrides win)."""
-    return [*TINY, f"trainer.out={out}", *extra]
+    """TINY plus `trainer.device=DEVICE` and `trainer.out=out` plus `extra` (later overrides win)."""
+    return [*TINY, f"trainer.device={DEVICE}", f"trainer.out={out}", *extra]
 
 
 def safetensors_of(folder: Path) -> dict[str, torch.Tensor]:

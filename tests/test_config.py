@@ -252,7 +252,7 @@ def test_booleans_stay_valid_where_a_key_takes_one():
 
 def test_reliability_defaults():
     cfg = load_config(None)
-    assert cfg.rewards.timeout_s == 10.0 and cfg.rewards.workers == 1
+    assert cfg.rewards.timeout_s == 30.0 and cfg.rewards.workers == 1  # per batch of calls
     assert cfg.data.max_prompt_tokens is None and cfg.trainer.max_bad_steps == 5
     cfg = load_config(None, ["rewards.timeout_s=null", "trainer.max_bad_steps=null", "data.max_prompt_tokens=64"])
     assert cfg.rewards.timeout_s is None and cfg.trainer.max_bad_steps is None and cfg.data.max_prompt_tokens == 64

@@ -32,9 +32,10 @@ STEPS = 8
 # Checkpoint and evaluate after every step (so that a kill during a checkpoint write always leaves an evaluation
 # newer than the last checkpoint, which the resume must drop); a reward that varies within groups (an importable
 # path, so that the subprocess finds it too), so that every update really changes the weights; one thread in both
-# processes, so that they compute alike.
+# processes, so that they compute alike; on the CPU even on a GPU machine, since the resumed run must equal the
+# uninterrupted one bit for bit and CUDA training is not bitwise reproducible from run to run (see conftest.DEVICE).
 EXTRA = [f"trainer.steps={STEPS}", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=2", "trainer.eval_every=1",
-         "trainer.threads=1", "rewards.functions={addition: 1.0, conftest.varied_reward: 0.5}"]
+         "trainer.threads=1", "rewards.functions={addition: 1.0, conftest.varied_reward: 0.5}", "trainer.device=cpu"]
 TIMING_KEYS = ("time_rollout", "time_update", "tokens_per_second")
 
 

@@ -1,8 +1,10 @@
 """Multi-process training (torchrun, gloo on CPU): 2 processes train the same weights as 1 (DDP, and FSDP2 interrupted
-and resumed), and the pure pieces of `gspo.distributed` (sharding, re-padding, loss scaling) behave as documented."""
+and resumed), the pure pieces of `gspo.distributed` (sharding, re-padding, loss scaling) behave as documented, and
+`trainer.device` resolves by the one-GPU-per-process rule."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -14,8 +16,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from conftest import DEMO, safetensors_of, tiny_overrides
-from gspo.config import load_config
-from gspo.distributed import TOKEN_NORMALISED, Dist, _pad_batch
+from gspo.config import ConfigError, load_config
+from gspo.distributed import TOKEN_NORMALISED, Dist, _pad_batch, init_distributed, resolve_device
 from gspo.moe import FREE
 from gspo.objectives import OBJECTIVES
 from gspo.rollout import RolloutBatch
@@ -29,22 +31,29 @@ TESTS = Path(__file__).parent
 RUN = ["trainer.steps=3", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=5", "optim.lr=3e-3",
        "optim.warmup_steps=0", "rewards.functions={conftest.varied_reward: 1.0}", "algorithm.kl_beta=0.05"]
 REL_TOL = 1e-3  # per tensor: ‖W₂ − W₁‖ / ‖W₁‖ (Frobenius) after 3 steps; measured ≈ 2e-4
+# The two processes run with trainer.device=auto: on one GPU each with two or more GPUs (NCCL), else on the CPU (gloo;
+# on a one-GPU machine with a warning). The one-process reference trains on the same kind of device.
+TWO_PROCESS_DEVICE = "cuda" if torch.cuda.device_count() >= 2 else "cpu"
+FALLBACK_WARNING = "every process trains on the CPU (gloo)"
 
 
-def torchrun(tmp: Path, *args: str) -> None:
-    """Run `torchrun --standalone --nproc_per_node=2 ARGS` (gloo, one thread per process)."""
+def torchrun(tmp: Path, *args: str) -> str:
+    """Run `torchrun --standalone --nproc_per_node=2 ARGS` (gloo, one thread per process); returns its stderr."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
     done = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"torchrun failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    if torch.cuda.device_count() == 1:  # two processes, one GPU: trainer.device=auto falls back to the CPU, and says so
+        assert FALLBACK_WARNING in done.stderr, done.stderr[-3000:]
+    return done.stderr
 
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
-    """The reference: the run in this process (world size 1)."""
+    """The reference: the run in this process (world size 1), on the kind of device the two processes get."""
     out = tmp_path_factory.mktemp("one")
-    train(load_config(DEMO, tiny_overrides(out, *RUN)))
+    train(load_config(DEMO, tiny_overrides(out, *RUN, f"trainer.device={TWO_PROCESS_DEVICE}")))
     return out
 
 
@@ -75,7 +84,7 @@ def assert_same_run(one: Path, two: Path) -> None:
 def test_ddp_two_processes_match_one(one_process, tmp_path):
     """`torchrun --nproc_per_node=2 -m gspo train ...` (DDP) trains the weights of the one-process run."""
     out = tmp_path / "ddp"
-    torchrun(tmp_path, "-m", "gspo", "train", str(DEMO), *tiny_overrides(out, *RUN))
+    torchrun(tmp_path, "-m", "gspo", "train", str(DEMO), *tiny_overrides(out, *RUN, "trainer.device=auto"))
     assert_same_run(one_process, out)
 
 
@@ -84,11 +93,55 @@ def test_fsdp_two_processes_interrupted_and_resumed_match_one(one_process, tmp_p
     trains the weights of the uninterrupted one-process run; its checkpoints load like one-process ones."""
     out = tmp_path / "fsdp"
     torchrun(tmp_path, str(TESTS / "distributed_worker.py"), str(DEMO), "2",
-             *tiny_overrides(out, *RUN, "trainer.parallel=fsdp"))
+             *tiny_overrides(out, *RUN, "trainer.parallel=fsdp", "trainer.device=auto"))
     assert_same_run(one_process, out)
     step3 = Path("checkpoints") / "step_00000003" / "model"
     # the one-process checkpoint format
     assert safetensors_of(out / step3).keys() == safetensors_of(one_process / step3).keys()
+
+
+# ------------------------------------------------------------------------------------------------ trainer.device
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """Pretend torch sees `n` CUDA devices: `gpus(n)` (0: CUDA unavailable)."""
+    def pretend(n: int) -> None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+    return pretend
+
+
+def test_one_gpu_per_process_or_the_cpu(gpus, caplog):
+    gpus(0)
+    assert resolve_device("auto") == resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(ConfigError, match="CUDA is not available"):
+        resolve_device("cuda")
+    gpus(2)
+    assert resolve_device("auto", local_rank=1, local_world_size=2) == torch.device("cuda", 1)
+    assert resolve_device("cuda", local_rank=0, local_world_size=2) == torch.device("cuda", 0)
+    assert resolve_device("cpu", local_rank=1, local_world_size=2) == torch.device("cpu")
+    gpus(1)  # two processes on a one-GPU machine: never two on one GPU
+    with caplog.at_level(logging.WARNING, logger="gspo.distributed"):
+        assert resolve_device("auto", local_rank=0, local_world_size=2) == torch.device("cpu")
+    assert "2 processes on this machine (LOCAL_WORLD_SIZE) but only 1 visible CUDA device" in caplog.text
+    assert FALLBACK_WARNING in caplog.text
+    assert resolve_device("auto", local_rank=1, local_world_size=2) == torch.device("cpu")
+    for rank in (0, 1):
+        with pytest.raises(ConfigError, match=r"trainer\.device=cuda: 2 processes .* only 1 visible CUDA device"):
+            resolve_device("cuda", local_rank=rank, local_world_size=2)
+
+
+def test_init_distributed_reads_the_local_world_size(gpus, monkeypatch):
+    """The number of processes on the machine comes from torchrun's LOCAL_WORLD_SIZE (WORLD_SIZE=1 here, so that no
+    process group is started: only the device is resolved)."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    gpus(1)
+    assert init_distributed("ddp", "auto").device == torch.device("cpu")
+    with pytest.raises(ConfigError, match="2 processes"):
+        init_distributed("ddp", "cuda")
 
 
 # ------------------------------------------------------------------------------------------------ pure pieces

@@ -105,7 +105,8 @@ def test_max_bad_steps_none_never_stops(tmp_path, nan_loss_on_steps):
 
 # ------------------------------------------------------------------------------------------------ disk full at save
 
-RUN = ["trainer.steps=4", "trainer.checkpoint_every=2", "trainer.keep_checkpoints=3"]
+# on the CPU even on a GPU machine: the resumed run must equal the reference bit for bit (see conftest.DEVICE)
+RUN = ["trainer.steps=4", "trainer.checkpoint_every=2", "trainer.keep_checkpoints=3", "trainer.device=cpu"]
 
 
 def test_full_disk_while_checkpointing_stops_the_run_and_the_previous_checkpoint_resumes(tmp_path, capsys):
@@ -151,13 +152,14 @@ def write_rows(path: Path, prompts: list[str]) -> Path:
 def test_over_long_prompts_are_skipped_counted_logged_and_reported(tmp_path, caplog):
     short, long_ = "1+1=", "1" * 12 + "+1="  # 4 and 15 tokens (one per character)
     data = write_rows(tmp_path / "rows.jsonl", [short, long_, short, long_, long_, short, short, short])
+    heldout = write_rows(tmp_path / "heldout.jsonl", ["2+2=", "2" * 12 + "+1=", "3+3=", "4+4="])
     with caplog.at_level(logging.WARNING, logger="gspo.trainer"):
         summary = train(cfg_for(tmp_path / "run", "trainer.steps=1", f"data.path={data}", "data.task=null",
+                                f"data.eval_path={heldout}",
                                 "data.eval_size=8", "data.max_prompt_tokens=10"))
-    # the .jsonl file serves as both splits here, so each drops the three long prompts
-    assert summary["skipped_prompts"] == {"train": 3, "eval": 3}
+    assert summary["skipped_prompts"] == {"train": 3, "eval": 1}
     messages = [r.getMessage() for r in caplog.records]
-    assert "skipped 3 of 8 prompts of split 'train': longer than 10 tokens" in messages
+    assert "skipped 3 of 8 prompts of the training rows: longer than 10 tokens" in messages
 
 
 def test_default_prompt_limit_is_the_model_context_minus_the_new_tokens(tmp_path):
@@ -170,8 +172,19 @@ def test_default_prompt_limit_is_the_model_context_minus_the_new_tokens(tmp_path
 
 def test_all_prompts_too_long_is_a_clear_error(tmp_path):
     data = write_rows(tmp_path / "rows.jsonl", ["1" * 12 + "+1="] * 3)
-    with pytest.raises(ConfigError, match=r"all 3 prompts of split 'train' are longer than 10 tokens"):
-        train(cfg_for(tmp_path / "run", f"data.path={data}", "data.task=null", "data.max_prompt_tokens=10"))
+    with pytest.raises(ConfigError, match=r"all 3 prompts of the training rows are longer than 10 tokens .*: raise "
+                                          r"data\.max_prompt_tokens \(up to 252\)"):
+        train(cfg_for(tmp_path / "run", f"data.path={data}", "data.task=null", "data.eval_split=null",
+                      "data.max_prompt_tokens=10"))
+
+
+def test_prompts_too_long_for_the_model_do_not_suggest_raising_max_prompt_tokens(tmp_path):
+    """When the model's positions are the limit, raising data.max_prompt_tokens cannot help: the hint says so."""
+    data = write_rows(tmp_path / "rows.jsonl", ["1" * 260 + "+1="] * 3)
+    with pytest.raises(ConfigError, match=r"longer than 252 tokens .*: the model has 256 positions") as caught:
+        train(cfg_for(tmp_path / "run", f"data.path={data}", "data.task=null", "data.eval_split=null"))
+    assert "max_prompt_tokens" not in str(caught.value)
+    assert not (tmp_path / "run" / "config.yaml").exists()  # a start that failed leaves nothing behind
 
 
 # ----------------------------------------------------------------------------------------------- a hanging reward
@@ -197,9 +210,12 @@ def test_a_hanging_reward_is_a_counted_failure_and_training_goes_on(tmp_path, ha
     summary = train(cfg_for(tmp_path, "trainer.steps=2", "rewards.functions={hangs_once: 1.0}",
                             "rewards.timeout_s=0.5", "rewards.on_error=zero"))
     assert summary["status"] == "completed"
-    assert summary["reward_failures"] == {"hangs_once": 1} and summary["reward_timeouts"] == {"hangs_once": 1}
-    evals = read_metrics(tmp_path / "eval.jsonl")  # the hang was the first call: the step-0 evaluation's
-    assert evals[0]["heldout_reward_mean"] == pytest.approx(0.5 * 3 / 4)
+    # the hang was the first call, of the step-0 evaluation's batch of 4, which shares one deadline: the hanging call
+    # was abandoned and the 3 queued behind it (one worker) never ran; every later batch scored normally
+    assert summary["reward_failures"] == {"hangs_once": 4} and summary["reward_timeouts"] == {"hangs_once": 4}
+    evals = read_metrics(tmp_path / "eval.jsonl")
+    assert evals[0]["heldout_reward_mean"] == 0.0 and evals[0]["heldout_reward_failure_rate"] == 1.0
+    assert evals[-1]["heldout_reward_mean"] == pytest.approx(0.5)
 
 
 def test_a_hanging_reward_with_on_error_fail_stops_the_run(tmp_path, hangs_once):
@@ -218,5 +234,5 @@ def test_a_run_saved_before_a_config_key_existed_still_resumes(tmp_path):
     del saved["rewards"]["timeout_s"], saved["trainer"]["max_bad_steps"], saved["data"]["max_prompt_tokens"]
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
     assert train(cfg, resume=True)["status"] == "completed"
-    with pytest.raises(ConfigError, match=r"differs in rewards\.timeout_s"):
-        train(cfg_for(tmp_path, "trainer.steps=1", "rewards.timeout_s=3"), resume=True)
+    with pytest.raises(ConfigError, match=r"differs in rewards\.on_error"):
+        train(cfg_for(tmp_path, "trainer.steps=1", "rewards.on_error=zero"), resume=True)

@@ -8,7 +8,14 @@ import math
 import pytest
 import torch
 
-from gspo.logprobs import _backbone_and_head, _length_buckets, chunked_token_logprobs, completion_logprobs
+import gspo.logprobs
+from gspo.logprobs import (
+    _backbone_and_head,
+    _length_buckets,
+    chunked_token_logprobs,
+    completion_logprobs,
+    default_chunk_tokens,
+)
 from gspo.models import build_preset
 
 PAD = 0
@@ -268,3 +275,66 @@ def test_chunked_head_runs_in_float32_under_autocast():
     torch.testing.assert_close(lp, want, atol=2e-5, rtol=1e-5)  # fp32 logits: not bf16-rounded (errors ~1e-2)
     (want_h,) = torch.autograd.grad(want.sum(), [upcast])
     torch.testing.assert_close(grad_h.float(), want_h, atol=1e-2, rtol=1e-2)  # rounded to bf16 on the way out
+
+
+def test_bf16_head_matmul_keeps_a_float32_log_softmax():
+    """The mixed-precision head (what CUDA runs under autocast; forced here with head_dtype on a CPU): a bf16 matmul,
+    then a float32 log-softmax. It is exactly that computation, its error against float32 is the tolerance stated in
+    `chunked_token_logprobs` (measured 1.2e-2, mean 4.0e-3 at this seed), and much smaller than a bf16 log-softmax's
+    (measured 3.7e-2, mean 1.5e-2)."""
+    g = torch.Generator().manual_seed(0)
+    m, h, v = 64, 256, 8192
+    hidden = torch.randn(m, h, generator=g).requires_grad_()
+    weight = (torch.randn(v, h, generator=g) * (2.0 / h ** 0.5)).requires_grad_()  # logits of std 2
+    targets = torch.randint(0, v, (m,), generator=g)
+    upstream = torch.randn(m, generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp, entropy = chunked_token_logprobs(hidden, weight, targets, chunk_size=24, with_entropy=True,
+                                             head_dtype=torch.bfloat16)
+    grad_h, grad_w = torch.autograd.grad((lp * upstream).sum(), [hidden, weight])
+    assert lp.dtype == entropy.dtype == grad_h.dtype == grad_w.dtype == torch.float32
+
+    h32, w32 = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+    logits = h32 @ w32.T
+    assert 1.9 < float(logits.detach().std()) < 2.1
+    logp = torch.log_softmax(logits, -1)
+    want = logp.gather(-1, targets[:, None]).squeeze(-1)
+    want_h, want_w = torch.autograd.grad((want * upstream).sum(), [h32, w32])
+    bf16_logits = torch.nn.functional.linear(hidden.detach().bfloat16(), weight.detach().bfloat16())
+    same = torch.log_softmax(bf16_logits.float(), -1).gather(-1, targets[:, None]).squeeze(-1)
+    torch.testing.assert_close(lp.detach(), same, atol=1e-5, rtol=0)  # bf16 matmul, float32 log-softmax: exactly
+    bf16_softmax = torch.log_softmax(bf16_logits, -1).gather(-1, targets[:, None]).squeeze(-1).float()
+
+    err, bf16_err = (lp.detach() - want.detach()).abs(), (bf16_softmax - want.detach()).abs()
+    assert float(err.mean()) > 1e-4  # bf16 really ran (a float32 head is within ~1e-6)
+    assert float(err.max()) < 3e-2 and float(err.mean()) < 1e-2
+    assert float(err.max()) < 0.5 * float(bf16_err.max()) and float(err.mean()) < 0.4 * float(bf16_err.mean())
+    torch.testing.assert_close(entropy, -(logp.exp() * logp).sum(-1).detach(), atol=3e-2, rtol=0)
+    for got, ref in ((grad_h, want_h), (grad_w, want_w)):
+        assert float((got - ref).abs().max()) < 1.5e-2 * float(ref.abs().max())
+
+
+def test_head_dtype_follows_autocast_only_on_the_listed_devices(model, monkeypatch):
+    """head_dtype=None: the weights' dtype on a CPU even under autocast (test_chunked_head_runs_in_float32_under_
+    autocast), the autocast dtype on HEAD_AUTOCAST_DEVICES (CUDA; here the CPU is listed to exercise it)."""
+    batch = make_batch(model.config.vocab_size, seed=6)
+    mask = batch[3].bool()
+
+    def logprobs(**kwargs):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            return completion_logprobs(model, *batch, **kwargs)[0][mask]
+
+    fp32, bf16 = logprobs(head_dtype=torch.float32), logprobs(head_dtype=torch.bfloat16)
+    assert torch.equal(logprobs(), fp32) and not torch.equal(bf16, fp32)
+    monkeypatch.setattr(gspo.logprobs, "HEAD_AUTOCAST_DEVICES", frozenset({"cpu"}))
+    assert torch.equal(logprobs(), bf16)
+    with torch.no_grad():  # without autocast: the weights' dtype there too
+        plain = completion_logprobs(model, *batch)[0][mask]
+        assert torch.equal(plain, completion_logprobs(model, *batch, head_dtype=torch.float32)[0][mask])
+
+
+def test_default_chunk_is_a_budget_of_float32_logits_per_device():
+    assert default_chunk_tokens(151_936, "cpu") == (1 << 24) // 151_936 == 110  # 64 MiB, as before
+    assert default_chunk_tokens(151_936, torch.device("cuda")) == (512 << 20) // (4 * 151_936) == 883
+    assert default_chunk_tokens(52, "cpu") == (1 << 24) // 52
+    assert default_chunk_tokens(10**9, "cuda") == 1

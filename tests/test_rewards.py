@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from fractions import Fraction
 
 import pytest
@@ -358,15 +359,28 @@ def hang_on():
 
 
 def test_a_hanging_call_times_out_is_counted_and_the_runner_goes_on(hang_on, caplog) -> None:
+    """The batch's calls share one deadline: the hanging call is abandoned and the call queued behind it (one worker)
+    is never started; both are timeouts, and the batch took the deadline, not one deadline per call."""
     runner = RewardRunner([(hang_on, 1.0)], on_error="zero", timeout_s=0.5)
+    t0 = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="gspo.rewards"):
         rewards, stats = runner(["p"] * 3, ["a", "hang", "b"], [{}] * 3)
-    assert rewards.tolist() == [1.0, 0.0, 1.0]
-    assert stats["reward_failures"] == 1.0 and stats["reward_timeouts"] == 1.0
-    assert runner.failures == runner.timeouts == {"hang": 1}
+    assert time.monotonic() - t0 < 5
+    assert rewards.tolist() == [1.0, 0.0, 0.0]
+    assert stats["reward_failures"] == 2.0 and stats["reward_timeouts"] == 2.0
+    assert runner.failures == runner.timeouts == {"hang": 2}
     assert any("failed on row 1: timed out after 0.5 s" in r.getMessage() for r in caplog.records)
     # the stuck thread was replaced: the next batch is scored as usual
     assert runner(["p"] * 2, ["c", "d"], [{}] * 2)[0].tolist() == [1.0, 1.0]
+
+
+def test_many_hanging_calls_cost_one_deadline_not_one_each(hang_on) -> None:
+    """16 hanging calls with 4 workers at 0.5 s: one deadline (~0.5 s), where per-call deadlines took 16 / 4 × 0.5 s."""
+    runner = RewardRunner([(hang_on, 1.0)], on_error="zero", timeout_s=0.5, workers=4)
+    t0 = time.monotonic()
+    rewards, stats = runner(["p"] * 16, ["hang"] * 16, [{}] * 16)
+    assert time.monotonic() - t0 < 1.9  # 4 sequential deadlines would be >= 2 s
+    assert rewards.tolist() == [0.0] * 16 and stats["reward_timeouts"] == 16.0
 
 
 def test_a_hanging_call_in_fail_mode_raises(hang_on) -> None:

@@ -4,6 +4,8 @@ parent), each of which must score 0 with a reason, get nothing out, and leave no
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import os
 import pwd
 import shutil
@@ -12,6 +14,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -24,10 +27,6 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox use
 
 ROOT = os.geteuid() == 0
 FAST = {"timeout_s": 5.0, "cpu_s": 5.0, "memory_mb": 256, "max_procs": 8}
-
-
-def sandbox_uid() -> int:
-    return pwd.getpwnam("nobody").pw_uid if ROOT else os.getuid()
 
 
 def processes_of(uid: int) -> set[int]:
@@ -43,13 +42,23 @@ def processes_of(uid: int) -> set[int]:
 
 
 @pytest.fixture(autouse=True)
-def no_stray_processes():
-    """Every test must leave no sandboxed process running (when the sandbox uses a uid of its own)."""
-    before = processes_of(sandbox_uid()) if ROOT else set()
-    yield
-    if ROOT:
-        stray = processes_of(sandbox_uid()) - before
-        assert not stray, f"processes left running after the test: {sorted(stray)}"
+def sandbox_uids(monkeypatch):
+    """Every test must leave no sandboxed process running. As root every sandbox call runs under a uid of its own
+    (`sandbox._own_ids`), recorded here: the check looks at the processes of this test's uids only, so sandboxes of
+    tests running at the same time (pytest -n) never count. Yields the list of those uids, in call order."""
+    used: list[int] = []
+    own_ids = sandbox_module._own_ids
+
+    @contextlib.contextmanager
+    def recording():
+        with own_ids() as ids:
+            used.append(ids[0])
+            yield ids
+
+    monkeypatch.setattr(sandbox_module, "_own_ids", recording)
+    yield used
+    stray = {pid for uid in used for pid in processes_of(uid)}
+    assert not stray, f"processes left running after the test: {sorted(stray)}"
 
 
 def assert_contained(result) -> None:
@@ -62,13 +71,16 @@ def assert_contained(result) -> None:
 # ------------------------------------------------------------------------------------------------ honest programs
 
 
-def test_a_correct_program_passes_and_a_wrong_one_fails_the_tests():
+def test_a_correct_program_passes_and_a_wrong_one_fails_the_tests(sandbox_uids):
     code = "def add(a, b):\n    return a + b\n"
     passed = run_sandboxed(code, ["assert add(2, 3) == 5", "assert add(-1, 1) == 0"], **FAST)
     assert (passed.score, passed.reason, passed.exit_code) == (1.0, "passed", 0)
     assert_contained(passed)
-    if ROOT:
-        assert f"uid {sandbox_uid()}" in passed.isolation and "process limit 8" in passed.isolation
+    if ROOT:  # a uid of the call's own, which no account has
+        (uid,) = sandbox_uids
+        assert f"uid {uid}" in passed.isolation and "process limit 8" in passed.isolation
+        with pytest.raises(KeyError):
+            pwd.getpwuid(uid)
 
     wrong = run_sandboxed("def add(a, b):\n    return a - b\n", "assert add(2, 3) == 5", **FAST)
     assert (wrong.score, wrong.reason, wrong.exit_code) == (0.0, "tests failed", 1)
@@ -132,6 +144,29 @@ def test_a_cpu_burner_is_stopped_at_the_cpu_limit():
 def test_a_memory_hog_fails_with_memory():
     result = run_sandboxed("blocks = []\nwhile True:\n    blocks.append(bytearray(1 << 24))\n", "", **FAST)
     assert (result.score, result.reason) == (0.0, "memory")
+
+
+def test_concurrent_sandboxes_do_not_share_a_process_budget(sandbox_uids):
+    """Sandboxes running at the same time (reward workers, several trainers) each get their whole `max_procs`: two
+    that hold all their processes keep no third one from starting (as root, each runs under a uid of its own; under
+    one shared uid the process limit would count all of them together)."""
+    hog = ("import os, time\n"
+           f"for _ in range({FAST['max_procs'] - 1}):\n"
+           "    if os.fork() == 0:\n"
+           "        time.sleep(4)\n"
+           "        os._exit(0)\n"
+           "time.sleep(3)\n")
+
+    def run(code: str, delay: float):
+        time.sleep(delay)
+        return run_sandboxed(code, "assert True", **{**FAST, "timeout_s": 20.0})
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:  # the third starts while the hogs hold their processes
+        futures = [pool.submit(run, hog, 0.0), pool.submit(run, hog, 0.0), pool.submit(run, "x = 1\n", 1.5)]
+        results = [f.result() for f in futures]
+    assert [r.reason for r in results] == ["passed"] * 3, [r.stderr[-500:] for r in results]
+    if ROOT:
+        assert len(set(sandbox_uids)) == 3
 
 
 def test_a_fork_bomb_is_capped_and_its_daemonised_children_do_not_survive():

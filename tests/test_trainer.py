@@ -15,9 +15,11 @@ import torch
 from conftest import DEMO, safetensors_of, tiny_overrides
 from gspo.checkpoint import checkpoint_path, find_latest_checkpoint
 from gspo.config import ConfigError, load_config
+from gspo.data import make_task
 from gspo.models import load_model
 from gspo.objectives import OBJECTIVES
 from gspo.rewards import RewardFailure
+from gspo.sft import sft
 from gspo.tracking import read_metrics
 from gspo.trainer import train
 
@@ -27,9 +29,10 @@ REQUIRED = ("step", "reward_mean", "clip_frac_tokens", "clip_frac_seqs", "ratio_
             "grad_norm", "tokens_per_second", "time_rollout", "time_update")
 
 # Four RL steps with a varied reward (non-zero advantages, so the updates really change the weights), checkpoints
-# every 2 steps, evaluation every 2 steps.
+# every 2 steps, evaluation every 2 steps; on the CPU even on a GPU machine, because the resumed run must equal the
+# uninterrupted one bit for bit (see conftest.DEVICE). The other tests train on conftest.DEVICE (tiny_overrides).
 RUN = ["trainer.steps=4", "trainer.checkpoint_every=2", "trainer.keep_checkpoints=3",
-       "rewards.functions={addition: 1.0, varied: 0.5}"]
+       "rewards.functions={addition: 1.0, varied: 0.5}", "trainer.device=cpu"]
 
 
 def cfg_for(out: Path, *extra: str):
@@ -135,6 +138,18 @@ def test_final_model_loads_and_matches_the_last_checkpoint(run_a):
         before = cold.eval()(input_ids=ids).logits
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
     assert (got - before).abs().max() > 1e-4  # RL changed the cold-start model
+
+
+@pytest.mark.parametrize("mixed_precision", [None, "bfloat16"])
+def test_cold_start_sft_runs_on_the_models_device(device, mixed_precision):
+    """sft() tokenizes on the CPU and moves each batch to the model's device (the GPU on a GPU machine)."""
+    model, tokenizer = load_model("tiny-dense", seed=0)
+    model = model.to(device)
+    rows = make_task("addition", split="train", size=32, seed=0)
+    losses = sft(model, tokenizer, rows, steps=3, batch_size=8, lr=1e-3, warmup_steps=0, progress=False,
+                 mixed_precision=mixed_precision)
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+    assert {p.device.type for p in model.parameters()} == {device}
 
 
 # ------------------------------------------------------------------------------------------------------------ resume
@@ -330,7 +345,8 @@ def test_failing_reward_with_on_error_fail_raises(tmp_path):
 
 
 KL_RUN = ["trainer.steps=2", "trainer.checkpoint_every=1", "algorithm.kl_beta=0.1", "trainer.eval_every=0",
-          "data.eval_size=4", "rewards.functions={varied: 1.0}"]
+          "data.eval_size=4", "rewards.functions={varied: 1.0}",
+          "trainer.device=cpu"]  # the resumed run's kl_ref must equal the uninterrupted one's bit for bit
 
 
 def test_kl_beta_logs_kl_ref_and_resumes_against_the_same_reference(tmp_path):

@@ -25,7 +25,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     try:
-        summary = train(cfg, resume=args.resume)
+        summary = train(cfg, resume=args.resume, overwrite=args.overwrite)
     finally:
         shutdown()  # under torchrun: leave the process group cleanly
     if int(os.environ.get("RANK", "0")) == 0:  # one summary, not one per process
@@ -34,7 +34,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from gspo.tracking import plot_curves, read_metrics
     from gspo.trainer import train
 
     overrides = [f"trainer.out={args.out}", *args.overrides]
@@ -47,12 +46,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     print(f"gspo demo: {cold}{cfg.trainer.steps} GSPO steps of "
           f"{cfg.rollout.prompts_per_step} prompts × {cfg.rollout.group_size} completions on the embedded "
           f"{cfg.model.name} / {cfg.data.task} task → {args.out}", flush=True)
-    summary = train(cfg, resume=args.resume)
+    summary = train(cfg, resume=args.resume, overwrite=args.overwrite)
     out = Path(args.out)
-    evals = read_metrics(out / "eval.jsonl") if (out / "eval.jsonl").exists() else []  # none without held-out data
-    plot_curves(out / "metrics.jsonl", out / "curves.png", extra=evals,
-                keys=["reward_mean", "heldout_accuracy", "clip_frac_tokens"],
-                title=f"GSPO on {cfg.model.name} / {cfg.data.task}")
     before, after = summary["heldout_accuracy_before_rl"], summary["heldout_accuracy_after_rl"]
     if before is not None and after is not None:  # None without held-out data (data.eval_split=null)
         print(f"held-out accuracy: {before:.1%} after cold-start SFT → {after:.1%} after GSPO "
@@ -70,10 +65,9 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     if args.steps < 1 or args.batch_size < 1 or not args.lr > 0:
         raise ConfigError("sft: --steps and --batch-size must be >= 1 and --lr > 0")
     if args.data is not None:
-        fields = json.loads(args.fields) if args.fields else None
-        rows = load_rows(args.data, split="train", fields=fields, limit=args.size)
+        rows = load_rows(args.data, split=args.split or "train", fields=_fields(args), limit=args.size)
     else:
-        rows = make_task(args.task, split="train", size=args.size, seed=args.seed)
+        rows = make_task(args.task or "addition", split=args.split or "train", size=args.size, seed=args.seed)
     set_seed(args.seed)
     model, tokenizer = load_model(args.model, seed=args.seed)
     t0 = time.perf_counter()
@@ -83,21 +77,79 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_eval(args: argparse.Namespace) -> int:
-    from gspo.data import load_rows, make_task
-    from gspo.models import load_model
+def _fields(args: argparse.Namespace) -> dict[str, str] | None:
+    if not args.fields:
+        return None
+    try:
+        fields = json.loads(args.fields)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--fields must be a JSON object such as '{{\"prompt\": \"question\"}}': {e}") from None
+    if not isinstance(fields, dict):
+        raise ConfigError(f"--fields must be a JSON object mapping our field names to columns, got {args.fields!r}")
+    return fields
+
+
+def _eval_setup(args: argparse.Namespace):
+    """(rows, reward runner, accuracy reward, threshold, new tokens, where the rows came from) for `gspo eval`:
+    a training config's held-out rows and rewards (--config), or --task / --data with --reward."""
+    from gspo.config import resolve_accuracy_reward
+    from gspo.data import load_data, load_rows, make_task
     from gspo.rewards import RewardRunner
+
+    if args.config is not None:
+        if args.data is not None or args.task is not None or args.reward or args.split or args.fields:
+            raise ConfigError("--config takes the data, split, fields and rewards from the config: leave out --task, "
+                              "--data, --split, --fields and --reward (or leave out --config)")
+        cfg = load_config(args.config, [*args.overrides, f"data.eval_size={args.size}"])
+        data = load_data(cfg.data, cfg.trainer.seed)
+        if not data.heldout:
+            raise ConfigError(f"{args.config} holds out no rows (data.eval_split is null and no data.eval_path / "
+                              "data.eval_fraction): set one with an override, e.g. data.eval_path=FILE")
+        r = cfg.rewards
+        runner = RewardRunner(r.functions, on_error="zero", timeout_s=r.timeout_s, workers=r.workers)
+        tokens = args.max_new_tokens or cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens
+        return data.heldout, runner, r.accuracy_reward, r.accuracy_threshold, tokens, data.heldout_source
+    if args.overrides:
+        raise ConfigError(f"key=value overrides ({' '.join(args.overrides)}) apply to --config only")
+    if args.data is not None and args.task is not None:
+        raise ConfigError("pass --task (an embedded task) or --data (a file or dataset), not both")
+    if args.data is not None:
+        if not args.reward:
+            raise ConfigError("--data needs --reward: the reward function(s) that score its rows (a registered "
+                              "name such as math, or module:function / file.py:function), or reuse a training "
+                              "config with --config")
+        rows = load_rows(args.data, split=args.split, fields=_fields(args), limit=args.size)
+        source = {"kind": "file", "path": args.data, "split": args.split}
+    else:
+        task = args.task or "addition"
+        rows = make_task(task, split=args.split or "test", size=args.size, seed=args.seed)
+        source = {"kind": "task_split", "task": task, "split": args.split or "test"}
+    names = args.reward or [args.task or "addition"]
+    runner = RewardRunner({name: 1.0 for name in names}, on_error="zero", timeout_s=args.timeout)
+    accuracy = resolve_accuracy_reward(names, args.accuracy_reward, key="--accuracy-reward")
+    return rows, runner, accuracy, args.accuracy_threshold, args.max_new_tokens or 16, source
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from gspo.models import load_model
     from gspo.trainer import evaluate
 
-    rewards = RewardRunner({name: 1.0 for name in args.reward}, on_error="zero")
-    if args.data is not None:
-        fields = json.loads(args.fields) if args.fields else None
-        rows = load_rows(args.data, split=args.split, fields=fields, limit=args.size)
-    else:
-        rows = make_task(args.task, split=args.split, size=args.size, seed=args.seed)
+    rows, rewards, accuracy_reward, threshold, new_tokens, source = _eval_setup(args)
+    rewards.check_rows(rows)
     model, tokenizer = load_model(args.model)
-    result = evaluate(model, tokenizer, rows, rewards, args.max_new_tokens)
-    print(json.dumps({"model": args.model, "rows": len(rows), **result}))
+    result = evaluate(model, tokenizer, rows, rewards, new_tokens, accuracy_reward=accuracy_reward,
+                      accuracy_threshold=threshold)
+    failed_rows = round(result["reward_failure_rate"] * len(rows))
+    print(json.dumps({"model": args.model, "rows": len(rows), "source": source, **result,
+                      "solved": round(result["accuracy"] * len(rows)),
+                      "accuracy_means": f"{accuracy_reward} >= {threshold:g}",
+                      "rows_with_reward_failures": failed_rows, "reward_failures": dict(rewards.failures),
+                      "reward_timeouts": dict(rewards.timeouts)}))
+    if failed_rows == len(rows):
+        print(f"gspo eval: error: a reward function failed on every one of the {len(rows)} rows "
+              f"(failures by function: {dict(rewards.failures)}); the accuracy above measures nothing. Check the "
+              "reward (--reward) and the rows' fields (--fields)", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -131,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/demo", help="output folder (default runs/demo)")
     p.add_argument("--steps", type=int, default=None, help="RL steps (default: the demo config's)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
+    p.add_argument("--overwrite", action="store_true", help="delete the run in --out first and start over")
     p.add_argument("overrides", nargs="*", help="dotted.key=value config overrides")
     p.set_defaults(func=_cmd_demo)
 
@@ -138,11 +191,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="YAML config (see configs/)")
     p.add_argument("overrides", nargs="*", help="dotted.key=value config overrides")
     p.add_argument("--resume", action="store_true", help="continue the run in trainer.out from its last checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="delete the run in trainer.out first and start over")
     p.set_defaults(func=_cmd_train)
 
     def data_args(p: argparse.ArgumentParser, default_size: int) -> None:
-        p.add_argument("--task", default="addition", help="embedded task (default addition)")
+        p.add_argument("--task", default=None, help="embedded task (default addition, unless --data is given)")
         p.add_argument("--data", default=None, help="jsonl/parquet file, saved dataset or hub id")
+        p.add_argument("--split", default=None,
+                       help="split of --task (default: train for sft, test for eval) or of a --data source that has "
+                            "several (a single file is one split)")
         p.add_argument("--fields", default=None, help='JSON field mapping, e.g. \'{"prompt": "question"}\'')
         p.add_argument("--size", type=int, default=default_size, help="number of rows")
         p.add_argument("--seed", type=int, default=0)
@@ -156,12 +213,19 @@ def build_parser() -> argparse.ArgumentParser:
     data_args(p, 20000)
     p.set_defaults(func=_cmd_sft)
 
-    p = sub.add_parser("eval", help="greedy accuracy of a model on a task or dataset")
-    p.add_argument("model", help="preset, local HF directory or hub id")
-    p.add_argument("--reward", action="append", default=None, help="reward function (repeatable; default: the task)")
-    p.add_argument("--split", default="test")
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    p = sub.add_parser("eval", help="greedy accuracy of a model on held-out rows: a task, a dataset, or a config's")
+    p.add_argument("model", help="preset, local HF directory (e.g. RUN/final) or hub id")
+    p.add_argument("--config", default=None,
+                   help="a training config (e.g. RUN/config.yaml): its held-out rows, fields, rewards and accuracy")
+    p.add_argument("--reward", action="append", default=None,
+                   help="reward function (repeatable; default: the --task's; required with --data)")
+    p.add_argument("--accuracy-reward", default=None,
+                   help="with several --reward: the one whose value >= --accuracy-threshold means solved")
+    p.add_argument("--accuracy-threshold", type=float, default=1.0)
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds for a batch of reward calls")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default 16, or the config's")
     data_args(p, 500)
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides of --config")
     p.set_defaults(func=_cmd_eval)
 
     p = sub.add_parser("compare", help="MoE stability study: gspo, grpo, grpo_r2, gspo_token (+ bf16 precision runs)")
@@ -188,14 +252,17 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = [*args.overrides, *extra]
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(message)s")
-    if getattr(args, "reward", "unset") is None:
-        args.reward = [args.task]
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # per-save "Writing model shards" bars would drown the training bar
     try:
         return args.func(args)
-    except (ConfigError, ValueError, FileNotFoundError, PermissionError) as e:
+    except KeyboardInterrupt as e:  # Ctrl-C: where it stopped and how to go on, not 20 frames of traceback
+        if args.verbose:
+            raise
+        print(f"gspo {args.command}: interrupted{_resume_hint(args, e)}", file=sys.stderr)
+        return 130  # the shell's convention for SIGINT
+    except (ConfigError, ValueError, OSError) as e:  # OSError: unreadable / unwritable paths, a full disk, ...
         if args.verbose:
             raise
         print(f"gspo {args.command}: error: {e}  (run with -v for the traceback)", file=sys.stderr)
@@ -205,6 +272,21 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"gspo {args.command}: {type(e).__name__}: {e}  (run with -v for the traceback)", file=sys.stderr)
         return 1
+
+
+def _resume_hint(args: argparse.Namespace, error: KeyboardInterrupt) -> str:
+    """For an interrupted run: the step it reached, its last checkpoint and the command that continues it."""
+    step, checkpoint = getattr(error, "step", None), getattr(error, "checkpoint_step", None)
+    where = f" at step {step}" if step is not None else ""
+    if args.command == "train":
+        command = " ".join(["gspo train", args.config, *args.overrides, "--resume"])
+    elif args.command == "demo":
+        command = f"gspo demo --out {args.out} --resume"
+    else:
+        return where
+    kept = (f"; its last checkpoint is step {checkpoint}" if checkpoint is not None
+            else "; it has no checkpoint yet (a resume starts over, reusing a finished cold start)")
+    return f"{where}{kept}. Continue with: {command}"
 
 
 def _reported_failures() -> tuple[type[RuntimeError], ...]:

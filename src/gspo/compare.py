@@ -144,19 +144,23 @@ def _cold_start_dir(opts: StudyOptions, seed: int) -> Path:
 
 
 def build_cold_start(cfg: Config, target: Path) -> dict:
-    """SFT the configured model once into `target` (reused when already complete), as `gspo train` would."""
+    """SFT the configured model once into `target` (reused when already complete), as `gspo train` would: on the
+    device `trainer.device` gives one process."""
     import torch
 
     from gspo.checkpoint import set_seed
+    from gspo.data import load_data
+    from gspo.distributed import resolve_device
     from gspo.models import load_model
-    from gspo.trainer import _cold_start, load_split
+    from gspo.trainer import _cold_start
 
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
     set_seed(cfg.trainer.seed)
     model, tokenizer = load_model(cfg.model.name, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code,
                                   seed=cfg.trainer.seed)
-    rows = load_split(cfg, cfg.data.split, cfg.data.train_size)
+    model = model.to(resolve_device(cfg.trainer.device))
+    rows = load_data(cfg.data, cfg.trainer.seed).train
     target.parent.mkdir(parents=True, exist_ok=True)
     return _cold_start(cfg, target.parent, model, tokenizer, rows)  # writes target.parent / "cold_start"
 

@@ -57,13 +57,22 @@ class ColdStartConfig(_Section):
 
 
 class DataConfig(_Section):
-    """Prompts: an embedded task (`task`) or a file / saved dataset / hub dataset (`path`) with a field mapping."""
+    """Prompts: an embedded task (`task`) or a file / saved dataset / hub dataset (`path`) with a field mapping.
+
+    Held-out rows (evaluation) come from exactly one place, disjoint from the training rows (see
+    `gspo.data.heldout`): the task's or dataset's `eval_split`; a separate file or dataset `eval_path`; or
+    `eval_fraction` of `path`'s rows, held out by a hash of the prompt. A single jsonl / parquet file has no test
+    split, so it needs `eval_path` or `eval_fraction` (or `eval_split: null`: no evaluation); with either of those,
+    `eval_split` only picks the split of an `eval_path` dataset that has several. Setting `path` alone means no task
+    (`task` defaults to `addition` only when `path` is not set)."""
 
     task: str | None = "addition"
     task_options: dict[str, Any] = Field(default_factory=dict)
     path: str | None = None
     split: str = "train"
     eval_split: str | None = "test"
+    eval_path: str | None = None
+    eval_fraction: float | None = Field(None, gt=0, lt=1)
     fields: dict[str, str] = Field(default_factory=dict)
     train_size: int = Field(20000, ge=1)
     eval_size: int = Field(200, ge=1)
@@ -73,28 +82,66 @@ class DataConfig(_Section):
 
     @model_validator(mode="after")
     def _one_source(self) -> DataConfig:
-        if (self.task is None) == (self.path is None):
-            raise ValueError("set exactly one of data.task (embedded task) and data.path (file or dataset)")
+        if self.path is not None and "task" not in self.model_fields_set:
+            self.task = None  # `data.path` alone: the default task gives way
+        if self.task is None and self.path is None:
+            raise ValueError("set one of data.task (embedded task) and data.path (file or dataset)")
+        if self.task is not None and self.path is not None:
+            raise ValueError(f"set only one of data.task ({self.task!r}) and data.path ({self.path!r}): to train on "
+                             "the file, set data.task: null or remove it")
+        if self.task is not None and (self.eval_path is not None or self.eval_fraction is not None):
+            raise ValueError("data.eval_path / data.eval_fraction are for data.path: an embedded task holds out its "
+                             "own test split (data.eval_split)")
+        if self.eval_path is not None and self.eval_fraction is not None:
+            raise ValueError("set at most one of data.eval_path (a held-out file) and data.eval_fraction (hold out a "
+                             "fraction of data.path)")
         return self
 
 
 class RewardConfig(_Section):
     """Reward functions by registry name or import path, with weights; what to do when one fails.
 
-    `timeout_s`: wall-clock limit of one call (None: none); a call past it is a failure handled by `on_error` and is
-    abandoned in its thread (see gspo.rewards.deadline). `workers`: threads running the calls of a batch at once
-    (> 1 only pays for rewards that wait, such as `code`; the functions must then be thread-safe)."""
+    `timeout_s`: wall-clock limit of one batch's reward calls together (None: none), so a hanging reward costs a
+    step at most that long: a call not finished by then is a failure handled by `on_error`, abandoned in its thread
+    (see gspo.rewards.deadline). `workers`: threads running the calls of a batch at once (> 1 only pays for rewards
+    that wait, such as `code`; the functions must then be thread-safe)."""
 
     functions: dict[str, float] = Field(default_factory=lambda: {"addition": 1.0})
     on_error: Literal["fail", "zero"] = "fail"
-    timeout_s: float | None = Field(10.0, gt=0, allow_inf_nan=False)
+    timeout_s: float | None = Field(30.0, gt=0, allow_inf_nan=False)
     workers: int = Field(1, ge=1)
+    # What counts as solved (held-out accuracy, pass/fail counts): the unweighted value of `accuracy_reward` is at
+    # least `accuracy_threshold`. None: the only function, or the only built-in verifier among several; so the
+    # weights of the other rewards (format, length, ...) never change what accuracy means.
+    accuracy_reward: str | None = None
+    accuracy_threshold: float = Field(1.0, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _nonempty(self) -> RewardConfig:
         if not self.functions:
             raise ValueError("rewards.functions must name at least one reward function")
+        self.accuracy_reward = resolve_accuracy_reward(list(self.functions), self.accuracy_reward,
+                                                       key="rewards.accuracy_reward")
         return self
+
+
+VERIFIERS = ("addition", "code", "countdown", "math")  # the built-in rewards: 1.0 exactly when the answer is right
+
+
+def resolve_accuracy_reward(functions: list[str], chosen: str | None, key: str) -> str:
+    """The reward whose value decides correctness: `chosen` (one of `functions`), else the only function, else the
+    only built-in verifier among them. Raises ValueError naming `key` when that is ambiguous."""
+    if chosen is not None:
+        if chosen not in functions:
+            raise ValueError(f"{key} {chosen!r} is not one of the reward functions {functions}")
+        return chosen
+    if len(functions) == 1:
+        return functions[0]
+    verifiers = [f for f in functions if f in VERIFIERS]
+    if len(verifiers) == 1:
+        return verifiers[0]
+    raise ValueError(f"{key}: with several reward functions {functions}, name the one that decides whether an answer "
+                     "is correct (accuracy = its unweighted value >= rewards.accuracy_threshold)")
 
 
 class VLLMConfig(_Section):
@@ -179,6 +226,10 @@ class LogConfig(_Section):
     wandb: dict[str, Any] | None = None
     mlflow: dict[str, Any] | None = None
     progress: bool = True
+    # When stdout/stderr is not a terminal (a log file, a job scheduler) the bar is off and a one-line summary is
+    # printed every `progress_every` steps instead (None: about 20 lines per run).
+    progress_every: int | None = Field(None, ge=1)
+    samples: int = Field(4, ge=0)  # held-out completions with their rewards logged at each evaluation (samples.jsonl)
 
 
 class TrainerConfig(_Section):
@@ -199,6 +250,10 @@ class TrainerConfig(_Section):
     # gradients need loss scaling, which gspo does not implement.
     mixed_precision: Literal["bfloat16"] | None = None
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: this process's GPU (LOCAL_RANK) if CUDA is available
+    # Recompute each decoder layer's activations in the backward instead of keeping them (transformers' gradient
+    # checkpointing, non-reentrant): less activation memory for ~1/3 more training compute. Sampling is unaffected (it
+    # runs the model in eval mode, with its KV cache). Not with MoE routing replay (the recompute would not replay).
+    gradient_checkpointing: bool = False
     # Stop (TrainingError, summary.json with status "failed") after this many consecutive RL steps whose optimizer
     # updates were all skipped for a non-finite loss or gradient norm. None: never stop.
     max_bad_steps: int | None = Field(5, ge=1)
@@ -235,6 +290,9 @@ class Config(_Section):
             raise ValueError("algorithm.routing_replay=r2 replays the routing of the trainer's π_old forward, which "
                              "old_logprobs=rollout skips: use old_logprobs=recompute, or routing_replay=r3 (the "
                              "rollout engine's routing)")
+        if replay != "none" and self.trainer.gradient_checkpointing:
+            raise ValueError(f"algorithm.routing_replay={replay} replays the routing inside each forward, which "
+                             "trainer.gradient_checkpointing would recompute in the backward without it: turn one off")
         _check_scaling(self)
         if replay != "none":  # a preset or local directory is checked now; a hub id after loading, before any compute
             from gspo.moe import replay_support_error
@@ -290,6 +348,20 @@ class _YamlLoader(yaml.SafeLoader):
     Python, not strings: otherwise an override `optim.lr=1e-3` or a `task_options` value would be read as text."""
 
 
+def _construct_unique_mapping(loader: _YamlLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    """A mapping whose keys are unique: YAML would let a repeated section silently replace the first one."""
+    seen: dict[Any, Any] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (first at line {seen[key].start_mark.line + 1}): a repeated key "
+                "would silently replace the first; merge them", key_node.start_mark)
+        seen[key] = key_node
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+_YamlLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
 _YamlLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789")
 )

@@ -38,10 +38,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gspo.config import ConfigError
 from gspo.moe import FREE
 from gspo.rollout.base import RolloutBatch
 
-__all__ = ["TOKEN_NORMALISED", "Dist", "FullCopyEngine", "NullLogger", "init_distributed", "shutdown"]
+__all__ = ["TOKEN_NORMALISED", "Dist", "FullCopyEngine", "NullLogger", "init_distributed", "resolve_device", "shutdown"]
 
 log = logging.getLogger(__name__)
 
@@ -52,24 +53,45 @@ _COUNTERS = ("failures", "timeouts")  # cumulative per-function counters of the 
 _TIMEOUT = datetime.timedelta(minutes=60)  # rank 0 alone runs cold-start SFT while the others wait at a barrier
 
 
-def _resolve_device(device: str, local_rank: int) -> torch.device:
+def resolve_device(device: str = "auto", local_rank: int = 0, local_world_size: int = 1) -> torch.device:
+    """What `trainer.device` means for process `local_rank` of the `local_world_size` processes on this machine.
+
+    cpu: the CPU. cuda: GPU `local_rank`; ConfigError if CUDA is unavailable or there are fewer visible GPUs than
+    processes on the machine (one GPU per process: two processes on one GPU is refused, not shared). auto: GPU
+    `local_rank` when every process has a GPU of its own, else the CPU (gloo), with a warning when there are GPUs,
+    but too few."""
     if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise RuntimeError("trainer.device=cuda, but CUDA is not available")
+        raise ConfigError("trainer.device=cuda, but CUDA is not available (torch.cuda.is_available() is False)")
+    gpus, processes = torch.cuda.device_count(), max(local_world_size, local_rank + 1)
+    if processes > gpus:
+        if device == "cuda":
+            raise ConfigError(f"trainer.device=cuda: {processes} processes on this machine (LOCAL_WORLD_SIZE) but only "
+                              f"{gpus} visible CUDA device(s), and each process needs one of its own: start at most "
+                              f"{gpus} (torchrun --nproc_per_node={gpus}), make more GPUs visible "
+                              "(CUDA_VISIBLE_DEVICES), or set trainer.device=cpu")
+        if local_rank == 0:
+            log.warning("trainer.device=auto: %d processes on this machine (LOCAL_WORLD_SIZE) but only %d visible CUDA "
+                        "device(s): every process trains on the CPU (gloo). Start at most %d processes per machine "
+                        "to train on the GPUs", processes, gpus, gpus)
+        return torch.device("cpu")
     return torch.device("cuda", local_rank)
 
 
 def init_distributed(parallel: str = "ddp", device: str = "auto") -> Dist:
-    """The process group of this run: from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK), else one process.
+    """The process group of this run: from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE),
+    else one process.
 
     Initialises the default process group (NCCL on GPUs, gloo on CPUs) unless it already is, and selects this
-    process's GPU (LOCAL_RANK) when training on CUDA."""
+    process's GPU (LOCAL_RANK) when training on CUDA (`resolve_device`: one GPU per process on the machine, else the
+    CPU for `auto` and a ConfigError for `cuda`)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if dist.is_available() and dist.is_initialized():
         world, rank = dist.get_world_size(), dist.get_rank()
-    target = _resolve_device(device, local_rank)
+    target = resolve_device(device, local_rank, local_world)
     if target.type == "cuda":
         torch.cuda.set_device(target)
     if world > 1 and not dist.is_initialized():

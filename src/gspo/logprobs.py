@@ -5,12 +5,17 @@ Two things keep this cheap (both exact up to float rounding, both tested against
 - Memory: log π(y_t) is computed from the final hidden states in chunks of tokens (`chunked_token_logprobs`), so the
   N×T×V logits never exist at once; the backward recomputes each chunk's logits instead of keeping them. At Qwen3's
   vocabulary (151,936) and 4k completion tokens that is ~0.3 GB instead of ~7 GB for logits, log-softmax and their
-  gradients (benchmarks/logprobs_memory.py).
+  gradients (benchmarks/logprobs_memory.py). Chunks are sized by a budget of float32 logits per device
+  (`LOGPROB_CHUNK_MIB`: larger on CUDA, where a chunk must fill the GPU).
 - Padding (`trim_padding=True`): rows are forwarded in length buckets, each cut to its own longest prompt and
   completion, and the last completion token (which predicts nothing) is not fed, so left/right padding costs
   (almost) nothing; a prompt shared by several rows (a group) can run once (`share_prompts`). This changes the token
   layout the model sees, so it is off by default: MoE routing capture and replay (`gspo.moe.RoutingCapture`) need
   one forward over the full [N, S + T] layout.
+
+And on a GPU under mixed precision (`trainer.mixed_precision`, torch.autocast on CUDA) the head's matmul runs in the
+compute dtype (bf16 tensor cores, as the model's own head would) while the log-softmax, its gradient and the entropy
+stay float32; `chunked_token_logprobs` states the tolerance against float32.
 """
 
 from __future__ import annotations
@@ -19,10 +24,35 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-LOGPROB_CHUNK_ELEMENTS = 1 << 24
-"""Default logits per chunk of `chunked_token_logprobs` (64 MiB in float32; 110 tokens at Qwen3's vocabulary):
-chunk tokens = this // vocabulary. Every chunk reads the whole head weight, so chunks must stay large enough for the
-projection to be a real matmul rather than a weight-bandwidth-bound one; the peak is ~3 chunks of logits."""
+LOGPROB_CHUNK_MIB: dict[str, int] = {"cpu": 64, "cuda": 512}
+"""Default size of one chunk of `chunked_token_logprobs`, as MiB of float32 logits, by device type (other devices:
+the CPU's): chunk tokens = MiB · 2^20 // (4 · vocabulary), e.g. 110 tokens on a CPU and 883 on CUDA at Qwen3's
+vocabulary (151,936). Every chunk reads the whole head weight, so a chunk must be large enough for the projection to
+be a real matmul rather than a weight-bandwidth-bound one: on a GPU that takes hundreds of rows (at 883 × 1,024 ×
+151,936 a chunk is 275 GFLOP). The peak is ~2 chunks of float32 logits (so ~1 GiB expected on CUDA, not measured
+yet, vs 5 GiB for the float32 logits alone of 32 × 256 tokens; on a CPU 175 MiB at 1,024 tokens, RESULTS.md)."""
+
+HEAD_AUTOCAST_DEVICES: frozenset[str] = frozenset({"cuda"})
+"""Device types on which the chunked head's matmul follows torch.autocast (`trainer.mixed_precision`): bf16 tensor
+cores there, as the model's own head and the full-logits path compute it. Elsewhere (CPU) it keeps running in the
+weights' dtype under autocast too, as before (float32 over float32 weights), so CPU runs keep their numbers.
+`head_dtype=` overrides the choice either way."""
+
+
+def default_chunk_tokens(vocab_size: int, device: torch.device | str) -> int:
+    """Rows of logits per chunk of `chunked_token_logprobs` by default on `device`: LOGPROB_CHUNK_MIB of float32."""
+    device_type = torch.device(device).type
+    budget = LOGPROB_CHUNK_MIB.get(device_type, LOGPROB_CHUNK_MIB["cpu"]) << 20
+    return max(1, budget // (4 * vocab_size))
+
+
+def head_compute_dtype(weight: torch.Tensor, device_type: str) -> torch.dtype:
+    """The dtype of the chunked head's matmul by default: the autocast dtype where autocast is on for
+    `device_type` and that device type is in HEAD_AUTOCAST_DEVICES, else the head weights' own dtype."""
+    if device_type in HEAD_AUTOCAST_DEVICES and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return weight.dtype
+
 
 _SCALED_LOGITS_KEYS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier",
                        "lm_head_multiplier", "attn_logit_softcapping_final")
@@ -30,23 +60,27 @@ _SCALED_LOGITS_KEYS = ("final_logit_softcapping", "logit_scale", "logits_scaling
 
 class _ChunkedTokenLogprob(torch.autograd.Function):
     """log softmax(h W^T + b)/τ at the target token, computed `chunk` rows at a time; backward recomputes the chunk's
-    logits (∂/∂logits = (onehot − softmax)·g/τ), so only the [M] log-sum-exps are saved besides the inputs."""
+    logits (∂/∂logits = (onehot − softmax)·g/τ), so only the [M] log-sum-exps are saved besides the inputs.
+
+    The matmuls (forward and both backward ones) run in `dtype` with autocast off; the logits are upcast to float32
+    before anything else, so the log-softmax, its gradient and the entropy are float32 whatever `dtype` is."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk, with_entropy):
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk, with_entropy, dtype):
         n = hidden.shape[0]
         logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=hidden.device)
+        w, b = _cast(weight, dtype), _cast(bias, dtype)  # once per call: a no-op in the weights' own dtype
         for s in range(0, n, chunk):
-            logits = _chunk_logits(hidden[s:s + chunk], weight, bias, temperature)
+            logits = _chunk_logits(hidden[s:s + chunk], w, b, temperature)
             lse[s:s + chunk] = torch.logsumexp(logits, -1)
             logprobs[s:s + chunk] = logits.gather(-1, targets[s:s + chunk, None]).squeeze(-1) - lse[s:s + chunk]
             if with_entropy:  # H = lse − Σ p·logits
-                probs = torch.exp(logits - lse[s:s + chunk, None])
-                entropy[s:s + chunk] = lse[s:s + chunk] - (probs * logits).sum(-1)
+                probs = (logits - lse[s:s + chunk, None]).exp_()
+                entropy[s:s + chunk] = lse[s:s + chunk] - probs.mul_(logits).sum(-1)
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
-        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.temperature, ctx.chunk, ctx.head_dtype = temperature, chunk, dtype
         ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
 
@@ -54,34 +88,39 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
     def backward(ctx, grad_logprobs, _grad_entropy):
         hidden, weight, bias, targets, lse = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        w, b = _cast(weight, ctx.head_dtype), _cast(bias, ctx.head_dtype)
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
         for s in range(0, hidden.shape[0], ctx.chunk):
-            h = hidden[s:s + ctx.chunk]
-            logits = _chunk_logits(h, weight, bias, ctx.temperature)
+            h = hidden[s:s + ctx.chunk].to(ctx.head_dtype)
+            logits = _chunk_logits(h, w, b, ctx.temperature)
             g = grad_logprobs[s:s + ctx.chunk, None].float()
-            grad_logits = torch.exp(logits - lse[s:s + ctx.chunk, None]).mul_(-g)
+            grad_logits = logits.sub_(lse[s:s + ctx.chunk, None]).exp_().mul_(-g)  # in place: logits are not needed
             grad_logits.scatter_add_(-1, targets[s:s + ctx.chunk, None], g)
             if ctx.temperature != 1.0:
                 grad_logits /= ctx.temperature
-            grad_logits = grad_logits.to(weight.dtype)
-            if need_h:
-                grad_h[s:s + ctx.chunk] = grad_logits @ weight
-            if need_w:
-                grad_w += (grad_logits.t() @ h.to(weight.dtype)).float()
-            if need_b:
-                grad_b += grad_logits.float().sum(0)
+            grad_logits = grad_logits.to(ctx.head_dtype)
+            with torch.autocast(hidden.device.type, enabled=False):
+                if need_h:
+                    grad_h[s:s + ctx.chunk] = grad_logits @ w
+                if need_w:
+                    grad_w += grad_logits.t() @ h  # a low-precision product is accumulated in float32
+                if need_b:
+                    grad_b += grad_logits.float().sum(0)
         grad_w = None if grad_w is None else grad_w.to(weight.dtype)
         grad_b = None if grad_b is None else grad_b.to(bias.dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None
+
+
+def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if t is None else t.to(dtype)
 
 
 def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   temperature: float) -> torch.Tensor:
-    """float32 logits / τ of one chunk, rounded exactly as the model's own head would round them (its weights' dtype).
-    Under autocast (trainer.mixed_precision) the head still runs in the weights' dtype, float32: bf16 hidden states
-    are upcast, so the log-softmax that the importance ratios are made of is not computed from bf16 logits."""
+    """float32 logits / τ of one chunk: the matmul in the dtype of `weight` (autocast off), then upcast. With float32
+    weights this is exactly what the model's own float32 head computes without autocast."""
     with torch.autocast(hidden.device.type, enabled=False):
         logits = nn.functional.linear(hidden.to(weight.dtype), weight, bias).float()
     return logits / temperature if temperature != 1.0 else logits
@@ -95,15 +134,33 @@ def chunked_token_logprobs(
     temperature: float = 1.0,
     chunk_size: int | None = None,
     with_entropy: bool = False,
+    head_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax((hidden @ weight.T + bias) / temperature)[targets] for hidden [M, H], targets [M]: returns
     (logprobs [M] float32 with gradient to hidden/weight/bias, entropy [M] float32 detached or None).
 
-    Equal to the naive full-logits computation in value and gradient up to float rounding, but never holds more than
-    `chunk_size` rows of logits (default: LOGPROB_CHUNK_ELEMENTS // vocabulary).
+    Never holds more than `chunk_size` rows of logits (default: `default_chunk_tokens`, LOGPROB_CHUNK_MIB of float32
+    logits for the device).
+
+    head_dtype: the dtype of the head's matmuls (forward and backward); None = `head_compute_dtype`: under autocast
+        on CUDA the autocast dtype (bf16 tensor cores, like the model's own head and the full-logits path), otherwise
+        the weights' dtype. The logits are upcast to float32 before the log-softmax, its gradient and the entropy,
+        and the weight gradient is accumulated over chunks in float32.
+
+    Precision: in float32 (float32 weights without autocast, or autocast on a CPU) this equals the naive full-logits
+    computation in value and gradient up to float rounding (tests: values within 2e-5, gradients within 1e-5 of each
+    parameter's largest entry). With a bf16 matmul the log-probs carry the bf16 rounding of the hidden states, the
+    weights and the logits (the log-softmax itself adds none): measured on a CPU under torch.autocast (64 tokens,
+    hidden 256, vocabulary 8,192, logits of standard deviation 2; four seeds) the largest error against the float32
+    reference is 1.2e-2 to 2.2e-2 (mean 4.0e-3 to 4.9e-3), where a log-softmax computed in bf16 too is off by up to
+    3.7e-2 to 4.8e-2 (mean 1.5e-2 to 1.75e-2); gradients are within 4e-3 to 7e-3 of each one's largest entry. The
+    errors grow in proportion to the logits' scale. `test_bf16_head_matmul_keeps_a_float32_log_softmax` asserts
+    3e-2 (mean 1e-2), and gradients within 1.5e-2.
     """
-    chunk = max(1, chunk_size or LOGPROB_CHUNK_ELEMENTS // weight.shape[0])
-    logprobs, entropy = _ChunkedTokenLogprob.apply(hidden, weight, bias, targets, temperature, chunk, with_entropy)
+    chunk = max(1, chunk_size or default_chunk_tokens(weight.shape[0], weight.device))
+    dtype = head_compute_dtype(weight, hidden.device.type) if head_dtype is None else head_dtype
+    logprobs, entropy = _ChunkedTokenLogprob.apply(hidden, weight, bias, targets, temperature, chunk, with_entropy,
+                                                   dtype)
     return logprobs, entropy if with_entropy else None
 
 
@@ -170,6 +227,7 @@ def completion_logprobs(
     chunk_size: int | None = None,
     trim_padding: bool = False,
     share_prompts: bool | None = None,
+    head_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log π(y_t | x, y_<t) / temperature-scaled, for every completion token: returns (logprobs [N, T] float32,
     entropy [N, T] float32 or None). Prompts are left-padded, completions right-padded; position ids count real
@@ -178,18 +236,22 @@ def completion_logprobs(
     The prompt never costs a vocab projection. The temperature matches the sampler's: π_θ and π_old must be the same
     distribution family. Entropy is of the temperature-scaled distribution, detached (a diagnostic).
 
-    chunk_size: tokens per chunk of the vocab projection (`chunked_token_logprobs`); None = LOGPROB_CHUNK_ELEMENTS //
-        vocabulary; 0 = the full-logits path (`logits_to_keep`), also taken for models whose head is not a plain
-        linear map of the last hidden state. The chunked path returns 0 at padded completion positions.
+    chunk_size: tokens per chunk of the vocab projection (`chunked_token_logprobs`); None = `default_chunk_tokens`
+        (LOGPROB_CHUNK_MIB of float32 logits for the device); 0 = the full-logits path (`logits_to_keep`), also
+        taken for models whose head is not a plain linear map of the last hidden state. The chunked path returns 0
+        at padded completion positions.
     trim_padding: forward in length buckets cut to their own lengths (see the module docstring); the model then does
         not see the [N, S + T] layout, so leave it off under MoE routing capture or replay.
     share_prompts: with `trim_padding`, run each distinct prompt once per bucket and its completions against its KV
-        cache (`_trimmed_bucket_hidden`); None = when that saves at least PROMPT_SHARING_MIN of the tokens.
+        cache (`_trimmed_bucket_hidden`); None = when that saves at least PROMPT_SHARING_MIN of the tokens. Never
+        while the model trains with gradient checkpointing (its checkpointed layers drop the KV cache in train mode).
+    head_dtype: the chunked head's matmul dtype (`chunked_token_logprobs`); None = the autocast dtype under autocast
+        on CUDA, else the head weights' dtype. The log-softmax is float32 either way.
     """
     split = _backbone_and_head(model) if chunk_size != 0 else None
     if split is not None:
         return _hidden_state_logprobs(split, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
-                                      with_entropy, chunk_size, trim_padding, share_prompts)
+                                      with_entropy, chunk_size, trim_padding, share_prompts, head_dtype)
     input_ids = torch.cat([prompt_ids, completion_ids], 1)
     attention_mask = torch.cat([prompt_mask, completion_mask], 1).long()
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -220,6 +282,7 @@ def _hidden_state_logprobs(
     chunk_size: int | None,
     trim_padding: bool,
     share_prompts: bool | None,
+    head_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`completion_logprobs` through the backbone's last hidden states and `chunked_token_logprobs`: one backbone
     forward per length bucket (one over the full layout without `trim_padding`), then one chunked head call over the
@@ -254,7 +317,7 @@ def _hidden_state_logprobs(
         return logprobs + 0.0 * sum(p.sum() for p in head.parameters()), entropy
     rows_all, cols_all = torch.cat(rows), torch.cat(cols)
     lp, ent = chunked_token_logprobs(torch.cat(hidden), head.weight, completion_ids[rows_all, cols_all], head.bias,
-                                     temperature, chunk_size, with_entropy)
+                                     temperature, chunk_size, with_entropy, head_dtype)
     logprobs = logprobs.index_put((rows_all, cols_all), lp)
     if entropy is not None:
         entropy[rows_all, cols_all] = ent
@@ -266,6 +329,12 @@ PROMPT_SHARING_MIN = 0.25
 tokens each cost more per token (per-call overhead, smaller matmuls, the cache concatenation): measured on this CPU,
 16 rows of 8 groups with 6-token prompts and 16-token completions (16% saved) got ~15% slower, with 60-token prompts
 (45% saved) 29% (tiny MoE) to 36% (58.8M MoE) faster."""
+
+
+def _checkpointing_drops_cache(model: nn.Module) -> bool:
+    """Whether `model` trains with gradient checkpointing: transformers' checkpointed layers then ignore
+    `past_key_values` (and `use_cache`), so a forward against a prompt's KV cache would not see the prompt."""
+    return model.training and any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 
 def _trimmed_bucket_hidden(backbone: nn.Module, p_ids: torch.Tensor, p_mask: torch.Tensor, c_ids: torch.Tensor,
@@ -281,7 +350,7 @@ def _trimmed_bucket_hidden(backbone: nn.Module, p_ids: torch.Tensor, p_mask: tor
     saved = (len(p_ids) - len(unique)) * p_len
     if share_prompts is None:
         share_prompts = saved >= PROMPT_SHARING_MIN * len(p_ids) * (p_len + c_len - 1)
-    if not share_prompts or saved == 0:
+    if not share_prompts or saved == 0 or _checkpointing_drops_cache(backbone):
         inputs, attention = torch.cat([p_ids, c_ids[:, :-1]], 1), torch.cat([p_mask, cm[:, :-1]], 1).long()
         last = backbone(input_ids=inputs, attention_mask=attention,
                         position_ids=(attention.cumsum(-1) - 1).clamp(min=0), use_cache=False).last_hidden_state

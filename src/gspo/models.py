@@ -37,6 +37,7 @@ __all__ = [
     "VOCAB_CHARS",
     "build_preset",
     "build_tokenizer",
+    "enable_gradient_checkpointing",
     "load_model",
     "resolve_dtype",
     "save_model",
@@ -292,6 +293,24 @@ def load_model(
             raise ValueError(f"tokenizer of {where} has neither a pad nor an eos token")
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
+
+
+def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
+    """Recompute each decoder layer's activations in the backward instead of keeping them: transformers' own
+    checkpointing of its layers, non-reentrant (`use_reentrant=False`). Raises ValueError for a model without it.
+
+    It acts only in train mode. There transformers' checkpointed layers also ignore `use_cache` and
+    `past_key_values` (a cache written in the forward would be written again by the recompute), so no training
+    forward may rely on a KV cache (`gspo.logprobs` then does not share prompts). In eval mode the layers run as
+    usual, cache included: the sampler (which switches the model to eval) is unaffected, so `model.config.use_cache`
+    is left as it is (it is also what a saved model's config says)."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"{type(model).__name__} does not support gradient checkpointing")
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # the newer name; the old one is a deprecated alias there
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: str | os.PathLike) -> Path:

@@ -57,7 +57,8 @@ def sft(
     through a sharp transition whose step varies widely with the seed, so a fixed step budget leaves some seeds
     with nothing for RL to sharpen and others with nothing left to learn.
 
-    `mixed_precision` ("bfloat16"): forwards and backwards under torch.autocast over the float32 weights."""
+    `mixed_precision` ("bfloat16"): forwards and backwards under torch.autocast over the float32 weights.
+    Runs on the model's device (CPU or a GPU)."""
     missing = [i for i, r in enumerate(rows) if not isinstance(r.get(solution_field), str)]
     if missing:
         raise ValueError(f"cold-start SFT needs a string {solution_field!r} in every row; row {missing[0]} has none "
@@ -67,15 +68,17 @@ def sft(
     optimizer, scheduler = make_optimizer(model, lr, steps, warmup_steps=warmup_steps, min_lr_ratio=0.0)
     rng = random.Random(seed)
     model.train()
-    device = next(model.parameters()).device.type
-    amp = (functools.partial(torch.autocast, device, dtype=getattr(torch, mixed_precision)) if mixed_precision
+    device = next(model.parameters()).device  # the batches are built on the CPU and moved there
+    amp = (functools.partial(torch.autocast, device.type, dtype=getattr(torch, mixed_precision)) if mixed_precision
            else contextlib.nullcontext)
     losses: list[float] = []
     running = None
-    bar = tqdm(range(steps), desc="cold-start SFT", disable=not progress, leave=False)
+    # no bar when stderr is not a terminal (a log file would fill with redraws): the trainer logs the result
+    bar = tqdm(range(steps), desc="cold-start SFT", disable=None if progress else True, leave=False)
     for _ in bar:
         batch = [rows[rng.randrange(len(rows))] for _ in range(batch_size)]
-        enc = encode_pairs(tokenizer, [r["prompt"] for r in batch], [r[solution_field] for r in batch])
+        enc = tuple(t.to(device) for t in encode_pairs(tokenizer, [r["prompt"] for r in batch],
+                                                       [r[solution_field] for r in batch]))
         with amp():
             logprobs, _ = completion_logprobs(model, *enc, trim_padding=True)  # no routing capture: skip padding
         mask = enc[3].bool()

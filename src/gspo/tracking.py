@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -129,6 +130,14 @@ class MetricsLogger:
         if self._mlflow is not None:
             self._mlflow.log_metrics({key: float(value) for key, value in finite.items()}, step=step)
 
+    def log_text(self, step: int, tag: str, text: str) -> None:
+        """A text record (e.g. sample completions) for the trackers that show text: TensorBoard, W&B."""
+        if self._tb is not None:
+            self._tb.add_text(tag, text, global_step=step)
+            self._tb.flush()
+        if self._wandb_run is not None:
+            self._wandb_run.log({tag: text}, step=step)
+
     def close(self) -> None:
         """Flush and close every sink; calling it again does nothing."""
         if self._closed:
@@ -149,6 +158,14 @@ class MetricsLogger:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
     ) -> None:
         self.close()
+
+
+def check_trackers(*, wandb: Any = None, mlflow: Any = None) -> None:
+    """Raise ImportError (naming the pip extra) for a tracker that is asked for (not None) and not installed: called
+    before any compute, so that a missing package is not found after the model was built and trained."""
+    for name, wanted in (("wandb", wandb), ("mlflow", mlflow)):
+        if wanted is not None and importlib.util.find_spec(name) is None:
+            _import_tracker(name)
 
 
 def _import_tracker(name: str) -> Any:
@@ -310,7 +327,9 @@ class Progress:
     """A tqdm bar at `step`/`total` with a few chosen metrics (`keys`) as postfix.
 
     `disable`: True turns it off, False forces it on, None (default) turns it off when its stream (`file`, stderr by
-    default) is not a terminal, so that redirected logs are not filled with bar redraws.
+    default) is not a terminal, so that redirected logs are not filled with bar redraws; then a one-line summary
+    (steps, s/step, time left, the `keys`) is logged (INFO) every `every` steps and at the last step instead
+    (None: about 20 lines per run), so a log file or a job scheduler still shows progress.
     """
 
     def __init__(
@@ -322,11 +341,16 @@ class Progress:
         desc: str = "train",
         disable: bool | None = None,
         file: TextIO | None = None,
+        every: int | None = None,
     ) -> None:
         self.keys = tuple(keys)
         self._bar = tqdm(
             total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True, disable=disable, file=file
         )
+        self.total, self.desc = total, desc
+        # the bar turned itself off (no terminal): log lines instead
+        self.every = (every or max(1, total // 20)) if disable is None and self._bar.disable else None
+        self._start = (time.perf_counter(), initial)
 
     @property
     def disabled(self) -> bool:
@@ -334,6 +358,8 @@ class Progress:
 
     def update(self, step: int, metrics: Mapping[str, Any] | None = None) -> None:
         """Move the bar to `step` (steps done so far) and show the chosen `keys` of `metrics`."""
+        if self.every is not None and (step % self.every == 0 or step == self.total):
+            logger.info("%s", self.line(step, metrics or {}))
         if self.disabled:
             return
         if metrics:
@@ -341,6 +367,17 @@ class Progress:
             postfix = {key: _short(value) for key, value in shown.items()}
             self._bar.set_postfix(postfix, refresh=False)
         self._bar.update(step - self._bar.n)
+
+    def line(self, step: int, metrics: Mapping[str, Any]) -> str:
+        """`train 40/400 (10%) · 0.31 s/step · 1m52s left · reward_mean 0.53 · ...`: the bar as one log line."""
+        t0, first = self._start
+        done = step - first
+        per_step = (time.perf_counter() - t0) / done if done > 0 else math.nan
+        left = per_step * (self.total - step)
+        parts = [f"{self.desc} {step}/{self.total} ({step / self.total:.0%})", f"{per_step:.3g} s/step",
+                 f"{int(left // 60)}m{int(left % 60):02d}s left" if math.isfinite(left) else "? left"]
+        parts += [f"{key} {_short(metrics[key])}" for key in self.keys if key in metrics]
+        return " · ".join(parts)
 
     def close(self) -> None:
         self._bar.close()

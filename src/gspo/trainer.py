@@ -24,37 +24,39 @@ import hashlib
 import json
 import logging
 import math
-import os
 import shutil
 import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
 
 from gspo.advantages import group_advantages, zero_variance_groups
-from gspo.checkpoint import (
-    find_latest_checkpoint,
-    fsync_dir,
-    fsync_tree,
-    load_checkpoint,
-    save_checkpoint,
-    set_seed,
-)
-from gspo.config import Config, ConfigError, config_diff, config_to_dict, validate_config
-from gspo.data import load_rows, make_task
+from gspo.checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint, set_seed
+from gspo.config import Config, ConfigError, config_to_dict
+from gspo.data import load_data
 from gspo.distributed import Dist, NullLogger, init_distributed
 from gspo.logprobs import completion_logprobs
-from gspo.models import load_model, save_model
+from gspo.models import enable_gradient_checkpointing, load_model, save_model
 from gspo.moe import RoutingCapture, is_moe, require_replay_support, routing_change
 from gspo.objectives import OBJECTIVES, kl_to_reference
 from gspo.optim import check_update_precision, make_optimizer
 from gspo.rewards import RewardRunner
 from gspo.rollout import HFSampler, RolloutBatch, SamplingParams, eval_sampler, make_engine
+from gspo.runfolder import (
+    check_output_dir,
+    check_resume_config,
+    clear_run,
+    publish_dir,
+    run_started,
+    write_atomic,
+    write_jsonl,
+)
 from gspo.sft import sft
-from gspo.tracking import MetricsLogger, Progress, read_metrics
+from gspo.tracking import MetricsLogger, Progress, check_trackers, plot_curves, read_metrics
 
 log = logging.getLogger(__name__)
 
@@ -66,17 +68,10 @@ class TrainingError(RuntimeError):
 # --------------------------------------------------------------------------------------------------- data and seeds
 
 
-def load_split(cfg: Config, split: str, size: int) -> list[dict]:
-    """Rows of the configured embedded task or dataset for one split."""
-    d = cfg.data
-    if d.task is not None:
-        return make_task(d.task, split=split, size=size, seed=cfg.trainer.seed, **d.task_options)
-    return load_rows(d.path, split=split, fields=d.fields or None, limit=size)
-
-
-def prompt_token_limit(cfg: Config, model, new_tokens: int) -> int | None:
+def prompt_token_limit(cfg: Config, model, new_tokens: int) -> tuple[int | None, str]:
     """The longest prompt (in tokens) a split may keep: `data.max_prompt_tokens`, and at most what the model's
-    max_position_embeddings leaves after `new_tokens` generated tokens (the sampler refuses longer). None: no limit."""
+    max_position_embeddings leaves after `new_tokens` generated tokens (the sampler refuses longer). None: no limit.
+    Also returns what a user can do about prompts over that limit (it depends on which of the two binds)."""
     max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     room = None if max_pos is None else max_pos - new_tokens
     if room is not None and room < 1:
@@ -86,25 +81,52 @@ def prompt_token_limit(cfg: Config, model, new_tokens: int) -> int | None:
     if wanted is not None and room is not None and wanted > room:
         log.warning("data.max_prompt_tokens=%d + %d new tokens exceeds the model's max_position_embeddings=%d: "
                     "prompts over %d tokens are skipped", wanted, new_tokens, max_pos, room)
-    limits = [x for x in (wanted, room) if x is not None]
-    return min(limits) if limits else None
+    if room is not None and (wanted is None or room <= wanted):
+        return room, (f"the model has {max_pos} positions and {new_tokens} of them are kept for the generated tokens: "
+                      "shorten the prompts, lower rollout.max_new_tokens / trainer.eval_max_new_tokens, or use a "
+                      "model with more positions")
+    hint = "raise data.max_prompt_tokens" + (f" (up to {room})" if room is not None else "") + " or shorten the prompts"
+    return wanted, hint
 
 
-def drop_long_prompts(rows: list[dict], tokenizer, limit: int | None, split: str) -> tuple[list[dict], int]:
-    """`rows` without those whose prompt has more than `limit` tokens (counted as the sampler encodes it), and how
-    many were dropped (logged). Raises ConfigError if none is left."""
+def drop_long_prompts(rows: list[dict], tokenizer, limit: tuple[int | None, str],
+                      split: str) -> tuple[list[dict], int]:
+    """`rows` without those whose prompt has more than `limit` (from `prompt_token_limit`) tokens, counted as the
+    sampler encodes it, and how many were dropped (logged). Raises ConfigError if none is left."""
+    limit, hint = limit
     if limit is None:
         return rows, 0
     lengths = [len(ids) for ids in tokenizer([r["prompt"] for r in rows], add_special_tokens=False)["input_ids"]]
     kept = [row for row, n in zip(rows, lengths, strict=True) if n <= limit]
     skipped = len(rows) - len(kept)
     if not kept:
-        raise ConfigError(f"all {len(rows)} prompts of split {split!r} are longer than {limit} tokens (the longest has "
-                          f"{max(lengths)}): raise data.max_prompt_tokens, lower rollout.max_new_tokens, or use a "
-                          "model with more positions")
+        raise ConfigError(f"all {len(rows)} prompts of the {split} rows are longer than {limit} tokens (the longest "
+                          f"has {max(lengths)}): {hint}")
     if skipped:
-        log.warning("skipped %d of %d prompts of split %r: longer than %d tokens", skipped, len(rows), split, limit)
+        log.warning("skipped %d of %d prompts of the %s rows: longer than %d tokens", skipped, len(rows), split, limit)
     return kept, skipped
+
+
+def unknown_character_rows(tokenizer, rows: list[dict], what: str, fields: tuple[str, ...] = ("prompt",)) -> int:
+    """How many rows have text that `tokenizer` maps to its unknown token (e.g. the tiny presets' character
+    vocabulary has no uppercase, newline or non-ASCII characters); warns once, naming some of the characters, since
+    the model then sees `<unk>` where the data had text. 0 for tokenizers without an unknown token (byte-level BPE)."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None or not rows:
+        return 0
+    pairs = [(i, r[f]) for i, r in enumerate(rows) for f in fields if isinstance(r.get(f), str)]
+    if not pairs:
+        return 0
+    owners, texts = zip(*pairs, strict=True)
+    ids = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+    bad = [(owner, text) for owner, text, row_ids in zip(owners, texts, ids, strict=True) if unk in row_ids]
+    if bad:
+        chars = sorted({c for _, text in bad[:50] for c in set(text)
+                        if tokenizer(c, add_special_tokens=False)["input_ids"] == [unk]})
+        log.warning("%d of the %s rows have characters the tokenizer maps to %s (e.g. %s): the model sees %s there; "
+                    "use a tokenizer that covers the data", len({o for o, _ in bad}), what, tokenizer.unk_token,
+                    ", ".join(repr(c) for c in chars[:10]), tokenizer.unk_token)
+    return len({owner for owner, _ in bad})
 
 
 def derive_seed(*parts: int | str) -> int:
@@ -128,23 +150,37 @@ def prompt_indices(step: int, count: int, num_rows: int, seed: int) -> list[int]
 
 
 def evaluate(model, tokenizer, rows: list[dict], rewards: RewardRunner, max_new_tokens: int,
-             batch_size: int = 256, sampler=None) -> dict[str, float]:
-    """Greedy decoding on `rows`; accuracy = fraction of completions with full reward (≥ 1). `sampler`: a greedy
-    rollout engine to decode with (e.g. vLLM's, see `gspo.rollout.eval_sampler`); default an HFSampler on `model`."""
+             batch_size: int = 256, sampler=None, accuracy_reward: str | None = None,
+             accuracy_threshold: float = 1.0, samples: list[dict] | None = None,
+             n_samples: int = 0) -> dict[str, float]:
+    """Greedy decoding on `rows`, scored by `rewards`. Returns row means: `accuracy` (the fraction solved: the
+    unweighted value of `accuracy_reward` (default: the runner's first function) is at least `accuracy_threshold`, so
+    other rewards' weights do not change it), `reward_mean` (the weighted sum), `reward_failure_rate` (rows on which
+    some reward function failed), `response_length`, `truncation_rate`. The first `n_samples` rows' prompts,
+    completions, rewards and verdicts are appended to `samples`. `sampler`: a greedy rollout engine to decode with
+    (e.g. vLLM's, see `gspo.rollout.eval_sampler`); default an HFSampler on `model`."""
     sampler = sampler or HFSampler(model, tokenizer, SamplingParams(top_k=1, max_new_tokens=max_new_tokens))
-    scores, lengths, truncated = [], [], []
+    accuracy_reward = accuracy_reward or rewards.names[0]
+    scores, correct, failed, lengths, truncated = [], [], [], [], []
     for start in range(0, len(rows), batch_size):
         chunk = rows[start:start + batch_size]
         prompts = [r["prompt"] for r in chunk]
         batch = sampler.generate(prompts, 1, [0] * len(prompts))
-        r, _ = rewards(prompts, batch.completions, chunk)
-        scores.append(r)
-        lengths.append(batch.completion_mask.sum(-1).float())
-        truncated.append(batch.truncated.float())
-    s = torch.cat(scores)
+        scored = rewards.score(prompts, batch.completions, chunk)
+        scores.append(scored.total)
+        correct.append(scored.correct(accuracy_reward, accuracy_threshold))
+        failed.append(scored.rows_failed())
+        lengths.append(batch.completion_mask.sum(-1).float().cpu())
+        truncated.append(batch.truncated.float().cpu())
+        if samples is not None and len(samples) < n_samples:
+            for i in range(min(n_samples - len(samples), len(chunk))):
+                samples.append({"prompt": prompts[i], "completion": batch.completions[i],
+                                "reward": float(scored.total[i]), "correct": bool(correct[-1][i]),
+                                **({"answer": chunk[i]["answer"]} if "answer" in chunk[i] else {})})
     return {
-        "accuracy": float((s >= 1 - 1e-6).float().mean()),
-        "reward_mean": float(s.mean()),
+        "accuracy": float(torch.cat(correct).float().mean()),
+        "reward_mean": float(torch.cat(scores).mean()),
+        "reward_failure_rate": float(torch.cat(failed).float().mean()),
         "response_length": float(torch.cat(lengths).mean()),
         "truncation_rate": float(torch.cat(truncated).mean()),
     }
@@ -178,7 +214,7 @@ def _precision_ratio_metrics(trainer_logprobs: torch.Tensor, engine_logprobs: to
     """Ratio noise between the trainer's and the engine's log-probabilities of the same tokens under the same weights
     (§5.4): std over tokens of w_{i,t} = π_trainer/π_engine, and std over sequences of s_i = exp(mean_t log w_{i,t}).
     Non-zero only through numerics (e.g. a bf16 engine for an fp32 trainer); GRPO clips w, GSPO clips s."""
-    log_w = torch.where(mask, trainer_logprobs - engine_logprobs, torch.zeros(()))
+    log_w = torch.where(mask, trainer_logprobs - engine_logprobs, trainer_logprobs.new_zeros(()))
     nonempty = mask.any(-1)
     log_s = log_w.sum(-1)[nonempty] / mask.sum(-1)[nonempty]
     w = log_w[mask].exp()
@@ -209,7 +245,9 @@ def rl_step(step: int, model, optimizer, scheduler, train_rows: list[dict], ctx:
 
     # 2. rewards and group advantages (Eq. 6); every process then holds the whole batch
     row_of = [rows[mine][int(i)] for i in batch.prompt_index]
-    rewards, reward_stats = ctx.rewards([r["prompt"] for r in row_of], batch.completions, row_of)
+    scored = ctx.rewards.score([r["prompt"] for r in row_of], batch.completions, row_of)
+    solved = scored.correct(cfg.rewards.accuracy_reward, cfg.rewards.accuracy_threshold)
+    rewards, reward_stats = scored.total, {**scored.stats, "solved": float(solved.sum())}  # a count: summed
     batch, rewards, reward_stats = ctx.dist.gather_rollouts(batch, rewards, reward_stats, ctx.rewards,
                                                             pad_id=getattr(ctx.engine, "pad_id", 0))
     advantages = group_advantages(rewards, ro.group_size, scale=algo.advantage_scale)
@@ -217,6 +255,7 @@ def rl_step(step: int, model, optimizer, scheduler, train_rows: list[dict], ctx:
 
     # the batch is shuffled and split into minibatches; all but the first update are off-policy
     perm = torch.randperm(len(batch), generator=torch.Generator().manual_seed(derive_seed(cfg.trainer.seed, step)))
+    perm = perm.to(mask.device)  # drawn on the CPU (the same on every device), used to index the batch's tensors
     minibatches = [ctx.dist.share(mb) for mb in perm.chunk(algo.minibatches)]  # each process: its share of each
 
     # 3. π_old: the engine's own logprobs (§5.4), or a no-grad forward of the trainer before the first update. The
@@ -304,11 +343,10 @@ def rl_step(step: int, model, optimizer, scheduler, train_rows: list[dict], ctx:
     t_total = time.perf_counter() - t0
 
     lengths = batch.completion_mask.sum(-1).float()
-    correct = (rewards >= 1 - 1e-6).float()
     metrics = {
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std()),
-        "accuracy": float(correct.mean()),
+        "accuracy": reward_stats.pop("solved") / len(batch),  # solved as rewards.accuracy_reward says
         "response_length": float(lengths.mean()),
         "truncation_rate": float(batch.truncated.float().mean()),
         "zero_variance_groups": float(zero_variance_groups(rewards, ro.group_size).float().mean()),
@@ -333,16 +371,12 @@ def rl_step(step: int, model, optimizer, scheduler, train_rows: list[dict], ctx:
 # ------------------------------------------------------------------------------------------------------------ train
 
 
-def _check_resume_config(out: Path, cfg_dict: dict) -> None:
-    saved_path = out / "config.yaml"
-    if not saved_path.exists():
-        return
-    saved = yaml.safe_load(saved_path.read_text())
-    with contextlib.suppress(ConfigError):  # a run saved before a key existed had that key's default
-        saved = config_to_dict(validate_config(saved))
-    diff = config_diff(saved, cfg_dict)
-    if diff:
-        raise ConfigError(f"cannot resume in {out}: its saved config differs in {', '.join(diff)}")
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) during a run: where it stopped and the checkpoint a `--resume` would continue from."""
+
+    def __init__(self, out: Path, step: int | None, checkpoint_step: int | None) -> None:
+        super().__init__(f"interrupted in {out}")
+        self.out, self.step, self.checkpoint_step = out, step, checkpoint_step
 
 
 def _cold_start(cfg: Config, out: Path, model, tokenizer, train_rows: list[dict]) -> dict:
@@ -359,41 +393,65 @@ def _cold_start(cfg: Config, out: Path, model, tokenizer, train_rows: list[dict]
                  warmup_steps=cs.warmup_steps, seed=derive_seed(cfg.trainer.seed, "sft"),
                  target_loss=cs.target_loss, progress=cfg.log.progress, mixed_precision=cfg.trainer.mixed_precision)
     info = {"steps": len(losses), "final_loss": sum(losses[-20:]) / len(losses[-20:])}
+    log.info("cold-start SFT: %d steps, final loss %.3f", info["steps"], info["final_loss"])
     tmp = out / "cold_start.tmp"
     shutil.rmtree(tmp, ignore_errors=True)  # what a crash during an earlier save left
     save_model(model, tokenizer, tmp)
     (tmp / "sft.json").write_text(json.dumps(info))
-    _publish_dir(tmp, target)
+    publish_dir(tmp, target)
     return info
 
 
-def _publish_dir(tmp: Path, target: Path) -> None:
-    """Make the finished folder `tmp` appear as `target` in one rename (fsynced first); an existing `target` is
-    replaced: moved aside, then deleted once the new one is in place."""
-    fsync_tree(tmp)
-    old = target.with_name(f".{target.name}.old")
-    shutil.rmtree(old, ignore_errors=True)
-    if target.exists():
-        target.rename(old)
-    tmp.rename(target)
-    fsync_dir(target.parent)
-    shutil.rmtree(old, ignore_errors=True)
+def _start_checks(cfg: Config, out: Path, cfg_dict: dict, resume: bool, overwrite: bool) -> list[str]:
+    """What can be checked before any model is built, so that a bad setting costs nothing and leaves nothing behind:
+    the output folder, whether it holds a run, what a resume changes (returned), the trackers' packages."""
+    if resume and overwrite:
+        raise ConfigError("--resume continues the run in trainer.out and --overwrite deletes it: pass one of them")
+    check_output_dir(out)
+    if run_started(out) and not resume and not overwrite:
+        raise ConfigError(f"{out} already holds a run: pass --resume to continue it, --overwrite to delete it and "
+                          "start over, or choose another trainer.out")
+    changed = check_resume_config(out, cfg_dict) if resume else []
+    try:
+        check_trackers(wandb=cfg.log.wandb, mlflow=cfg.log.mlflow)
+    except ImportError as e:
+        raise ConfigError(f"log.{e.name}: {e}") from None
+    return changed
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    """Replace the file `path` by `text` in one rename after an fsync: a reader (or a resume after a crash) sees the
-    old or the new content, never a torn file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    tmp.replace(path)
-    fsync_dir(path.parent)
+def _plot_run(cfg: Config, out: Path, evals: list[dict]) -> None:
+    """OUT/curves.png: training reward, held-out accuracy and clip fraction vs step (a plotting failure is logged,
+    never fatal: the numbers are in metrics.jsonl and eval.jsonl)."""
+    if not (out / "metrics.jsonl").exists():
+        return
+    source = cfg.data.task or Path(cfg.data.path).name
+    try:
+        plot_curves(out / "metrics.jsonl", out / "curves.png", extra=evals,
+                    keys=["reward_mean", "heldout_accuracy", "clip_frac_tokens"],
+                    title=f"{cfg.algorithm.loss} on {Path(cfg.model.name).name} / {source}")
+    except Exception as e:
+        log.warning("could not draw %s: %s", out / "curves.png", e)
 
 
-def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> dict:
+def _format_samples(step: int, samples: list[dict]) -> str:
+    """Sample completions as a Markdown table (TensorBoard's text tab renders it)."""
+    def cell(text: Any) -> str:
+        return str(text).replace("|", "\\|").replace("\n", "⏎")
+
+    lines = [f"held-out samples at step {step}", "", "| prompt | completion | reward | correct |", "|---|---|---|---|"]
+    lines += [f"| {cell(x['prompt'])} | {cell(x['completion'])} | {x['reward']:.3g} | {x['correct']} |"
+              for x in samples]
+    return "\n".join(lines)
+
+
+def train(cfg: Config, resume: bool = False, stop_after: int | None = None, overwrite: bool = False) -> dict:
     """Run (or resume) a GSPO training run as configured; returns the summary (also written to OUT/summary.json).
+
+    Everything that can be checked without compute is checked first (the output folder, the data and its held-out
+    rows, the reward functions against a data row, the trackers), then the model is built and checked; only then
+    is anything written, so a start that fails leaves nothing that blocks the corrected command (`gspo.runfolder`).
+    `overwrite` deletes a previous run in trainer.out first; `resume` continues it (a config that differs only in
+    `gspo.runfolder.RESUMABLE` settings is accepted, e.g. more `trainer.steps` to extend a finished run).
 
     `stop_after` (for tests: an interruption at a known point) returns as a crash would right after step
     `stop_after` (counted from the start of the run, not of this call) was logged and, if the schedule says so,
@@ -402,7 +460,7 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
 
     Raises TrainingError (after writing summary.json with status "failed") when `trainer.max_bad_steps` consecutive
     steps had all their updates skipped for a non-finite loss or gradient norm; CheckpointError when a checkpoint
-    cannot be written (earlier checkpoints stay intact and resumable).
+    cannot be written (earlier checkpoints stay intact and resumable); RunInterrupted on Ctrl-C.
     """
     if stop_after is not None and stop_after < 1:
         raise ValueError(f"stop_after must be >= 1, got {stop_after}")
@@ -410,21 +468,22 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
     par = init_distributed(cfg.trainer.parallel, cfg.trainer.device)  # torchrun's processes, or just this one
     out = Path(cfg.trainer.out)
     cfg_dict = config_to_dict(cfg)
-    if out.exists() and any(out.iterdir()) and not resume and (out / "config.yaml").exists():
-        raise ConfigError(f"{out} already holds a run: pass --resume to continue it, or choose another trainer.out")
-    if resume:
-        _check_resume_config(out, cfg_dict)
-    par.barrier()  # every process has checked the folder before rank 0 writes into it
-    if par.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        _write_atomic(out / "config.yaml", yaml.safe_dump(cfg_dict, sort_keys=False))
-    par.barrier()
+    changed = par.main_first(lambda: _start_checks(cfg, out, cfg_dict, resume, overwrite))
+    data = load_data(cfg.data, cfg.trainer.seed)
+    rewards = RewardRunner(cfg.rewards.functions, on_error=cfg.rewards.on_error, timeout_s=cfg.rewards.timeout_s,
+                           workers=cfg.rewards.workers)
+    rewards.check_rows(data.train)
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
     set_seed(cfg.trainer.seed)
 
     model, tokenizer = load_model(cfg.model.name, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code,
                                   seed=cfg.trainer.seed)
+    if cfg.trainer.gradient_checkpointing:  # train-mode forwards only: the sampler (eval mode) keeps its KV cache
+        try:
+            enable_gradient_checkpointing(model)
+        except ValueError as e:
+            raise ConfigError(f"trainer.gradient_checkpointing: {e}") from None
     for key, lr in [("optim.lr", cfg.optim.lr)] + ([("cold_start.lr", cfg.cold_start.lr)] if cfg.cold_start else []):
         try:  # bf16/fp16 weights that an AdamW step of this size cannot move: refused before any compute
             check_update_precision([p for p in model.parameters() if p.requires_grad], lr)
@@ -439,18 +498,30 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
         par.check_sizes(cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.algorithm.minibatches)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    model = par.place(model)
     ro = cfg.rollout
     eval_tokens = cfg.trainer.eval_max_new_tokens or ro.max_new_tokens
-    train_rows, skipped_train = drop_long_prompts(load_split(cfg, cfg.data.split, cfg.data.train_size), tokenizer,
-                                                  prompt_token_limit(cfg, model, ro.max_new_tokens), cfg.data.split)
+    train_rows, skipped_train = drop_long_prompts(data.train, tokenizer,
+                                                  prompt_token_limit(cfg, model, ro.max_new_tokens), "training")
     eval_rows, skipped_eval = [], 0
-    if cfg.data.eval_split:
-        eval_rows, skipped_eval = drop_long_prompts(load_split(cfg, cfg.data.eval_split, cfg.data.eval_size),
-                                                    tokenizer, prompt_token_limit(cfg, model, eval_tokens),
-                                                    cfg.data.eval_split)
-    rewards = RewardRunner(cfg.rewards.functions, on_error=cfg.rewards.on_error, timeout_s=cfg.rewards.timeout_s,
-                           workers=cfg.rewards.workers)
+    if data.heldout:
+        eval_rows, skipped_eval = drop_long_prompts(data.heldout, tokenizer,
+                                                    prompt_token_limit(cfg, model, eval_tokens), "held-out")
+    heldout_source = {**data.heldout_source, "rows": len(eval_rows)} if eval_rows else {"kind": "none"}
+    unknown = {"train": unknown_character_rows(tokenizer, train_rows, "training",
+                                               ("prompt", "solution") if cfg.cold_start else ("prompt",)),
+               "eval": unknown_character_rows(tokenizer, eval_rows, "held-out")}
+
+    # every check passed: from here on the run writes into its folder
+    if par.is_main:
+        if overwrite:
+            removed = clear_run(out)
+            if removed:
+                log.info("--overwrite: deleted %s from %s", ", ".join(removed), out)
+        if changed:
+            log.info("resuming with changed settings: %s", ", ".join(changed))
+        write_atomic(out / "config.yaml", yaml.safe_dump(cfg_dict, sort_keys=False))
+    par.barrier()
+    model = par.place(model)
 
     checkpoint = par.main_first(lambda: find_latest_checkpoint(out)) if resume else None  # rank 0 repairs first
     # on a resume the checkpoint's weights replace the cold-start ones, but the KL reference is the cold-start model
@@ -472,6 +543,9 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
     if checkpoint is not None:
         state = load_checkpoint(checkpoint, model=model, optimizer=optimizer, scheduler=scheduler)
         start, bad_steps = state["step"], state.get("bad_steps", 0)
+        if start > cfg.trainer.steps:
+            raise ConfigError(f"trainer.steps={cfg.trainer.steps} is below the step of the checkpoint to resume from "
+                              f"({start}, {checkpoint}): a resume can extend a run, not shorten it")
         wall0 -= state.get("wall_seconds", 0.0)  # the run's wall time up to that checkpoint (not the lost work after)
         # counts up to the checkpoint, so that the summary covers the whole run, not just this process
         rewards.failures.update(state.get("reward_failures", {}))
@@ -490,25 +564,33 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
     ctx = RLStep(cfg, engine, rewards, ref_model, moe=moe, dist=par)
     logger = MetricsLogger(out, tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb, mlflow=cfg.log.mlflow,
                            resume_step=start if resume else None, run_config=cfg_dict) if par.is_main else NullLogger()
-    eval_path = out / "eval.jsonl"
-    # evaluations up to the checkpoint are kept; a run that restarts from step 0 evaluates step 0 again
-    evals = [r for r in read_metrics(eval_path) if r["step"] <= start] if start > 0 and eval_path.exists() else []
+    # evaluations (and their sample completions) up to the checkpoint are kept; a run restarting at 0 redoes step 0
+    evals, samples = ([r for r in read_metrics(out / name) if r["step"] <= start]
+                      if start > 0 and (out / name).exists() else [] for name in ("eval.jsonl", "samples.jsonl"))
 
     def run_eval(step: int) -> dict[str, float]:
-        scores = par.evaluate(lambda part: evaluate(model, tokenizer, part, rewards, eval_tokens, sampler=greedy),
-                              eval_rows, rewards)  # sharded over the processes
+        shown: list[dict] = []
+        scores = par.evaluate(lambda part: evaluate(
+            model, tokenizer, part, rewards, eval_tokens, sampler=greedy, accuracy_reward=cfg.rewards.accuracy_reward,
+            accuracy_threshold=cfg.rewards.accuracy_threshold, samples=shown, n_samples=cfg.log.samples),
+            eval_rows, rewards)  # sharded over the processes (rank 0 holds the first rows: its samples)
         result = {f"heldout_{k}": v for k, v in scores.items()}
         evals.append({"step": step, **result})
         if par.is_main:
-            _write_jsonl(out / "eval.jsonl", evals)
+            write_jsonl(out / "eval.jsonl", evals)
+            if shown:
+                samples.extend({"step": step, **x} for x in shown)
+                write_jsonl(out / "samples.jsonl", samples)
+                logger.log_text(step, "heldout_samples", _format_samples(step, shown))
         return result
 
-    if start == 0 and eval_rows:
-        run_eval(0)
-    progress = Progress(total=cfg.trainer.steps, initial=start,
+    done = start
+    progress = Progress(total=cfg.trainer.steps, initial=start, every=cfg.log.progress_every,
                         disable=None if cfg.log.progress and par.is_main else True,
                         keys=("reward_mean", "heldout_accuracy", "clip_frac_tokens"))
     try:
+        if start == 0 and eval_rows:
+            run_eval(0)
         for step in range(start, cfg.trainer.steps):
             metrics = rl_step(step, model, optimizer, scheduler, train_rows, ctx)
             done = step + 1
@@ -534,13 +616,17 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
                          f"skipped for a non-finite loss or gradient norm, so the weights stopped changing; "
                          f"lower optim.lr, keep optim.grad_clip, or check the rewards and the model's dtype")
                 if par.is_main:
-                    _write_atomic(out / "summary.json", json.dumps({
+                    write_atomic(out / "summary.json", json.dumps({
                         "status": "failed", "error": error, "steps_done": done, "steps": cfg.trainer.steps,
                         "skipped_updates": _skipped_updates(out), "wall_seconds": time.perf_counter() - wall0,
                     }, indent=2))
+                    _plot_run(cfg, out, evals)
                 raise TrainingError(error)
             if stop_after is not None and done >= stop_after and done < cfg.trainer.steps:
                 return {"stopped_after": done}
+    except KeyboardInterrupt:
+        latest = find_latest_checkpoint(out)
+        raise RunInterrupted(out, done, None if latest is None else int(latest.name.split("_")[-1])) from None
     finally:
         progress.close()
         logger.close()
@@ -550,11 +636,15 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
         if full_model is not None:
             shutil.rmtree(final_tmp, ignore_errors=True)
             save_model(full_model, tokenizer, final_tmp)
-            _publish_dir(final_tmp, out / "final")
+            publish_dir(final_tmp, out / "final")
+    if par.is_main:
+        _plot_run(cfg, out, evals)
     summary = {
         "status": "completed",
         "heldout_accuracy_before_rl": evals[0]["heldout_accuracy"] if evals else None,
         "heldout_accuracy_after_rl": evals[-1]["heldout_accuracy"] if evals else None,
+        "heldout": {**heldout_source,
+                    "accuracy": f"{cfg.rewards.accuracy_reward} >= {cfg.rewards.accuracy_threshold:g}"},
         "steps": cfg.trainer.steps,
         "cold_start": cold_start,
         "wall_seconds": time.perf_counter() - wall0,
@@ -562,9 +652,10 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
         "reward_timeouts": dict(rewards.timeouts),
         "skipped_updates": _skipped_updates(out),
         "skipped_prompts": {"train": skipped_train, "eval": skipped_eval},
+        "unknown_character_rows": unknown,
     }
     if par.is_main:
-        _write_atomic(out / "summary.json", json.dumps(summary, indent=2))
+        write_atomic(out / "summary.json", json.dumps(summary, indent=2))
     par.barrier()  # no process returns before the final model and summary exist
     return summary
 
@@ -574,7 +665,3 @@ def _skipped_updates(out: Path) -> int:
     where this process cannot see it, e.g. a rank on another machine)."""
     path = out / "metrics.jsonl"
     return int(sum(r.get("skipped_updates") or 0 for r in read_metrics(path))) if path.exists() else None
-
-
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    _write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))

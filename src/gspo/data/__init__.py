@@ -2,6 +2,9 @@
 (`load_rows`). Rows are plain dicts with at least a non-empty string `prompt`."""
 
 from gspo.data.files import load_rows
+from gspo.data.heldout import DataSplits, load_data, split_by_fraction
 from gspo.data.tasks import SPLITS, TASKS, Task, make_task, split_of
 
-__all__ = ["SPLITS", "TASKS", "Task", "load_rows", "make_task", "split_of"]
+__all__ = [
+    "SPLITS", "TASKS", "DataSplits", "Task", "load_data", "load_rows", "make_task", "split_by_fraction", "split_of",
+]

@@ -123,34 +123,58 @@ def _parquet_records(path: Path, limit: int | None) -> Iterator[tuple[Any, None]
         yield record, None
 
 
-def _saved_dataset_records(path: Path, split: str, limit: int | None) -> Iterator[tuple[Any, None]]:
-    """Rows of a directory written by `Dataset.save_to_disk` (split ignored) or `DatasetDict.save_to_disk`."""
+def _pick_split(loaded: Any, source: str, split: str | None) -> Any:
+    """One split of a DatasetDict: `split`, or the only one when `split` is None."""
+    if split is None:
+        if len(loaded) != 1:
+            raise ValueError(f"{source}: has the splits {sorted(loaded)}; name one (data.split / data.eval_split, "
+                             "gspo eval --split)")
+        split = next(iter(loaded))
+    if split not in loaded:
+        raise ValueError(f"{source}: has no split {split!r}; its splits are {sorted(loaded)}")
+    return loaded[split]
+
+
+def _saved_dataset_records(path: Path, split: str | None, limit: int | None,
+                           lone_split_ok: bool) -> Iterator[tuple[Any, None]]:
+    """Rows of a directory written by `Dataset.save_to_disk` (one split) or `DatasetDict.save_to_disk`."""
     import datasets
 
     loaded = datasets.load_from_disk(str(path))
     if isinstance(loaded, datasets.DatasetDict):
-        if split not in loaded:
-            raise ValueError(f"{path}: saved DatasetDict has no split {split!r}; its splits are {sorted(loaded)}")
-        loaded = loaded[split]
+        loaded = _pick_split(loaded, str(path), split)
+    else:
+        _single_split(str(path), split, "a saved Dataset", lone_split_ok)
     return _dataset_records(loaded, limit)
 
 
-def _hub_records(source: str, split: str, limit: int | None) -> Iterator[tuple[Any, None]]:
+def _hub_records(source: str, split: str | None, limit: int | None) -> Iterator[tuple[Any, None]]:
     import datasets
 
     try:
-        loaded = datasets.load_dataset(source, split=split)
+        loaded = datasets.load_dataset(source, split=split)  # split=None: all of them, then the only one
     except Exception as exc:
         raise ValueError(
             f"could not load dataset {source!r} (split {split!r}) with datasets.load_dataset: {exc}"
         ) from exc
-    return _dataset_records(loaded, limit)
+    return _dataset_records(loaded if split is not None else _pick_split(loaded, source, None), limit)
 
 
-def _records(source: str, split: str, limit: int | None) -> Iterable[tuple[Any, int | None]]:
+def _single_split(source: str, split: str | None, kind: str, lone_split_ok: bool = False) -> None:
+    """A source without splits (one file, one saved Dataset) is its one split, "train" (as `datasets` names a lone
+    data file's split); asking it for another split is an error rather than silently reading the training rows."""
+    if split not in (None, "train") and not lone_split_ok:
+        raise ValueError(f"{source}: {kind} has no splits, so no split {split!r} (it is all one split, 'train'); for "
+                         "held-out rows name a separate file (data.eval_path, gspo eval --data), hold out a "
+                         "fraction of it (data.eval_fraction), or train without evaluation (data.eval_split: null)")
+
+
+def _records(source: str, split: str | None, limit: int | None,
+             lone_split_ok: bool) -> Iterable[tuple[Any, int | None]]:
     """Dispatch on the kind of source; yields (raw record, line number or None)."""
     path = Path(source).expanduser()
     if path.is_file():
+        _single_split(source, split, f"a single {path.suffix or 'data'} file", lone_split_ok)
         if path.suffix == ".jsonl":
             return _jsonl_records(path)
         if path.suffix == ".parquet":
@@ -159,7 +183,7 @@ def _records(source: str, split: str, limit: int | None) -> Iterable[tuple[Any, 
     if path.is_dir() and (
         (path / _SAVED_DATASET_DICT_MARKER).is_file() or all((path / m).is_file() for m in _SAVED_DATASET_MARKERS)
     ):
-        return _saved_dataset_records(path, split, limit)
+        return _saved_dataset_records(path, split, limit, lone_split_ok)
     if path.suffix in _FILE_SUFFIXES and not path.exists():
         raise FileNotFoundError(f"data file {source!r} does not exist")
     # Anything else (a hub id, or a local folder of data files) is for `datasets.load_dataset`.
@@ -169,15 +193,18 @@ def _records(source: str, split: str, limit: int | None) -> Iterable[tuple[Any, 
 def load_rows(
     source: str,
     *,
-    split: str = "train",
+    split: str | None = "train",
     fields: dict[str, str] | None = None,
     limit: int | None = None,
+    lone_split_ok: bool = False,
 ) -> list[dict]:
     """Load rows from `source` and check that every row has a non-empty string `prompt`.
 
     `source` is a `.jsonl` file (one JSON object a line; blank lines skipped), a `.parquet` file, a directory written
-    by `datasets` `save_to_disk` (for a `DatasetDict`, `split` picks the split; for a `Dataset` it is ignored), or
-    anything `datasets.load_dataset(source, split=split)` accepts (a hub id, a folder of data files).
+    by `datasets` `save_to_disk`, or anything `datasets.load_dataset(source)` accepts (a hub id, a folder of data
+    files). `split` picks the split of a source that has several (None: its only one); a source without splits (a
+    file, a saved `Dataset`) is all one split, "train", and any other split is an error, never the training rows
+    (unless `lone_split_ok`: the source is a file of held-out rows, whose one split is meant whatever `split` says).
 
     `fields` maps our field names to the source's column names, e.g. `{"prompt": "question", "answer": "final"}`:
     the mapped columns are renamed, all other columns are kept as they are. Every field named in `fields`, and
@@ -190,14 +217,14 @@ def load_rows(
     """
     if not isinstance(source, str) or not source.strip():
         raise ValueError(f"load_rows: source must be a non-empty string, got {source!r}")
-    if not isinstance(split, str) or not split:
-        raise ValueError(f"load_rows: split must be a non-empty string, got {split!r}")
+    if split is not None and (not isinstance(split, str) or not split):
+        raise ValueError(f"load_rows: split must be None or a non-empty string, got {split!r}")
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise ValueError(f"load_rows: limit must be None or an int >= 1, got {limit!r}")
     mapping = _check_fields(fields)
 
     rows: list[dict] = []
-    for index, (raw, line) in enumerate(_records(source, split, limit)):
+    for index, (raw, line) in enumerate(_records(source, split, limit, lone_split_ok)):
         if limit is not None and index >= limit:
             break
         rows.append(_normalize_row(raw, index, line, mapping, source))

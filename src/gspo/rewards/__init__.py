@@ -1,20 +1,28 @@
 """Reward functions and the runner that scores a batch of completions with a weighted sum of them.
 
 A reward function is a plain function `fn(prompt: str, completion: str, **row) -> float`, where `row` holds the data
-row's other fields (e.g. `answer`). It is named either by a registry name (`REWARDS`) or by an import path
-(`"package.module:function"` or `"package.module.function"`), so user rewards need no registration.
+row's other fields (e.g. `answer`). It is named either by a registry name (`REWARDS`), by an import path
+(`"package.module:function"` or `"package.module.function"`; modules in the working directory are found), or by a
+file (`"path/to/rewards.py:function"`), so user rewards need no registration. `check_signature` tells, before any
+compute, whether a function can be called that way with a given row.
 
-Each call runs under a wall-clock deadline (`timeout_s`, see `gspo.rewards.deadline` for how and at what cost), and
-the `code` reward runs model-written programs in a sandboxed child process (`gspo.rewards.sandbox`).
+A batch's calls share one wall-clock deadline (`timeout_s`, see `gspo.rewards.deadline` for how and at what cost),
+and the `code` reward runs model-written programs in a sandboxed child process (`gspo.rewards.sandbox`).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import inspect
 import logging
 import math
 import numbers
+import os
+import sys
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -28,7 +36,9 @@ __all__ = [
     "RewardFailure",
     "RewardFn",
     "RewardRunner",
+    "RewardScores",
     "addition_reward",
+    "check_signature",
     "code_reward",
     "countdown_reward",
     "math_reward",
@@ -81,7 +91,7 @@ def resolve_reward(spec: str) -> RewardFn:
     if not module_name or not attr_path:
         raise ValueError(f"reward spec {spec!r} is not of the form 'package.module:function'")
     try:
-        target: Any = importlib.import_module(module_name)
+        target: Any = _import_module(module_name)
     except Exception as exc:
         raise ValueError(
             f"reward {spec!r}: cannot import module {module_name!r}: {type(exc).__name__}: {exc} "
@@ -95,6 +105,49 @@ def resolve_reward(spec: str) -> RewardFn:
     if not callable(target):
         raise ValueError(f"reward {spec!r} names a {type(target).__name__}, not a function")
     return target
+
+
+def _import_module(name: str) -> Any:
+    """Import a module by dotted name, or a `.py` file by path. The working directory is searched after sys.path
+    (as `python -m` would, but without letting a local file shadow an installed module), so `my_rewards:fn` works
+    from the `gspo` command too."""
+    if name.endswith(".py"):
+        path = Path(name).expanduser().resolve()
+        if not path.is_file():
+            raise FileNotFoundError(f"no such file {path}")
+        module_name = f"gspo_user_rewards.{path.stem}_{abs(hash(str(path))):x}"
+        if module_name not in sys.modules:
+            spec = importlib.util.spec_from_file_location(module_name, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[module_name] = module
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[module_name]
+                raise
+        return sys.modules[module_name]
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path and importlib.util.find_spec(name.split(".")[0]) is None:
+        sys.path.append(cwd)
+    return importlib.import_module(name)
+
+
+def check_signature(fn: RewardFn, name: str, row: Mapping[str, Any]) -> None:
+    """Raise ValueError, before any compute, when `fn` cannot be called as `fn(prompt, completion, **fields)` with
+    the fields of `row` (a sample data row), naming the function, what does not fit and the expected signature."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C function without a signature: it will tell at call time
+        return
+    fields = {k: v for k, v in row.items() if k not in _POSITIONAL_FIELDS}
+    try:
+        signature.bind("prompt", "completion", **fields)
+    except TypeError as exc:
+        raise ValueError(
+            f"reward {name!r} cannot be called with a data row (fields {sorted(fields)}): {exc}. A reward function "
+            "must accept `def reward(prompt: str, completion: str, **row) -> float` (the row's other fields, e.g. "
+            "answer, come as keyword arguments; take the ones you need by name and keep **row for the rest)"
+        ) from None
 
 
 def _check_value(value: Any) -> tuple[float | None, str, str]:
@@ -123,15 +176,16 @@ class RewardRunner:
     failure. Timeouts are also counted in `self.timeouts` (and `reward_timeouts` in the stats).
 
     Calls run in `workers` daemon threads (`DeadlinePool`) when there is a deadline or more than one worker, else
-    inline. A timed-out call cannot be stopped and keeps running in its abandoned thread; once more than
-    `MAX_STUCK_CALLS` of them are still running, a RewardFailure is raised whatever `on_error` says.
+    inline; all the calls of one batch share one deadline, `timeout_s` after the batch starts. A timed-out call
+    cannot be stopped and keeps running in its abandoned thread; once more than `MAX_STUCK_CALLS` of them are still
+    running, a RewardFailure is raised whatever `on_error` says.
     """
 
     def __init__(
         self,
         specs: Sequence[tuple[str | RewardFn, float]] | Mapping[str, float],
         on_error: Literal["fail", "zero"] = "fail",
-        timeout_s: float | None = 10.0,
+        timeout_s: float | None = 30.0,
         workers: int = 1,
     ) -> None:
         if on_error not in ("fail", "zero"):
@@ -196,7 +250,8 @@ class RewardRunner:
         if outcome.timed_out:
             self.timeouts[name] += 1
             value, kind = None, "timeout"
-            reason = f"timed out after {self.timeout_s:g} s (rewards.timeout_s; the call was abandoned)"
+            reason = (f"timed out after {self.timeout_s:g} s (rewards.timeout_s, one deadline for all of a batch's "
+                      "reward calls: this call was abandoned or never started)")
         elif outcome.error is not None:
             if not isinstance(outcome.error, Exception):  # SystemExit from a reward function: not ours to swallow
                 raise outcome.error
@@ -226,6 +281,17 @@ class RewardRunner:
         """Score each completion. Returns float32 rewards [N] (the weighted sum) and stats: the unweighted mean of
         each function (`reward/<name>`, failures counted as 0), this call's failure count (`reward_failures`) and
         how many of those were timeouts (`reward_timeouts`)."""
+        scores = self.score(prompts, completions, rows)
+        return scores.total, scores.stats
+
+    def check_rows(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Check every function's signature against the first row's fields (`check_signature`), before compute."""
+        if rows:
+            for name, fn in zip(self.names, self.functions, strict=True):
+                check_signature(fn, name, rows[0])
+
+    def score(self, prompts: list[str], completions: list[str], rows: list[dict]) -> RewardScores:
+        """Like `__call__`, keeping each function's unweighted values and which calls failed (`RewardScores`)."""
         n = len(completions)
         if len(prompts) != n or len(rows) != n:
             raise ValueError(
@@ -245,16 +311,38 @@ class RewardRunner:
         )
         totals = [0.0] * n
         stats: dict[str, float] = {}
-        call_failures = 0
+        values: dict[str, torch.Tensor] = {}
+        failed: dict[str, torch.Tensor] = {}
         timeouts_before = sum(self.timeouts.values())
         for k, (name, weight) in enumerate(zip(self.names, self.weights, strict=True)):
-            values = []
-            for i in range(n):
-                value, failed = self._score(name, i, completions[i], outcomes[k * n + i])
-                call_failures += failed
-                values.append(value)
+            scored = [self._score(name, i, completions[i], outcomes[k * n + i]) for i in range(n)]
+            for i, (value, _) in enumerate(scored):
                 totals[i] += weight * value
-            stats[f"reward/{name}"] = sum(values) / n
-        stats["reward_failures"] = float(call_failures)
+            values[name] = torch.tensor([v for v, _ in scored], dtype=torch.float32)
+            failed[name] = torch.tensor([f for _, f in scored], dtype=torch.bool)
+            stats[f"reward/{name}"] = sum(v for v, _ in scored) / n
+        stats["reward_failures"] = float(sum(int(f.sum()) for f in failed.values()))
         stats["reward_timeouts"] = float(sum(self.timeouts.values()) - timeouts_before)
-        return torch.tensor(totals, dtype=torch.float32), stats
+        return RewardScores(torch.tensor(totals, dtype=torch.float32), values, failed, stats)
+
+
+@dataclass
+class RewardScores:
+    """One batch's scores: the weighted sum [N] (what training uses), each function's unweighted values [N] (a failed
+    call counts 0) and failure flags [N], and the stats `RewardRunner.__call__` returns."""
+
+    total: torch.Tensor
+    values: dict[str, torch.Tensor]
+    failed: dict[str, torch.Tensor]
+    stats: dict[str, float]
+
+    def correct(self, reward: str, threshold: float = 1.0) -> torch.Tensor:
+        """Which completions count as solved: `reward`'s unweighted value is at least `threshold` (and its call did
+        not fail), whatever the other functions and the weights say."""
+        if reward not in self.values:
+            raise ValueError(f"accuracy reward {reward!r} is not one of the scored functions {sorted(self.values)}")
+        return (self.values[reward] >= threshold - 1e-6) & ~self.failed[reward]
+
+    def rows_failed(self) -> torch.Tensor:
+        """Completions on which at least one function failed [N]."""
+        return torch.stack(list(self.failed.values())).any(0)

@@ -1,6 +1,11 @@
-"""Run reward-function calls with a per-call wall-clock deadline, so that a hanging reward cannot hang training.
+"""Run a batch of reward-function calls under one wall-clock deadline, so that a hanging reward cannot hang training.
 
-Why daemon threads, and what that costs. A call that passes its deadline is reported as timed out and the caller
+The deadline is the batch's, not each call's: every call of one `map` must have finished `timeout_s` seconds after
+the `map` began. Per-call deadlines made a step wait for them one after another (16 hanging calls at 10 s each held a
+step for 179 s); with one deadline a step's reward phase takes at most `timeout_s`, however many calls hang. At the
+deadline, a call still running is abandoned and a call not yet started is skipped; both are reported as timed out.
+
+Why daemon threads, and what that costs. A call that passes the deadline is reported as timed out and the caller
 moves on; the thread running it is abandoned (replaced by a fresh one) and counted in `DeadlinePool.stuck`, because
 Python cannot stop a thread: a hung pure-Python call keeps running in the background, holding the GIL in turns,
 until it returns by itself. The alternatives were worse here:
@@ -46,7 +51,9 @@ class _Batch:
     """The calls of one `map`, and what the waiting caller needs to know about them."""
 
     remaining: int
+    deadline: float | None = None  # time.monotonic() by which every call must have finished; None: no deadline
     running: set = field(default_factory=set)  # tasks started and not finished
+    queued: list = field(default_factory=list)  # all the batch's tasks (those not started are skipped at the deadline)
     cancelled: bool = False
 
 
@@ -63,8 +70,8 @@ class _Task:
 
 
 class DeadlinePool:
-    """`workers` daemon threads running calls with a deadline of `timeout_s` seconds each (None: no deadline),
-    counted from when the call starts, not from when it was queued."""
+    """`workers` daemon threads running batches of calls; every call of a batch must finish within `timeout_s`
+    seconds of the batch's start (None: no deadline)."""
 
     def __init__(self, workers: int = 1, timeout_s: float | None = None) -> None:
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
@@ -87,8 +94,10 @@ class DeadlinePool:
 
     def map(self, calls: Sequence[tuple[Callable[..., Any], tuple, dict]]) -> list[Outcome]:
         """Run each `(fn, args, kwargs)` and return their outcomes in the same order; never raises for a call."""
-        batch = _Batch(remaining=len(calls))
+        batch = _Batch(remaining=len(calls),
+                       deadline=None if self.timeout_s is None else time.monotonic() + self.timeout_s)
         tasks = [_Task(fn, tuple(args), dict(kwargs), batch) for fn, args, kwargs in calls]
+        batch.queued = tasks
         for task in tasks:
             self._queue.put(task)
         try:
@@ -100,23 +109,24 @@ class DeadlinePool:
         return [Outcome(timed_out=True) if task.timed_out else task.outcome for task in tasks]
 
     def _expire(self, batch: _Batch) -> float | None:
-        """Time out the running calls past their deadline (called with the lock held); how long to wait before
-        looking again: until the soonest deadline, and at most `timeout_s` (a call starting meanwhile has a later
-        deadline than that), so that workers need not wake the caller when a call starts, only when all are done."""
-        if self.timeout_s is None:
+        """At the batch's deadline (called with the lock held): abandon the running calls (each replaced by a fresh
+        worker), skip those not started, and end the batch. Returns how long to wait before looking again: until the
+        deadline; None (no deadline: workers wake the caller when all calls are done); 0 once the batch is over."""
+        if batch.deadline is None:
             return None
-        now, soonest = time.monotonic(), self.timeout_s
-        for task in list(batch.running):
-            deadline = task.started + self.timeout_s
-            if now >= deadline:
+        left = batch.deadline - time.monotonic()
+        if left > 0:
+            return left
+        batch.cancelled = True  # workers skip the calls still queued
+        for task in batch.queued:
+            if task.outcome is None and not task.timed_out:
                 task.timed_out = True
-                batch.running.discard(task)
-                batch.remaining -= 1
-                self._abandoned.append(task.worker)
-                self._spawn()  # the stuck thread's replacement
-            else:
-                soonest = min(soonest, deadline - now)
-        return soonest
+                if task in batch.running:
+                    batch.running.discard(task)
+                    self._abandoned.append(task.worker)
+                    self._spawn()  # the stuck thread's replacement
+        batch.remaining = 0
+        return 0.0  # do not wait: the batch is over
 
     def _spawn(self) -> None:
         threading.Thread(target=self._work, name="gspo-reward", daemon=True).start()

@@ -14,10 +14,12 @@ trainer's interpreter in isolated mode, in a new session), which
   private working folder, mounts a /proc of its own (host processes are invisible: no command lines, no
   environments), sets resource limits (RLIMIT_CPU: CPU seconds; RLIMIT_AS: address space; RLIMIT_NPROC: processes;
   no core dumps; 16 MiB files; 256 open files) and — when the trainer runs as root — drops to an unprivileged uid
-  (`nobody`, 65534) with no supplementary groups: that is what makes RLIMIT_NPROC bite (it is not enforced for
-  uid 0); without root the user namespace's own process count plays that part. It sets no-new-privileges and a
-  parent-death signal, forks the program and reaps every process until the program exits; when it exits in turn,
-  the kernel kills whatever the program left behind in the namespace, however it daemonised;
+  and gid of the call's own (see `_own_ids`: no account has it, and no other running call) with no supplementary
+  groups: that is what makes RLIMIT_NPROC bite (it is not enforced for uid 0, and it counts every process of a uid,
+  so calls sharing one uid, such as `nobody`, would share one budget and a fork bomb in one would keep the others
+  from starting); without root the user namespace's own process count plays that part. It sets no-new-privileges
+  and a parent-death signal, forks the program and reaps every process until the program exits; when it exits in
+  turn, the kernel kills whatever the program left behind in the namespace, however it daemonised;
 * the program `exec`s `python -I -S -B main.py` (isolated mode, no site-packages: only the standard library is
   importable and no PYTHON* variable is honoured) in the private temporary folder (created per call, removed
   afterwards) with a clean environment (PATH, LANG, and HOME and TMPDIR in that folder; nothing inherited) and stdin
@@ -54,12 +56,13 @@ import secrets
 import selectors
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,7 +84,10 @@ _MS_REC, _MS_PRIVATE = 0x4000, 0x40000
 _MOUNT_OPTION_FLAGS = {"nosuid": 0x2, "nodev": 0x4, "noexec": 0x8, "noatime": 0x400, "nodiratime": 0x800,
                        "relatime": 0x200000, "strictatime": 0x1000000}
 
-NOBODY_UID = 65534
+# As root, each call's program runs under a uid (= gid) of its own from this block, which no account uses: systemd
+# leaves 0x70000000-0x7FFDFFFF unassigned (between its container and "foreign" ranges: systemd's UIDS-GIDS.md).
+_UID_BASE = 0x70000000
+_UID_COUNT = 1 << 20
 _MAX_FILE_BYTES = 16 << 20  # RLIMIT_FSIZE: the largest file the program may write
 _MAX_OPEN_FILES = 256  # RLIMIT_NOFILE
 _MAX_REPORT_BYTES = 64 << 10  # what is kept of the launcher's report and the result pipe
@@ -168,26 +174,27 @@ def run_sandboxed(
     if not isinstance(code, str):
         raise TypeError(f"run_sandboxed: code must be a str, got {type(code).__name__}")
     tests_source = _tests_source(tests)
-    drop_to: tuple[int, int] | None = _nobody() if os.geteuid() == 0 else None
-    interpreter = python or _default_python(drop_to is not None)
-    workdir = Path(tempfile.mkdtemp(prefix="gspo-sandbox-"))
-    try:
-        (workdir / "main.py").write_text(_HARNESS, encoding="utf-8")
-        (workdir / "solution.py").write_text(f"{code}\n\n{tests_source}\n", encoding="utf-8")
-        if drop_to is not None:
-            os.chown(workdir, *drop_to)
-        spec = {
-            "python": interpreter,
-            "workdir": str(workdir),
-            "uid_gid": drop_to,
-            "cpu_s": math.ceil(cpu_s),
-            "memory_bytes": int(memory_mb) << 20,
-            "max_procs": int(max_procs),
-            "env": {"PATH": _SAFE_PATH, "LANG": "C.UTF-8", "HOME": str(workdir), "TMPDIR": str(workdir)},
-        }
-        return _run(spec, timeout_s, max_output_bytes, require_isolation)
-    finally:
-        _remove_tree(workdir)
+    root = os.geteuid() == 0
+    interpreter = python or _default_python(root)
+    with _own_ids() if root else contextlib.nullcontext() as drop_to:  # as root: a uid of this call's own
+        workdir = Path(tempfile.mkdtemp(prefix="gspo-sandbox-"))
+        try:
+            (workdir / "main.py").write_text(_HARNESS, encoding="utf-8")
+            (workdir / "solution.py").write_text(f"{code}\n\n{tests_source}\n", encoding="utf-8")
+            if drop_to is not None:
+                os.chown(workdir, *drop_to)
+            spec = {
+                "python": interpreter,
+                "workdir": str(workdir),
+                "uid_gid": drop_to,
+                "cpu_s": math.ceil(cpu_s),
+                "memory_bytes": int(memory_mb) << 20,
+                "max_procs": int(max_procs),
+                "env": {"PATH": _SAFE_PATH, "LANG": "C.UTF-8", "HOME": str(workdir), "TMPDIR": str(workdir)},
+            }
+            return _run(spec, timeout_s, max_output_bytes, require_isolation)
+        finally:
+            _remove_tree(workdir)
 
 
 def _check_limits(timeout_s: float, cpu_s: float, memory_mb: int, max_procs: int, max_output_bytes: int) -> None:
@@ -208,13 +215,30 @@ def _tests_source(tests: str | Sequence[str]) -> str:
     raise TypeError(f"run_sandboxed: tests must be a str or a list of str, got {tests!r:.80}")
 
 
-def _nobody() -> tuple[int, int]:
-    """(uid, gid) of `nobody`, or 65534 for both where there is no such user."""
-    try:
-        entry = pwd.getpwnam("nobody")
-    except KeyError:
-        return NOBODY_UID, NOBODY_UID
-    return entry.pw_uid, entry.pw_gid
+@contextlib.contextmanager
+def _own_ids() -> Iterator[tuple[int, int]]:
+    """A uid (and the same number as gid) for one call as root, held until the block ends: drawn at random from
+    `_UID_BASE`'s block, skipping any that an account has, and reserved machine-wide by binding an abstract Unix
+    socket named after it (released by the kernel even if this process dies), so that no other call running at the
+    same time (other threads, other trainers, pytest workers) gets it. RLIMIT_NPROC then counts this call's
+    processes alone. All of them are gone before the block ends (see `_stop`), so the uid can be reused after."""
+    for _ in range(100):
+        uid = _UID_BASE + secrets.randbelow(_UID_COUNT)
+        try:
+            pwd.getpwuid(uid)
+            continue  # an account has it
+        except KeyError:
+            pass
+        lock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            lock.bind(f"\0gspo-sandbox-uid-{uid}")
+        except OSError:  # another call holds it (EADDRINUSE)
+            lock.close()
+            continue
+        with lock:
+            yield uid, uid
+        return
+    raise SandboxError("could not reserve a uid for the sandbox (100 tries)")
 
 
 def _usable_by_others(path: str) -> bool:
@@ -229,7 +253,7 @@ def _usable_by_others(path: str) -> bool:
 
 
 def _default_python(dropping_privileges: bool) -> str:
-    """This interpreter, or (when the program runs as `nobody` and cannot reach it) a system python3."""
+    """This interpreter, or (when the program runs as an unprivileged uid and cannot reach it) a system python3."""
     own = os.path.realpath(sys.executable)
     if not dropping_privileges:
         return own

@@ -1,0 +1,117 @@
+"""Training rows and held-out rows from one data configuration, disjoint from each other, with a record of where the
+held-out rows came from (it goes to summary.json next to the accuracy measured on them).
+
+The held-out rows come from exactly one place:
+
+* an embedded task's test split: disjoint by construction (`gspo.data.tasks.split_of`);
+* `data.eval_split` of a dataset that has splits (a saved DatasetDict, a hub id, a folder of split files);
+* `data.eval_path`: a separate file or dataset;
+* `data.eval_fraction` of `data.path`'s rows, chosen by a hash of the prompt (`holdout_bucket`), so the same prompt
+  is always on the same side: disjoint by construction, and the same rows whatever the seed or the file's order.
+
+For the two sources that are not disjoint by construction, a held-out row whose prompt is also a training prompt is
+dropped from the held-out rows (counted in the record, and logged), so that "held-out" accuracy is never measured
+on what the policy was trained on. A single file has no test split: asking for one is an error
+(`gspo.data.files.load_rows`), never a silent evaluation on the training rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from gspo.data.files import load_rows
+from gspo.data.tasks import make_task
+
+__all__ = ["DataSplits", "holdout_bucket", "load_data", "split_by_fraction"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DataSplits:
+    """The rows to train on, the held-out rows, and where the held-out rows came from (`heldout_source`, JSON)."""
+
+    train: list[dict]
+    heldout: list[dict]
+    heldout_source: dict[str, Any] = field(default_factory=dict)
+
+
+def _prompt_key(prompt: Any) -> str:
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
+
+
+def holdout_bucket(prompt: Any) -> float:
+    """A number in [0, 1) that is a pure function of the prompt (SHA-256, the same on every machine and process)."""
+    digest = hashlib.sha256(_prompt_key(prompt).encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def split_by_fraction(rows: list[dict], fraction: float) -> tuple[list[dict], list[dict]]:
+    """(training rows, held-out rows): a row is held out when its prompt's `holdout_bucket` is below `fraction`.
+    Rows with the same prompt land on the same side, so the two are disjoint in prompts, not only in rows."""
+    if not 0 < fraction < 1:
+        raise ValueError(f"split_by_fraction: fraction must be in (0, 1), got {fraction!r}")
+    train, heldout = [], []
+    for row in rows:
+        (heldout if holdout_bucket(row["prompt"]) < fraction else train).append(row)
+    return train, heldout
+
+
+def _drop_training_prompts(heldout: list[dict], train: list[dict], where: str) -> tuple[list[dict], int]:
+    """Held-out rows without those whose prompt is also a training prompt, and how many were dropped."""
+    seen = {_prompt_key(r["prompt"]) for r in train}
+    kept = [r for r in heldout if _prompt_key(r["prompt"]) not in seen]
+    dropped = len(heldout) - len(kept)
+    if dropped:
+        log.warning("%s: %d of %d held-out rows have a prompt that is also a training prompt; they are left out of "
+                    "the held-out evaluation", where, dropped, len(heldout))
+    if not kept:
+        raise ValueError(f"{where}: every held-out row's prompt is also a training prompt, so nothing is held out: "
+                         "use a separate file (data.eval_path) or data.eval_fraction")
+    return kept, dropped
+
+
+def load_data(data, seed: int) -> DataSplits:
+    """Training and held-out rows for a `gspo.config.DataConfig` (`seed`: the embedded tasks' draw).
+
+    Raises ValueError / FileNotFoundError naming the source and the setting when a split does not exist, a file is
+    missing or malformed, or nothing is left to hold out."""
+    fields = data.fields or None
+    if data.eval_split is not None and data.eval_split == data.split and data.eval_path is None \
+            and data.eval_fraction is None:
+        raise ValueError(f"data.eval_split {data.eval_split!r} is the training split data.split: held-out rows must "
+                         "come from another split, data.eval_path or data.eval_fraction")
+    if data.task is not None:
+        train = make_task(data.task, split=data.split, size=data.train_size, seed=seed, **data.task_options)
+        if data.eval_split is None:
+            return DataSplits(train, [], {"kind": "none"})
+        heldout = make_task(data.task, split=data.eval_split, size=data.eval_size, seed=seed, **data.task_options)
+        return DataSplits(train, heldout, {"kind": "task_split", "task": data.task, "split": data.eval_split,
+                                           "rows": len(heldout), "dropped_training_prompts": 0})
+    if data.eval_fraction is not None:
+        rows = load_rows(data.path, split=data.split, fields=fields)
+        train, heldout = split_by_fraction(rows, data.eval_fraction)
+        if not train or not heldout:
+            raise ValueError(f"data.eval_fraction={data.eval_fraction:g} of the {len(rows)} rows of {data.path} "
+                             f"leaves {len(train)} training and {len(heldout)} held-out rows; both must be non-empty")
+        train, heldout = train[:data.train_size], heldout[:data.eval_size]
+        return DataSplits(train, heldout, {"kind": "eval_fraction", "path": data.path, "fraction": data.eval_fraction,
+                                           "rows": len(heldout), "dropped_training_prompts": 0})
+    train = load_rows(data.path, split=data.split, fields=fields, limit=data.train_size)
+    if data.eval_path is not None:
+        # a file (one split) is held out as a whole; a dataset with splits gives its data.eval_split
+        heldout = load_rows(data.eval_path, split=data.eval_split, fields=fields, limit=data.eval_size,
+                            lone_split_ok=True)
+        heldout, dropped = _drop_training_prompts(heldout, train, f"data.eval_path {data.eval_path}")
+        return DataSplits(train, heldout, {"kind": "eval_path", "path": data.eval_path,
+                                           "rows": len(heldout), "dropped_training_prompts": dropped})
+    if data.eval_split is None:
+        return DataSplits(train, [], {"kind": "none"})
+    heldout = load_rows(data.path, split=data.eval_split, fields=fields, limit=data.eval_size)
+    heldout, dropped = _drop_training_prompts(heldout, train, f"data.path {data.path} split {data.eval_split!r}")
+    return DataSplits(train, heldout, {"kind": "dataset_split", "path": data.path, "split": data.eval_split,
+                                       "rows": len(heldout), "dropped_training_prompts": dropped})

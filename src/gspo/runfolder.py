@@ -1,0 +1,143 @@
+"""The run folder (`trainer.out`): its atomic files, whether it already holds a run, and what a resume may change.
+
+A run folder is *started* once it holds what a run computed: metrics, a checkpoint, a cold-start model, a summary or
+a final model. A start that failed before that (a typo in the model name, a missing file, a bad reward) leaves only
+files that do not count, so the corrected command simply runs; a started run is continued with `--resume` or
+replaced with `--overwrite` (which deletes only the files gspo writes, never anything else in the folder).
+
+A resume continues the saved run, so its config must be the saved one, except for settings that do not change the
+training math (`RESUMABLE`): extending `trainer.steps`, threads, logging, evaluation and checkpoint cadence, reward
+timeouts, the device, and the folder's own location (a moved folder resumes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import json
+import logging
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gspo.checkpoint import CHECKPOINTS_DIRNAME, fsync_dir, fsync_tree
+from gspo.config import ConfigError, config_diff, config_to_dict, validate_config
+
+__all__ = [
+    "RESUMABLE",
+    "RUN_FILES",
+    "check_output_dir",
+    "check_resume_config",
+    "clear_run",
+    "publish_dir",
+    "run_started",
+    "write_atomic",
+    "write_jsonl",
+]
+
+log = logging.getLogger(__name__)
+
+# What gspo writes in a run folder (and all that --overwrite deletes); hidden temporaries are `.NAME.tmp` / `.old`.
+RUN_FILES = ("config.yaml", "metrics.jsonl", "eval.jsonl", "samples.jsonl", "summary.json", "curves.png", "tb",
+             CHECKPOINTS_DIRNAME, "cold_start", "cold_start.tmp", "final", "weight_sync")
+# Config keys (fnmatch patterns) a resume may change: none of them changes what the optimizer computes.
+RESUMABLE = ("trainer.steps", "trainer.threads", "trainer.out", "trainer.eval_every", "trainer.checkpoint_every",
+             "trainer.keep_checkpoints", "trainer.max_bad_steps", "trainer.device", "log.*", "rewards.timeout_s",
+             "rewards.workers", "rollout.vllm.server_url", "rollout.vllm.weight_sync_dir",
+             "rollout.vllm.request_timeout", "rollout.vllm.max_concurrent_requests")
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Replace the file `path` by `text` in one rename after an fsync: a reader (or a resume after a crash) sees the
+    old or the new content, never a torn file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    tmp.replace(path)
+    fsync_dir(path.parent)
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    """`rows` as JSON Lines, written atomically (`write_atomic`)."""
+    write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
+
+
+def publish_dir(tmp: Path, target: Path) -> None:
+    """Make the finished folder `tmp` appear as `target` in one rename (fsynced first); an existing `target` is
+    replaced: moved aside, then deleted once the new one is in place."""
+    fsync_tree(tmp)
+    old = target.with_name(f".{target.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if target.exists():
+        target.rename(old)
+    tmp.rename(target)
+    fsync_dir(target.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def check_output_dir(out: Path) -> None:
+    """Raise ConfigError, before any compute, when `out` cannot be a run folder: it (or a parent) is a file, or it
+    cannot be created or written (read-only file system, no permission). Creates the folder if it is missing."""
+    for parent in [out, *out.parents]:
+        if parent.exists() and not parent.is_dir():
+            raise ConfigError(f"trainer.out {out} cannot be a folder: {parent} is a file")
+    probe = out / f".gspo-write-test-{uuid.uuid4().hex}"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+    except OSError as e:
+        raise ConfigError(f"trainer.out {out} is not writable: {e.strerror or e} ({type(e).__name__}, errno "
+                          f"{e.errno}); choose another folder") from None
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink()
+
+
+def run_started(out: Path) -> bool:
+    """Whether `out` holds a run that computed something (metrics, a checkpoint, a cold-start or final model, a
+    summary); a config.yaml alone (a start that failed before its first step) does not count."""
+    metrics = out / "metrics.jsonl"
+    checkpoints = out / CHECKPOINTS_DIRNAME
+    return ((metrics.is_file() and metrics.stat().st_size > 0)
+            or (checkpoints.is_dir() and any(checkpoints.iterdir()))
+            or any((out / name).exists() for name in ("cold_start", "summary.json", "final")))
+
+
+def clear_run(out: Path) -> list[str]:
+    """Delete what gspo wrote in `out` (`RUN_FILES` and its hidden temporaries), nothing else; returns the names."""
+    removed = []
+    if not out.is_dir():
+        return removed
+    for entry in out.iterdir():
+        hidden_tmp = entry.name.startswith(".") and (entry.name.endswith(".tmp") or entry.name.endswith(".old"))
+        if entry.name in RUN_FILES or hidden_tmp:
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+            removed.append(entry.name)
+    return sorted(removed)
+
+
+def check_resume_config(out: Path, cfg_dict: dict[str, Any]) -> list[str]:
+    """Compare the run's saved config with the new one; returns the changed keys a resume accepts (`RESUMABLE`), and
+    raises ConfigError naming the ones it refuses (they change the training math) and the ones it would accept."""
+    saved_path = out / "config.yaml"
+    if not saved_path.exists():
+        return []
+    saved = yaml.safe_load(saved_path.read_text())
+    with contextlib.suppress(ConfigError):  # a run saved before a key existed had that key's default
+        saved = config_to_dict(validate_config(saved))
+    diff = config_diff(saved, cfg_dict)
+    refused = [key for key in diff if not any(fnmatch.fnmatchcase(key, pattern) for pattern in RESUMABLE)]
+    if refused:
+        raise ConfigError(f"cannot resume in {out}: its saved config differs in {', '.join(refused)}, which would "
+                          f"change the training math (a resume may change only: {', '.join(RESUMABLE)}); use the "
+                          "saved config, or start a new run (another trainer.out, or --overwrite)")
+    return diff

@@ -1,0 +1,348 @@
+"""A new user's first hour with their own data: held-out rows that are held out, an accuracy that means "correct",
+`gspo eval` that says what it scored, run folders that forgive a failed start, start-up checks, clean errors, and
+the outputs users expect (curves, sample completions, progress in a log file). Each test is a finding of the issue
+"Honest numbers on a user's own data" that the code before it got wrong."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import DEMO, tiny_overrides
+from gspo.cli import main
+from gspo.config import ConfigError, load_config
+from gspo.data import load_data, load_rows, split_by_fraction
+from gspo.models import build_preset
+from gspo.rewards import RewardRunner
+from gspo.tracking import read_metrics
+from gspo.trainer import evaluate, train
+
+GSPO = [sys.executable, "-m", "gspo"]
+QUICK = ["cold_start=null", "trainer.eval_every=0", "data.eval_size=8"]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def addition_rows(first: int, count: int) -> list[dict]:
+    return [{"question": f"{a}+{a % 7}=", "result": str(a + a % 7)} for a in range(first, first + count)]
+
+
+def own_data(tmp_path: Path, *extra: str) -> list[str]:
+    """Overrides for a user's own jsonl (fields mapped) on the tiny demo settings."""
+    train_file = write_jsonl(tmp_path / "train.jsonl", addition_rows(0, 60))
+    return [*tiny_overrides(tmp_path / "run", *QUICK), f"data.path={train_file}", "data.task=null",
+            'data.fields={prompt: question, answer: result}', *extra]
+
+
+# ------------------------------------------------------------------------------------------- 1. a real held-out split
+
+
+def test_a_single_file_has_no_test_split_so_a_run_without_held_out_rows_is_refused(tmp_path):
+    """Before, evaluation read the training file's first rows and called them held-out. Now the start fails, says
+    how to hold rows out, and leaves nothing behind."""
+    with pytest.raises(ValueError, match=r"no split 'test'.*data\.eval_path.*data\.eval_fraction.*eval_split: null"):
+        train(load_config(DEMO, own_data(tmp_path)))
+    assert not (tmp_path / "run" / "config.yaml").exists()
+    with pytest.raises(ValueError, match="no split 'test'"):
+        load_rows(str(tmp_path / "train.jsonl"), split="test")
+
+
+def test_eval_fraction_holds_out_by_prompt_hash_disjoint_and_reported(tmp_path):
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(400)] * 2  # every prompt twice
+    train_rows, heldout = split_by_fraction(rows, 0.1)
+    assert not {r["prompt"] for r in train_rows} & {r["prompt"] for r in heldout}  # disjoint in prompts
+    assert 0.05 < len(heldout) / len(rows) < 0.15
+    assert split_by_fraction(list(reversed(rows)), 0.1)[1] == list(reversed(heldout))  # order does not matter
+
+    summary = train(load_config(DEMO, own_data(tmp_path, "data.eval_fraction=0.2", "trainer.steps=1")))
+    assert summary["heldout"]["kind"] == "eval_fraction" and summary["heldout"]["fraction"] == 0.2
+    cfg = load_config(DEMO, own_data(tmp_path, "data.eval_fraction=0.2"))
+    data = load_data(cfg.data, seed=0)
+    assert summary["heldout"]["rows"] == len(data.heldout) > 0
+    assert not {r["prompt"] for r in data.train} & {r["prompt"] for r in data.heldout}
+
+
+def test_eval_path_rows_that_are_training_prompts_are_left_out_and_counted(tmp_path):
+    heldout_file = write_jsonl(tmp_path / "heldout.jsonl", addition_rows(50, 20))  # rows 50-59 are training rows
+    summary = train(load_config(DEMO, own_data(tmp_path, f"data.eval_path={heldout_file}", "trainer.steps=1",
+                                               "data.eval_size=100")))
+    assert summary["heldout"] == {"kind": "eval_path", "path": str(heldout_file), "rows": 10,
+                                  "dropped_training_prompts": 10, "accuracy": "addition >= 1"}
+
+
+def test_an_eval_file_that_is_the_training_file_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="every held-out row's prompt is also a training prompt"):
+        train(load_config(DEMO, own_data(tmp_path, f"data.eval_path={tmp_path / 'train.jsonl'}")))
+
+
+def test_gspo_eval_with_a_split_that_does_not_exist_exits_2(tmp_path, capsys):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1=", "answer": "2"}])
+    assert main(["eval", "tiny-moe", "--data", str(data), "--reward", "addition", "--split", "nonexistent"]) == 2
+    assert "no split 'nonexistent'" in capsys.readouterr().err
+    assert main(["eval", "tiny-moe", "--task", "addition", "--split", "nonexistent", "--size", "4"]) == 2
+
+
+# ------------------------------------------------------------------------------------- 2. accuracy means "correct"
+
+
+def flagged(prompt: str, completion: str, **row) -> float:
+    """1 on the rows marked solved, whatever the model wrote: a known accuracy for any model."""
+    return 1.0 if row["solved"] else 0.0
+
+
+def always_one(prompt: str, completion: str, **row) -> float:
+    return 1.0
+
+
+def test_accuracy_does_not_depend_on_the_weights(tmp_path):
+    """Same model, same rows: 3 of 8 solved whatever the weights (before: {flagged: 0.5} gave 0 %, and a bonus
+    reward of weight 2 made every row "correct")."""
+    model, tokenizer = build_preset("tiny-moe")
+    rows = [{"prompt": f"{i}+1=", "solved": i < 3} for i in range(8)]
+    accuracies = [
+        evaluate(model, tokenizer, rows, RewardRunner(weights), 2, accuracy_reward="flagged")["accuracy"]
+        for weights in ([(flagged, 1.0)], [(flagged, 0.5)], [(flagged, 1.0), (always_one, 2.0)])
+    ]
+    assert accuracies == [3 / 8] * 3
+
+
+def test_several_rewards_without_a_verifier_need_the_accuracy_reward_named():
+    with pytest.raises(ConfigError, match=r"rewards\.accuracy_reward: with several reward functions"):
+        load_config(None, ["rewards.functions={a.b:c: 1.0, a.b:d: 0.5}"])
+    cfg = load_config(None, ["rewards.functions={addition: 0.5, mymod:length: 2.0}"])
+    assert cfg.rewards.accuracy_reward == "addition"  # the one built-in verifier
+    with pytest.raises(ConfigError, match="'nope' is not one of the reward functions"):
+        load_config(None, ["rewards.accuracy_reward=nope"])
+
+
+# ------------------------------------------------------------------------------------------- 3. gspo eval is honest
+
+
+def test_gspo_eval_on_a_file_needs_a_reward(tmp_path, capsys):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1=", "answer": "2"}])
+    assert main(["eval", "tiny-moe", "--data", str(data)]) == 2  # before: scored with `addition`, exit 0
+    assert "--data needs --reward" in capsys.readouterr().err
+
+
+def test_gspo_eval_exits_1_when_the_reward_fails_on_every_row(tmp_path, capsys):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1=", "gold": "2"}, {"prompt": "2+2=", "gold": "4"}])
+    assert main(["eval", "tiny-moe", "--data", str(data), "--reward", "addition"]) == 1  # rows have no `answer`
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    assert result["rows_with_reward_failures"] == 2 and result["reward_failures"] == {"addition": 2}
+    assert "failed on every one of the 2 rows" in captured.err
+
+
+def test_gspo_eval_reuses_a_training_config(tmp_path, capsys):
+    heldout_file = write_jsonl(tmp_path / "heldout.jsonl", addition_rows(100, 12))
+    overrides = own_data(tmp_path, f"data.eval_path={heldout_file}", "trainer.steps=1", "data.eval_size=12")
+    summary = train(load_config(DEMO, overrides))
+    run = tmp_path / "run"
+    assert main(["eval", str(run / "final"), "--config", str(run / "config.yaml"), "--size", "12"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["rows"] == 12 and result["source"]["kind"] == "eval_path"
+    assert result["accuracy"] == summary["heldout_accuracy_after_rl"]  # the same rows, rewards and decoding
+    assert main(["eval", str(run / "final"), "--config", str(run / "config.yaml"), "--data", "x.jsonl"]) == 2
+
+
+# --------------------------------------------------------------------------------------- 4. run folders that forgive
+
+
+def test_a_failed_start_does_not_block_the_corrected_command(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", str(DEMO), *tiny_overrides(out, *QUICK, "trainer.steps=1", "model.name=tiny-moee")]) == 2
+    assert "tiny-moee" in capsys.readouterr().err
+    assert not (out / "config.yaml").exists()
+    assert main(["train", str(DEMO), *tiny_overrides(out, *QUICK, "trainer.steps=1")]) == 0
+
+
+def test_overwrite_starts_over_and_keeps_the_users_files(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", str(DEMO), *tiny_overrides(out, *QUICK, "trainer.steps=1")]) == 0
+    (out / "notes.txt").write_text("mine")
+    assert main(["train", str(DEMO), *tiny_overrides(out, *QUICK, "trainer.steps=2")]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert main(["train", str(DEMO), "--overwrite", *tiny_overrides(out, *QUICK, "trainer.steps=2")]) == 0
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2]
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_resume_accepts_what_does_not_change_the_math_and_names_what_it_refuses(tmp_path):
+    base = [*QUICK, "trainer.checkpoint_every=1", "trainer.device=cpu"]
+    train(load_config(DEMO, tiny_overrides(tmp_path / "run", *base, "trainer.steps=2")))
+    moved = tmp_path / "moved"
+    (tmp_path / "run").rename(moved)  # a moved folder, more steps, other threads and logging: all accepted
+    summary = train(load_config(DEMO, tiny_overrides(moved, *base, "trainer.steps=3", "trainer.threads=2",
+                                                     "log.progress=true", "trainer.eval_every=1")), resume=True)
+    assert summary["status"] == "completed" and summary["steps"] == 3
+    assert [r["step"] for r in read_metrics(moved / "metrics.jsonl")] == [1, 2, 3]
+    assert yaml.safe_load((moved / "config.yaml").read_text())["trainer"]["steps"] == 3
+    with pytest.raises(ConfigError, match=r"differs in optim\.lr, rollout\.group_size, which would change the "
+                                          r"training math \(a resume may change only: trainer\.steps"):
+        train(load_config(DEMO, tiny_overrides(moved, *base, "trainer.steps=4", "optim.lr=1e-3",
+                                               "rollout.group_size=2")), resume=True)
+    with pytest.raises(ConfigError, match="can extend a run, not shorten it"):
+        train(load_config(DEMO, tiny_overrides(moved, *base, "trainer.steps=2")), resume=True)
+
+
+# ------------------------------------------------------------------------------------------------ 5. start-up checks
+
+
+def test_data_path_alone_means_no_task():
+    assert load_config(None, ["data.path=mine.jsonl"]).data.task is None
+    with pytest.raises(ConfigError, match=r"set only one of data\.task \('addition'\) and data\.path"):
+        load_config(None, ["data.path=mine.jsonl", "data.task=addition"])
+
+
+def test_a_reward_module_in_the_working_directory_is_found_by_the_gspo_command(tmp_path):
+    (tmp_path / "my_rewards.py").write_text(textwrap.dedent('''
+        def exact(prompt, completion, **row):
+            return float(completion.strip() == row["answer"])
+    '''))
+    train_file = write_jsonl(tmp_path / "train.jsonl", [{"prompt": f"{i}+1=", "answer": str(i + 1)}
+                                                        for i in range(40)])
+    gspo = Path(sys.executable).parent / "gspo"  # the console script: no cwd on sys.path (unlike python -m)
+    proc = subprocess.run([str(gspo), "train", str(DEMO), *tiny_overrides(tmp_path / "run", *QUICK),
+                           "trainer.steps=1", f"data.path={train_file}", "data.task=null", "data.eval_split=null",
+                           "rewards.functions={my_rewards:exact: 1.0}"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "completed"
+
+
+def no_row_kwargs(prompt: str, completion: str) -> float:
+    return 0.0
+
+
+def test_a_reward_without_row_keywords_is_refused_at_start_with_the_expected_signature(tmp_path, monkeypatch):
+    from gspo.rewards import REWARDS
+
+    monkeypatch.setitem(REWARDS, "no_row_kwargs", no_row_kwargs)
+    with pytest.raises(ValueError, match=r"reward 'no_row_kwargs' cannot be called with a data row .*"
+                                         r"def reward\(prompt: str, completion: str, \*\*row\)"):
+        train(load_config(DEMO, tiny_overrides(tmp_path / "run", *QUICK, "rewards.functions={no_row_kwargs: 1}")))
+    assert not (tmp_path / "run" / "config.yaml").exists()  # refused before any model was built or file written
+
+
+def test_a_reward_named_by_file_path(tmp_path):
+    module = tmp_path / "scoring.py"
+    module.write_text("def half(prompt, completion, **row):\n    return 0.5\n")
+    runner = RewardRunner({f"{module}:half": 1.0})
+    assert runner(["p"], ["c"], [{}])[0].tolist() == [0.5]
+
+
+def test_a_duplicate_yaml_section_is_an_error(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("trainer:\n  out: runs/a\nrollout:\n  group_size: 4\ntrainer:\n  steps: 3\n")
+    with pytest.raises(ConfigError, match="duplicate key 'trainer' \\(first at line 1\\)"):
+        load_config(config)
+
+
+def test_characters_a_preset_tokenizer_cannot_encode_are_warned_and_counted(tmp_path, caplog):
+    train_file = write_jsonl(tmp_path / "train.jsonl", [{"prompt": f"What is {i}+1?\n", "answer": str(i + 1)}
+                                                        for i in range(30)] + [{"prompt": "2+2=", "answer": "4"}])
+    overrides = [*tiny_overrides(tmp_path / "run", *QUICK), "trainer.steps=1", f"data.path={train_file}",
+                 "data.task=null", "data.eval_split=null"]
+    with caplog.at_level("WARNING", logger="gspo.trainer"):
+        summary = train(load_config(DEMO, overrides))
+    assert summary["unknown_character_rows"] == {"train": 30, "eval": 0}
+    warnings = [r.getMessage() for r in caplog.records if "<unk>" in r.getMessage()]
+    assert len(warnings) == 1 and "'W'" in warnings[0] and "'\\n'" in warnings[0]
+
+
+# ----------------------------------------------------------------------------------------- 8. clean one-line errors
+
+
+def test_an_output_path_that_is_a_file_or_unwritable_is_a_one_line_error(tmp_path, capsys):
+    a_file = tmp_path / "taken"
+    a_file.write_text("")
+    for out, said in ((a_file, "is a file"), (a_file / "run", "is a file"), (Path("/sys/gspo-run"), "not writable")):
+        assert main(["train", str(DEMO), *tiny_overrides(out, *QUICK)]) == 2
+        err = capsys.readouterr().err
+        assert said in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_missing_tracker_package_is_refused_before_the_model_is_built(tmp_path, capsys, monkeypatch):
+    import gspo.trainer
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was built before the missing package was noticed")
+
+    monkeypatch.setattr(gspo.trainer, "load_model", no_model)
+    for logger in ("wandb", "mlflow"):
+        if __import__("importlib.util").util.find_spec(logger) is not None:
+            continue  # installed here: nothing to refuse
+        assert main(["train", str(DEMO), *tiny_overrides(tmp_path / "run", *QUICK, f"log.{logger}={{}}")]) == 2
+        err = capsys.readouterr().err
+        assert f"log.{logger}" in err and f"pip install 'gspo[{logger}]'" in err
+
+
+def test_ctrl_c_ends_with_a_resume_hint_and_exit_130(tmp_path):
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([*GSPO, "train", str(DEMO), *tiny_overrides(out, *QUICK, "trainer.steps=500",
+                                                                        "trainer.checkpoint_every=1")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not ((out / "metrics.jsonl").exists()
+                                               and len(read_metrics(out / "metrics.jsonl")) >= 2):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    last = err.strip().splitlines()[-1]
+    assert "Traceback" not in err
+    assert last.startswith("gspo train: interrupted at step") and "last checkpoint is step" in last
+    assert last.endswith("--resume")
+
+
+# ---------------------------------------------------------------------------------------- 9. what users expect
+
+
+def test_gspo_train_writes_curves_samples_and_progress_lines_to_a_log_file(tmp_path):
+    out = tmp_path / "run"
+    log_file = tmp_path / "train.log"
+    with open(log_file, "w") as handle:  # not a terminal: no bar, progress lines instead
+        proc = subprocess.run([*GSPO, "train", str(DEMO), *tiny_overrides(out, "cold_start=null", "trainer.steps=4",
+                                                                          "log.progress=true", "log.samples=3",
+                                                                          "log.tensorboard=true")],
+                              stdout=handle, stderr=subprocess.STDOUT, timeout=300)
+    text = log_file.read_text()
+    assert proc.returncode == 0, text[-2000:]
+    assert (out / "curves.png").stat().st_size > 0
+    samples = read_metrics(out / "samples.jsonl")
+    assert [s["step"] for s in samples] == [0] * 3 + [2] * 3 + [4] * 3
+    assert set(samples[0]) >= {"prompt", "completion", "reward", "correct", "answer"}
+    for step in (1, 2, 3, 4):
+        assert f"train {step}/4 ({step / 4:.0%})" in text
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tb"), size_guidance={"tensors": 0}).Reload()
+    assert "heldout_samples/text_summary" in events.Tags()["tensors"]
+
+
+def test_held_out_accuracy_is_what_the_samples_say(tmp_path):
+    """The logged samples and their verdicts agree with the accuracy reward (not with a weighted sum)."""
+    train(load_config(DEMO, tiny_overrides(tmp_path / "run", "cold_start=null", "trainer.steps=1",
+                                           "log.samples=16", "data.eval_size=16")))
+    samples = read_metrics(tmp_path / "run" / "samples.jsonl")
+    evals = read_metrics(tmp_path / "run" / "eval.jsonl")
+    for step in (0, 1):
+        verdicts = [s["correct"] for s in samples if s["step"] == step]
+        assert len(verdicts) == 16
+        assert sum(verdicts) / 16 == pytest.approx(next(e for e in evals if e["step"] == step)["heldout_accuracy"])
+    torch.testing.assert_close(torch.tensor([s["reward"] for s in samples if s["step"] == 1]).mean(),
+                               torch.tensor(evals[-1]["heldout_reward_mean"]))
