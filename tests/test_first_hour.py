@@ -151,7 +151,7 @@ def test_gspo_eval_reuses_a_training_config(tmp_path, capsys):
     overrides = own_data(tmp_path, f"data.eval_path={heldout_file}", "trainer.steps=1", "data.eval_size=12")
     summary = train(load_config(DEMO, overrides))
     run = tmp_path / "run"
-    assert main(["eval", str(run / "final"), "--config", str(run / "config.yaml"), "--size", "12"]) == 0
+    assert main(["eval", str(run / "final"), "--config", str(run / "config.yaml")]) == 0  # its eval_size: 12
     result = json.loads(capsys.readouterr().out)
     assert result["rows"] == 12 and result["source"]["kind"] == "eval_path"
     assert result["accuracy"] == summary["heldout_accuracy_after_rl"]  # the same rows, rewards and decoding

@@ -59,6 +59,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_sft(args: argparse.Namespace) -> int:
     from gspo.checkpoint import set_seed
     from gspo.data import load_rows, make_task
+    from gspo.distributed import resolve_device
     from gspo.models import load_model, save_model
     from gspo.sft import sft
 
@@ -70,6 +71,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
         rows = make_task(args.task or "addition", split=args.split or "train", size=args.size, seed=args.seed)
     set_seed(args.seed)
     model, tokenizer = load_model(args.model, seed=args.seed)
+    model = model.to(resolve_device(args.device))
     t0 = time.perf_counter()
     losses = sft(model, tokenizer, rows, steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
     save_model(model, tokenizer, args.out)
@@ -100,7 +102,8 @@ def _eval_setup(args: argparse.Namespace):
         if args.data is not None or args.task is not None or args.reward or args.split or args.fields:
             raise ConfigError("--config takes the data, split, fields and rewards from the config: leave out --task, "
                               "--data, --split, --fields and --reward (or leave out --config)")
-        cfg = load_config(args.config, [*args.overrides, f"data.eval_size={args.size}"])
+        size = [] if args.size is None else [f"data.eval_size={args.size}"]  # default: the config's eval_size
+        cfg = load_config(args.config, [*args.overrides, *size])
         data = load_data(cfg.data, cfg.trainer.seed)
         if not data.heldout:
             raise ConfigError(f"{args.config} holds out no rows (data.eval_split is null and no data.eval_path / "
@@ -118,11 +121,11 @@ def _eval_setup(args: argparse.Namespace):
             raise ConfigError("--data needs --reward: the reward function(s) that score its rows (a registered "
                               "name such as math, or module:function / file.py:function), or reuse a training "
                               "config with --config")
-        rows = load_rows(args.data, split=args.split, fields=_fields(args), limit=args.size)
+        rows = load_rows(args.data, split=args.split, fields=_fields(args), limit=args.size or 500)
         source = {"kind": "file", "path": args.data, "split": args.split}
     else:
         task = args.task or "addition"
-        rows = make_task(task, split=args.split or "test", size=args.size, seed=args.seed)
+        rows = make_task(task, split=args.split or "test", size=args.size or 500, seed=args.seed)
         source = {"kind": "task_split", "task": task, "split": args.split or "test"}
     names = args.reward or [args.task or "addition"]
     runner = RewardRunner({name: 1.0 for name in names}, on_error="zero", timeout_s=args.timeout)
@@ -131,12 +134,14 @@ def _eval_setup(args: argparse.Namespace):
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
+    from gspo.distributed import resolve_device
     from gspo.models import load_model
     from gspo.trainer import evaluate
 
     rows, rewards, accuracy_reward, threshold, new_tokens, source = _eval_setup(args)
     rewards.check_rows(rows)
     model, tokenizer = load_model(args.model)
+    model = model.to(resolve_device(args.device))
     result = evaluate(model, tokenizer, rows, rewards, new_tokens, accuracy_reward=accuracy_reward,
                       accuracy_threshold=threshold)
     failed_rows = round(result["reward_failure_rate"] * len(rows))
@@ -194,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="delete the run in trainer.out first and start over")
     p.set_defaults(func=_cmd_train)
 
-    def data_args(p: argparse.ArgumentParser, default_size: int) -> None:
+    def data_args(p: argparse.ArgumentParser, default_size: int | None) -> None:
         p.add_argument("--task", default=None, help="embedded task (default addition, unless --data is given)")
         p.add_argument("--data", default=None, help="jsonl/parquet file, saved dataset or hub id")
         p.add_argument("--split", default=None,
@@ -203,6 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--fields", default=None, help='JSON field mapping, e.g. \'{"prompt": "question"}\'')
         p.add_argument("--size", type=int, default=default_size, help="number of rows")
         p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                       help="auto: the GPU when there is one (default), else the CPU")
 
     p = sub.add_parser("sft", help="cold-start supervised fine-tuning on demonstrations (`solution` field)")
     p.add_argument("--out", required=True, help="output HF model directory")
@@ -224,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--accuracy-threshold", type=float, default=1.0)
     p.add_argument("--timeout", type=float, default=30.0, help="seconds for a batch of reward calls")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 16, or the config's")
-    data_args(p, 500)
+    data_args(p, None)  # rows: 500, or with --config its data.eval_size
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides of --config")
     p.set_defaults(func=_cmd_eval)
 

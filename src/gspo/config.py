@@ -249,7 +249,9 @@ class TrainerConfig(_Section):
     # gradients and AdamW stay float32 and the LM head's log-softmax runs in float32. float16 is not offered: its
     # gradients need loss scaling, which gspo does not implement.
     mixed_precision: Literal["bfloat16"] | None = None
-    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: this process's GPU (LOCAL_RANK) if CUDA is available
+    # auto: this process's GPU (LOCAL_RANK) when every process on the machine has one, else the CPU (warned);
+    # cuda: the same, but too few GPUs is an error (gspo.distributed.resolve_device)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     # Recompute each decoder layer's activations in the backward instead of keeping them (transformers' gradient
     # checkpointing, non-reentrant): less activation memory for ~1/3 more training compute. Sampling is unaffected (it
     # runs the model in eval mode, with its KV cache). Not with MoE routing replay (the recompute would not replay).
