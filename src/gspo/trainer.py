@@ -36,7 +36,7 @@ import yaml
 
 from gspo.advantages import group_advantages, zero_variance_groups
 from gspo.checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint, set_seed
-from gspo.config import Config, ConfigError, config_to_dict
+from gspo.config import Config, ConfigError, config_to_dict, resolve_accuracy_reward
 from gspo.data import load_data
 from gspo.distributed import Dist, NullLogger, init_distributed
 from gspo.logprobs import completion_logprobs
@@ -154,13 +154,13 @@ def evaluate(model, tokenizer, rows: list[dict], rewards: RewardRunner, max_new_
              accuracy_threshold: float = 1.0, samples: list[dict] | None = None,
              n_samples: int = 0) -> dict[str, float]:
     """Greedy decoding on `rows`, scored by `rewards`. Returns row means: `accuracy` (the fraction solved: the
-    unweighted value of `accuracy_reward` (default: the runner's first function) is at least `accuracy_threshold`, so
-    other rewards' weights do not change it), `reward_mean` (the weighted sum), `reward_failure_rate` (rows on which
-    some reward function failed), `response_length`, `truncation_rate`. The first `n_samples` rows' prompts,
-    completions, rewards and verdicts are appended to `samples`. `sampler`: a greedy rollout engine to decode with
-    (e.g. vLLM's, see `gspo.rollout.eval_sampler`); default an HFSampler on `model`."""
+    unweighted value of `accuracy_reward` (default: the only function, or the only built-in verifier) is at least
+    `accuracy_threshold`, so other rewards' weights do not change it), `reward_mean` (the weighted sum),
+    `reward_failure_rate` (rows on which some reward function failed), `response_length`, `truncation_rate`. The
+    first `n_samples` rows' prompts, completions, rewards and verdicts are appended to `samples`. `sampler`: a greedy
+    rollout engine to decode with (e.g. vLLM's, see `gspo.rollout.eval_sampler`); default an HFSampler on `model`."""
     sampler = sampler or HFSampler(model, tokenizer, SamplingParams(top_k=1, max_new_tokens=max_new_tokens))
-    accuracy_reward = accuracy_reward or rewards.names[0]
+    accuracy_reward = resolve_accuracy_reward(rewards.names, accuracy_reward, key="evaluate(accuracy_reward=...)")
     scores, correct, failed, lengths, truncated = [], [], [], [], []
     for start in range(0, len(rows), batch_size):
         chunk = rows[start:start + batch_size]
