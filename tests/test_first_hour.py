@@ -95,6 +95,13 @@ def test_gspo_eval_with_a_split_that_does_not_exist_exits_2(tmp_path, capsys):
     assert main(["eval", "tiny-moe", "--task", "addition", "--split", "nonexistent", "--size", "4"]) == 2
 
 
+def test_gspo_eval_refuses_a_size_below_1_instead_of_using_the_default(tmp_path, capsys):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1=", "answer": "2"}])
+    for source in (["--data", str(data), "--reward", "addition"], ["--task", "addition"]):
+        assert main(["eval", "tiny-moe", *source, "--size", "0"]) == 2
+        assert "0" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------------- 2. accuracy means "correct"
 
 

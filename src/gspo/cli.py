@@ -121,11 +121,12 @@ def _eval_setup(args: argparse.Namespace):
             raise ConfigError("--data needs --reward: the reward function(s) that score its rows (a registered "
                               "name such as math, or module:function / file.py:function), or reuse a training "
                               "config with --config")
-        rows = load_rows(args.data, split=args.split, fields=_fields(args), limit=args.size or 500)
+        rows = load_rows(args.data, split=args.split, fields=_fields(args),
+                         limit=500 if args.size is None else args.size)
         source = {"kind": "file", "path": args.data, "split": args.split}
     else:
         task = args.task or "addition"
-        rows = make_task(task, split=args.split or "test", size=args.size or 500, seed=args.seed)
+        rows = make_task(task, split=args.split or "test", size=500 if args.size is None else args.size, seed=args.seed)
         source = {"kind": "task_split", "task": task, "split": args.split or "test"}
     names = args.reward or [args.task or "addition"]
     runner = RewardRunner({name: 1.0 for name in names}, on_error="zero", timeout_s=args.timeout)
