@@ -152,7 +152,7 @@ def build_cold_start(cfg: Config, target: Path) -> dict:
     from gspo.data import load_data
     from gspo.distributed import resolve_device
     from gspo.models import load_model
-    from gspo.trainer import _cold_start
+    from gspo.sft import cold_start
 
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
@@ -162,7 +162,7 @@ def build_cold_start(cfg: Config, target: Path) -> dict:
     model = model.to(resolve_device(cfg.trainer.device))
     rows = load_data(cfg.data, cfg.trainer.seed).train
     target.parent.mkdir(parents=True, exist_ok=True)
-    return _cold_start(cfg, target.parent, model, tokenizer, rows)  # writes target.parent / "cold_start"
+    return cold_start(cfg, target.parent, model, tokenizer, rows)  # writes target.parent / "cold_start"
 
 
 def run_study(opts: StudyOptions) -> dict:

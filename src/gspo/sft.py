@@ -5,14 +5,24 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import random
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+if TYPE_CHECKING:
+    from gspo.config import Config
+
 from gspo.logprobs import completion_logprobs
+from gspo.models import load_model, save_model
 from gspo.optim import make_optimizer
+from gspo.runfolder import publish_dir
+from gspo.schedule import derive_seed
 
 log = logging.getLogger(__name__)
 
@@ -94,3 +104,27 @@ def sft(
         if target_loss is not None and len(losses) > max(warmup_steps, 20) and running <= target_loss:
             break
     return losses
+
+
+def cold_start(cfg: Config, out: Path, model: nn.Module, tokenizer, train_rows: list[dict]) -> dict:
+    """The run's `cold_start` section: SFT `model` (in place) on the rows' solutions once and save it to
+    OUT/cold_start/ (written to a temporary name, then renamed); a complete OUT/cold_start/ is loaded instead, so a
+    resumed run does not redo it. Returns what it did: {"steps", "final_loss"} (also OUT/cold_start/sft.json)."""
+    target = out / "cold_start"
+    if (target / "sft.json").exists():
+        loaded, _ = load_model(str(target), dtype=cfg.model.dtype)
+        model.load_state_dict(loaded.state_dict())
+        log.info("reusing cold-start model %s", target)
+        return json.loads((target / "sft.json").read_text())
+    cs = cfg.cold_start
+    losses = sft(model, tokenizer, train_rows, steps=cs.steps, batch_size=cs.batch_size, lr=cs.lr,
+                 warmup_steps=cs.warmup_steps, seed=derive_seed(cfg.trainer.seed, "sft"),
+                 target_loss=cs.target_loss, progress=cfg.log.progress, mixed_precision=cfg.trainer.mixed_precision)
+    info = {"steps": len(losses), "final_loss": sum(losses[-20:]) / len(losses[-20:])}
+    log.info("cold-start SFT: %d steps, final loss %.3f", info["steps"], info["final_loss"])
+    tmp = out / "cold_start.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)  # what a crash during an earlier save left
+    save_model(model, tokenizer, tmp)
+    (tmp / "sft.json").write_text(json.dumps(info))
+    publish_dir(tmp, target)
+    return info

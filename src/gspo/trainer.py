@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import hashlib
 import json
 import logging
 import math
@@ -55,7 +54,7 @@ from gspo.runfolder import (
     write_atomic,
     write_jsonl,
 )
-from gspo.sft import sft
+from gspo.schedule import derive_seed, drop_long_prompts, prompt_indices, prompt_token_limit, unknown_character_rows
 from gspo.tracking import MetricsLogger, Progress, check_trackers, plot_curves, read_metrics
 
 log = logging.getLogger(__name__)
@@ -63,87 +62,6 @@ log = logging.getLogger(__name__)
 
 class TrainingError(RuntimeError):
     """The run stopped because training itself went wrong (e.g. too many steps without a finite update)."""
-
-
-# --------------------------------------------------------------------------------------------------- data and seeds
-
-
-def prompt_token_limit(cfg: Config, model, new_tokens: int) -> tuple[int | None, str]:
-    """The longest prompt (in tokens) a split may keep: `data.max_prompt_tokens`, and at most what the model's
-    max_position_embeddings leaves after `new_tokens` generated tokens (the sampler refuses longer). None: no limit.
-    Also returns what a user can do about prompts over that limit (it depends on which of the two binds)."""
-    max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    room = None if max_pos is None else max_pos - new_tokens
-    if room is not None and room < 1:
-        raise ConfigError(f"generating {new_tokens} tokens leaves no room for a prompt in the model's "
-                          f"max_position_embeddings={max_pos}: lower rollout.max_new_tokens / eval_max_new_tokens")
-    wanted = cfg.data.max_prompt_tokens
-    if wanted is not None and room is not None and wanted > room:
-        log.warning("data.max_prompt_tokens=%d + %d new tokens exceeds the model's max_position_embeddings=%d: "
-                    "prompts over %d tokens are skipped", wanted, new_tokens, max_pos, room)
-    if room is not None and (wanted is None or room <= wanted):
-        return room, (f"the model has {max_pos} positions and {new_tokens} of them are kept for the generated tokens: "
-                      "shorten the prompts, lower rollout.max_new_tokens / trainer.eval_max_new_tokens, or use a "
-                      "model with more positions")
-    hint = "raise data.max_prompt_tokens" + (f" (up to {room})" if room is not None else "") + " or shorten the prompts"
-    return wanted, hint
-
-
-def drop_long_prompts(rows: list[dict], tokenizer, limit: tuple[int | None, str],
-                      split: str) -> tuple[list[dict], int]:
-    """`rows` without those whose prompt has more than `limit` (from `prompt_token_limit`) tokens, counted as the
-    sampler encodes it, and how many were dropped (logged). Raises ConfigError if none is left."""
-    limit, hint = limit
-    if limit is None:
-        return rows, 0
-    lengths = [len(ids) for ids in tokenizer([r["prompt"] for r in rows], add_special_tokens=False)["input_ids"]]
-    kept = [row for row, n in zip(rows, lengths, strict=True) if n <= limit]
-    skipped = len(rows) - len(kept)
-    if not kept:
-        raise ConfigError(f"all {len(rows)} prompts of the {split} rows are longer than {limit} tokens (the longest "
-                          f"has {max(lengths)}): {hint}")
-    if skipped:
-        log.warning("skipped %d of %d prompts of the %s rows: longer than %d tokens", skipped, len(rows), split, limit)
-    return kept, skipped
-
-
-def unknown_character_rows(tokenizer, rows: list[dict], what: str, fields: tuple[str, ...] = ("prompt",)) -> int:
-    """How many rows have text that `tokenizer` maps to its unknown token (e.g. the tiny presets' character
-    vocabulary has no uppercase, newline or non-ASCII characters); warns once, naming some of the characters, since
-    the model then sees `<unk>` where the data had text. 0 for tokenizers without an unknown token (byte-level BPE)."""
-    unk = getattr(tokenizer, "unk_token_id", None)
-    if unk is None or not rows:
-        return 0
-    pairs = [(i, r[f]) for i, r in enumerate(rows) for f in fields if isinstance(r.get(f), str)]
-    if not pairs:
-        return 0
-    owners, texts = zip(*pairs, strict=True)
-    ids = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
-    bad = [(owner, text) for owner, text, row_ids in zip(owners, texts, ids, strict=True) if unk in row_ids]
-    if bad:
-        chars = sorted({c for _, text in bad[:50] for c in set(text)
-                        if tokenizer(c, add_special_tokens=False)["input_ids"] == [unk]})
-        log.warning("%d of the %s rows have characters the tokenizer maps to %s (e.g. %s): the model sees %s there; "
-                    "use a tokenizer that covers the data", len({o for o, _ in bad}), what, tokenizer.unk_token,
-                    ", ".join(repr(c) for c in chars[:10]), tokenizer.unk_token)
-    return len({owner for owner, _ in bad})
-
-
-def derive_seed(*parts: int | str) -> int:
-    """A 63-bit seed that is a pure function of its parts (run seed, step, prompt index, ...)."""
-    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
-def prompt_indices(step: int, count: int, num_rows: int, seed: int) -> list[int]:
-    """Which rows step `step` trains on: consecutive slices of a per-epoch seeded permutation, so the data
-    position is a function of the step alone (exact resume, no sampler state to save)."""
-    out = []
-    for pos in range(step * count, (step + 1) * count):
-        epoch, offset = divmod(pos, num_rows)
-        perm = torch.randperm(num_rows, generator=torch.Generator().manual_seed(derive_seed(seed, "epoch", epoch)))
-        out.append(int(perm[offset]))
-    return out
 
 
 # ------------------------------------------------------------------------------------------------------ evaluation
@@ -379,29 +297,6 @@ class RunInterrupted(KeyboardInterrupt):
         self.out, self.step, self.checkpoint_step = out, step, checkpoint_step
 
 
-def _cold_start(cfg: Config, out: Path, model, tokenizer, train_rows: list[dict]) -> dict:
-    """Run cold-start SFT once; a complete OUT/cold_start/ is reused (so a resumed run does not redo it).
-    Returns what it did: {"steps", "final_loss"}."""
-    target = out / "cold_start"
-    if (target / "sft.json").exists():
-        loaded, _ = load_model(str(target), dtype=cfg.model.dtype)
-        model.load_state_dict(loaded.state_dict())
-        log.info("reusing cold-start model %s", target)
-        return json.loads((target / "sft.json").read_text())
-    cs = cfg.cold_start
-    losses = sft(model, tokenizer, train_rows, steps=cs.steps, batch_size=cs.batch_size, lr=cs.lr,
-                 warmup_steps=cs.warmup_steps, seed=derive_seed(cfg.trainer.seed, "sft"),
-                 target_loss=cs.target_loss, progress=cfg.log.progress, mixed_precision=cfg.trainer.mixed_precision)
-    info = {"steps": len(losses), "final_loss": sum(losses[-20:]) / len(losses[-20:])}
-    log.info("cold-start SFT: %d steps, final loss %.3f", info["steps"], info["final_loss"])
-    tmp = out / "cold_start.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)  # what a crash during an earlier save left
-    save_model(model, tokenizer, tmp)
-    (tmp / "sft.json").write_text(json.dumps(info))
-    publish_dir(tmp, target)
-    return info
-
-
 def _start_checks(cfg: Config, out: Path, cfg_dict: dict, resume: bool, overwrite: bool) -> list[str]:
     """What can be checked before any model is built, so that a bad setting costs nothing and leaves nothing behind:
     the output folder, whether it holds a run, what a resume changes (returned), the trackers' packages."""
@@ -527,7 +422,7 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, over
     # on a resume the checkpoint's weights replace the cold-start ones, but the KL reference is the cold-start model
     cold_start = None  # rank 0 trains and saves it; the other processes then load it
     if cfg.cold_start is not None:
-        cold_start = par.main_first(lambda: _cold_start(cfg, out, model, tokenizer, train_rows))
+        cold_start = par.main_first(lambda: cold_start(cfg, out, model, tokenizer, train_rows))
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.algorithm.kl_beta > 0 else None
 
     total_updates = cfg.trainer.steps * cfg.algorithm.minibatches
