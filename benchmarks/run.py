@@ -156,13 +156,12 @@ def gpu_peak_bytes(device: str) -> int:
 def gspo_worker(path: str, batches: int, warmup: int, options: dict) -> dict:
     """Time `batches` rollout batches of `gspo.trainer.rl_step` (after `warmup` more)."""
     from gspo.config import validate_config
-    from gspo.distributed import init_distributed
     from gspo.models import load_model
-    from gspo.moe import is_moe
     from gspo.optim import make_optimizer
+    from gspo.parallel import init_distributed
     from gspo.rewards import RewardRunner
     from gspo.rollout import HFSampler, SamplingParams
-    from gspo.trainer import RLStep, rl_step
+    from gspo.trainer import RLStep, default_hooks, rl_step
 
     prompts, group, new_tokens, device = worker_shape(options)
     rewards = {"functions": {"run:hash_reward": 1.0}} if options.get("reward") == "hash" else {}
@@ -175,16 +174,16 @@ def gspo_worker(path: str, batches: int, warmup: int, options: dict) -> dict:
         **({"rewards": rewards} if rewards else {}),
         "trainer": {"device": device, **options.get("trainer", {})},
     })
-    dist = init_distributed(cfg.trainer.parallel, cfg.trainer.device)  # one process: this device
+    group = init_distributed(cfg.trainer.parallel, cfg.trainer.device)  # one process: this device
     model, tokenizer = load_model(cfg.model.name, dtype=cfg.model.dtype)
-    model = dist.place(model)
+    model = model.to(group.device)
     rows = addition_rows()
     optimizer, scheduler = make_optimizer(model, cfg.optim.lr, 1000, betas=cfg.optim.betas)
     ro = cfg.rollout
     engine = HFSampler(model, tokenizer, SamplingParams(temperature=ro.temperature, max_new_tokens=ro.max_new_tokens),
                        dtype=ro.dtype)
     engine.eos_ids = []  # fixed-length completions: EOS is an ordinary token here (TRL side: min_new_tokens)
-    ctx = RLStep(cfg, engine, RewardRunner(cfg.rewards.functions), moe=is_moe(model), dist=dist)
+    ctx = RLStep(cfg, engine, RewardRunner(cfg.rewards.functions), hooks=default_hooks(cfg, model), group=group)
     model.train()
     times, tokens, rollout = [], [], []
     rss0 = rss_bytes()

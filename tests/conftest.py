@@ -78,3 +78,18 @@ def safetensors_of(folder: Path) -> dict[str, torch.Tensor]:
         tensors.update(load_file(file))
     assert tensors, f"no safetensors in {folder}"
     return tensors
+
+
+class SimulatedCrash(Exception):
+    """Raised by `crash_after`'s callback: a run stopped as a crash would, at a known step."""
+
+
+def crash_after(step: int):
+    """A `train` callback that stops the run right after `step` (counted from the start of the run) was logged and
+    checkpointed as scheduled, as a crash would: no final model, no summary; `train(cfg, resume=True)` continues."""
+
+    def callback(done: int, metrics: dict) -> None:
+        if done >= step:
+            raise SimulatedCrash(f"simulated crash after step {done}")
+
+    return callback

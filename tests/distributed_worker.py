@@ -1,10 +1,12 @@
-"""Run by tests/test_distributed.py under torchrun: `train` a config, optionally interrupted after a step and resumed
-(`stop_after` 0: uninterrupted). Usage: torchrun ... tests/distributed_worker.py CONFIG STOP_AFTER [OVERRIDES...]"""
+"""Run by tests/test_distributed.py under torchrun: `train` a config, optionally crashed after a step (a callback
+raises) and resumed (`STOP_AFTER` 0: uninterrupted). Usage: torchrun ... tests/distributed_worker.py CONFIG STOP_AFTER
+[OVERRIDES...]"""
 
 import sys
 
+from conftest import SimulatedCrash, crash_after
 from gspo.config import load_config
-from gspo.distributed import shutdown
+from gspo.parallel import shutdown
 from gspo.trainer import train
 
 if __name__ == "__main__":
@@ -12,7 +14,12 @@ if __name__ == "__main__":
     cfg = load_config(config, overrides)
     try:
         if int(stop_after):
-            assert train(cfg, stop_after=int(stop_after)) == {"stopped_after": int(stop_after)}
+            try:
+                train(cfg, callbacks=[crash_after(int(stop_after))])
+            except SimulatedCrash:
+                pass
+            else:
+                raise AssertionError("the run was not stopped")
             train(cfg, resume=True)
         else:
             train(cfg)

@@ -311,7 +311,7 @@ def test_failed_resave_keeps_the_old_copy(tmp_path, training, monkeypatch):
     def fail(*args, **kwargs):
         raise OSError(errno.EIO, "I/O error")
 
-    monkeypatch.setattr(ckpt, "_fsync_tree", fail)
+    monkeypatch.setattr(ckpt, "fsync_tree", fail)
     with pytest.raises(CheckpointError, match="I/O error"):
         save(tmp_path, 4, training, state={"step": 4, "attempt": 2})
     assert json.loads((path / "state.json").read_text())["state"] == {"step": 4, "attempt": 1}

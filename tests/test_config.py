@@ -67,6 +67,13 @@ def test_dr_grpo_defaults_to_no_std_scaling():
     assert cfg.algorithm.advantage_scale == "none"
 
 
+def test_a_disallowed_advantage_scale_says_what_to_set_and_why():
+    """The rule and its message come from the objective's registry entry (allowed_scales, summary)."""
+    with pytest.raises(ConfigError, match=r"algorithm\.loss dr_grpo requires algorithm\.advantage_scale 'none', got "
+                                          r"'batch' \(.*no std normalisation of the advantages\)"):
+        load_config(DEMO, ["algorithm.loss=dr_grpo", "algorithm.advantage_scale=batch"])
+
+
 @pytest.mark.parametrize(
     ("override", "key"),
     [
@@ -256,3 +263,60 @@ def test_reliability_defaults():
     assert cfg.data.max_prompt_tokens is None and cfg.trainer.max_bad_steps == 5
     cfg = load_config(None, ["rewards.timeout_s=null", "trainer.max_bad_steps=null", "data.max_prompt_tokens=64"])
     assert cfg.rewards.timeout_s is None and cfg.trainer.max_bad_steps is None and cfg.data.max_prompt_tokens == 64
+
+
+# ------------------------------------------------------------------------------- routing replay: config vs training
+
+
+def test_routing_replay_rules_of_the_config_alone_are_checked_by_validation():
+    """The pure config rules stay in validation: r2 needs old_logprobs=recompute, replay excludes gradient
+    checkpointing, and the mode must be one of the known ones."""
+    assert load_config(DEMO, ["algorithm.routing_replay=r2"]).algorithm.routing_replay == "r2"
+    with pytest.raises(ConfigError, match="use old_logprobs=recompute"):
+        load_config(DEMO, ["algorithm.routing_replay=r2", "algorithm.old_logprobs=rollout"])
+    with pytest.raises(ConfigError, match=r"routing_replay=r2 .*gradient_checkpointing"):
+        load_config(DEMO, ["algorithm.routing_replay=r2", "trainer.gradient_checkpointing=true"])
+    with pytest.raises(ConfigError, match="routing_replay"):
+        load_config(DEMO, ["algorithm.routing_replay=r4"])
+
+
+def test_config_validation_builds_no_model(monkeypatch):
+    """Whether the model can replay its routing needs the model (on the meta device): validation does not ask, so a
+    dense preset with routing replay validates; training start refuses it (next test)."""
+    import transformers
+
+    built = []
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config",
+                        lambda *a, **k: built.append(a) or pytest.fail("config validation built a model"))
+    cfg = load_config(DEMO, ["algorithm.routing_replay=r3", "model.name=tiny-dense"])
+    assert cfg.algorithm.routing_replay == "r3" and built == []
+
+
+def test_replay_support_error_is_what_training_start_reports():
+    """`gspo.moe.replay_support_error`, which the trainer's start checks call: a message naming the mode and the
+    model for a dense preset, None for an MoE preset or for no replay."""
+    from gspo.moe import replay_support_error
+
+    error = replay_support_error("tiny-dense", "r3")
+    assert error is not None
+    assert "algorithm.routing_replay=r3 needs a Mixture-of-Experts model" in error
+    assert "(model.name=tiny-dense)" in error
+    assert replay_support_error("tiny-moe", "r2") is None
+    assert replay_support_error("tiny-dense", "none") is None
+
+
+def test_routing_replay_on_a_dense_preset_is_refused_at_training_start(tmp_path, monkeypatch):
+    """A model the replay cannot run on is refused by `train` (`gspo.moe.replay_support_error`): the ConfigError
+    (with its "(model.name=...)" suffix, which only the pre-load check adds) comes before the model is loaded and
+    with nothing written in trainer.out."""
+    from conftest import tiny_overrides
+    from gspo import trainer
+
+    out = tmp_path / "run"
+    cfg = load_config(DEMO, tiny_overrides(out, "algorithm.routing_replay=r3", "model.name=tiny-dense"))
+    monkeypatch.setattr(trainer, "load_model", lambda *a, **k: pytest.fail("the model was loaded before the check"),
+                        raising=False)
+    with pytest.raises(ConfigError, match=r"algorithm\.routing_replay=r3 needs a Mixture-of-Experts model.*"
+                                          r"\(model\.name=tiny-dense\)"):
+        trainer.train(cfg)
+    assert not out.exists() or list(out.iterdir()) == []

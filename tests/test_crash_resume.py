@@ -4,8 +4,9 @@ before its first checkpoint, in the middle of steps, and in the middle of a chec
 tensor of final/), with every step exactly once in metrics.jsonl and the same eval.jsonl.
 
 The kill moments are drawn from a seeded RNG whose seed is printed (pytest shows it on failure); set GSPO_CRASH_SEED
-to replay one. The mid-write kill uses checkpoint.py's documented test hook (GSPO_TEST_CHECKPOINT_PAUSE_S), which
-makes each save pause after every file it writes, and kills the moment the temporary `.tmp-step_*` folder appears.
+to replay one. For the mid-write kill the process is started through `PAUSING_BOOTSTRAP`, which wraps
+gspo.checkpoint's file writes (the model folder and each torch.save'd file) so that every save pauses after each of
+them, then runs the same `gspo train` command; the test kills the moment the temporary `.tmp-step_*` folder appears.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import pytest
 import torch
 
 from conftest import DEMO, safetensors_of, tiny_overrides
-from gspo.checkpoint import PAUSE_ENV, find_latest_checkpoint
+from gspo.checkpoint import find_latest_checkpoint
 from gspo.config import load_config
 from gspo.tracking import read_metrics
 from gspo.trainer import train
@@ -37,6 +38,40 @@ STEPS = 8
 EXTRA = [f"trainer.steps={STEPS}", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=2", "trainer.eval_every=1",
          "trainer.threads=1", "rewards.functions={addition: 1.0, conftest.varied_reward: 0.5}", "trainer.device=cpu"]
 TIMING_KEYS = ("time_rollout", "time_update", "tokens_per_second")
+PAUSE_S = 0.5  # per file of a checkpoint save, in the processes started with pause_checkpoints=True
+
+# `python -c PAUSING_BOOTSTRAP SECONDS ARGS...` is `python -m gspo ARGS...` whose checkpoint saves sleep SECONDS after
+# each file they write into the temporary folder: after the model folder, optimizer.pt, scheduler.pt and rng.pt. The
+# wrappers are set on gspo.checkpoint's module (its `_save_model`, and its `torch` name: a stand-in whose `save`
+# pauses), so nothing else in the process is slowed; the training code itself is unchanged.
+PAUSING_BOOTSTRAP = """
+import sys, time
+import torch
+import gspo.checkpoint as checkpoint
+from gspo.cli import main
+
+pause_s = float(sys.argv[1])
+
+
+def pausing(write):
+    def wrapper(*args, **kwargs):
+        result = write(*args, **kwargs)
+        time.sleep(pause_s)
+        return result
+    return wrapper
+
+
+class PausingTorch:
+    save = staticmethod(pausing(torch.save))
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+checkpoint._save_model = pausing(checkpoint._save_model)
+checkpoint.torch = PausingTorch()
+raise SystemExit(main(sys.argv[2:]))
+"""
 
 
 def metric_lines(out: Path) -> int:
@@ -54,11 +89,9 @@ class Run:
 
     def __init__(self, out: Path, logs: Path, resume: bool, pause_checkpoints: bool = False) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), os.environ.get("PYTHONPATH", "")])}
-        env.pop(PAUSE_ENV, None)
-        if pause_checkpoints:
-            env[PAUSE_ENV] = "0.5"
         self.log = logs / f"run{len(list(logs.iterdir()))}.log"
-        command = [sys.executable, "-m", "gspo", "train", str(DEMO), *tiny_overrides(out, *EXTRA)]
+        launcher = ["-c", PAUSING_BOOTSTRAP, str(PAUSE_S)] if pause_checkpoints else ["-m", "gspo"]
+        command = [sys.executable, *launcher, "train", str(DEMO), *tiny_overrides(out, *EXTRA)]
         with open(self.log, "wb") as handle:
             self.proc = subprocess.Popen([*command, *(["--resume"] if resume else [])], stdout=handle, stderr=handle,
                                          env=env, start_new_session=True)

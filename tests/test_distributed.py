@@ -1,5 +1,5 @@
 """Multi-process training (torchrun, gloo on CPU): 2 processes train the same weights as 1 (DDP, and FSDP2 interrupted
-and resumed), the pure pieces of `gspo.distributed` (sharding, re-padding, loss scaling) behave as documented, and
+and resumed), the pure pieces of `gspo.parallel` (sharding, one-process identities) behave as documented, and
 `trainer.device` resolves by the one-GPU-per-process rule."""
 
 from __future__ import annotations
@@ -17,10 +17,7 @@ from hypothesis import strategies as st
 
 from conftest import DEMO, safetensors_of, tiny_overrides
 from gspo.config import ConfigError, load_config
-from gspo.distributed import TOKEN_NORMALISED, Dist, _pad_batch, init_distributed, resolve_device
-from gspo.moe import FREE
-from gspo.objectives import OBJECTIVES
-from gspo.rollout import RolloutBatch
+from gspo.parallel import ProcessGroup, init_distributed, resolve_device
 from gspo.tracking import read_metrics
 from gspo.trainer import train
 
@@ -122,7 +119,7 @@ def test_one_gpu_per_process_or_the_cpu(gpus, caplog):
     assert resolve_device("cuda", local_rank=0, local_world_size=2) == torch.device("cuda", 0)
     assert resolve_device("cpu", local_rank=1, local_world_size=2) == torch.device("cpu")
     gpus(1)  # two processes on a one-GPU machine: never two on one GPU
-    with caplog.at_level(logging.WARNING, logger="gspo.distributed"):
+    with caplog.at_level(logging.WARNING, logger="gspo.parallel.group"):
         assert resolve_device("auto", local_rank=0, local_world_size=2) == torch.device("cpu")
     assert "2 processes on this machine (LOCAL_WORLD_SIZE) but only 1 visible CUDA device" in caplog.text
     assert FALLBACK_WARNING in caplog.text
@@ -150,14 +147,14 @@ def test_init_distributed_reads_the_local_world_size(gpus, monkeypatch):
 @given(world=st.integers(1, 8), per=st.integers(1, 6))
 def test_shards_partition_the_items_in_order(world, per):
     n = world * per
-    shares = [Dist(rank=r, world_size=world).shard(n) for r in range(world)]
+    shares = [ProcessGroup(rank=r, world_size=world).shard(n) for r in range(world)]
     assert [i for s in shares for i in range(n)[s]] == list(range(n))
     assert {s.stop - s.start for s in shares} == {per}
 
 
 @given(world=st.integers(1, 8), n=st.integers(1, 40))
 def test_uneven_evaluation_shards_partition_the_rows(world, n):
-    shares = [Dist(rank=r, world_size=world)._uneven_shard(n) for r in range(world)]
+    shares = [ProcessGroup(rank=r, world_size=world)._uneven_shard(n) for r in range(world)]
     assert [i for s in shares for i in range(n)[s]] == list(range(n))
     assert max(s.stop - s.start for s in shares) - min(s.stop - s.start for s in shares) <= 1
     assert shares[0].stop > shares[0].start  # rank 0 always evaluates something
@@ -165,54 +162,19 @@ def test_uneven_evaluation_shards_partition_the_rows(world, n):
 
 def test_sizes_that_do_not_split_into_whole_groups_are_refused():
     with pytest.raises(ValueError, match="prompts_per_step=3"):
-        Dist(world_size=2).check_sizes(prompts_per_step=3, group_size=4, minibatches=1)
+        ProcessGroup(world_size=2).check_sizes(prompts_per_step=3, group_size=4, minibatches=1)
     with pytest.raises(ValueError, match="equal shares"):
-        Dist(world_size=4).check_sizes(prompts_per_step=4, group_size=2, minibatches=4)  # minibatches of 2 rows
-    Dist(world_size=2).check_sizes(prompts_per_step=4, group_size=4, minibatches=4)
+        ProcessGroup(world_size=4).check_sizes(prompts_per_step=4, group_size=2, minibatches=4)  # minibatches of 2 rows
+    ProcessGroup(world_size=2).check_sizes(prompts_per_step=4, group_size=4, minibatches=4)
 
 
 def test_one_process_is_the_identity():
-    d = Dist()
+    d = ProcessGroup()
     idx = torch.randperm(12)
     assert torch.equal(d.share(idx), idx) and d.shard(5) == slice(0, 5)
-    assert d.loss_scale("dapo", torch.ones(3, 4)) == 1.0 and d.all_finite(torch.tensor(1.0))
+    assert d.all_sum([2.0, 3.0]) == [2.0, 3.0] and d.all_finite(torch.tensor(1.0))
     assert not d.all_finite(torch.tensor(float("nan")))
     assert d.mean_metrics({"a": 1.5}) == {"a": 1.5}
     t = torch.arange(6.0)
     assert d.merge_rows(t, [torch.tensor([0, 1])]) is t
     assert d.main_first(lambda: 7) == 7
-
-
-def test_token_normalised_objectives_are_the_token_mean_ones():
-    """`loss_scale` rescales exactly the objectives whose loss is a mean over the minibatch's tokens: their loss on
-    a batch is the token-weighted mean of the losses of its parts (sequence-mean ones: sequence-weighted)."""
-    torch.manual_seed(0)
-    lp, old = -torch.rand(6, 5), -torch.rand(6, 5)
-    adv, mask = torch.randn(6), torch.rand(6, 5) > 0.3
-    mask[:, 0] = True
-    for name, objective in OBJECTIVES.items():
-        whole = objective(lp, old, adv, mask)[0]
-        parts = [objective(lp[s], old[s], adv[s], mask[s])[0] for s in (slice(0, 2), slice(2, 6))]
-        weights_ = [mask[s].sum() for s in (slice(0, 2), slice(2, 6))] if name in TOKEN_NORMALISED else [2, 4]
-        combined = sum(w * p for w, p in zip(weights_, parts, strict=True)) / sum(weights_)
-        torch.testing.assert_close(combined, whole, msg=f"{name}: loss is not a mean of the assumed weights")
-
-
-@given(s=st.integers(1, 4), t=st.integers(1, 4), left=st.integers(0, 3), right=st.integers(0, 3))
-def test_repadding_keeps_every_token_in_place(s, t, left, right):
-    """Re-padding a rollout share to wider prompts (left) and completions (right) keeps every real token at the
-    same distance from the prompt/completion boundary, masks the new columns, and marks their routing FREE."""
-    n = 2
-    batch = RolloutBatch(
-        prompt_ids=torch.randint(3, 9, (n, s)), prompt_mask=torch.ones(n, s, dtype=torch.long),
-        completion_ids=torch.randint(3, 9, (n, t)), completion_mask=torch.ones(n, t, dtype=torch.long),
-        logprobs=-torch.rand(n, t), truncated=torch.zeros(n, dtype=torch.bool), completions=["a", "b"],
-        prompt_index=torch.arange(n), extras={"routing": torch.randint(0, 4, (n, s + t, 2, 2), dtype=torch.int16)})
-    out = _pad_batch(batch, s + left, t + right, pad_id=0)
-    assert torch.equal(out.prompt_ids[:, left:], batch.prompt_ids) and not out.prompt_mask[:, :left].any()
-    assert torch.equal(out.completion_ids[:, :t], batch.completion_ids) and not out.completion_mask[:, t:].any()
-    assert torch.equal(out.logprobs[:, :t], batch.logprobs) and not out.logprobs[:, t:].any()
-    r = out.extras["routing"]
-    assert r.shape[1] == s + left + t + right
-    assert torch.equal(r[:, left:left + s + t], batch.extras["routing"])
-    assert (r[:, :left] == FREE).all() and (r[:, left + s + t:] == FREE).all()

@@ -4,8 +4,8 @@ error, and never corrupts what a resume needs."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
-import functools
 import json
 import logging
 import threading
@@ -50,14 +50,13 @@ def nan_loss_on_steps(monkeypatch):
     def install(bad_steps: set[int]) -> list[float]:
         inner, calls = OBJECTIVES["gspo"], []
 
-        @functools.wraps(inner)  # keeps the signature: the config reads the default eps from it
         def objective(logprobs, old_logprobs, advantages, mask, **kw):
-            loss, metrics = inner(logprobs, old_logprobs, advantages, mask, **kw)
+            loss, metrics = inner.loss(logprobs, old_logprobs, advantages, mask, **kw)
             step = len(calls) // MINIBATCHES + 1
             calls.append(step)
             return (loss * float("nan") if step in bad_steps else loss), metrics
 
-        monkeypatch.setitem(OBJECTIVES, "gspo", objective)
+        monkeypatch.setitem(OBJECTIVES, "gspo", dataclasses.replace(inner, loss=objective))
         return calls
 
     return install

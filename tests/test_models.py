@@ -91,6 +91,19 @@ def test_resolve_dtype() -> None:
         resolve_dtype(torch.int8)
 
 
+def test_resolve_dtype_is_the_one_parser_of_dtype_names() -> None:
+    """Aliases, "torch."-prefixed and upper-case names (what the rollout engine and mixed precision accept too); every
+    non-floating dtype or unknown name is a ValueError saying a floating-point dtype was expected."""
+    for name, dtype in [("bf16", torch.bfloat16), ("fp16", torch.float16), ("half", torch.float16),
+                        ("fp32", torch.float32), ("torch.float32", torch.float32), ("torch.bfloat16", torch.bfloat16),
+                        ("BF16", torch.bfloat16), ("float64", torch.float64)]:
+        assert resolve_dtype(name) is dtype
+    assert resolve_dtype(torch.float64) is torch.float64
+    for bad in ["int8", "notadtype", "torch.save", "", torch.int32, torch.bool, None, 16]:
+        with pytest.raises(ValueError, match="floating-point"):
+            resolve_dtype(bad)
+
+
 # ---- presets ---------------------------------------------------------------------------------------------------------
 
 

@@ -3,6 +3,7 @@ robustness."""
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -10,9 +11,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gspo.config import ConfigError, load_config
 from gspo.objectives import (
     LOG_RATIO_CLAMP,
     OBJECTIVES,
+    Objective,
     cispo_loss,
     dapo_loss,
     default_eps,
@@ -21,7 +24,11 @@ from gspo.objectives import (
     gspo_loss,
     gspo_token_loss,
     kl_to_reference,
+    process_normaliser,
+    register_objective,
+    seq_mean_token_mean,
     sequence_log_ratio,
+    token_mean,
 )
 
 
@@ -292,6 +299,8 @@ def test_default_eps_are_the_papers():
     assert default_eps("gspo_token") == (3e-4, 4e-4)
     assert default_eps("grpo") == (0.2, 0.27)
     assert default_eps("dapo") == (0.2, 0.28)
+    assert default_eps("dr_grpo") == (0.2, 0.27)
+    assert default_eps("cispo") == (1.0, 0.28)
     with pytest.raises(ValueError, match="unknown objective"):
         default_eps("ppo")
 
@@ -320,3 +329,242 @@ def test_kl_to_reference_is_zero_at_reference_and_positive_elsewhere():
     lp, old, _, mask = make_batch(0, spread=0.1)
     assert kl_to_reference(old, old, mask).item() == 0.0
     assert kl_to_reference(lp.detach(), old, mask).item() > 0
+
+
+# ------------------------------------------------------------------------------------------ registry and metadata
+
+
+def test_registry_metadata_of_the_built_in_objectives():
+    by = {name: spec.normalise_by for name, spec in OBJECTIVES.items()}
+    assert by == {"gspo": "sequences", "gspo_token": "sequences", "grpo": "sequences", "dapo": "tokens",
+                  "dr_grpo": "budget", "cispo": "tokens"}
+    assert [name for name, spec in OBJECTIVES.items() if spec.token_advantages] == ["gspo_token"]
+    assert {name: spec.advantage_scale for name, spec in OBJECTIVES.items() if spec.advantage_scale != "group"} == {
+        "dr_grpo": "none"}
+    assert OBJECTIVES["dr_grpo"].allowed_scales == ("none",)
+    assert all(spec.allowed_scales == ("group", "batch", "none") for name, spec in OBJECTIVES.items()
+               if name != "dr_grpo")
+
+
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+def test_spec_agrees_with_its_function(name):
+    """The spec's ε are the function's own defaults (standalone calls and registry calls agree), and token_advantages
+    says exactly whether the function accepts [B, T] advantages; calling the spec uses its ε."""
+    spec = OBJECTIVES[name]
+    params = inspect.signature(spec.loss).parameters
+    assert (params["eps_low"].default, params["eps_high"].default) == (spec.eps_low, spec.eps_high)
+    assert params["normaliser"].kind is inspect.Parameter.KEYWORD_ONLY and params["normaliser"].default is None
+    lp, old, adv, mask = make_batch(0, spread=1e-2)
+    assert torch.equal(spec(lp, old, adv, mask)[0], spec.loss(lp, old, adv, mask)[0])
+    token_adv = adv[:, None].expand_as(lp).clone()
+    if spec.token_advantages:
+        spec(lp, old, token_adv, mask)
+    else:
+        with pytest.raises(ValueError, match="advantages shape"):
+            spec(lp, old, token_adv, mask)
+
+
+def _float32_batch(seed: int, batch: int = 6, length: int = 9):
+    """float32 (as in training) with ragged lengths, some empty rows and masked garbage."""
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(batch, length, generator=g) * 3
+    lp = old + 0.05 * torch.randn(batch, length, generator=g)
+    adv = torch.randn(batch, generator=g)
+    mask = torch.arange(length)[None, :] < torch.randint(0, length + 1, (batch,), generator=g)[:, None]
+    return lp, old.masked_fill(~mask, math.nan), adv, mask
+
+
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+@settings(max_examples=25, deadline=None)
+@given(seed=seeds)
+def test_local_count_as_normaliser_is_bit_identical(name, seed):
+    """normaliser = the local count (what one process passes) gives exactly the loss, gradient and metrics of the
+    default (None, the code before normalisers existed)."""
+    spec = OBJECTIVES[name]
+    lp, old, adv, mask = _float32_batch(seed)
+    count = spec.count(mask, max_new_tokens=lp.shape[1])  # dr_grpo's default L is T
+    results = []
+    for kwargs in ({}, {"normaliser": process_normaliser(count, 1)}, {"normaliser": count} if count else {}):
+        leaf = lp.clone().requires_grad_(True)
+        loss, metrics = spec(leaf, old, adv, mask, **kwargs)
+        (grad,) = torch.autograd.grad(loss, leaf)
+        results.append((loss, grad, metrics))
+    for loss, grad, metrics in results[1:]:
+        assert torch.equal(loss, results[0][0]) and torch.equal(grad, results[0][1])
+        assert metrics == results[0][2]
+
+
+@settings(max_examples=50, deadline=None)
+@given(seed=seeds, dtype=st.sampled_from([torch.float32, torch.float64]))
+def test_aggregations_with_the_local_count_are_the_old_formulas_bit_for_bit(seed, dtype):
+    """The old expressions, literally: x.sum() / B (a Python int) and x.sum() / mask.sum().clamp(min=1) (an int
+    tensor) against the new ones given the count as a Python float."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(7, 11, generator=g, dtype=dtype)
+    mask = torch.rand(7, 11, generator=g) > 0.4
+    lengths = mask.sum(-1).clamp(min=1).to(dtype)
+    old_seq = (torch.where(mask, x, 0.0).sum(-1) / lengths).sum() / x.shape[0]
+    old_tok = torch.where(mask, x, 0.0).sum() / mask.sum().clamp(min=1)
+    assert torch.equal(seq_mean_token_mean(x, mask, float(x.shape[0])), old_seq)
+    assert torch.equal(token_mean(x, mask, float(mask.sum().clamp(min=1))), old_tok)
+    assert torch.equal(seq_mean_token_mean(x, mask), old_seq) and torch.equal(token_mean(x, mask), old_tok)
+
+
+def _one_vs_two_processes(spec: Objective, seed: int, max_new_tokens: int = 12, dtype=torch.float64):
+    """Gradient of one process on the whole minibatch, and the average (DDP's all-reduce) of the gradients of two
+    processes holding unequal shares (2 and 4 rows, different token counts, each trimmed to its own longest
+    response), each dividing by process_normaliser(global count, 2)."""
+    lp, old, adv, mask = make_batch(seed, batch=6, length=9, spread=1e-2)
+    lp = lp.detach().to(dtype).requires_grad_(True)
+    old = old.to(dtype)
+    adv = adv.to(dtype)
+    shares = [slice(0, 2), slice(2, 6)]
+    total = sum(spec.count(mask[s], max_new_tokens) for s in shares)
+    assert total == spec.count(mask, max_new_tokens)
+    grads = []
+    for s in shares:
+        width = max(int(mask[s].sum(-1).max()), 1)
+        loss, _ = spec(lp[s, :width], old[s, :width], adv[s], mask[s, :width],
+                       normaliser=process_normaliser(total, world_size=2))
+        grads.append(torch.autograd.grad(loss, lp)[0])
+    ddp = (grads[0] + grads[1]) / 2
+    loss, _ = spec(lp, old, adv, mask, normaliser=process_normaliser(spec.count(mask, max_new_tokens), 1))
+    (one,) = torch.autograd.grad(loss, lp)
+    return one, ddp, mask, shares
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+def test_two_processes_give_the_one_process_gradient(name, dtype):
+    for seed in range(5):
+        one, ddp, mask, shares = _one_vs_two_processes(OBJECTIVES[name], seed, dtype=dtype)
+        assert one.abs().sum() > 0
+        torch.testing.assert_close(ddp, one, rtol=1e-6, atol=1e-9)
+    if OBJECTIVES[name].normalise_by == "tokens":  # the shares' token counts differ, so this is not trivially 1:1
+        assert mask[shares[0]].sum() * 2 != mask[shares[1]].sum()
+
+
+def test_without_global_normaliser_two_processes_would_differ():
+    """Why the normaliser is needed: dapo with each process's local token count is not the one-process gradient."""
+    lp, old, adv, mask = make_batch(1, batch=6, length=9, spread=1e-2)
+    grads = [torch.autograd.grad(dapo_loss(lp[s], old[s], adv[s], mask[s])[0], lp)[0]
+             for s in (slice(0, 2), slice(2, 6))]
+    (one,) = torch.autograd.grad(dapo_loss(lp, old, adv, mask)[0], lp)
+    assert not torch.allclose((grads[0] + grads[1]) / 2, one)
+
+
+def test_kl_to_reference_takes_the_sequence_normaliser():
+    lp, ref, _, mask = make_batch(2, spread=0.1)
+    assert torch.equal(kl_to_reference(lp, ref, mask, normaliser=float(lp.shape[0])), kl_to_reference(lp, ref, mask))
+    grads = [torch.autograd.grad(kl_to_reference(lp[s], ref[s], mask[s], normaliser=process_normaliser(6, 2)), lp)[0]
+             for s in (slice(0, 2), slice(2, 6))]
+    torch.testing.assert_close((grads[0] + grads[1]) / 2,
+                               torch.autograd.grad(kl_to_reference(lp, ref, mask), lp)[0], rtol=1e-9, atol=1e-12)
+
+
+def test_an_all_empty_minibatch_has_zero_loss_with_the_global_normaliser():
+    lp, old, adv, _ = make_batch(0)
+    mask = torch.zeros(lp.shape, dtype=torch.bool)
+    for spec in OBJECTIVES.values():
+        normaliser = process_normaliser(spec.count(mask, 9), world_size=2)
+        loss, metrics = spec(lp, old, adv, mask, normaliser=normaliser)
+        assert loss.item() == 0 and all(math.isfinite(v) for v in metrics.values())
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, math.nan, math.inf])
+def test_bad_normaliser_raises(bad):
+    lp, old, adv, mask = make_batch(0)
+    for spec in OBJECTIVES.values():
+        with pytest.raises(ValueError, match="normaliser"):
+            spec(lp, old, adv, mask, normaliser=bad)
+
+
+# ------------------------------------------------------------------------------------ Dr.GRPO's generation budget
+
+
+def test_dr_grpo_count_is_rows_times_the_generation_budget():
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0], [1, 1, 1]])
+    assert OBJECTIVES["dr_grpo"].count(mask, max_new_tokens=16) == 4 * 16
+    assert OBJECTIVES["gspo"].count(mask, max_new_tokens=16) == 4
+    assert OBJECTIVES["dapo"].count(mask, max_new_tokens=16) == 6
+    with pytest.raises(ValueError, match="generation budget"):
+        OBJECTIVES["dr_grpo"].count(mask, max_new_tokens=2)  # a response longer than L: L is not the budget
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        OBJECTIVES["gspo"].count(mask, max_new_tokens=0)
+
+
+def test_dr_grpo_with_the_budget_does_not_depend_on_the_longest_completion():
+    """Same responses padded to T=6 or T=10 (the minibatch's longest completion varies): with normaliser B·L,
+    L = max_new_tokens, loss and gradient are the same; the standalone default L = T is not — that was the bug of a
+    learner that did not pass the budget."""
+    spec, budget = OBJECTIVES["dr_grpo"], 16
+    lp, old, adv, mask = make_batch(4, batch=5, length=6, spread=0.1)
+    pad = torch.full((5, 4), -2.0, dtype=lp.dtype)
+    lp10 = torch.cat([lp.detach(), pad], 1).requires_grad_(True)
+    old10, mask10 = torch.cat([old, pad], 1), torch.cat([mask, torch.zeros(5, 4, dtype=torch.bool)], 1)
+    n6, n10 = spec.count(mask, budget), spec.count(mask10, budget)
+    assert n6 == n10 == 5 * budget
+    loss6, _ = spec(lp, old, adv, mask, normaliser=process_normaliser(n6))
+    loss10, _ = spec(lp10, old10, adv, mask10, normaliser=process_normaliser(n10))
+    assert loss6.item() == pytest.approx(loss10.item(), rel=1e-12) and loss6.item() != 0
+    g6, g10 = torch.autograd.grad(loss6, lp)[0], torch.autograd.grad(loss10, lp10)[0]
+    torch.testing.assert_close(g10[:, :6], g6, rtol=1e-12, atol=1e-15)
+    default6, default10 = spec(lp, old, adv, mask)[0], spec(lp10, old10, adv, mask10)[0]
+    assert default6.item() == pytest.approx(loss6.item() * budget / 6)  # L = T = 6
+    assert default10.item() != pytest.approx(default6.item())  # L = T = 10: the loss moved with the padding
+    with pytest.raises(ValueError, match="not both"):
+        spec(lp, old, adv, mask, max_tokens=budget, normaliser=n6)
+
+
+# ------------------------------------------------------------------------------- adding an objective: one entry
+
+
+def _reinforce_loss(logprobs, old_logprobs, advantages, mask, eps_low=0.1, eps_high=0.15, *, normaliser=None):
+    """Toy token-mean REINFORCE: −1/N Σ_i Σ_t Â_i log π_θ(y_{i,t}), N = Σ|y_i| unless given."""
+    mask = mask.bool()
+    total = torch.where(mask, logprobs * advantages[:, None], 0.0).sum()
+    return -total / (float(mask.sum().clamp(min=1)) if normaliser is None else normaliser), {}
+
+
+def test_a_registry_entry_is_all_an_objective_needs():
+    """Register a toy objective: the config accepts it with the spec's ε and advantage scale, enforces its allowed
+    scales, and the normaliser protocol makes it multi-process exact — no other code knows its name."""
+    spec = Objective(loss=_reinforce_loss, eps_low=0.1, eps_high=0.15, normalise_by="tokens",
+                     advantage_scale="batch", allowed_scales=("batch", "none"), summary="toy token-mean REINFORCE")
+    assert "reinforce" not in OBJECTIVES
+    try:
+        assert register_objective("reinforce", spec) is spec
+        with pytest.raises(ValueError, match="already registered"):
+            register_objective("reinforce", spec)
+        algo = load_config(overrides=["algorithm.loss=reinforce"]).algorithm
+        assert (algo.eps_low, algo.eps_high, algo.advantage_scale) == (0.1, 0.15, "batch")
+        assert load_config(overrides=["algorithm.loss=reinforce", "algorithm.advantage_scale=none"])
+        with pytest.raises(ConfigError, match=r"reinforce requires algorithm\.advantage_scale 'batch' or 'none', "
+                                              r"got 'group' \(toy token-mean REINFORCE\)"):
+            load_config(overrides=["algorithm.loss=reinforce", "algorithm.advantage_scale=group"])
+        assert default_eps("reinforce") == (0.1, 0.15)
+        one, ddp, _, _ = _one_vs_two_processes(spec, seed=0)
+        torch.testing.assert_close(ddp, one, rtol=1e-6, atol=1e-9)
+    finally:
+        OBJECTIVES.pop("reinforce", None)
+    with pytest.raises(ConfigError, match=r"algorithm\.loss 'reinforce' is not one of"):
+        load_config(overrides=["algorithm.loss=reinforce"])
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"normalise_by": "rows"}, "normalise_by"),
+        ({"advantage_scale": "group", "allowed_scales": ("none",)}, "advantage_scale"),
+        ({"allowed_scales": ()}, "allowed_scales"),
+        ({"allowed_scales": ("group", "rank")}, "allowed_scales"),
+        ({"eps_low": -0.1}, "eps_low"),
+        ({"summary": "two\nlines"}, "summary"),
+    ],
+)
+def test_bad_objective_specs_are_refused(change, message):
+    fields = {"loss": _reinforce_loss, "eps_low": 0.1, "eps_high": 0.15, "normalise_by": "tokens", "summary": "toy"}
+    with pytest.raises(ValueError, match=message):
+        Objective(**{**fields, **change})
+    with pytest.raises(TypeError, match="Objective"):
+        register_objective("toy", _reinforce_loss)

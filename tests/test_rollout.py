@@ -20,7 +20,8 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-from gspo.rollout import HFSampler, RolloutBatch, SamplingParams, filter_scores, row_seed, sample_from_logits
+from gspo.rollout import HFSampler, SamplingParams, filter_scores, policy_weights, row_seed, sample_from_logits
+from gspo.trajectory import Trajectory
 
 PAD, EOS = 0, 1
 CHARS = "abcdefgh0123 .\n"
@@ -72,12 +73,12 @@ def tiny(tok) -> dict[str, torch.nn.Module]:
     return {kind: build_model(kind, len(tok)) for kind in ("moe", "dense")}
 
 
-def teacher_forced_logprobs(model: torch.nn.Module, batch: RolloutBatch, temperature: float) -> torch.Tensor:
+def teacher_forced_logprobs(model: torch.nn.Module, batch: Trajectory, temperature: float) -> torch.Tensor:
     """log_softmax(logits / T) at the sampled tokens from one cache-free forward over [prompt + completion]."""
     return log_softmax_at(teacher_forced_logits(model, batch) / temperature, batch.completion_ids)
 
 
-def teacher_forced_logits(model: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:
+def teacher_forced_logits(model: torch.nn.Module, batch: Trajectory) -> torch.Tensor:
     """float32 logits [N, T, V] predicting each completion token, same padding/mask/positions as the sampler."""
     ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
     mask = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)
@@ -92,7 +93,7 @@ def log_softmax_at(scores: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(scores, dim=-1).gather(-1, tokens[..., None]).squeeze(-1)
 
 
-def lengths(batch: RolloutBatch) -> list[int]:
+def lengths(batch: Trajectory) -> list[int]:
     return batch.completion_mask.sum(1).tolist()
 
 
@@ -272,7 +273,7 @@ def test_group_does_not_depend_on_other_prompts(tok, tiny, kind):
 # ---------------------------------------------------------------------------------------------- 5. stopping
 
 
-def check_layout(batch: RolloutBatch, tok, max_new: int, eos_ids: set[int]) -> None:
+def check_layout(batch: Trajectory, tok, max_new: int, eos_ids: set[int]) -> None:
     """Masks are 1 exactly on the first L tokens; EOS only ever as the last one; padding and text are consistent."""
     n = len(batch)
     assert batch.completion_ids.shape[1] == max(lengths(batch))
@@ -367,9 +368,10 @@ def test_separate_dtype_engine_follows_update_weights(tok):
     unchanged = sampler.generate(PROMPTS, 2, SEEDS)
     assert torch.equal(unchanged.completion_ids, before.completion_ids)  # the engine's copy is independent
 
-    sampler.update_weights(trainer)
+    sampler.update_weights(policy_weights(trainer), version=1)
     after = sampler.generate(PROMPTS, 2, SEEDS)
     assert after.completions != before.completions
+    assert (before.versions[before.loss_mask.bool()] == 0).all() and (after.versions[after.loss_mask.bool()] == 1).all()
     engine = dict(sampler.model.named_parameters())
     for name, p in trainer.named_parameters():
         assert torch.equal(engine[name], p.detach().to(torch.bfloat16)), name
@@ -385,14 +387,16 @@ def test_same_dtype_engine_shares_the_trainer_model(tok):
         trainer.lm_head.weight.mul_(3.0)
     after = sampler.generate(PROMPTS, 2, SEEDS)  # no update_weights needed
     assert after.completions != before.completions
-    sampler.update_weights(trainer)
-    assert sampler.model is trainer
+    sampler.update_weights(iter(()), version=3)  # reads nothing: the weights are the trainer's own
+    assert sampler.model is trainer and sampler.version == 3 and sampler.shares_weights
 
 
 def test_update_weights_rejects_a_different_architecture(tok, tiny):
     sampler = HFSampler(tiny["dense"], tok, SamplingParams(), dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="tensor names differ"):
-        sampler.update_weights(tiny["moe"])
+    with pytest.raises(ValueError, match="unexpected tensor"):
+        sampler.update_weights(policy_weights(tiny["moe"]), 1)
+    with pytest.raises(ValueError, match="missing"):
+        sampler.update_weights(list(policy_weights(tiny["dense"]))[:-1], 1)
 
 
 def test_generate_restores_train_mode_and_returns_normal_tensors(tok):
@@ -472,19 +476,19 @@ def test_larger_moe_batch_sanity(tok, tiny):
 
 
 def test_release_weights_frees_the_copy_until_update_weights(tok):
-    """An own-copy engine's parameters are freed by release_weights and come back, equal, from update_weights (or
-    from the model last given, when generate comes first)."""
+    """An own-copy engine's parameters are freed by release and come back, equal, from update_weights; generating
+    from a released engine is an error, not a silent sample from freed memory."""
     trainer = build_model("moe", len(tok))
     sampler = HFSampler(trainer, tok, SamplingParams(max_new_tokens=8), dtype="bf16")
     before = sampler.generate(PROMPTS, 2, SEEDS)
-    sampler.release_weights()
+    sampler.release()
     assert all(p.numel() == 0 for p in sampler.model.parameters())
-    sampler.update_weights(trainer)
+    with pytest.raises(RuntimeError, match="released"):
+        sampler.generate(PROMPTS, 2, SEEDS)
+    sampler.update_weights(policy_weights(trainer), 1)
     for name, p in trainer.named_parameters():
         assert torch.equal(dict(sampler.model.named_parameters())[name], p.detach().to(torch.bfloat16)), name
     assert torch.equal(sampler.generate(PROMPTS, 2, SEEDS).completion_ids, before.completion_ids)
-    sampler.release_weights()
-    assert torch.equal(sampler.generate(PROMPTS, 2, SEEDS).completion_ids, before.completion_ids)
     shared = HFSampler(trainer, tok, SamplingParams(max_new_tokens=8))
-    shared.release_weights()  # a shared-weight engine has nothing to free
+    shared.release()  # a shared-weight engine has nothing to free
     assert all(p.numel() > 0 for p in trainer.parameters())

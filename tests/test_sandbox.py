@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 
 from gspo.rewards import REWARDS, RewardRunner
-from gspo.rewards import sandbox as sandbox_module
-from gspo.rewards.sandbox import SandboxError, code_reward, extract_code, run_sandboxed
+from gspo.rewards.code import code_reward, extract_code
+from gspo.sandbox import SandboxError, run_sandboxed
+from gspo.sandbox import process as sandbox_module  # the implementation: its file is what the launcher runs
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox uses Linux namespaces and rlimits")
 

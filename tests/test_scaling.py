@@ -15,12 +15,14 @@ from safetensors.torch import load_file
 from conftest import DEMO, tiny_overrides
 from gspo.config import ConfigError, load_config
 from gspo.data import load_rows
-from gspo.distributed import Dist
 from gspo.models import build_preset, build_tokenizer
 from gspo.moe import FREE
+from gspo.parallel import ProcessGroup
 from gspo.rewards import math_reward
-from gspo.rollout import HFSampler, eval_sampler, make_engine
-from gspo.rollout.vllm import Sample, assemble_batch, checkpoint_weights, place_routing, write_safetensors
+from gspo.rollout import HFSampler, make_engine
+from gspo.rollout.assemble import Sample, assemble, place_routing
+from gspo.rollout.weights import checkpoint_layout, policy_weights, write_safetensors
+from gspo.trajectory import NO_VERSION
 
 ROOT = Path(__file__).parent.parent
 RECIPES = {"qwen3-0.6b-gsm8k.yaml": ("vllm", "ddp", 8), "qwen3-30b-a3b.yaml": ("vllm_server", "fsdp", 16)}
@@ -46,7 +48,7 @@ def test_recipes_validate(name):
     assert cfg.model.name.startswith("Qwen/Qwen3-")
     assert cfg.data.fields == {"prompt": "chat_prompt", "answer": "final_answer"}  # scripts/prepare_gsm8k.py columns
     assert cfg.rewards.functions == {"math": 1.0}
-    Dist(world_size=processes).check_sizes(cfg.rollout.prompts_per_step, cfg.rollout.group_size,
+    ProcessGroup(world_size=processes).check_sizes(cfg.rollout.prompts_per_step, cfg.rollout.group_size,
                                            cfg.algorithm.minibatches)
 
 
@@ -72,9 +74,8 @@ def test_engine_factory_builds_the_hf_engine(tmp_path):
     cfg = load_config(DEMO, tiny_overrides(tmp_path))
     model, tokenizer = build_preset("tiny-moe")
     engine = make_engine(cfg, model, tokenizer, out=tmp_path)
-    assert isinstance(engine, HFSampler) and engine.model is model  # shares the trainer's weights
-    greedy = eval_sampler(cfg, engine, model, tokenizer, max_new_tokens=3)
-    assert greedy.model is model and greedy.params.top_k == 1 and greedy.params.max_new_tokens == 3
+    assert isinstance(engine, HFSampler) and engine.model is model and engine.shares_weights
+    assert engine.params.max_new_tokens == cfg.rollout.max_new_tokens and engine.version == 0
 
 
 # ------------------------------------------------------------------------------------------------------- GSM8K
@@ -139,7 +140,7 @@ def test_engine_samples_are_laid_out_as_a_rollout_batch(drawn):
     """Left-padded prompts, right-padded completions, logprobs on real tokens only, text without the EOS, group
     order kept, and the routed experts of each prompt and fed-back token at their training-forward positions."""
     group, items = drawn
-    batch = assemble_batch(items, group, TOKENIZER, pad_id=0, eos_ids=[EOS], with_routing=True)
+    batch = assemble(items, group, TOKENIZER, 0, [EOS], version=7, with_routing=True)
     s = batch.prompt_ids.shape[1]
     assert torch.equal(batch.prompt_index, torch.arange(len(items) // group).repeat_interleave(group))
     for i, item in enumerate(items):
@@ -147,6 +148,7 @@ def test_engine_samples_are_laid_out_as_a_rollout_batch(drawn):
         assert batch.prompt_ids[i, s - p:].tolist() == item.prompt and batch.prompt_mask[i].sum() == p
         assert batch.completion_ids[i, :c].tolist() == item.tokens and batch.completion_mask[i].sum() == c
         assert batch.logprobs[i, :c].tolist() == pytest.approx(item.logprobs) and not batch.logprobs[i, c:].any()
+        assert (batch.versions[i, :c] == 7).all() and (batch.versions[i, c:] == NO_VERSION).all()
         text_tokens = item.tokens[:-1] if item.tokens[-1] == EOS else item.tokens
         assert batch.completions[i] == TOKENIZER.decode(text_tokens) and bool(batch.truncated[i]) == item.truncated
         r = batch.extras["routing"][i]
@@ -166,19 +168,19 @@ def test_checkpoint_weights_are_what_save_pretrained_writes(tmp_path):
     model, _ = build_preset("tiny-moe")
     model.save_pretrained(tmp_path)
     saved = load_file(tmp_path / "model.safetensors")
-    pushed = dict(checkpoint_weights(model))
+    pushed = dict(checkpoint_layout(model)(policy_weights(model)))
     assert pushed.keys() == saved.keys() | {"lm_head.weight"}
     assert all(torch.equal(pushed[k], saved[k]) for k in saved)
     assert torch.equal(pushed["lm_head.weight"], pushed["model.embed_tokens.weight"])
     assert all(t.is_contiguous() for t in pushed.values())
-    half = dict(checkpoint_weights(model, torch.bfloat16))
+    half = dict(checkpoint_layout(model)(policy_weights(model), torch.bfloat16))
     assert {t.dtype for t in half.values()} == {torch.bfloat16}
 
 
 def test_weights_are_written_in_bounded_shards_including_tied_copies(tmp_path):
     model, _ = build_preset("tiny-dense")
-    weights = dict(checkpoint_weights(model))
-    files = write_safetensors(checkpoint_weights(model), tmp_path, shard_bytes=1 << 20)
+    weights = dict(checkpoint_layout(model)(policy_weights(model)))
+    files = write_safetensors(policy_weights(model), tmp_path, shard_bytes=1 << 20)
     assert len(files) > 1 and not list(tmp_path.glob("*.tmp"))
     back = {}
     for f in files:

@@ -3,7 +3,7 @@ interruption, run-folder safety, π_old modes, every objective, reward failures 
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import json
 import math
 import time
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import DEMO, safetensors_of, tiny_overrides
+from conftest import DEMO, SimulatedCrash, crash_after, safetensors_of, tiny_overrides
 from gspo.checkpoint import checkpoint_path, find_latest_checkpoint
 from gspo.config import ConfigError, load_config
 from gspo.data import make_task
@@ -56,9 +56,9 @@ def run_b(tmp_path_factory, test_rewards):
     """The same run, interrupted right after step 3 (its last checkpoint is step 2), then resumed."""
     out = tmp_path_factory.mktemp("run_b")
     cfg = cfg_for(out, *RUN)
-    stopped = train(cfg, stop_after=3)
+    with pytest.raises(SimulatedCrash):
+        train(cfg, callbacks=[crash_after(3)])
     state = {
-        "returned": stopped,
         "final_exists": (out / "final").exists(),
         "summary_exists": (out / "summary.json").exists(),
         "steps_logged": [r["step"] for r in read_metrics(out / "metrics.jsonl")],
@@ -157,7 +157,6 @@ def test_cold_start_sft_runs_on_the_models_device(device, mixed_precision):
 
 def test_interrupted_run_stops_like_a_crash(run_b):
     _, _, state = run_b
-    assert state["returned"] == {"stopped_after": 3}
     assert not state["final_exists"] and not state["summary_exists"]
     assert state["steps_logged"] == [1, 2, 3]
     assert state["latest_checkpoint"].name == "step_00000002"
@@ -205,16 +204,11 @@ def test_fresh_run_into_a_folder_holding_a_run_is_refused(run_a):
     assert sorted(p.name for p in out.iterdir()) == before
 
 
-def test_stop_after_must_be_positive(tmp_path):
-    with pytest.raises(ValueError, match="stop_after"):
-        train(cfg_for(tmp_path / "run"), stop_after=0)
-    assert not (tmp_path / "run").exists()
-
-
 def test_resume_without_a_checkpoint_restarts_cleanly(tmp_path):
     """Interrupted before its first checkpoint: the resume starts over, and step 0 is evaluated once."""
     cfg = cfg_for(tmp_path, "cold_start=null", "trainer.steps=2", "trainer.checkpoint_every=0")
-    assert train(cfg, stop_after=1) == {"stopped_after": 1}
+    with pytest.raises(SimulatedCrash):
+        train(cfg, callbacks=[crash_after(1)])
     train(cfg, resume=True)
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
     assert [r["step"] for r in read_metrics(tmp_path / "eval.jsonl")] == [0, 2]
@@ -235,12 +229,11 @@ def spy_objective(monkeypatch):
     calls = []
     inner = OBJECTIVES["gspo"]
 
-    @functools.wraps(inner)  # keeps its signature: the config reads the default eps from it
     def spy(logprobs, old_logprobs, advantages, mask, **kw):
         calls.append((logprobs.detach().clone(), old_logprobs.clone(), mask.bool().clone()))
-        return inner(logprobs, old_logprobs, advantages, mask, **kw)
+        return inner.loss(logprobs, old_logprobs, advantages, mask, **kw)
 
-    monkeypatch.setitem(OBJECTIVES, "gspo", spy)
+    monkeypatch.setitem(OBJECTIVES, "gspo", dataclasses.replace(inner, loss=spy))
     return calls
 
 
@@ -358,7 +351,8 @@ def test_kl_beta_logs_kl_ref_and_resumes_against_the_same_reference(tmp_path):
     assert records[-1]["kl_ref"] > 0  # the policy has moved away from the reference
 
     cfg = cfg_for(tmp_path / "resumed", *KL_RUN)
-    train(cfg, stop_after=1)
+    with pytest.raises(SimulatedCrash):
+        train(cfg, callbacks=[crash_after(1)])
     train(cfg, resume=True)
     resumed = read_metrics(tmp_path / "resumed" / "metrics.jsonl")
     assert [r["kl_ref"] for r in resumed] == [r["kl_ref"] for r in records]

@@ -22,10 +22,10 @@ Why each piece exists:
 * RNG states are saved so that a resumed run draws the same random numbers the uninterrupted run would have drawn.
 
 Only one process may save into a given OUT (in multi-process training: rank 0). POSIX only (directory fsync).
-
-Test hook: when the environment variable ``GSPO_TEST_CHECKPOINT_PAUSE_S`` holds a number of seconds, every save
-sleeps that long after each file it writes into the temporary folder. It exists so that a test can SIGKILL a real
-training process in the middle of a checkpoint write on purpose (tests/test_crash_resume.py); leave it unset.
+Under FSDP, `gspo.parallel.state` writes a *sharded* variant of this folder (every process its own shards, no weights
+gathered) through the same temporary folder, manifest, COMPLETE marker, atomic publish and pruning (`_begin_save`,
+`_seal`, `_publish`, `_prune`); :func:`verify_checkpoint` and :func:`find_latest_checkpoint` treat both alike.
+The durable writes themselves (`write_atomic`, `fsync_dir`, `fsync_tree`) are `gspo.runfolder`'s.
 """
 
 from __future__ import annotations
@@ -40,16 +40,16 @@ import pickle
 import random
 import re
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file
 
+from gspo.runfolder import CHECKPOINTS_DIRNAME, fsync_dir, fsync_tree, write_atomic
+
 logger = logging.getLogger(__name__)
 
-CHECKPOINTS_DIRNAME = "checkpoints"
 MODEL_DIRNAME = "model"
 STATE_FILENAME = "state.json"
 COMPLETE_FILENAME = "COMPLETE"
@@ -61,7 +61,6 @@ _ASIDE_PREFIX = ".old-"  # an existing checkpoint of the same step, moved aside 
 _TRASH_PREFIX = ".trash-"  # a pruned checkpoint, moved out of the way before deletion so it is never seen half-deleted
 _ASIDE_RE = re.compile(r"^\.old-(step_\d{8,})-\d+$")
 _HASH_CHUNK = 1 << 20
-PAUSE_ENV = "GSPO_TEST_CHECKPOINT_PAUSE_S"  # the test hook described in the module docstring
 
 
 class CheckpointError(RuntimeError):
@@ -97,19 +96,8 @@ def save_checkpoint(
     On any failure the temporary folder is removed, earlier checkpoints are left untouched and a
     :class:`CheckpointError` is raised whose ``__cause__`` is the original exception.
     """
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be a non-negative int, got {step!r}")
-    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
-        raise ValueError(
-            f"keep_last must be an int >= 1 (the checkpoint just written is always kept), got {keep_last!r}"
-        )
-    _check_json_state(state)
-
-    root = Path(out_dir) / CHECKPOINTS_DIRNAME
-    root.mkdir(parents=True, exist_ok=True)
-    _clean_leftovers(root)
-    final = checkpoint_path(out_dir, step)
-    tmp = root / f"{_TMP_PREFIX}{final.name}-{os.getpid()}"
+    _check_save_args(step, keep_last, state)
+    tmp, final = _begin_save(out_dir, step)
     try:
         _write_checkpoint(
             tmp, step, model=model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler, state=state
@@ -119,15 +107,39 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: clean up, then let them through as they are
             raise
-        hint = (
-            " (the disk is full: free space or lower keep_last)" if getattr(exc, "errno", None) == errno.ENOSPC else ""
-        )
-        raise CheckpointError(
-            f"could not write the checkpoint of step {step} to {final}{hint}: {type(exc).__name__}: {exc}. "
-            "Earlier checkpoints were left untouched."
-        ) from exc
-    _prune(root, step, keep_last)
+        raise _save_error(exc, step, final) from exc
+    _prune(final.parent, step, keep_last)
     return final
+
+
+def _check_save_args(step: int, keep_last: int, state: dict[str, Any]) -> None:
+    """Fail before anything touches the disk on a bad step, keep_last or state (see :func:`save_checkpoint`)."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+        raise ValueError(
+            f"keep_last must be an int >= 1 (the checkpoint just written is always kept), got {keep_last!r}"
+        )
+    _check_json_state(state)
+
+
+def _begin_save(out_dir: str | os.PathLike, step: int) -> tuple[Path, Path]:
+    """Create OUT/checkpoints/, clean what crashed saves left there, and return the (not yet created) temporary
+    folder to write the checkpoint of `step` into and the final folder :func:`_publish` renames it to."""
+    root = Path(out_dir) / CHECKPOINTS_DIRNAME
+    root.mkdir(parents=True, exist_ok=True)
+    _clean_leftovers(root)
+    final = checkpoint_path(out_dir, step)
+    return root / f"{_TMP_PREFIX}{final.name}-{os.getpid()}", final
+
+
+def _save_error(exc: BaseException, step: int, final: Path) -> CheckpointError:
+    """The error a failed save raises: where, why, and that earlier checkpoints are intact."""
+    hint = " (the disk is full: free space or lower keep_last)" if getattr(exc, "errno", None) == errno.ENOSPC else ""
+    return CheckpointError(
+        f"could not write the checkpoint of step {step} to {final}{hint}: {type(exc).__name__}: {exc}. "
+        "Earlier checkpoints were left untouched."
+    )
 
 
 def _check_json_state(state: dict[str, Any]) -> None:
@@ -151,26 +163,20 @@ def _write_checkpoint(tmp: Path, step: int, *, model, tokenizer, optimizer, sche
     _save_model(model, model_dir)
     if tokenizer is not None:
         tokenizer.save_pretrained(model_dir)
-    _test_pause()
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    _test_pause()
     if scheduler is not None:
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
     torch.save(_get_rng_state(), tmp / "rng.pt")
-    _test_pause()
-
-    document = {"format_version": FORMAT_VERSION, "step": step, "state": state, "manifest": _manifest(tmp)}
-    _write_durably(tmp / STATE_FILENAME, json.dumps(document, indent=2, allow_nan=False).encode())
-    _fsync_tree(tmp)
-    _write_durably(tmp / COMPLETE_FILENAME, _sha256(tmp / STATE_FILENAME).encode())
-    fsync_dir(tmp)
+    _seal(tmp, step, state, _manifest(tmp))
 
 
-def _test_pause() -> None:
-    """The test hook (module docstring): sleep between files when GSPO_TEST_CHECKPOINT_PAUSE_S is set."""
-    value = os.environ.get(PAUSE_ENV)
-    if value:
-        time.sleep(float(value))
+def _seal(tmp: Path, step: int, state: dict[str, Any], manifest: dict[str, dict[str, Any]], **extra: Any) -> None:
+    """Finish the checkpoint folder `tmp` whose files are all written: state.json (the caller's `state`, the
+    `manifest` of those files, any `extra` keys), an fsync of everything, and COMPLETE last."""
+    document = {"format_version": FORMAT_VERSION, "step": step, "state": state, "manifest": manifest, **extra}
+    write_atomic(tmp / STATE_FILENAME, json.dumps(document, indent=2, allow_nan=False))
+    fsync_tree(tmp)
+    write_atomic(tmp / COMPLETE_FILENAME, _sha256(tmp / STATE_FILENAME))  # fsyncs tmp: COMPLETE's name is durable
 
 
 def _save_model(model: Any, model_dir: Path) -> None:
@@ -266,11 +272,13 @@ def _step_dirs(root: Path) -> dict[int, Path]:
     return found
 
 
-def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+def verify_checkpoint(path: str | os.PathLike, *, part: tuple[int, int] = (0, 1)) -> dict[str, Any]:
     """Check that the checkpoint folder `path` is complete and intact and return its parsed state.json document.
 
     Raises :class:`CheckpointError` saying what is wrong: no COMPLETE marker (the write never finished), state.json
     not matching the marker, or a file of the manifest missing, of the wrong size, or with the wrong sha256.
+    `part` = (i, n) checks only every n-th file of the manifest from the i-th: n processes verifying one checkpoint
+    together (`gspo.parallel.state`) each read 1/n of it.
     """
     path = Path(path)
     if not path.is_dir():
@@ -289,7 +297,8 @@ def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(f"{STATE_FILENAME} is not valid JSON: {exc}") from exc
     if document.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"unsupported checkpoint format_version {document.get('format_version')!r}")
-    for rel, expected in document["manifest"].items():
+    index, count = part
+    for rel, expected in list(document["manifest"].items())[index::count]:
         file = path / rel
         if not file.is_file():
             raise CheckpointError(f"{rel} is missing")
@@ -339,9 +348,20 @@ def load_checkpoint(
     """
     path = Path(path)
     document = verify_checkpoint(path)
-    _load_model_weights(model, path / MODEL_DIRNAME)
+    _load_verified(path, model, optimizer, scheduler)
+    return document["state"]
 
+
+def _load_verified(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
+    """:func:`load_checkpoint` after the verification (done by the caller)."""
+    _load_model_weights(model, path / MODEL_DIRNAME)
     optimizer.load_state_dict(_torch_load(path / "optimizer.pt"))
+    _load_scheduler(path, scheduler)
+    _set_rng_state(_torch_load(path / "rng.pt"))
+
+
+def _load_scheduler(path: Path, scheduler: Any | None) -> None:
+    """Restore `scheduler` from the checkpoint at `path`; an error if only one of them has a scheduler."""
     scheduler_file = path / "scheduler.pt"
     if scheduler is not None and not scheduler_file.is_file():
         raise CheckpointError(f"{path} has no scheduler state, but a scheduler was given to restore")
@@ -349,8 +369,6 @@ def load_checkpoint(
         raise CheckpointError(f"{path} has scheduler state, but no scheduler was given to restore it into")
     if scheduler is not None:
         scheduler.load_state_dict(_torch_load(scheduler_file))
-    _set_rng_state(_torch_load(path / "rng.pt"))
-    return document["state"]
 
 
 def _torch_load(file: Path) -> Any:
@@ -371,12 +389,7 @@ def _load_model_weights(model: torch.nn.Module, model_dir: Path) -> None:
     filled by loading the tensor it shares storage with, so it is accepted as missing. Anything else missing or
     unexpected is an error: a checkpoint silently loading half its weights would be a wrong resume.
     """
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"no .safetensors weights in {model_dir}")
-    weights: dict[str, torch.Tensor] = {}
-    for file in files:
-        weights.update(load_file(file))
+    weights = _read_weights(model_dir)
     try:
         result = model.load_state_dict(weights, strict=False)
     except RuntimeError as exc:  # shape mismatches are raised even with strict=False
@@ -386,6 +399,17 @@ def _load_model_weights(model: torch.nn.Module, model_dir: Path) -> None:
     untied = [key for key in result.missing_keys if not _is_tied_to_loaded(model, key, weights)]
     if untied:
         raise CheckpointError(f"the weights in {model_dir} lack tensors of the model (not tied ones): {untied}")
+
+
+def _read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors files in `model_dir` (on the CPU)."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no .safetensors weights in {model_dir}")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        weights.update(load_file(file))
+    return weights
 
 
 def _is_tied_to_loaded(model: torch.nn.Module, key: str, loaded: dict[str, torch.Tensor]) -> bool:
@@ -467,44 +491,11 @@ def _sha256(file: Path) -> str:
     return digest.hexdigest()
 
 
-def _manifest(folder: Path) -> dict[str, dict[str, Any]]:
-    """relative path -> size and sha256 of every file under `folder` (state.json and COMPLETE are added later)."""
+def _manifest(folder: Path, files: list[Path] | None = None) -> dict[str, dict[str, Any]]:
+    """relative path -> size and sha256 of every file under `folder` (state.json and COMPLETE are added later), or
+    of the given `files` under it only (processes hashing one folder together each take a share)."""
+    if files is None:
+        files = [file for file in sorted(folder.rglob("*")) if file.is_file()]
     return {
-        file.relative_to(folder).as_posix(): {"size": file.stat().st_size, "sha256": _sha256(file)}
-        for file in sorted(folder.rglob("*"))
-        if file.is_file()
+        file.relative_to(folder).as_posix(): {"size": file.stat().st_size, "sha256": _sha256(file)} for file in files
     }
-
-
-def _write_durably(file: Path, data: bytes) -> None:
-    with open(file, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
-def fsync_dir(folder: Path) -> None:
-    """fsync a directory so that the names created in (or renamed into) it survive a power loss."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(folder: str | os.PathLike) -> None:
-    """fsync every file and folder under `folder`: before a folder is published by rename, so that a power loss
-    cannot leave the published name pointing at files whose data never reached the disk."""
-    _fsync_tree(Path(folder))
-
-
-def _fsync_tree(folder: Path) -> None:
-    """fsync every file under `folder`, then every directory, deepest first."""
-    for current, _, files in os.walk(folder, topdown=False):
-        for name in files:
-            fd = os.open(Path(current) / name, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(Path(current))

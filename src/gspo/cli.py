@@ -20,7 +20,7 @@ def demo_config_path() -> Path:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from gspo.distributed import shutdown
+    from gspo.parallel import shutdown
     from gspo.trainer import train
 
     cfg = load_config(args.config, args.overrides)
@@ -59,8 +59,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_sft(args: argparse.Namespace) -> int:
     from gspo.checkpoint import set_seed
     from gspo.data import load_rows, make_task
-    from gspo.distributed import resolve_device
     from gspo.models import load_model, save_model
+    from gspo.parallel import resolve_device
     from gspo.sft import sft
 
     if args.steps < 1 or args.batch_size < 1 or not args.lr > 0:
@@ -135,8 +135,8 @@ def _eval_setup(args: argparse.Namespace):
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from gspo.distributed import resolve_device
     from gspo.models import load_model
+    from gspo.parallel import resolve_device
     from gspo.trainer import evaluate
 
     rows, rewards, accuracy_reward, threshold, new_tokens, source = _eval_setup(args)
@@ -160,7 +160,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from gspo.compare import StudyOptions, run_study
+    from gspo.experiments.moe_study import StudyOptions, run_study
 
     opts = StudyOptions(out=Path(args.out), seeds=args.seeds, steps=args.steps, precision=args.precision,
                         threads=args.threads, cold_start=args.cold_start,

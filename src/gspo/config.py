@@ -14,7 +14,7 @@ from typing import Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from gspo.objectives import OBJECTIVES, default_eps
+from gspo.objectives import OBJECTIVES
 
 
 def _allows_bool(annotation: Any) -> bool:
@@ -195,17 +195,20 @@ class AlgorithmConfig(_Section):
 
     @model_validator(mode="after")
     def _resolve_defaults(self) -> AlgorithmConfig:
-        if self.loss not in OBJECTIVES:
+        # Everything objective-specific comes from its registry entry (gspo.objectives.Objective): no name here.
+        spec = OBJECTIVES.get(self.loss)
+        if spec is None:
             raise ValueError(f"algorithm.loss {self.loss!r} is not one of: {', '.join(OBJECTIVES)}")
-        low, high = default_eps(self.loss)
         if self.eps_low is None:
-            self.eps_low = low
+            self.eps_low = spec.eps_low
         if self.eps_high is None:
-            self.eps_high = high
+            self.eps_high = spec.eps_high
         if self.advantage_scale is None:
-            self.advantage_scale = "none" if self.loss == "dr_grpo" else "group"
-        if self.loss == "dr_grpo" and self.advantage_scale != "none":
-            raise ValueError("algorithm.loss dr_grpo removes the std normalisation: advantage_scale must be 'none'")
+            self.advantage_scale = spec.advantage_scale
+        if self.advantage_scale not in spec.allowed_scales:
+            allowed = " or ".join(repr(s) for s in spec.allowed_scales)
+            raise ValueError(f"algorithm.loss {self.loss} requires algorithm.advantage_scale {allowed}, got "
+                             f"{self.advantage_scale!r} ({spec.summary})")
         return self
 
 
@@ -250,7 +253,7 @@ class TrainerConfig(_Section):
     # gradients need loss scaling, which gspo does not implement.
     mixed_precision: Literal["bfloat16"] | None = None
     # auto: this process's GPU (LOCAL_RANK) when every process on the machine has one, else the CPU (warned);
-    # cuda: the same, but too few GPUs is an error (gspo.distributed.resolve_device)
+    # cuda: the same, but too few GPUs is an error (gspo.parallel.resolve_device)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # Recompute each decoder layer's activations in the backward instead of keeping them (transformers' gradient
     # checkpointing, non-reentrant): less activation memory for ~1/3 more training compute. Sampling is unaffected (it
@@ -296,12 +299,8 @@ class Config(_Section):
             raise ValueError(f"algorithm.routing_replay={replay} replays the routing inside each forward, which "
                              "trainer.gradient_checkpointing would recompute in the backward without it: turn one off")
         _check_scaling(self)
-        if replay != "none":  # a preset or local directory is checked now; a hub id after loading, before any compute
-            from gspo.moe import replay_support_error
-
-            error = replay_support_error(self.model.name, replay, self.model.trust_remote_code)
-            if error:
-                raise ValueError(error)
+        # Whether the model supports routing replay is not checked here (validation builds no model): the trainer's
+        # start checks call gspo.moe.replay_support_error, before anything is written or loaded.
         return self
 
 

@@ -165,7 +165,7 @@ def chunked_token_logprobs(
 
 
 def _is_fsdp_sharded(model: nn.Module) -> bool:
-    """Whether `model` is sharded in place by FSDP2 (`fully_shard`), see gspo.distributed."""
+    """Whether `model` is sharded in place by FSDP2 (`fully_shard`), see gspo.parallel.wrap."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # torch without distributed support

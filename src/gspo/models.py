@@ -76,18 +76,27 @@ _TOKENIZER_FILES: tuple[str, ...] = (
 _DTYPE_KWARG = "dtype" if version.parse(transformers.__version__) >= version.parse("4.56") else "torch_dtype"
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """Turn a dtype name from `DTYPES` (or one of its torch dtypes) into the torch dtype.
+_DTYPE_ALIASES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16,
+                                          "fp32": torch.float32}
 
-    Raises ValueError naming the value and the accepted names, so a typo in a config fails at load time.
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """The floating-point torch dtype that `dtype` names: the one parser of dtypes in gspo (model loading, rollout
+    engines, mixed precision).
+
+    Accepts a floating-point `torch.dtype`, a name from `DTYPES` ("float32", "bfloat16", "float16"), an alias ("bf16",
+    "fp16", "half", "fp32"), or any torch attribute name of a floating-point dtype, optionally written
+    "torch.float32"-style (case-insensitive). Raises ValueError naming the value and the accepted names for anything
+    else (an unknown name, a non-floating dtype such as int8), so a typo in a config fails at load time.
     """
-    if isinstance(dtype, torch.dtype):
-        if dtype in DTYPES.values():
-            return dtype
-        raise ValueError(f"unsupported dtype {dtype}; supported: {sorted(DTYPES)}")
-    if isinstance(dtype, str) and dtype in DTYPES:
-        return DTYPES[dtype]
-    raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPES)} or the matching torch.dtype")
+    resolved: object = dtype
+    if isinstance(dtype, str):
+        name = dtype.strip().removeprefix("torch.").lower()
+        resolved = DTYPES.get(name) or _DTYPE_ALIASES.get(name) or getattr(torch, name, None)
+    if isinstance(resolved, torch.dtype) and resolved.is_floating_point:
+        return resolved
+    raise ValueError(f"unsupported dtype {dtype!r}: expected a floating-point torch.dtype or one of "
+                     f"{sorted([*DTYPES, *_DTYPE_ALIASES])}")
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:

@@ -188,7 +188,14 @@ def _supported_names() -> str:
 def replay_support_error(model_name: str, mode: str, trust_remote_code: bool = False) -> str | None:
     """The reason routing replay `mode` cannot run on the model `model_name` (a preset or a local model directory),
     found from its config alone (the model is instantiated on the meta device: no weights, no compute); None if it
-    can, or if that cannot be known before loading (a hub id: the trainer checks again after loading)."""
+    can, if `mode` is "none", or if that cannot be known before loading (a hub id: the trainer checks again after
+    loading, with `require_replay_support`).
+
+    Not part of config validation (which builds no model): the trainer's start checks call it, before any file is
+    written or any model loaded, as `replay_support_error(cfg.model.name, cfg.algorithm.routing_replay,
+    cfg.model.trust_remote_code)`, and raise ConfigError with the message it returns."""
+    if mode == "none":
+        return None
     from pathlib import Path
 
     from transformers import AutoConfig, AutoModelForCausalLM

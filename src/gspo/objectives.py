@@ -8,6 +8,31 @@ Every objective takes
     mask           [B, T]  1 / True on response tokens, 0 / False on padding
 and returns `(loss, metrics)`: `loss` is the scalar to minimise (−J); `metrics` is a dict of floats.
 
+Registry: `OBJECTIVES` maps a name to an `Objective`, the loss function with what the rest of gspo needs to know about
+it: its paper's ε defaults, its normaliser (what the sum over tokens is divided by), whether it takes per-token
+advantages, its advantage scale (default and allowed). The config and the learner read that metadata and the
+parallel layer only sums counts: none looks an objective up by name, so adding one is
+`register_objective(name, Objective(...))`.
+
+Normaliser and multi-process training. Each loss is (1/N) Σ_i Σ_t f_{i,t} (f holding any 1/|y_i| factor), with N
+given by the objective's `normalise_by`:
+    "sequences"  N = B, the sequences of the minibatch          (gspo Eq. 5, gspo_token Eq. 13, grpo Eq. 2)
+    "tokens"     N = Σ_i |y_i|, its response tokens             (dapo, cispo)
+    "budget"     N = B · L, L the generation budget             (dr_grpo; L = rollout.max_new_tokens, not T)
+Every loss takes `normaliser=N` (keyword); None means N of the tensors it is given (B; Σ|y_i| clamped at 1; B·T for
+dr_grpo unless `max_tokens`). When a minibatch is split over W processes whose gradients DDP/FSDP *average*, each
+process must divide its own sum by N_global / W, N_global being the count over all the processes' shares:
+
+    count = spec.count(mask, max_new_tokens)                  # this process's share of N
+    total = all_reduce_sum(count)                             # N_global
+    loss, metrics = spec.loss(..., normaliser=process_normaliser(total, world_size))   # max(total, 1) / W
+
+Process p's gradient is then W · ∇S_p / N_global and their average Σ_p ∇S_p / N_global, the one-process gradient of
+the whole minibatch (tested for every registered objective, token-mean ones with unequal token counts included). With
+one process, normaliser = N and the loss is bit-identical to normaliser=None (same operations, same order: a Python
+number divides where the local count was a Python int, a 0-dim tensor on the loss's device where it was the
+`mask.sum()` tensor, since CUDA divides by a CPU scalar as a multiplication by its reciprocal).
+
 Numerical contract (tested):
 - Values at masked positions, including ±inf and NaN, change nothing: masked entries are *selected away* with
   `torch.where`, never multiplied by 0 (NaN · 0 = NaN).
@@ -19,9 +44,14 @@ Numerical contract (tested):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
+
+from gspo.advantages import Scale
 
 LOG_RATIO_CLAMP = 20.0
 """Bound on |log ratio| before exp. e^20 ≈ 4.9e8 is far outside any clip range (ε ≤ 1), so an in-range value is never
@@ -30,6 +60,9 @@ the backward chain through a large model all stay finite. A ratio that hits the 
 clamp, which is the right thing for a token or sequence that far off-policy."""
 
 Metrics = dict[str, float]
+LossFn = Callable[..., tuple[torch.Tensor, Metrics]]
+"""`fn(logprobs, old_logprobs, advantages, mask, *, eps_low, eps_high, normaliser) -> (loss, metrics)`."""
+NormaliseBy = Literal["sequences", "tokens", "budget"]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -90,6 +123,16 @@ def _clipped(ratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: f
     return ((adv > 0) & (ratio > 1 + eps_high)) | ((adv < 0) & (ratio < 1 - eps_low))
 
 
+def _check_normaliser(normaliser: float | None) -> float | None:
+    """The aggregation's denominator as a Python float (None: the local count); must be finite and > 0."""
+    if normaliser is None:
+        return None
+    value = float(normaliser)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"normaliser must be a finite number > 0, got {normaliser}")
+    return value
+
+
 def _check_eps(eps_low: float, eps_high: float) -> None:
     if not (0 <= eps_low <= 1 and eps_high >= 0):
         raise ValueError(f"clip range needs 0 <= eps_low <= 1 and eps_high >= 0, got eps_low={eps_low}, "
@@ -145,6 +188,8 @@ def gspo_loss(
     mask: torch.Tensor,
     eps_low: float = 3e-4,
     eps_high: float = 4e-4,
+    *,
+    normaliser: float | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
     """−J_GSPO of Eq. 5 with the sequence ratio s_i of Eq. 7:
 
@@ -153,15 +198,17 @@ def gspo_loss(
     One clip decision per response; averaging over the B sequences equals Eq. 5's 1/G per group, mean over groups.
     Gradient (Eq. 10, unclipped): −1/B Σ_i s_i Â_i 1/|y_i| Σ_t ∇ log π_θ(y_{i,t}) — every token weighted equally.
     Metrics: a clipped sequence counts all its tokens as clipped; ratio_* are over s_i of non-empty sequences.
+    `normaliser` replaces the 1/B (module docstring: multi-process training).
     """
     _check_eps(eps_low, eps_high)
+    normaliser = _check_normaliser(normaliser)
     logprobs, old_logprobs, advantages, mask = _check(logprobs, old_logprobs, advantages, mask, token_advantages=False)
     log_w = _masked(logprobs, mask) - _masked(old_logprobs, mask)  # [B, T] log w_{i,t}
     log_s = _token_mean_per_seq(log_w, mask).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B]
     s = torch.exp(log_s)
     nonempty = mask.any(-1)
     per_seq = _masked(_clipped_surrogate(s, advantages, eps_low, eps_high), nonempty)  # [B]
-    loss = -per_seq.sum() / logprobs.shape[0]
+    loss = -per_seq.sum() / (logprobs.shape[0] if normaliser is None else normaliser)
 
     clipped_seq = _clipped(s.detach(), advantages, eps_low, eps_high) & nonempty  # [B]
     metrics = _token_metrics(log_w.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP),
@@ -177,6 +224,8 @@ def gspo_token_loss(
     mask: torch.Tensor,
     eps_low: float = 3e-4,
     eps_high: float = 4e-4,
+    *,
+    normaliser: float | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
     """−J_GSPO-token of Eq. 13 with the token ratio of Eq. 14:
 
@@ -185,16 +234,18 @@ def gspo_token_loss(
 
     s_{i,t} equals s_i in value, so clipping is decided per sequence but by the sign of each token's advantage.
     Gradient (Eq. 17, unclipped): −1/B Σ_i s_i 1/|y_i| Σ_t Â_{i,t} ∇ log π_θ(y_{i,t}). With Â_{i,t} = Â_i this is
-    GSPO exactly (value, clipping and gradient). `advantages` is [B] or [B, T].
+    GSPO exactly (value, clipping and gradient). `advantages` is [B] or [B, T]. `normaliser` replaces the 1/B.
     """
     _check_eps(eps_low, eps_high)
+    normaliser = _check_normaliser(normaliser)
     logprobs, old_logprobs, advantages, mask = _check(logprobs, old_logprobs, advantages, mask, token_advantages=True)
     adv = advantages[:, None].expand_as(logprobs) if advantages.dim() == 1 else _masked(advantages, mask)  # [B, T]
     lp = _masked(logprobs, mask)
     log_w = lp - _masked(old_logprobs, mask)
     log_s = _token_mean_per_seq(log_w, mask).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B]
     s_it = torch.exp(log_s.detach()[:, None] + lp - lp.detach())  # [B, T], value s_i, gradient of log π_θ(y_{i,t})
-    loss = -_token_mean_per_seq(_clipped_surrogate(s_it, adv, eps_low, eps_high), mask).sum() / logprobs.shape[0]
+    per_seq = _token_mean_per_seq(_clipped_surrogate(s_it, adv, eps_low, eps_high), mask)  # [B]
+    loss = -per_seq.sum() / (logprobs.shape[0] if normaliser is None else normaliser)
 
     nonempty = mask.any(-1)
     clipped = _clipped(s_it.detach(), adv, eps_low, eps_high)
@@ -223,7 +274,8 @@ def _token_clip_objective(
     eps_high: float,
     aggregate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> tuple[torch.Tensor, Metrics]:
-    """Shared body of the token-ratio PPO-clip objectives: per-token min(w Â, clip(w) Â), then `aggregate`."""
+    """Shared body of the token-ratio PPO-clip objectives: per-token min(w Â, clip(w) Â), then `aggregate(x, mask)`
+    (which holds the normaliser)."""
     _check_eps(eps_low, eps_high)
     logprobs, old_logprobs, advantages, mask = _check(logprobs, old_logprobs, advantages, mask, token_advantages=False)
     log_w, w = _token_ratio(logprobs, old_logprobs, mask)
@@ -234,14 +286,20 @@ def _token_clip_objective(
     return loss, metrics
 
 
-def seq_mean_token_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """1/B Σ_i 1/|y_i| Σ_t x_{i,t} — GRPO's aggregation (Eq. 2)."""
-    return _token_mean_per_seq(x, mask).sum() / x.shape[0]
+def seq_mean_token_mean(x: torch.Tensor, mask: torch.Tensor, normaliser: float | None = None) -> torch.Tensor:
+    """1/B Σ_i 1/|y_i| Σ_t x_{i,t} — GRPO's aggregation (Eq. 2); `normaliser` replaces B."""
+    normaliser = _check_normaliser(normaliser)
+    return _token_mean_per_seq(x, mask).sum() / (x.shape[0] if normaliser is None else normaliser)
 
 
-def token_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """1/Σ_i|y_i| Σ_i Σ_t x_{i,t} — DAPO's token-mean over the batch (longer responses weigh more)."""
-    return _masked(x, mask).sum() / mask.sum().clamp(min=1)
+def token_mean(x: torch.Tensor, mask: torch.Tensor, normaliser: float | None = None) -> torch.Tensor:
+    """1/Σ_i|y_i| Σ_i Σ_t x_{i,t} — DAPO's token-mean over the batch (longer responses weigh more); `normaliser`
+    replaces Σ_i|y_i| (clamped at 1). It divides as a 0-dim tensor on x's device, like the count it replaces."""
+    normaliser = _check_normaliser(normaliser)
+    total = _masked(x, mask).sum()
+    if normaliser is None:
+        return total / mask.sum().clamp(min=1)
+    return total / total.new_full((), normaliser)
 
 
 def grpo_loss(
@@ -251,6 +309,8 @@ def grpo_loss(
     mask: torch.Tensor,
     eps_low: float = 0.2,
     eps_high: float = 0.27,
+    *,
+    normaliser: float | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
     """−J_GRPO of Eq. 2 with the token ratio w_{i,t} of Eq. 3:
 
@@ -258,8 +318,11 @@ def grpo_loss(
 
     Gradient (Eq. 11, unclipped): −1/B Σ_i Â_i 1/|y_i| Σ_t w_{i,t} ∇ log π_θ(y_{i,t}). ε defaults are the paper's
     tuned GRPO baseline (0.2 / 0.27). clip_frac_seqs counts sequences with at least one clipped token.
+    `normaliser` replaces the 1/B.
     """
-    return _token_clip_objective(logprobs, old_logprobs, advantages, mask, eps_low, eps_high, seq_mean_token_mean)
+    normaliser = _check_normaliser(normaliser)
+    return _token_clip_objective(logprobs, old_logprobs, advantages, mask, eps_low, eps_high,
+                                 lambda x, m: seq_mean_token_mean(x, m, normaliser))
 
 
 def dapo_loss(
@@ -269,10 +332,15 @@ def dapo_loss(
     mask: torch.Tensor,
     eps_low: float = 0.2,
     eps_high: float = 0.28,
+    *,
+    normaliser: float | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
     """DAPO's token-level policy loss (arXiv 2503.14476): GRPO's clipped token surrogate aggregated by a token-mean
-    over the whole batch, 1/Σ|y_i| Σ_i Σ_t (...), with its clip-higher defaults ε 0.2 / 0.28."""
-    return _token_clip_objective(logprobs, old_logprobs, advantages, mask, eps_low, eps_high, token_mean)
+    over the whole batch, 1/Σ|y_i| Σ_i Σ_t (...), with its clip-higher defaults ε 0.2 / 0.28. `normaliser` replaces
+    Σ|y_i|."""
+    normaliser = _check_normaliser(normaliser)
+    return _token_clip_objective(logprobs, old_logprobs, advantages, mask, eps_low, eps_high,
+                                 lambda x, m: token_mean(x, m, normaliser))
 
 
 def dr_grpo_loss(
@@ -283,16 +351,24 @@ def dr_grpo_loss(
     eps_low: float = 0.2,
     eps_high: float = 0.27,
     max_tokens: int | None = None,
+    *,
+    normaliser: float | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
     """Dr.GRPO (arXiv 2503.20783): GRPO's surrogate with the per-response 1/|y_i| replaced by a constant 1/L,
-    J = 1/B Σ_i 1/L Σ_t (...), so no length bias; L = `max_tokens` (the generation budget), default T. Pair it with
-    advantages that are not divided by the std (`group_advantages(..., scale="none")`)."""
+    J = 1/B Σ_i 1/L Σ_t (...), so no length bias; L must be the generation budget (rollout.max_new_tokens), a
+    constant of the run. The denominator B·L is `normaliser` when given (what the learner passes), else
+    B·`max_tokens`, else B·T — T, the longest completion of these tensors, changes from minibatch to minibatch, so
+    the default is for standalone use only. Pair it with advantages that are not divided by the std
+    (`group_advantages(..., scale="none")`)."""
+    normaliser = _check_normaliser(normaliser)
+    if normaliser is not None and max_tokens is not None:
+        raise ValueError("dr_grpo takes normaliser (B·L) or max_tokens (L), not both")
     budget = logprobs.shape[-1] if max_tokens is None else max_tokens
     if budget < 1:
         raise ValueError(f"dr_grpo max_tokens must be >= 1, got {max_tokens}")
 
     def constant_norm(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-        return _masked(x, m).sum() / (x.shape[0] * budget)
+        return _masked(x, m).sum() / (x.shape[0] * budget if normaliser is None else normaliser)
 
     return _token_clip_objective(logprobs, old_logprobs, advantages, mask, eps_low, eps_high, constant_norm)
 
@@ -304,15 +380,18 @@ def cispo_loss(
     mask: torch.Tensor,
     eps_low: float = 1.0,
     eps_high: float = 0.28,
+    *,
+    normaliser: float | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
     """CISPO (MiniMax-M1, arXiv 2506.13585): the importance weight is clipped and detached, every token keeps a
     gradient: J = 1/Σ|y_i| Σ_i Σ_t sg[clip(w_{i,t}, 1−ε_low, 1+ε_high)] Â_i log π_θ(y_{i,t}). ε_low = 1 (no lower
-    bound) as in MiniMax-M1. clip_frac_tokens counts tokens whose weight is truncated."""
+    bound) as in MiniMax-M1. clip_frac_tokens counts tokens whose weight is truncated. `normaliser` replaces Σ|y_i|."""
     _check_eps(eps_low, eps_high)
+    normaliser = _check_normaliser(normaliser)
     logprobs, old_logprobs, advantages, mask = _check(logprobs, old_logprobs, advantages, mask, token_advantages=False)
     log_w, w = _token_ratio(logprobs, old_logprobs, mask)
     weight = w.detach().clamp(1 - eps_low, 1 + eps_high)
-    loss = -token_mean(weight * advantages[:, None] * _masked(logprobs, mask), mask)
+    loss = -token_mean(weight * advantages[:, None] * _masked(logprobs, mask), mask, normaliser)
     truncated = (w.detach() > 1 + eps_high) | (w.detach() < 1 - eps_low)
     metrics = _token_metrics(log_w.detach(), truncated, mask)
     metrics.update(_ratio_metrics(w, mask))
@@ -323,36 +402,147 @@ def cispo_loss(
 # KL to a reference policy (β term; the paper uses β = 0)
 
 
-def kl_to_reference(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def kl_to_reference(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, *, normaliser: float | None = None
+) -> torch.Tensor:
     """k3 estimate of KL(π_θ‖π_ref), token-mean per sequence then mean over sequences (GSPO's averaging):
-    r = π_ref/π_θ, k3 = r − 1 − log r ≥ 0. Add β·this to the loss."""
+    r = π_ref/π_θ, k3 = r − 1 − log r ≥ 0. Add β·this to the loss. Its normaliser is always the sequence count:
+    over W processes pass `process_normaliser(global number of rows, W)`."""
     zeros = torch.zeros(logprobs.shape[0], dtype=logprobs.dtype, device=logprobs.device)
     logprobs, ref_logprobs, _, mask = _check(logprobs, ref_logprobs, zeros, mask, token_advantages=False)
     log_r = (_masked(ref_logprobs, mask) - _masked(logprobs, mask)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return seq_mean_token_mean(torch.expm1(log_r) - log_r, mask)
+    return seq_mean_token_mean(torch.expm1(log_r) - log_r, mask, normaliser)
 
 
-Objective = Callable[..., tuple[torch.Tensor, Metrics]]
+# --------------------------------------------------------------------------------------------------------------------
+# Registry
 
-OBJECTIVES: dict[str, Objective] = {
-    "gspo": gspo_loss,
-    "gspo_token": gspo_token_loss,
-    "grpo": grpo_loss,
-    "dapo": dapo_loss,
-    "dr_grpo": dr_grpo_loss,
-    "cispo": cispo_loss,
-}
-"""Objectives by name. Each one's default ε is its paper's; `default_eps(name)` reads them."""
 
-TOKEN_ADVANTAGES = frozenset({"gspo_token"})
-"""Objectives that accept per-token advantages [B, T]."""
+NORMALISE_BY: tuple[NormaliseBy, ...] = get_args(NormaliseBy)
+SCALES: tuple[Scale, ...] = get_args(Scale)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Objective:
+    """A loss function and what the config, the learner and the parallel layer need to know about it.
+
+    loss              `fn(logprobs, old_logprobs, advantages, mask, *, eps_low, eps_high, normaliser)` → (loss, metrics)
+    eps_low, eps_high its paper's clip range, the config's defaults
+    normalise_by      what the sum over tokens is divided by: "sequences" (B), "tokens" (Σ|y_i|) or "budget" (B·L,
+                      L = rollout.max_new_tokens); `count` gives a minibatch share's amount of it
+    summary           one line for listings and error messages
+    token_advantages  the loss accepts per-token advantages [B, T] as well as [B]
+    advantage_scale   the advantage normalisation it is meant for (`group_advantages(scale=...)`), the config's default
+    allowed_scales    the scales it may be run with (dr_grpo: only "none", since it removes the std normalisation)
+
+    Calling the spec calls `loss` with the spec's ε unless given.
+    """
+
+    loss: LossFn
+    eps_low: float
+    eps_high: float
+    normalise_by: NormaliseBy
+    summary: str
+    token_advantages: bool = False
+    advantage_scale: Scale = "group"
+    allowed_scales: tuple[Scale, ...] = SCALES
+
+    def __post_init__(self) -> None:
+        if not callable(self.loss):
+            raise TypeError(f"Objective.loss must be callable, got {self.loss!r}")
+        _check_eps(self.eps_low, self.eps_high)
+        if self.normalise_by not in NORMALISE_BY:
+            raise ValueError(f"normalise_by must be one of {NORMALISE_BY}, got {self.normalise_by!r}")
+        object.__setattr__(self, "allowed_scales", tuple(self.allowed_scales))
+        bad = [s for s in self.allowed_scales if s not in SCALES]
+        if bad or not self.allowed_scales:
+            raise ValueError(f"allowed_scales must be a non-empty subset of {SCALES}, got {self.allowed_scales}")
+        if self.advantage_scale not in self.allowed_scales:
+            raise ValueError(f"advantage_scale {self.advantage_scale!r} is not in allowed_scales {self.allowed_scales}")
+        if not self.summary or "\n" in self.summary:
+            raise ValueError("summary must be one non-empty line")
+
+    def __call__(
+        self,
+        logprobs: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        *,
+        eps_low: float | None = None,
+        eps_high: float | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, Metrics]:
+        return self.loss(logprobs, old_logprobs, advantages, mask,
+                         eps_low=self.eps_low if eps_low is None else eps_low,
+                         eps_high=self.eps_high if eps_high is None else eps_high, **kwargs)
+
+    def count(self, mask: torch.Tensor, max_new_tokens: int) -> float:
+        """This process's share of the normaliser for a minibatch share with response mask [B, T]: B, Σ mask, or
+        B · max_new_tokens (the generation budget L, a constant of the run). Sum it over processes, then pass
+        `normaliser=process_normaliser(total, world_size)` to the loss."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        if mask.dim() != 2:
+            raise ValueError(f"mask must be [B, T], got shape {tuple(mask.shape)}")
+        if self.normalise_by == "sequences":
+            return float(mask.shape[0])
+        if self.normalise_by == "tokens":
+            return float((mask != 0).sum())
+        if mask.numel() and int((mask != 0).sum(-1).max()) > max_new_tokens:
+            raise ValueError(f"a response has more tokens than the generation budget max_new_tokens={max_new_tokens}")
+        return float(mask.shape[0] * max_new_tokens)
+
+
+def process_normaliser(total: float, world_size: int = 1) -> float:
+    """The `normaliser` for one of `world_size` processes whose gradients are averaged, given the minibatch's total
+    count (the sum of every process's `Objective.count`): total / W, with total clamped at 1 as the local counts are
+    (an all-empty minibatch then has loss 0, not NaN). With one process: the local count itself."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    return max(float(total), 1.0) / world_size
+
+
+OBJECTIVES: dict[str, Objective] = {}
+"""The registry: objectives by name. Add one with `register_objective`."""
+
+
+def register_objective(name: str, objective: Objective) -> Objective:
+    """Add `objective` under `name` (an error if the name is taken); it is then a valid `algorithm.loss`."""
+    if not isinstance(objective, Objective):
+        raise TypeError(f"register_objective needs an Objective, got {type(objective).__name__}")
+    if not name or not isinstance(name, str):
+        raise ValueError(f"objective name must be a non-empty string, got {name!r}")
+    if name in OBJECTIVES:
+        raise ValueError(f"objective {name!r} is already registered")
+    OBJECTIVES[name] = objective
+    return objective
+
+
+register_objective("gspo", Objective(
+    loss=gspo_loss, eps_low=3e-4, eps_high=4e-4, normalise_by="sequences",
+    summary="GSPO (Eq. 5/7): one clipped, length-normalised sequence ratio per response, mean over sequences"))
+register_objective("gspo_token", Objective(
+    loss=gspo_token_loss, eps_low=3e-4, eps_high=4e-4, normalise_by="sequences", token_advantages=True,
+    summary="GSPO-token (Eq. 13/14): GSPO's sequence ratio with per-token advantages"))
+register_objective("grpo", Objective(
+    loss=grpo_loss, eps_low=0.2, eps_high=0.27, normalise_by="sequences",
+    summary="GRPO (Eq. 2): clipped token ratios, token-mean per response, mean over sequences"))
+register_objective("dapo", Objective(
+    loss=dapo_loss, eps_low=0.2, eps_high=0.28, normalise_by="tokens",
+    summary="DAPO: GRPO's clipped token surrogate, mean over all tokens of the batch, clip-higher"))
+register_objective("dr_grpo", Objective(
+    loss=dr_grpo_loss, eps_low=0.2, eps_high=0.27, normalise_by="budget", advantage_scale="none",
+    allowed_scales=("none",),
+    summary="Dr.GRPO: GRPO with a constant 1/(B·L) normaliser and no std normalisation of the advantages"))
+register_objective("cispo", Objective(
+    loss=cispo_loss, eps_low=1.0, eps_high=0.28, normalise_by="tokens",
+    summary="CISPO: clipped, detached token importance weights times log π_θ, mean over all tokens of the batch"))
 
 
 def default_eps(name: str) -> tuple[float, float]:
     """(eps_low, eps_high) defaults of the named objective."""
-    import inspect
-
     if name not in OBJECTIVES:
         raise ValueError(f"unknown objective {name!r}; known: {', '.join(OBJECTIVES)}")
-    params = inspect.signature(OBJECTIVES[name]).parameters
-    return params["eps_low"].default, params["eps_high"].default
+    spec = OBJECTIVES[name]
+    return spec.eps_low, spec.eps_high

@@ -1,5 +1,9 @@
 """The run folder (`trainer.out`): its atomic files, whether it already holds a run, and what a resume may change.
 
+It also owns the durable-write helpers every other module uses (`write_atomic`, `fsync_dir`, `fsync_tree`): one
+implementation of "write to a temporary name, fsync, rename, fsync the folder". It imports no other gspo module that
+writes files (checkpoint, tracking), so that they can import it.
+
 A run folder is *started* once it holds what a run computed: metrics, a checkpoint, a cold-start model, a summary or
 a final model. A start that failed before that (a typo in the model name, a missing file, a bad reward) leaves only
 files that do not count, so the corrected command simply runs; a started run is continued with `--resume` or
@@ -24,15 +28,17 @@ from typing import Any
 
 import yaml
 
-from gspo.checkpoint import CHECKPOINTS_DIRNAME, fsync_dir, fsync_tree
 from gspo.config import ConfigError, config_diff, config_to_dict, validate_config
 
 __all__ = [
+    "CHECKPOINTS_DIRNAME",
     "RESUMABLE",
     "RUN_FILES",
     "check_output_dir",
     "check_resume_config",
     "clear_run",
+    "fsync_dir",
+    "fsync_tree",
     "publish_dir",
     "run_started",
     "write_atomic",
@@ -40,6 +46,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+CHECKPOINTS_DIRNAME = "checkpoints"
+"""OUT/checkpoints/: where `gspo.checkpoint` keeps a run's checkpoints."""
 
 # What gspo writes in a run folder (and all that --overwrite deletes); hidden temporaries are `.NAME.tmp` / `.old`.
 RUN_FILES = ("config.yaml", "metrics.jsonl", "eval.jsonl", "samples.jsonl", "summary.json", "curves.png", "tb",
@@ -51,16 +60,44 @@ RESUMABLE = ("trainer.steps", "trainer.threads", "trainer.out", "trainer.eval_ev
              "rollout.vllm.request_timeout", "rollout.vllm.max_concurrent_requests")
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Replace the file `path` by `text` in one rename after an fsync: a reader (or a resume after a crash) sees the
-    old or the new content, never a torn file."""
+def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
+    """Replace the file `path` by `data` (a str is written as UTF-8) in one rename after an fsync, then fsync the
+    folder: a reader (or a resume after a crash) sees the old or the new content, never a torn file, and the new name
+    survives a power loss. The temporary file is `.NAME.tmp` next to it, removed if the write fails."""
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    tmp.replace(path)
+    try:
+        with open(tmp, "wb") as handle:
+            handle.write(data.encode("utf-8") if isinstance(data, str) else data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
+
+
+def fsync_dir(folder: str | os.PathLike) -> None:
+    """fsync a directory so that the names created in (or renamed into) it survive a power loss."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(folder: str | os.PathLike) -> None:
+    """fsync every file under `folder`, then every directory, deepest first: before a folder is published by rename,
+    so that a power loss cannot leave the published name pointing at files whose data never reached the disk."""
+    for current, _, files in os.walk(folder, topdown=False):
+        for name in files:
+            fd = os.open(Path(current) / name, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(current)
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from gspo.config import Config
 
 from gspo.logprobs import completion_logprobs
-from gspo.models import load_model, save_model
+from gspo.models import load_model, resolve_dtype, save_model
 from gspo.optim import make_optimizer
 from gspo.runfolder import publish_dir
 from gspo.schedule import derive_seed
@@ -79,7 +79,7 @@ def sft(
     rng = random.Random(seed)
     model.train()
     device = next(model.parameters()).device  # the batches are built on the CPU and moved there
-    amp = (functools.partial(torch.autocast, device.type, dtype=getattr(torch, mixed_precision)) if mixed_precision
+    amp = (functools.partial(torch.autocast, device.type, dtype=resolve_dtype(mixed_precision)) if mixed_precision
            else contextlib.nullcontext)
     losses: list[float] = []
     running = None

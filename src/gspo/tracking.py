@@ -23,7 +23,7 @@ from typing import Any, TextIO
 import torch
 from tqdm.auto import tqdm
 
-from gspo.checkpoint import fsync_dir
+from gspo.runfolder import write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -243,21 +243,12 @@ def truncate_metrics(path: str | os.PathLike, last_step: int) -> None:
     A missing file is fine (nothing to keep).
     """
     path = Path(path)
-    for stale in path.parent.glob(f".{path.name}.tmp-*"):  # left by a crash during an earlier truncation
+    for stale in path.parent.glob(f".{path.name}.tmp-*"):  # pid-suffixed, left by a crash in an earlier version
         stale.unlink(missing_ok=True)
     if not path.exists():
         return
     kept = [line for line, record in _parse_lines(path) if record["step"] <= last_step]
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as handle:
-            handle.writelines(line + "\n" for line in kept)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    fsync_dir(path.parent)
+    write_atomic(path, "".join(line + "\n" for line in kept))  # a crash leaves at most .NAME.tmp, replaced next time
 
 
 def _drop_torn_tail(path: Path) -> None:

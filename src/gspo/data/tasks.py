@@ -42,7 +42,6 @@ class Task:
     """
 
     name: str
-    description: str
     defaults: Mapping[str, int]
     check: Callable[[Mapping[str, int]], None]
     sample: Callable[[random.Random, Mapping[str, int]], dict[str, Any] | None]
@@ -147,14 +146,12 @@ def _sample_countdown(rng: random.Random, options: Mapping[str, int]) -> dict[st
 TASKS: dict[str, Task] = {
     "addition": Task(
         name="addition",
-        description="multi-digit addition: prompt 'a+b=', answer the sum",
         defaults={"digits": 3},
         check=_check_addition,
         sample=_sample_addition,
     ),
     "countdown": Task(
         name="countdown",
-        description="reach the target with + - * / using each given number at most once: prompt 'n1,n2,n3:target='",
         defaults={"min_count": 3, "max_count": 4, "max_number": 20, "max_target": 100},
         check=_check_countdown,
         sample=_sample_countdown,

@@ -28,8 +28,8 @@ from typing import Any, Literal
 import torch
 
 from gspo.rewards.builtin import addition_reward, countdown_reward, math_reward, parse_arithmetic
+from gspo.rewards.code import code_reward
 from gspo.rewards.deadline import DeadlinePool, Outcome
-from gspo.rewards.sandbox import code_reward
 
 __all__ = [
     "REWARDS",
@@ -223,6 +223,27 @@ class RewardRunner:
         self.timeouts: dict[str, int] = dict.fromkeys(self.names, 0)
         self._warned: set[tuple[str, str]] = set()
         self._pool = DeadlinePool(workers, self.timeout_s) if self.timeout_s is not None or workers > 1 else None
+        self._agreed = self.state_dict()  # the counters as every process last agreed on them (`sync_counts`)
+
+    def state_dict(self) -> dict[str, dict[str, int]]:
+        """The cumulative counters (`failures`, `timeouts`: per function), e.g. for a checkpoint."""
+        return {"failures": dict(self.failures), "timeouts": dict(self.timeouts)}
+
+    def load_state_dict(self, state: Mapping[str, Mapping[str, int]]) -> None:
+        """Continue counting from `state` (a `state_dict()`, e.g. restored from a checkpoint)."""
+        self.failures.update(state.get("failures", {}))
+        self.timeouts.update(state.get("timeouts", {}))
+        self._agreed = self.state_dict()
+
+    def sync_counts(self, all_sum: Callable[[list[float]], list[float]]) -> None:
+        """Make the counters the run's totals on every process, when each process scores its own rows: `all_sum` sums
+        a list of numbers over the processes (a collective: every process calls this at the same point)."""
+        current = self.state_dict()
+        keys = [(kind, name) for kind in sorted(current) for name in sorted(current[kind])]
+        deltas = all_sum([float(current[k][n] - self._agreed[k].get(n, 0)) for k, n in keys])
+        for (kind, name), delta in zip(keys, deltas, strict=True):
+            getattr(self, kind)[name] = self._agreed[kind].get(name, 0) + round(delta)
+        self._agreed = self.state_dict()
 
     def _invoke(self, calls: list[tuple[RewardFn, tuple, dict]]) -> list[Outcome]:
         """Run the calls (inline, or in the pool with the deadline); outcomes in call order."""

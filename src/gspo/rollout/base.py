@@ -1,12 +1,29 @@
-"""The rollout-engine interface: what the trainer asks of any engine (built-in sampler, vLLM, ...)."""
+"""The rollout-engine protocol: everything the trainer asks of an engine (the built-in sampler, vLLM in process, a vLLM
+server, or your own), so that a new engine implements this and touches no trainer code.
+
+The trainer's use of an engine, once per RL step:
+
+    traj = engine.generate(prompts, group_size, seeds)        # collect: a `Trajectory`, versions = engine.version
+    engine.release()                                          # learn: the engine frees what it can
+    engine.update_weights(named_tensors, version=step + 1)    # sync: the new policy, as a stream of (name, tensor)
+
+and for evaluation `engine.generate(prompts, 1, seeds, params=greedy)`: the same weights, other sampling settings.
+The weight stream yields the policy's full (unsharded) tensors one at a time, under the names of the bare model's
+`state_dict()`; DDP, FSDP and LoRA policies all feed it the same way (`gspo.rollout.weights.policy_weights`). Under
+FSDP producing each tensor is a collective, so every process's engine consumes the whole stream, except an engine
+that samples from the trainer's own tensors (`shares_weights`), which reads none of it.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Protocol
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
-from torch import nn
+
+if TYPE_CHECKING:
+    from gspo.trajectory import Trajectory
 
 
 @dataclass(frozen=True)
@@ -30,27 +47,6 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
 
-@dataclass
-class RolloutBatch:
-    """G completions for each of P prompts, laid out group-contiguous: rows g*G .. g*G+G-1 share prompt g.
-
-    Shapes: N = P*G rows, S = padded prompt length, T = padded completion length.
-    """
-
-    prompt_ids: torch.Tensor  # [N, S] left-padded
-    prompt_mask: torch.Tensor  # [N, S] 1 on real prompt tokens
-    completion_ids: torch.Tensor  # [N, T] right-padded
-    completion_mask: torch.Tensor  # [N, T] 1 on generated tokens (EOS included), 0 on padding
-    logprobs: torch.Tensor  # [N, T] float32 log-prob of each sampled token under the sampling distribution, 0 on pad
-    truncated: torch.Tensor  # [N] bool: hit max_new_tokens without EOS or a stop string
-    completions: list[str]  # [N] decoded completion text (stop string included, EOS excluded)
-    prompt_index: torch.Tensor  # [N] long: index into the `prompts` list that was passed to generate
-    extras: dict = field(default_factory=dict)  # engine-specific (e.g. MoE routing for R3)
-
-    def __len__(self) -> int:
-        return self.completion_ids.shape[0]
-
-
 def check_request(prompts: list[str], group_size: int, seeds: list[int]) -> None:
     """Raise ValueError for a `generate` request no engine can serve: no prompts, group_size < 1, not one seed per
     prompt."""
@@ -63,13 +59,25 @@ def check_request(prompts: list[str], group_size: int, seeds: list[int]) -> None
 
 
 class RolloutEngine(Protocol):
-    """Generates completions and receives new weights after each optimizer step."""
+    """Generates trajectories from the policy's current weights and receives new weights after every step."""
 
-    def generate(self, prompts: list[str], group_size: int, seeds: list[int]) -> RolloutBatch:
-        """Sample `group_size` completions for each prompt; prompt i's group is a function of `seeds[i]` alone,
-        so results do not depend on which other prompts share the batch (or the process)."""
+    version: int  # policy version of the weights it samples from (0 as built; the trainer's step count after a sync)
+    shares_weights: bool  # samples from the trainer's own tensors: `update_weights` has nothing to read
+    pad_id: int  # the token its trajectories are padded with
+
+    def generate(self, prompts: list[str], group_size: int, seeds: list[int],
+                 params: SamplingParams | None = None) -> Trajectory:
+        """Sample `group_size` responses for each prompt (rows g·G .. g·G+G−1 answer prompt g); prompt i's group is a
+        function of `seeds[i]` alone, so results do not depend on which other prompts share the batch (or the
+        process). `params` replaces the engine's own sampling settings for this call (e.g. greedy evaluation). Every
+        generated token's `versions` entry is `self.version`."""
         ...
 
-    def update_weights(self, model: nn.Module) -> None:
-        """Make the engine sample from `model`'s current weights."""
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Sample from these weights from now on (the stream: see the module doc); `version` becomes `self.version`."""
+        ...
+
+    def release(self) -> None:
+        """Free the memory the engine can give back until the next `update_weights` (e.g. its own weight copy), so that
+        it does not coexist with the trainer's gradients and optimizer state; a no-op where there is nothing to free."""
         ...

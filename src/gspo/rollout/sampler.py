@@ -11,18 +11,21 @@ import contextlib
 import copy
 import ctypes
 import inspect
+from collections.abc import Iterable
 
 import torch
-from torch import nn
 from transformers import PreTrainedModel
 
+from gspo.models import resolve_dtype
 from gspo.moe import RolloutRoutingRecorder, require_replay_support
-from gspo.rollout.base import RolloutBatch, SamplingParams, check_request
+from gspo.rollout.assemble import encode_prompts, eos_ids, pad_id
+from gspo.rollout.base import SamplingParams
+from gspo.rollout.weights import unwrap_model
+from gspo.trajectory import NO_VERSION, Trajectory, pad_left
 
 __all__ = ["HFSampler", "filter_scores", "row_seed", "sample_from_logits"]
 
 _SEED_STRIDE = 1_000_003  # prime multiplier that spreads (prompt seed, index in group) over distinct generator seeds
-_DTYPE_ALIASES = {"bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16, "fp32": torch.float32}
 
 
 def row_seed(prompt_seed: int, index_in_group: int) -> int:
@@ -79,16 +82,6 @@ def sample_from_logits(
     return idx.squeeze(1), logp.gather(-1, idx).squeeze(1)
 
 
-def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    """Turn 'bf16' / 'bfloat16' / 'torch.float32' / torch.float16 ... into a floating-point torch.dtype."""
-    if isinstance(dtype, str):
-        name = dtype.removeprefix("torch.").lower()
-        dtype = _DTYPE_ALIASES.get(name, getattr(torch, name, None))
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"dtype must be a floating-point torch dtype (e.g. torch.bfloat16 or 'bf16'), got {dtype!r}")
-    return dtype
-
-
 def _trim_heap() -> None:
     """Return the C heap's free pages to the system (glibc's malloc_trim; nothing elsewhere): freed tensors of a few
     MB live in the heap, and without this the process's resident memory keeps them."""
@@ -96,23 +89,16 @@ def _trim_heap() -> None:
         ctypes.CDLL(None).malloc_trim(0)
 
 
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The bare model inside DDP/FSDP-style (`.module`) or torch.compile (`._orig_mod`) wrappers."""
-    for attr in ("module", "_orig_mod"):
-        inner = getattr(model, attr, None)
-        if isinstance(inner, nn.Module):
-            return unwrap_model(inner)
-    return model
-
-
 class HFSampler:
     """Rollout engine that samples from a Hugging Face causal LM with its KV cache (implements `RolloutEngine`).
 
-    With `dtype=None` (or the model's own dtype) it samples from the trainer's model object itself, so the weights
-    are shared and `update_weights` has nothing to do. With another dtype (e.g. bf16 rollouts for an fp32 trainer)
-    it acts as a separate inference engine: it keeps its own copy, parameters cast to `dtype` (buffers such as rotary
-    frequencies keep their dtype, as `from_pretrained(dtype=...)` would leave them), and `update_weights` copies the
-    trainer's current tensors into it in memory.
+    With `dtype=None` (or the model's own dtype) it samples from the trainer's model object itself (`shares_weights`),
+    so `update_weights` has nothing to read. With another dtype (e.g. bf16 rollouts for an fp32 trainer), or
+    `own_copy=True` (FSDP training: a sharded model cannot run data-dependent generation loops, every forward being a
+    collective), it is a separate inference engine: it keeps its own full copy on `device` (default the model's),
+    parameters cast to `dtype` (buffers such as rotary frequencies keep their dtype, as `from_pretrained(dtype=...)`
+    would leave them), and `update_weights` copies the streamed tensors into it in memory. `release` frees that copy
+    until the next `update_weights`.
 
     Generation: prompts are tokenized without special tokens and left-padded; one prefill, then one cached decode
     step per token. Rows that finish (EOS or a stop string) are dropped from the batch and the KV cache, so they stop
@@ -120,7 +106,7 @@ class HFSampler:
     `drop_finished_rows = False` to keep finished rows in the batch instead (same results; for testing).
 
     `record_routing=True` (MoE models; for R3 routing replay, arXiv 2510.11370) also records which experts every
-    router chose for every prompt and generated token, into `RolloutBatch.extras["routing"]`: [N, S + T, layers, k]
+    router chose for every prompt and generated token, into `Trajectory.extras["routing"]`: [N, S + T, layers, k]
     int16, aligned to the training forward's tokens (left-padded prompt then right-padded completion), FREE (-1)
     where the engine routed nothing (padding, and each completion's last token, which is never fed back; see
     `gspo.moe.RolloutRoutingRecorder`). Off by default: normal rollouts install no hooks and pay nothing.
@@ -135,18 +121,24 @@ class HFSampler:
         params: SamplingParams,
         dtype: torch.dtype | str | None = None,
         record_routing: bool = False,
+        own_copy: bool = False,
+        device: torch.device | str | None = None,
     ) -> None:
         model = unwrap_model(model)
         if record_routing:
             require_replay_support(model, "r3")
         self.record_routing = record_routing
         model_dtype = next(model.parameters()).dtype
-        target = model_dtype if dtype is None else _resolve_dtype(dtype)
+        target = model_dtype if dtype is None else resolve_dtype(dtype)
         self.tokenizer = tokenizer
         self.params = params
-        self.owns_weights = target != model_dtype
+        self.version = 0
+        self.owns_weights = own_copy or target != model_dtype
+        self.shares_weights = not self.owns_weights
         if self.owns_weights:
             engine = copy.deepcopy(model).eval()
+            if device is not None:
+                engine = engine.to(device)
             for p in engine.parameters():
                 p.requires_grad_(False)
                 p.grad = None
@@ -156,77 +148,60 @@ class HFSampler:
             self.model = model
         self.dtype = target
 
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        if self.pad_id is None:
-            raise ValueError("the tokenizer needs a pad_token_id (or at least an eos_token_id to pad with)")
-        self.eos_ids = self._collect_eos_ids(model, tokenizer)
+        self.pad_id = pad_id(tokenizer)
+        self.eos_ids = eos_ids(tokenizer, getattr(model, "generation_config", None))
         self._forward_takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._stop_table: tuple[tuple[str, ...], torch.Tensor] | None = None
         self._routing: RolloutRoutingRecorder | None = None  # set during generate() when recording routing
-        self._released_shapes: dict[str, torch.Size] = {}  # parameters freed by release_weights
-        self._source = model  # the model last given (init / update_weights): what a released copy is rebuilt from
+        self._released_shapes: dict[str, torch.Size] = {}  # parameters freed by release
         if self.owns_weights:  # hold the copy in one buffer from the start (see update_weights)
-            self.release_weights()
-            self.update_weights(model)
-
-    @staticmethod
-    def _collect_eos_ids(model: nn.Module, tokenizer) -> list[int]:
-        """EOS ids: the tokenizer's plus any in the model's generation config (chat models often list several)."""
-        ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
-        gen_cfg = getattr(model, "generation_config", None)
-        extra = getattr(gen_cfg, "eos_token_id", None)
-        for i in [extra] if isinstance(extra, int) else extra or []:
-            if i not in ids:
-                ids.append(int(i))
-        return ids
+            self.release()
+            self.update_weights(model.state_dict().items(), 0)
 
     # ------------------------------------------------------------------ weights
 
     @torch.no_grad()
-    def update_weights(self, model: nn.Module) -> None:
-        """Make the engine sample from `model`'s current weights.
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Sample from `weights` (name → tensor, the bare model's `state_dict()` names) from now on; see
+        `gspo.rollout.base`. Shared-weight engine: reads nothing. Own-copy engine: copies every tensor by name, casting
+        to the engine's dtypes; raises ValueError if a name or shape does not match the copy or a tensor is missing."""
+        if self.owns_weights:
+            self._load(weights)
+        self.version = version
 
-        Shared-weight engine: nothing to copy (if a different model object is passed, the engine switches to sampling
-        from that object, still without copying). Own-copy engine: copies every parameter and buffer by name, casting
-        to the engine's dtypes; raises ValueError if the models' tensors do not match.
-        """
-        model = unwrap_model(model)
-        if not self.owns_weights:
-            self.model = model
-            return
-        self._source = model
-        src = dict(model.named_parameters())
-        src.update(model.named_buffers())
-        dst = dict(self.model.named_parameters())
-        dst.update(self.model.named_buffers())
-        if src.keys() != dst.keys():
-            missing, extra = sorted(dst.keys() - src.keys()), sorted(src.keys() - dst.keys())
-            raise ValueError(f"update_weights: tensor names differ (missing {missing[:5]}, unexpected {extra[:5]})")
+    def _load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        dst = self.model.state_dict(keep_vars=True)
         released, self._released_shapes = self._released_shapes, {}
-        for name, t in dst.items():
-            if released.get(name, t.shape) != src[name].shape:
-                got, want = tuple(src[name].shape), tuple(released.get(name, t.shape))
-                raise ValueError(f"update_weights: {name} has shape {got}, expected {want}")
-        # parameters freed by release_weights come back as views of one buffer: one allocation, which the allocator
-        # hands back to the system as a whole when they are released again (scattered ones would fragment the heap);
-        # the free heap pages the trainer's gradients left are handed back first, so the copy does not stack on them
+        # parameters freed by release come back as views of one buffer: one allocation, which the allocator hands back
+        # to the system as a whole when they are released again (scattered ones would fragment the heap); the free
+        # heap pages the trainer's gradients left are handed back first, so the copy does not stack on them
         if released:
             _trim_heap()
         flat = torch.empty(sum(shape.numel() for shape in released.values()), dtype=self.dtype,
-                           device=next(iter(src.values())).device)
+                           device=next(self.model.parameters()).device)
         offset = 0
         for name, t in dst.items():
             if name in released:
                 t.data = flat[offset:offset + released[name].numel()].view(released[name])
                 offset += released[name].numel()
-            t.copy_(src[name])
+        seen = set()
+        for name, tensor in weights:
+            if name not in dst:
+                raise ValueError(f"update_weights: unexpected tensor {name!r} (the engine's model has no such tensor)")
+            if tensor.shape != dst[name].shape:
+                raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, expected "
+                                 f"{tuple(dst[name].shape)}")
+            dst[name].copy_(tensor)
+            seen.add(name)
+        missing = sorted(dst.keys() - seen)
+        if missing:
+            raise ValueError(f"update_weights: no tensor for {missing[:5]} ({len(missing)} missing)")
 
-    def release_weights(self) -> None:
-        """Own-copy engine: free the copy's parameters until the next `update_weights`, which allocates them again
-        from the model it is given. The trainer calls this after each rollout, so that the copy (e.g. a bf16 engine's)
-        never coexists with the gradients and optimizer state of the updates: peak memory as with a shared engine.
-        Shared-weight engine: nothing to do. A `generate` before the next `update_weights` first updates from the
-        model last given."""
+    def release(self) -> None:
+        """Own-copy engine: free the copy's parameters until the next `update_weights`, which allocates them again.
+        The trainer calls this after each rollout, so that the copy (e.g. a bf16 engine's) never coexists with the
+        gradients and optimizer state of the updates: peak memory as with a shared engine. Shared-weight engine:
+        nothing to do. `generate` on a released engine is an error."""
         if not self.owns_weights:
             return
         for name, p in self.model.named_parameters():
@@ -237,8 +212,10 @@ class HFSampler:
 
     # ------------------------------------------------------------------ generation
 
-    def generate(self, prompts: list[str], group_size: int, seeds: list[int]) -> RolloutBatch:
-        """Sample `group_size` completions for each prompt (rows g*G .. g*G+G-1 belong to prompt g).
+    def generate(self, prompts: list[str], group_size: int, seeds: list[int],
+                 params: SamplingParams | None = None) -> Trajectory:
+        """Sample `group_size` completions for each prompt (rows g*G .. g*G+G-1 belong to prompt g), with `params`
+        (default: the engine's own).
 
         Row j of prompt i draws one uniform per generated token from its own generator seeded with
         `row_seed(seeds[i], j)` and picks the token by inverse CDF, so a prompt's group depends only on its seed
@@ -252,10 +229,12 @@ class HFSampler:
         stop string within that last token). Rows reaching `max_new_tokens` otherwise are `truncated`.
         Returned tensors live on the model's device and are ordinary (not inference-mode) tensors.
         """
-        if self._released_shapes:  # released and not updated since (e.g. a step retried after a failure)
-            self.update_weights(self._source)
-        unique_ids, unique_mask = self._encode(prompts, group_size, seeds)
-        max_new = self.params.max_new_tokens
+        if self._released_shapes:
+            raise RuntimeError("generate: this engine's weights were released (release()); give it weights with "
+                               "update_weights() first")
+        params = params or self.params
+        unique_ids, unique_mask = self._encode(prompts, group_size, seeds, params)
+        max_new = params.max_new_tokens
         uniforms = torch.stack(
             [
                 torch.rand(max_new, generator=torch.Generator().manual_seed(row_seed(seed, j)))
@@ -271,7 +250,7 @@ class HFSampler:
                                                    unique_ids.device)
         try:
             with torch.inference_mode(), self._routing or contextlib.nullcontext():
-                raw = self._decode(unique_ids, unique_mask, group_size, uniforms.to(unique_ids.device))
+                raw = self._decode(unique_ids, unique_mask, group_size, uniforms.to(unique_ids.device), params)
         finally:
             self.model.train(was_training)
         ids, logprobs, lengths, truncated = (x.clone() for x in raw)  # clones are ordinary tensors again
@@ -287,7 +266,7 @@ class HFSampler:
         completions = [self.tokenizer.decode(row[:n], skip_special_tokens=True) for row, n in pairs]
         extras = {} if self._routing is None else {"routing": self._routing.result(lengths, width)}
         self._routing = None
-        return RolloutBatch(
+        return Trajectory(
             prompt_ids=unique_ids.repeat_interleave(group_size, 0),
             prompt_mask=unique_mask.repeat_interleave(group_size, 0),
             completion_ids=ids,
@@ -296,35 +275,25 @@ class HFSampler:
             truncated=truncated,
             completions=completions,
             prompt_index=torch.arange(len(prompts), device=ids.device).repeat_interleave(group_size),
+            versions=torch.where(mask, self.version, NO_VERSION),
             extras=extras,
         )
 
-    def _encode(self, prompts: list[str], group_size: int, seeds: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _encode(self, prompts: list[str], group_size: int, seeds: list[int],
+                params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
         """Validate the request; return the left-padded prompt ids and mask [P, S] on the model's device."""
-        check_request(prompts, group_size, seeds)
-        if any(not s for s in self.params.stop):
-            raise ValueError(f"generate: stop strings must be non-empty, got {self.params.stop!r}")
-        encoded = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        if any(not s for s in params.stop):
+            raise ValueError(f"generate: stop strings must be non-empty, got {params.stop!r}")
         max_pos = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
-        for i, toks in enumerate(encoded):
-            if not toks:
-                raise ValueError(f"generate: prompt {i} tokenizes to zero tokens: {prompts[i]!r}")
-            if max_pos is not None and len(toks) + self.params.max_new_tokens > max_pos:
-                raise ValueError(
-                    f"generate: prompt {i} has {len(toks)} tokens; with max_new_tokens={self.params.max_new_tokens} "
-                    f"that is {len(toks) + self.params.max_new_tokens} > max_position_embeddings={max_pos}"
-                )
-        width = max(len(t) for t in encoded)
-        ids = torch.full((len(encoded), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(encoded), width), dtype=torch.long)
-        for i, toks in enumerate(encoded):
-            ids[i, width - len(toks) :] = torch.tensor(toks, dtype=torch.long)
-            mask[i, width - len(toks) :] = 1
+        encoded = encode_prompts(self.tokenizer, prompts, group_size, seeds, params.max_new_tokens, max_pos,
+                                 "max_position_embeddings")
+        ids, mask = pad_left(encoded, self.pad_id)
         device = next(self.model.parameters()).device
         return ids.to(device), mask.to(device)
 
     def _decode(
-        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int, uniforms: torch.Tensor
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int, uniforms: torch.Tensor,
+        p: SamplingParams,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The prefill + cached decode loop for P unique prompts [P, S], each sampled `group_size` times.
 
@@ -333,7 +302,6 @@ class HFSampler:
         repeated for its group. Batch position b holds output row `rows[b]`; finished rows are dropped from every
         per-row tensor and from the KV cache (or, with `drop_finished_rows = False`, kept but ignored).
         """
-        p = self.params
         n_rows, prompt_len = prompt_ids.shape[0] * group_size, prompt_ids.shape[1]
         device = prompt_ids.device
         out_ids = torch.full((n_rows, p.max_new_tokens), self.pad_id, dtype=torch.long, device=device)
@@ -361,14 +329,14 @@ class HFSampler:
         next_position = position_ids[:, -1] + 1  # position of the first generated token, per row
         rows = torch.arange(n_rows, device=device)
         alive = torch.ones(n_rows, dtype=torch.bool, device=device)  # only shrinks when rows are not dropped
-        stop_candidates = self._stop_candidates(logits.shape[-1], device) if p.stop else None
+        stop_candidates = self._stop_candidates(p.stop, logits.shape[-1], device) if p.stop else None
         for t in range(p.max_new_tokens):
             tokens, logprobs = sample_from_logits(logits, uniforms[rows, t], p.temperature, p.top_k, p.top_p)
             out_ids[rows, t] = tokens
             out_logprobs[rows, t] = logprobs
             finished = torch.isin(tokens, eos_ids) & alive
             if stop_candidates is not None:
-                finished |= self._hits_stop(out_ids, rows, t, stop_candidates[tokens] & alive & ~finished)
+                finished |= self._hits_stop(p.stop, out_ids, rows, t, stop_candidates[tokens] & alive & ~finished)
             if finished.any():
                 ended = rows[finished]
                 lengths[ended] = t + 1
@@ -400,7 +368,8 @@ class HFSampler:
 
     # ------------------------------------------------------------------ stop strings
 
-    def _hits_stop(self, out_ids: torch.Tensor, rows: torch.Tensor, t: int, candidates: torch.Tensor) -> torch.Tensor:
+    def _hits_stop(self, stop: tuple[str, ...], out_ids: torch.Tensor, rows: torch.Tensor, t: int,
+                   candidates: torch.Tensor) -> torch.Tensor:
         """Which batch positions' completions (tokens 0..t) now contain a stop string; only `candidates` are decoded.
 
         A row that did not contain a stop string before this step and does now has just completed one, so checking
@@ -409,20 +378,19 @@ class HFSampler:
         hit_positions = []
         for b in candidates.nonzero().squeeze(1).tolist():
             text = self.tokenizer.decode(out_ids[rows[b], : t + 1].tolist(), skip_special_tokens=True)
-            if any(s in text for s in self.params.stop):
+            if any(s in text for s in stop):
                 hit_positions.append(b)
         hits = torch.zeros_like(candidates)
         hits[hit_positions] = True
         return hits
 
-    def _stop_candidates(self, vocab: int, device: torch.device) -> torch.Tensor:
+    def _stop_candidates(self, stop: tuple[str, ...], vocab: int, device: torch.device) -> torch.Tensor:
         """Bool [V]: tokens that can complete a stop string, i.e. whose text can contain a stop string's last char.
 
         Conservative on purpose: a token decoded alone may lose leading whitespace or be a partial UTF-8 byte, so
         tokens decoding to '' or containing U+FFFD count, and a stop string ending in whitespace makes every token a
         candidate. Cached per tuple of stop strings.
         """
-        stop = self.params.stop
         if self._stop_table is None or self._stop_table[0] != stop or self._stop_table[1].numel() != vocab:
             last_chars = {s[-1] for s in stop}
             if any(c.isspace() for c in last_chars):

@@ -30,6 +30,7 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -113,9 +114,7 @@ def _base_overrides(opts: StudyOptions, seed: int) -> list[str]:
 def _base_path(opts: StudyOptions) -> Path:
     if opts.base_config is not None:
         return Path(opts.base_config)
-    from gspo.cli import demo_config_path
-
-    return demo_config_path()
+    return Path(str(resources.files("gspo") / "configs" / "demo.yaml"))  # the packaged demo config, as `gspo demo`'s
 
 
 def study_configs(opts: StudyOptions) -> tuple[dict[int, Config], dict[tuple[int, str], list[str]]]:
@@ -150,8 +149,8 @@ def build_cold_start(cfg: Config, target: Path) -> dict:
 
     from gspo.checkpoint import set_seed
     from gspo.data import load_data
-    from gspo.distributed import resolve_device
     from gspo.models import load_model
+    from gspo.parallel import resolve_device
     from gspo.sft import cold_start
 
     if cfg.trainer.threads:

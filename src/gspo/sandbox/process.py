@@ -1,4 +1,5 @@
-"""Run untrusted, model-written Python in a locked-down child process, and the `code` reward built on it.
+"""Run untrusted, model-written Python in a locked-down child process (the `code` reward, `gspo.rewards.code`,
+is built on it).
 
 `run_sandboxed(code, tests)` runs `code` followed by `tests` (a Python snippet, typically `assert` statements) and
 scores 1.0 only if the tests ran to their end; anything else scores 0.0 with a reason ("tests failed", "timeout",
@@ -39,7 +40,7 @@ against accidental and common hacks, not against an adversary that targets this 
 Not contained: the program can read world-readable files and use CPU, memory and its folder's disk space up to its
 limits.
 
-This module imports only the standard library: the launcher runs it as a script (`python -I -S sandbox.py`).
+This module imports only the standard library: the launcher runs it as a script (`python -I -S process.py`).
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
-import logging
 import math
 import os
 import pwd
@@ -67,9 +67,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SandboxError", "SandboxResult", "code_reward", "extract_code", "make_code_reward", "run_sandboxed"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["SandboxError", "SandboxResult", "check_limits", "run_sandboxed"]
 
 _CLONE_NEWNS = 0x00020000
 _CLONE_NEWIPC = 0x08000000
@@ -168,7 +166,7 @@ def run_sandboxed(
     `python`: the interpreter for the program (default: this one, or a system python3 when this one is not usable
     by the unprivileged uid). `require_isolation`: raise SandboxError instead of running with a layer missing.
     """
-    _check_limits(timeout_s, cpu_s, memory_mb, max_procs, max_output_bytes)
+    check_limits(timeout_s, cpu_s, memory_mb, max_procs, max_output_bytes)
     if not sys.platform.startswith("linux"):
         raise SandboxError(f"the sandbox needs Linux (namespaces, rlimits, prctl); this is {sys.platform}")
     if not isinstance(code, str):
@@ -197,7 +195,8 @@ def run_sandboxed(
             _remove_tree(workdir)
 
 
-def _check_limits(timeout_s: float, cpu_s: float, memory_mb: int, max_procs: int, max_output_bytes: int) -> None:
+def check_limits(timeout_s: float, cpu_s: float, memory_mb: int, max_procs: int, max_output_bytes: int) -> None:
+    """Raise ValueError unless these are limits `run_sandboxed` accepts (for callers that validate them early)."""
     for name, value in (("timeout_s", timeout_s), ("cpu_s", cpu_s)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
             raise ValueError(f"run_sandboxed: {name} must be a finite number > 0, got {value!r}")
@@ -597,64 +596,6 @@ def _init_process(spec: dict[str, Any], result_fd: int, limit_procs: bool, repor
         if pid == program:
             report(exit=os.waitstatus_to_exitcode(status))
             os._exit(0)
-
-
-# ------------------------------------------------------------------------------------------------- the code reward
-
-_FENCE = re.compile(r"```[ \t]*([\w+.-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
-_PYTHON_TAGS = ("python", "python3", "py")
-
-
-def extract_code(completion: str) -> str:
-    """The program in a completion: the last ```python (or ```py) fenced block, else the last untagged ``` block,
-    else — when there is no fence at all — the whole completion. A block cut off by the token limit (no closing
-    fence) counts as running to the end. Blocks tagged with another language only give "" (no Python code)."""
-    blocks = _FENCE.findall(completion)
-    if not blocks:
-        return completion
-    for wanted in (lambda tag: tag.lower() in _PYTHON_TAGS, lambda tag: tag == ""):
-        chosen = [body for tag, body in blocks if wanted(tag)]
-        if chosen:
-            return chosen[-1]
-    return ""
-
-
-def make_code_reward(
-    *, timeout_s: float = 5.0, cpu_s: float = 5.0, memory_mb: int = 512, max_procs: int = 32,
-    python: str | None = None,
-) -> Callable[..., float]:
-    """A `code` reward with other sandbox limits, e.g. `my_rewards.py: slow_code = make_code_reward(timeout_s=20)`
-    named in the config as `my_rewards:slow_code`. Keep `timeout_s` below `rewards.timeout_s`."""
-    _check_limits(timeout_s, cpu_s, memory_mb, max_procs, 1)
-    warned: set[str] = set()
-
-    def code_reward(prompt: str, completion: str, **row: Any) -> float:
-        """1.0 if the completion's program (see `extract_code`) passes the row's `tests` in the sandbox, else 0.0.
-
-        `row["tests"]` is a Python snippet (or a list of snippets) run after the program, usually asserts on its
-        functions, e.g. `["assert add(2, 3) == 5", "assert add(-1, 1) == 0"]`. A row without usable tests is a data
-        error (ValueError), not a wrong completion. Isolation warnings are logged once each.
-        """
-        tests = row.get("tests")
-        if not (isinstance(tests, str) and tests.strip()) and not (
-            isinstance(tests, list) and tests and all(isinstance(t, str) for t in tests)
-        ):
-            raise ValueError(f"code_reward needs a row field 'tests' (a non-empty str or list of str), got {tests!r}")
-        code = extract_code(completion)
-        if not code.strip():
-            return 0.0
-        result = run_sandboxed(code, tests, timeout_s=timeout_s, cpu_s=cpu_s, memory_mb=memory_mb,
-                               max_procs=max_procs, python=python)
-        for warning in result.warnings:
-            if warning not in warned:
-                warned.add(warning)
-                logger.warning("code reward sandbox: %s", warning)
-        return result.score
-
-    return code_reward
-
-
-code_reward = make_code_reward()
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--launch"]:

@@ -1,5 +1,6 @@
-"""`gspo compare` (`gspo.compare`): the MoE stability study end to end at a few seconds' scale, how runs are read
-(collapse, non-finite), how claims get their verdicts from the numbers, reuse of finished runs, and the CLI."""
+"""`gspo compare` (`gspo.experiments.moe_study`): the MoE stability study end to end at a few seconds' scale, how
+runs are read (collapse, non-finite), how claims get their verdicts from the numbers, reuse of finished runs, and
+the CLI."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from conftest import varied_reward
 from gspo.cli import main
-from gspo.compare import (
+from gspo.experiments.moe_study import (
     METHODS,
     PRECISION_METHODS,
     StudyOptions,

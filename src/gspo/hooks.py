@@ -1,0 +1,171 @@
+"""Learner hooks: what runs around the learner's forwards besides the paper's algorithm.
+
+A hook can wrap each π_old forward and each π_θ forward in a context (MoE routing capture and replay), add per-process
+metrics of an update (averaged over processes with the step's other metrics), and add batch metrics once the step's
+updates are done. `gspo.learner.learn` calls them; the trainer chooses which to install:
+
+    MoERouting        §5.3: records π_old's routing, replays it (R2) or the engine's (R3) in the training forwards,
+                      and measures expert volatility and the engine–trainer routing mismatch
+    PrecisionMetrics  §5.4: how far the engine's log-probabilities are from the trainer's under the same weights
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING
+
+import torch
+
+from gspo.moe import RoutingCapture, routing_change
+
+if TYPE_CHECKING:
+    from gspo.parallel import ProcessGroup
+    from gspo.trajectory import Trajectory
+
+__all__ = ["LearnHook", "MoERouting", "PrecisionMetrics", "precision_ratio_metrics"]
+
+
+class LearnHook:
+    """The learner's extension points; every method is a no-op here."""
+
+    def start(self, traj: Trajectory) -> None:
+        """Before the step's forwards, with the step's (global) trajectories."""
+
+    def keeps_layout(self, phase: str) -> bool:
+        """Whether the forwards of `phase` ("old" or "update") must keep the padded [N, S + T] token layout (a hook that
+        captures per-token state does); otherwise they trim padding (`gspo.logprobs`)."""
+        return False
+
+    def old_forward(self, rows: torch.Tensor) -> AbstractContextManager:
+        """Around the π_old forward of `rows` (only when π_old is recomputed by the trainer)."""
+        return contextlib.nullcontext()
+
+    def old_done(self, group: ProcessGroup, minibatches: Sequence[torch.Tensor]) -> None:
+        """After every π_old forward: per-row results of this process's shares can be merged (`group.merge_rows`)."""
+
+    def update_forward(self, k: int, rows: torch.Tensor, last: bool) -> AbstractContextManager:
+        """Around the π_θ forward of update `k` on `rows` (`last`: the step's last update)."""
+        return contextlib.nullcontext()
+
+    def update_metrics(self, k: int, rows: torch.Tensor, logprobs: torch.Tensor,
+                       old_logprobs: torch.Tensor) -> dict[str, float]:
+        """Metrics of update `k` (this process's share), taken as they are (not averaged over the minibatches)."""
+        return {}
+
+    def batch_metrics(self, traj: Trajectory, old_logprobs: torch.Tensor) -> dict[str, float]:
+        """Metrics of the whole step, once every update is done (the same on every process)."""
+        return {}
+
+
+def precision_ratio_metrics(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tensor,
+                            mask: torch.Tensor) -> dict[str, float]:
+    """Ratio noise between the trainer's and the engine's log-probabilities of the same tokens under the same weights
+    (§5.4): std over tokens of w_{i,t} = π_trainer/π_engine, and std over sequences of s_i = exp(mean_t log w_{i,t}).
+    Non-zero only through numerics (e.g. a bf16 engine for an fp32 trainer); GRPO clips w, GSPO clips s."""
+    log_w = torch.where(mask, trainer_logprobs - engine_logprobs, trainer_logprobs.new_zeros(()))
+    nonempty = mask.any(-1)
+    log_s = log_w.sum(-1)[nonempty] / mask.sum(-1)[nonempty]
+    w = log_w[mask].exp()
+    return {
+        "precision_ratio_std_token": float(w.std()) if w.numel() > 1 else 0.0,
+        "precision_ratio_std_seq": float(log_s.exp().std()) if log_s.numel() > 1 else 0.0,
+    }
+
+
+class PrecisionMetrics(LearnHook):
+    """§5.4 diagnostics. With π_old from the engine (`from_engine`): the first update's ratio noise, trainer vs engine
+    under the same weights (the first minibatch is on-policy). With π_old recomputed: after the step, the mean absolute
+    difference between the engine's and the trainer's log-probabilities and the same ratio noise, over the batch."""
+
+    def __init__(self, from_engine: bool) -> None:
+        self.from_engine = from_engine
+
+    def update_metrics(self, k: int, rows: torch.Tensor, logprobs: torch.Tensor,
+                       old_logprobs: torch.Tensor) -> dict[str, float]:
+        if k != 0 or not self.from_engine:
+            return {}
+        return precision_ratio_metrics(logprobs.detach(), old_logprobs[rows], self._mask[rows])
+
+    def batch_metrics(self, traj: Trajectory, old_logprobs: torch.Tensor) -> dict[str, float]:
+        if self.from_engine:
+            return {}
+        mask = traj.loss_mask.bool()
+        diff = (traj.logprobs - old_logprobs)[mask].abs()
+        return {"rollout_logprob_diff": float(diff.mean()),
+                **precision_ratio_metrics(old_logprobs, traj.logprobs, mask)}
+
+    def start(self, traj: Trajectory) -> None:
+        self._mask = traj.loss_mask.bool()
+
+
+class MoERouting(LearnHook):
+    """MoE routing around the training forwards (§5.3), for a policy whose routers have an adapter (`gspo.moe`).
+
+    The π_old forward records each token's routing (the router's own choice; under R3 with the engine's routing
+    replayed); `replay` "r2" replays that in every π_θ forward, "r3" the engine's (`traj.extras["routing"]`), "none"
+    nothing. Expert volatility is measured for free on the last update: the fraction of its tokens' expert activations
+    that the router now picks differently from π_old's. With R3, the engine–trainer routing mismatch is reported.
+    Routing is captured over the padded [N, S + T] layout, so every forward that captures keeps that layout (and the
+    first minibatch's ratios stay exactly 1)."""
+
+    def __init__(self, model: torch.nn.Module, replay: str = "none") -> None:
+        self.model = model
+        self.replay_mode = replay
+
+    def start(self, traj: Trajectory) -> None:
+        self.engine_routing = traj.extras.get("routing")  # R3: the rollout engine's routing, [N, S+T, layers, k]
+        self.token_mask = traj.token_mask
+        self.n_rows = len(traj)
+        self.old_routing: torch.Tensor | None = None
+        self.metrics: dict[str, float] = {}
+
+    @property
+    def replay(self) -> torch.Tensor | None:
+        return {"r2": self.old_routing, "r3": self.engine_routing}.get(self.replay_mode)
+
+    def keeps_layout(self, phase: str) -> bool:
+        return True if phase == "old" else (self.old_routing is not None or self.replay is not None)
+
+    def old_forward(self, rows: torch.Tensor) -> AbstractContextManager:
+        return self._capture(self.engine_routing, rows, self._store_old)
+
+    def _store_old(self, rows: torch.Tensor, chosen: torch.Tensor) -> None:
+        width = self.token_mask.shape[1]
+        if self.old_routing is None:
+            self.old_routing = chosen.new_empty((self.n_rows, width, *chosen.shape[1:]))
+        self.old_routing[rows] = chosen.view(len(rows), width, *chosen.shape[1:])
+
+    def old_done(self, group: ProcessGroup, minibatches: Sequence[torch.Tensor]) -> None:
+        self.old_routing = group.merge_rows(self.old_routing, minibatches)
+
+    def update_forward(self, k: int, rows: torch.Tensor, last: bool) -> AbstractContextManager:
+        if not self.keeps_layout("update"):
+            return contextlib.nullcontext()
+        measure = self.old_routing is not None and last and k > 0
+        return self._capture(self.replay, rows, self._volatility if measure else None)
+
+    def _volatility(self, rows: torch.Tensor, chosen: torch.Tensor) -> None:
+        chosen = chosen.view(self.old_routing[rows].shape)
+        self.metrics["expert_volatility"] = routing_change(self.old_routing[rows], chosen, self.token_mask[rows])
+
+    def update_metrics(self, k: int, rows: torch.Tensor, logprobs: torch.Tensor,
+                       old_logprobs: torch.Tensor) -> dict[str, float]:
+        out, self.metrics = self.metrics, {}
+        return out
+
+    def batch_metrics(self, traj: Trajectory, old_logprobs: torch.Tensor) -> dict[str, float]:
+        if self.engine_routing is None or self.old_routing is None:
+            return {}
+        return {"rollout_routing_mismatch": routing_change(self.engine_routing, self.old_routing, self.token_mask)}
+
+    @contextlib.contextmanager
+    def _capture(self, replay: torch.Tensor | None, rows: torch.Tensor, then):
+        """Capture the routing of one forward over `rows`, replaying `replay[rows]` when given; hand the chosen experts
+        to `then(rows, chosen)`."""
+        with RoutingCapture(self.model, replay=None if replay is None else replay[rows]) as cap:
+            yield
+        chosen = cap.take().chosen
+        if then is not None:
+            then(rows, chosen)

@@ -1,0 +1,259 @@
+"""The process group of a run and the collectives the trainer needs; one process (no torchrun) is the default
+`ProcessGroup()`, whose every method is then the identity or a no-op.
+
+What makes N processes train exactly like one (up to floating-point summation order):
+
+* **Rollouts.** Each step's P prompts and their seeds are chosen globally (by step and *global* prompt position); rank
+  r generates and scores the contiguous share `shard(P)` of them, i.e. whole groups, then every process gathers the
+  whole batch (`gather_trajectories`), so group advantages, the minibatch permutation and all batch metrics are those
+  of one process.
+* **Updates.** Each minibatch of the global permutation is split into W equal contiguous shares (`share`); rank r runs
+  the π_old and π_θ forwards of its share only. Each objective is normalised by its *global* count (sequences,
+  tokens or B·L, summed over the shares with `all_sum`: see `gspo.objectives.Objective.count`), and DDP/FSDP average
+  gradients over processes, so the gradient is the one-process gradient whatever the shares hold.
+* **Consistency.** An update is skipped on every process or on none (`all_finite`); per-minibatch metrics are
+  averaged over processes (`mean_metrics`); per-row results of the shares are gathered back (`merge_rows`).
+* **Files.** Only rank 0 writes run files; evaluation is sharded over processes and combined by row count
+  (`evaluate`).
+
+Wrapping the policy (DDP / FSDP2) is `gspo.parallel.wrap`; the training state of a wrapped policy (checkpoints, the
+final model) is `gspo.parallel.state`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gspo.config import ConfigError
+from gspo.trajectory import Trajectory
+
+__all__ = ["ProcessGroup", "init_distributed", "resolve_device", "shutdown"]
+
+log = logging.getLogger(__name__)
+
+_TIMEOUT = datetime.timedelta(minutes=60)  # rank 0 alone runs cold-start SFT while the others wait at a barrier
+
+
+def resolve_device(device: str = "auto", local_rank: int = 0, local_world_size: int = 1) -> torch.device:
+    """What `trainer.device` means for process `local_rank` of the `local_world_size` processes on this machine.
+
+    cpu: the CPU. cuda: GPU `local_rank`; ConfigError if CUDA is unavailable or there are fewer visible GPUs than
+    processes on the machine (one GPU per process: two processes on one GPU is refused, not shared). auto: GPU
+    `local_rank` when every process has a GPU of its own, else the CPU (gloo), with a warning when there are GPUs,
+    but too few."""
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("trainer.device=cuda, but CUDA is not available (torch.cuda.is_available() is False)")
+    gpus, processes = torch.cuda.device_count(), max(local_world_size, local_rank + 1)
+    if processes > gpus:
+        if device == "cuda":
+            raise ConfigError(f"trainer.device=cuda: {processes} processes on this machine (LOCAL_WORLD_SIZE) but only "
+                              f"{gpus} visible CUDA device(s), and each process needs one of its own: start at most "
+                              f"{gpus} (torchrun --nproc_per_node={gpus}), make more GPUs visible "
+                              "(CUDA_VISIBLE_DEVICES), or set trainer.device=cpu")
+        if local_rank == 0:
+            log.warning("trainer.device=auto: %d processes on this machine (LOCAL_WORLD_SIZE) but only %d visible CUDA "
+                        "device(s): every process trains on the CPU (gloo). Start at most %d processes per machine "
+                        "to train on the GPUs", processes, gpus, gpus)
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank)
+
+
+def init_distributed(parallel: str = "ddp", device: str = "auto") -> ProcessGroup:
+    """The process group of this run: from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE),
+    else one process.
+
+    Initialises the default process group (NCCL on GPUs, gloo on CPUs) unless it already is, and selects this
+    process's GPU (LOCAL_RANK) when training on CUDA (`resolve_device`: one GPU per process on the machine, else the
+    CPU for `auto` and a ConfigError for `cuda`)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if dist.is_available() and dist.is_initialized():
+        world, rank = dist.get_world_size(), dist.get_rank()
+    target = resolve_device(device, local_rank, local_world)
+    if target.type == "cuda":
+        torch.cuda.set_device(target)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if target.type == "cuda" else "gloo", timeout=_TIMEOUT)
+    return ProcessGroup(rank=rank, world_size=world, local_rank=local_rank, parallel=parallel, device=target)
+
+
+def shutdown() -> None:
+    """Tear the process group down (at the end of `gspo train` under torchrun)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@dataclass
+class ProcessGroup:
+    """This process's place in the run and the collective operations the trainer needs (identity for 1 process)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    parallel: str = "ddp"
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def fsdp(self) -> bool:
+        return self.enabled and self.parallel == "fsdp"
+
+    # ----------------------------------------------------------------------------------------- splitting work
+
+    def check_sizes(self, prompts_per_step: int, group_size: int, minibatches: int) -> None:
+        """Raise ValueError unless every process gets whole groups and equal minibatch shares."""
+        w = self.world_size
+        if prompts_per_step % w:
+            raise ValueError(f"rollout.prompts_per_step={prompts_per_step} must be divisible by the {w} processes "
+                             "(each generates whole groups)")
+        per_minibatch = prompts_per_step * group_size // minibatches
+        if per_minibatch % w:
+            raise ValueError(f"a minibatch of {per_minibatch} completions does not split into {w} equal shares: "
+                             "adjust rollout.prompts_per_step, group_size or algorithm.minibatches")
+
+    def shard(self, n: int) -> slice:
+        """This process's contiguous equal share of `n` items (n divisible by the number of processes)."""
+        if n % self.world_size:
+            raise ValueError(f"{n} items do not split into {self.world_size} equal shares")
+        size = n // self.world_size
+        return slice(self.rank * size, (self.rank + 1) * size)
+
+    def share(self, indices: torch.Tensor) -> torch.Tensor:
+        """This process's contiguous equal share of one minibatch's row indices."""
+        return indices[self.shard(len(indices))]
+
+    def _uneven_shard(self, n: int) -> slice:
+        """A contiguous share of `n` items; shares differ by at most one (evaluation rows)."""
+        base, extra = divmod(n, self.world_size)
+        start = self.rank * base + min(self.rank, extra)
+        return slice(start, start + base + (self.rank < extra))
+
+    # ----------------------------------------------------------------------------------------- collectives
+
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier()
+
+    def main_first(self, fn: Callable[[], Any]) -> Any:
+        """`fn()` on rank 0, then, once it is done, on the other processes: for work whose files rank 0 writes and
+        the others then read (cold-start SFT, repairing the checkpoint folder after a crash)."""
+        result = fn() if self.is_main else None
+        self.barrier()
+        return result if self.is_main else fn()
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Concatenate equal-shaped tensors of every process along dim 0, in rank order."""
+        wire = tensor.to(self.device)
+        if wire.dtype in (torch.bool, torch.int16, torch.int8):  # not every backend reduces these
+            wire = wire.to(torch.int32)
+        parts = [torch.empty_like(wire) for _ in range(self.world_size)]
+        dist.all_gather(parts, wire.contiguous())
+        return torch.cat(parts).to(tensor.dtype)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def all_sum(self, values: list[float]) -> list[float]:
+        """Each value summed over processes (float64)."""
+        if not self.enabled:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    def all_finite(self, *values: torch.Tensor) -> bool:
+        """Whether all `values` are finite on every process (so all processes skip or apply an update together)."""
+        ok = all(bool(torch.isfinite(v).all()) for v in values)
+        if not self.enabled:
+            return ok
+        return self.all_sum([0.0 if ok else 1.0])[0] == 0
+
+    def mean_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Average per-process metrics over processes (same keys everywhere)."""
+        if not self.enabled:
+            return metrics
+        keys = sorted(metrics)
+        if any(k != keys for k in self.all_gather_object(keys)):
+            raise RuntimeError(f"processes logged different metrics; rank {self.rank} has {keys}")
+        return {k: v / self.world_size for k, v in zip(keys, self.all_sum([metrics[k] for k in keys]), strict=True)}
+
+    # ----------------------------------------------------------------------------------------- rollouts
+
+    def gather_trajectories(self, traj: Trajectory, rewards: torch.Tensor, stats: dict[str, float],
+                            pad_id: int = 0) -> tuple[Trajectory, torch.Tensor, dict[str, float]]:
+        """Every process's share of the step's trajectories, with their rewards and reward stats, combined into the
+        global batch in global prompt order, on this process's device. Shares are re-padded to the widest one
+        (`Trajectory.padded`). Per-function reward means (`reward/...`) are averaged over the (equal) shares, the other
+        stats (counts) summed."""
+        traj = traj.to(self.device)
+        rewards = rewards.to(self.device)
+        if not self.enabled:
+            return traj, rewards, stats
+        widths = torch.tensor([traj.prompt_ids.shape[1], traj.completion_ids.shape[1]], device=self.device)
+        dist.all_reduce(widths, op=dist.ReduceOp.MAX)
+        local = traj.padded(int(widths[0]), int(widths[1]), pad_id)
+        n_prompts = int(traj.prompt_index.max()) + 1
+        extras = {k: self.all_gather(v) if isinstance(v, torch.Tensor) else v for k, v in local.extras.items()}
+        tensors = {name: self.all_gather(getattr(local, name)) for name in (
+            "prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "loss_mask", "logprobs", "versions",
+            "truncated")}
+        gathered = Trajectory(
+            **tensors,
+            completions=[c for part in self.all_gather_object(traj.completions) for c in part],
+            prompt_index=self.all_gather(traj.prompt_index + self.rank * n_prompts),
+            token_rewards=None if local.token_rewards is None else self.all_gather(local.token_rewards),
+            extras=extras,
+        )
+        keys = sorted(stats)
+        totals = self.all_sum([stats[k] for k in keys])
+        merged = {k: v / self.world_size if k.startswith("reward/") else v for k, v in zip(keys, totals, strict=True)}
+        return gathered, self.all_gather(rewards), merged
+
+    def merge_rows(self, tensor: torch.Tensor | None, minibatches: list[torch.Tensor]) -> torch.Tensor | None:
+        """A per-row tensor of the global batch of which this process filled only its `minibatches` shares' rows,
+        completed with every other process's rows."""
+        if not self.enabled or tensor is None:
+            return tensor
+        own = torch.cat(list(minibatches)).to(tensor.device)
+        rows = self.all_gather(own)
+        values = self.all_gather(tensor[own])
+        merged = tensor.clone()
+        merged[rows.to(tensor.device)] = values.to(tensor.device)
+        return merged
+
+    # ----------------------------------------------------------------------------------------- evaluation
+
+    def evaluate(self, fn: Callable[[list[dict]], dict[str, float]], rows: list[dict],
+                 after: Callable[[], None] = lambda: None) -> dict[str, float]:
+        """`fn` (row-mean metrics of some rows) over `rows`, sharded over processes and combined by row count; with
+        several processes every one then calls `after` (a collective, e.g. syncing the reward runner's counters)."""
+        if not self.enabled:
+            return fn(rows)
+        part = rows[self._uneven_shard(len(rows))]
+        result = fn(part) if part else {}
+        after()
+        keys = [sorted(result)]
+        dist.broadcast_object_list(keys, src=0)  # rank 0's share is never empty
+        sums = self.all_sum([result[k] * len(part) if part else 0.0 for k in keys[0]])
+        return {k: v / len(rows) for k, v in zip(keys[0], sums, strict=True)}
+

@@ -1,0 +1,80 @@
+"""Wrapping the policy for multi-process training: DDP replicates it on every process, FSDP2 shards its parameters,
+gradients and optimizer state over them (`fully_shard` per decoder layer, then the root), for models that do not fit
+one device. Build the optimizer on the wrapped model (its parameters are the sharded ones under FSDP).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from gspo.parallel.group import ProcessGroup
+
+__all__ = ["autocast", "wrap_frozen", "wrap_policy"]
+
+log = logging.getLogger(__name__)
+
+
+def wrap_policy(group: ProcessGroup, model: nn.Module, mixed_precision: str | None = None) -> nn.Module:
+    """The training-time policy: `model` as is (one process), in `DistributedDataParallel`, or sharded in place with
+    FSDP2 (`group.parallel == "fsdp"`; with `mixed_precision`, parameters gathered in that dtype for compute and
+    gradients reduced in float32)."""
+    if not group.enabled:
+        return model
+    if not group.fsdp:
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [group.device.index] if group.device.type == "cuda" else None
+        # buffers (rotary tables) are constant and equal everywhere: no per-forward broadcast
+        no_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(
+            DistributedDataParallel).parameters else {"broadcast_buffers": False}
+        return DistributedDataParallel(model, device_ids=ids, **no_sync)
+    _fully_shard(model, group.device, group.world_size, mixed_precision)
+    return model
+
+
+def wrap_frozen(group: ProcessGroup, model: nn.Module | None, mixed_precision: str | None = None) -> nn.Module | None:
+    """A no-gradient model used in the training forwards (the KL reference): sharded like the policy under FSDP."""
+    if model is not None and group.fsdp:
+        _fully_shard(model, group.device, group.world_size, mixed_precision)
+    return model
+
+
+def autocast(group: ProcessGroup, mixed_precision: str | None) -> contextlib.AbstractContextManager:
+    """Where the training forwards run in `mixed_precision` over float32 weights: torch.autocast on this process's
+    device, except under FSDP, whose MixedPrecisionPolicy (set in `wrap_policy`) already gathers parameters in it."""
+    if mixed_precision is None or group.fsdp:
+        return contextlib.nullcontext()
+    from gspo.models import resolve_dtype
+
+    return torch.autocast(group.device.type, dtype=resolve_dtype(mixed_precision))
+
+
+def _fully_shard(model: nn.Module, device: torch.device, world_size: int, mixed_precision: str | None) -> None:
+    """FSDP2: shard every decoder layer (the model's `_no_split_modules` classes), then the root (embeddings, norm,
+    head). With `mixed_precision`, parameters are gathered in that dtype for compute and gradients reduced in fp32."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from gspo.models import resolve_dtype
+
+    mesh = init_device_mesh(device.type, (world_size,))
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if mixed_precision is not None:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=resolve_dtype(mixed_precision),
+                                                   reduce_dtype=torch.float32)
+    layer_classes = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+    if not layers:
+        log.warning("FSDP: %s names no decoder-layer classes (_no_split_modules): sharding it as one unit",
+                    type(model).__name__)
+    for layer in layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+
+

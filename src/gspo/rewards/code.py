@@ -1,0 +1,73 @@
+"""The `code` reward: run the program in a completion against the row's tests in the sandbox (`gspo.sandbox`).
+
+Only the reward-specific parts live here: which program a completion holds (`extract_code`), what a row's `tests`
+must be, and the score. Running the program safely is `gspo.sandbox.run_sandboxed`'s job.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+from typing import Any
+
+from gspo.sandbox import check_limits, run_sandboxed
+
+__all__ = ["code_reward", "extract_code", "make_code_reward"]
+
+logger = logging.getLogger(__name__)
+
+_FENCE = re.compile(r"```[ \t]*([\w+.-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
+_PYTHON_TAGS = ("python", "python3", "py")
+
+
+def extract_code(completion: str) -> str:
+    """The program in a completion: the last ```python (or ```py) fenced block, else the last untagged ``` block,
+    else — when there is no fence at all — the whole completion. A block cut off by the token limit (no closing
+    fence) counts as running to the end. Blocks tagged with another language only give "" (no Python code)."""
+    blocks = _FENCE.findall(completion)
+    if not blocks:
+        return completion
+    for wanted in (lambda tag: tag.lower() in _PYTHON_TAGS, lambda tag: tag == ""):
+        chosen = [body for tag, body in blocks if wanted(tag)]
+        if chosen:
+            return chosen[-1]
+    return ""
+
+
+def make_code_reward(
+    *, timeout_s: float = 5.0, cpu_s: float = 5.0, memory_mb: int = 512, max_procs: int = 32,
+    python: str | None = None,
+) -> Callable[..., float]:
+    """A `code` reward with other sandbox limits, e.g. `my_rewards.py: slow_code = make_code_reward(timeout_s=20)`
+    named in the config as `my_rewards:slow_code`. Keep `timeout_s` below `rewards.timeout_s`."""
+    check_limits(timeout_s, cpu_s, memory_mb, max_procs, 1)
+    warned: set[str] = set()
+
+    def code_reward(prompt: str, completion: str, **row: Any) -> float:
+        """1.0 if the completion's program (see `extract_code`) passes the row's `tests` in the sandbox, else 0.0.
+
+        `row["tests"]` is a Python snippet (or a list of snippets) run after the program, usually asserts on its
+        functions, e.g. `["assert add(2, 3) == 5", "assert add(-1, 1) == 0"]`. A row without usable tests is a data
+        error (ValueError), not a wrong completion. Isolation warnings are logged once each.
+        """
+        tests = row.get("tests")
+        if not (isinstance(tests, str) and tests.strip()) and not (
+            isinstance(tests, list) and tests and all(isinstance(t, str) for t in tests)
+        ):
+            raise ValueError(f"code_reward needs a row field 'tests' (a non-empty str or list of str), got {tests!r}")
+        code = extract_code(completion)
+        if not code.strip():
+            return 0.0
+        result = run_sandboxed(code, tests, timeout_s=timeout_s, cpu_s=cpu_s, memory_mb=memory_mb,
+                               max_procs=max_procs, python=python)
+        for warning in result.warnings:
+            if warning not in warned:
+                warned.add(warning)
+                logger.warning("code reward sandbox: %s", warning)
+        return result.score
+
+    return code_reward
+
+
+code_reward = make_code_reward()

@@ -1,0 +1,143 @@
+"""The token-level trajectory: what a rollout engine returns and everything downstream consumes.
+
+A `Trajectory` holds N responses to prompts, as token ids laid out for one training forward: the prompt left-padded
+to S tokens, then the response right-padded to T tokens. The response is everything after the prompt: in a
+single-turn rollout the sampled tokens; in a multi-turn episode also the environment's tokens between turns (tool
+output), which the model attends to but is not trained on. Hence two masks over the response:
+
+    completion_mask  [N, T]  1 on every real response token (the forward's attention mask after the prompt)
+    loss_mask        [N, T]  1 on the tokens the policy generated, which the objective trains on (⊆ completion_mask)
+
+and, per token, the engine's log-probability (π_old when taken from the engine, §5.4) and the policy version that
+generated it (equal within a step for synchronous rollouts; several in one response once rollouts are partial).
+Rows are group-contiguous: rows g·G .. g·G+G−1 answer prompt g (`prompt_index`).
+
+`pad_left` / `pad_right` are the one padding layout of the library (prompts left, responses right); the sampler, the
+engine-neutral assembly of vLLM samples, the distributed gather and SFT use them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from gspo.moe import FREE
+
+__all__ = ["Trajectory", "pad_left", "pad_right"]
+
+NO_VERSION = -1
+"""`versions` of response tokens the policy did not generate (padding, tool output)."""
+
+
+def pad_left(rows: Sequence[Sequence[int]], pad_id: int,
+             width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-id rows left-padded with `pad_id` to `width` (default: the longest row): (ids, mask) [N, width] long."""
+    width = max(len(r) for r in rows) if width is None else width
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, width - len(r):] = torch.as_tensor(r, dtype=torch.long)
+            mask[i, width - len(r):] = 1
+    return ids, mask
+
+
+def pad_right(rows: Sequence[Sequence[int]], pad_id: int,
+              width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-id rows right-padded with `pad_id` to `width` (default: the longest row): (ids, mask) [N, width] long."""
+    width = max(len(r) for r in rows) if width is None else width
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.as_tensor(r, dtype=torch.long)
+        mask[i, :len(r)] = 1
+    return ids, mask
+
+
+def _pad_dim1(x: torch.Tensor, before: int, after: int, value: float) -> torch.Tensor:
+    """`x` [N, L, ...] with `before` / `after` entries of `value` added along dim 1."""
+    if not before and not after:
+        return x
+    shape = list(x.shape)
+    parts = [x.new_full([shape[0], before, *shape[2:]], value)] if before else []
+    parts.append(x)
+    if after:
+        parts.append(x.new_full([shape[0], after, *shape[2:]], value))
+    return torch.cat(parts, 1)
+
+
+@dataclass
+class Trajectory:
+    """N responses with their prompts, token by token; see the module doc for the layout.
+
+    Shapes: N rows, S = padded prompt length, T = padded response length.
+    """
+
+    prompt_ids: torch.Tensor  # [N, S] long, left-padded
+    prompt_mask: torch.Tensor  # [N, S] 1 on real prompt tokens
+    completion_ids: torch.Tensor  # [N, T] long, right-padded
+    completion_mask: torch.Tensor  # [N, T] 1 on real response tokens (attended to)
+    logprobs: torch.Tensor  # [N, T] float32: the engine's log-prob of each generated token (as sampled), 0 elsewhere
+    truncated: torch.Tensor  # [N] bool: hit the token budget without EOS or a stop string
+    completions: list[str]  # [N] decoded response text (stop string included, EOS excluded)
+    prompt_index: torch.Tensor  # [N] long: index into the prompts passed to `generate`
+    loss_mask: torch.Tensor | None = None  # [N, T] 1 on tokens the policy generated, trained on (None: completion_mask)
+    versions: torch.Tensor | None = None  # [N, T] long: policy version that generated each token, NO_VERSION elsewhere
+    token_rewards: torch.Tensor | None = None  # [N, T] float32 per-token rewards where an environment gives them
+    extras: dict = field(default_factory=dict)  # engine-specific (e.g. MoE routing for R3: [N, S + T, layers, k])
+
+    def __post_init__(self) -> None:
+        if self.loss_mask is None:
+            self.loss_mask = self.completion_mask
+        if self.versions is None:
+            self.versions = torch.full_like(self.completion_ids, NO_VERSION)
+
+    def __len__(self) -> int:
+        return self.completion_ids.shape[0]
+
+    @property
+    def token_mask(self) -> torch.Tensor:
+        """[N, S + T] bool: the real tokens of the training forward (prompt then response)."""
+        return torch.cat([self.prompt_mask, self.completion_mask], 1).bool()
+
+    def rows(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(prompt_ids, prompt_mask, completion_ids, completion_mask) of rows `idx`: a training forward's inputs."""
+        return self.prompt_ids[idx], self.prompt_mask[idx], self.completion_ids[idx], self.completion_mask[idx]
+
+    def to(self, device: torch.device | str) -> Trajectory:
+        """The same trajectory with every tensor (extras included) on `device`."""
+        moved = {name: getattr(self, name).to(device) for name in _TENSORS}
+        if self.token_rewards is not None:
+            moved["token_rewards"] = self.token_rewards.to(device)
+        extras = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.extras.items()}
+        return replace(self, **moved, extras=extras)
+
+    def padded(self, prompt_len: int, width: int, pad_id: int) -> Trajectory:
+        """Prompts left-padded to `prompt_len` and responses right-padded to `width` (`pad_id`, masks 0, log-probs 0,
+        versions NO_VERSION, routing FREE): the layout of a wider batch this one is concatenated into."""
+        s, t = self.prompt_ids.shape[1], self.completion_ids.shape[1]
+        left, right = prompt_len - s, width - t
+        if left < 0 or right < 0:
+            raise ValueError(f"cannot pad a [{s}, {t}] trajectory to the narrower [{prompt_len}, {width}]")
+        extras = dict(self.extras)
+        if "routing" in extras:
+            r = extras["routing"]
+            extras["routing"] = torch.cat([_pad_dim1(r[:, :s], left, 0, FREE), _pad_dim1(r[:, s:], 0, right, FREE)], 1)
+        return replace(
+            self,
+            prompt_ids=_pad_dim1(self.prompt_ids, left, 0, pad_id),
+            prompt_mask=_pad_dim1(self.prompt_mask, left, 0, 0),
+            completion_ids=_pad_dim1(self.completion_ids, 0, right, pad_id),
+            completion_mask=_pad_dim1(self.completion_mask, 0, right, 0),
+            loss_mask=_pad_dim1(self.loss_mask, 0, right, 0),
+            logprobs=_pad_dim1(self.logprobs, 0, right, 0.0),
+            versions=_pad_dim1(self.versions, 0, right, NO_VERSION),
+            token_rewards=None if self.token_rewards is None else _pad_dim1(self.token_rewards, 0, right, 0.0),
+            extras=extras,
+        )
+
+
+_TENSORS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "loss_mask", "logprobs", "versions",
+            "truncated", "prompt_index")
