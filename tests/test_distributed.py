@@ -16,8 +16,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from conftest import DEMO, safetensors_of, tiny_overrides
+from gspo.checkpoint import checkpoint_path, verify_checkpoint
 from gspo.config import ConfigError, load_config
+from gspo.models import load_model
+from gspo.optim import make_optimizer
 from gspo.parallel import ProcessGroup, init_distributed, resolve_device
+from gspo.parallel.state import load_state
 from gspo.tracking import read_metrics
 from gspo.trainer import train
 
@@ -86,15 +90,23 @@ def test_ddp_two_processes_match_one(one_process, tmp_path):
 
 
 def test_fsdp_two_processes_interrupted_and_resumed_match_one(one_process, tmp_path):
-    """FSDP2 over 2 processes, stopped after step 2 and resumed from its (rank-0-written, gathered) checkpoint,
-    trains the weights of the uninterrupted one-process run; its checkpoints load like one-process ones."""
+    """FSDP2 over 2 processes, crashed after step 2 and resumed from its sharded checkpoint (every process writes its
+    own shards: no gather on rank 0), trains the weights of the uninterrupted one-process run; the sharded checkpoint
+    also loads into one process, with the one-process run's weights."""
     out = tmp_path / "fsdp"
     torchrun(tmp_path, str(TESTS / "distributed_worker.py"), str(DEMO), "2",
              *tiny_overrides(out, *RUN, "trainer.parallel=fsdp", "trainer.device=auto"))
     assert_same_run(one_process, out)
-    step3 = Path("checkpoints") / "step_00000003" / "model"
-    # the one-process checkpoint format
-    assert safetensors_of(out / step3).keys() == safetensors_of(one_process / step3).keys()
+    step3 = checkpoint_path(out, 3)
+    assert verify_checkpoint(step3)["layout"] == "sharded" and not list(step3.rglob("*.safetensors"))
+    model, _ = load_model(str(checkpoint_path(one_process, 3) / "model"))
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer, scheduler = make_optimizer(model, lr=3e-3, total_steps=3)
+    load_state(ProcessGroup(), step3, model, optimizer, scheduler)  # into one process
+    for name, tensor in model.state_dict().items():  # the one-process run's step 3, to the tolerance of the runs
+        rel = float((tensor - reference[name]).norm() / reference[name].norm().clamp(min=1e-12))
+        assert rel <= REL_TOL, f"{name}: relative difference {rel:.2e}"
+    assert any(not torch.equal(t, reference[k]) for k, t in model.state_dict().items())  # loaded, not the reference
 
 
 # ------------------------------------------------------------------------------------------------ trainer.device

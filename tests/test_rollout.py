@@ -492,3 +492,11 @@ def test_release_weights_frees_the_copy_until_update_weights(tok):
     shared = HFSampler(trainer, tok, SamplingParams(max_new_tokens=8))
     shared.release()  # a shared-weight engine has nothing to free
     assert all(p.numel() > 0 for p in trainer.parameters())
+
+
+def test_an_abandoned_weight_stream_leaves_gradients_on(tok, tiny):
+    """A stream the engine stops reading (here: it refuses a tensor) must not leave autograd disabled."""
+    sampler = HFSampler(tiny["dense"], tok, SamplingParams(), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="unexpected tensor"):
+        sampler.update_weights(policy_weights(tiny["moe"]), 1)
+    assert torch.is_grad_enabled()

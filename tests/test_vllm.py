@@ -1,6 +1,6 @@
 """The vLLM rollout engines on real vLLM (CPU backend in CI: `bash scripts/test-vllm.sh`; deselected by default).
 
-Tiny saved Qwen3 / Qwen3-MoE models: rollouts have the `RolloutBatch` layout and are a function of the seeds; vLLM's
+Tiny saved Qwen3 / Qwen3-MoE models: rollouts have the `Trajectory` layout and are a function of the seeds; vLLM's
 log-probabilities match the trainer's teacher-forced ones; pushed weights are what the next rollout samples from
 (colocated in memory, and through a `vllm serve` server); the trainer runs end to end on the vLLM engine.
 Measured log-probability mismatches are printed (run with -s) and, with GSPO_VLLM_REPORT=path, appended as JSON lines.
@@ -27,7 +27,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/test-vll
 from conftest import DEMO, tiny_overrides  # noqa: E402
 from gspo.logprobs import completion_logprobs  # noqa: E402
 from gspo.models import build_preset, load_model, save_model  # noqa: E402
-from gspo.rollout import SamplingParams  # noqa: E402
+from gspo.rollout import SamplingParams, checkpoint_layout, policy_weights  # noqa: E402
 from gspo.rollout.vllm import ServerError, VLLMEngine, VLLMServerEngine  # noqa: E402
 from gspo.tracking import read_metrics  # noqa: E402
 
@@ -117,7 +117,7 @@ def check_update(engine, model, tokenizer, name: str) -> None:
 
     old = teacher_forced(model, before)
     perturb(model, seed=1)
-    engine.update_weights(model)
+    engine.update_weights(policy_weights(model), 1)
     after = engine.generate(PROMPTS, GROUP, SEEDS)
     mean, worst = mismatch(model, after)
     report(f"{name}: after update_weights", mean_abs_diff=mean, max_abs_diff=worst,
@@ -139,7 +139,8 @@ def test_colocated_moe(tmp_path_factory):
     """Qwen3-MoE on vLLM: rollouts match the trainer, and so do rollouts after a push (on the CPU backend only with
     the engine's re-pack of the fused experts, see gspo.rollout.vllm)."""
     folder, model, tokenizer = saved(tmp_path_factory, "tiny-moe")
-    engine = VLLMEngine(str(folder), tokenizer, params(), dtype="float32", enforce_eager=True, max_model_len=256)
+    engine = VLLMEngine(str(folder), tokenizer, params(), dtype="float32", enforce_eager=True, max_model_len=256,
+                        to_checkpoint=checkpoint_layout(model))
     try:
         report("colocated tiny-moe", repack_workaround=engine._repack_moe)
         check_update(engine, model, tokenizer, "colocated tiny-moe")
@@ -150,7 +151,8 @@ def test_colocated_moe(tmp_path_factory):
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory):
     folder, model, tokenizer = saved(tmp_path_factory, "tiny-dense")
-    engine = VLLMEngine(str(folder), tokenizer, params(), dtype="float32", enforce_eager=True, max_model_len=256)
+    engine = VLLMEngine(str(folder), tokenizer, params(), dtype="float32", enforce_eager=True, max_model_len=256,
+                        to_checkpoint=checkpoint_layout(model))
     yield engine, model, tokenizer
     close(engine)
 
@@ -241,7 +243,8 @@ def server(tmp_path):
 
 def test_server_logprobs_match_the_trainer_and_follow_pushed_weights(tmp_path_factory, server, tmp_path):
     folder, model, tokenizer = saved(tmp_path_factory, "tiny-dense")
-    engine = VLLMServerEngine(server(folder), tokenizer, params(), sync_dir=tmp_path / "sync")
+    engine = VLLMServerEngine(server(folder), tokenizer, params(), sync_dir=tmp_path / "sync",
+                              to_checkpoint=checkpoint_layout(model))
     check_update(engine, model, tokenizer, "server tiny-dense")
     assert [p.name for p in (tmp_path / "sync").iterdir()] == ["v000001"]  # older pushes are removed
 

@@ -7,7 +7,7 @@ file (`"path/to/rewards.py:function"`), so user rewards need no registration. `c
 compute, whether a function can be called that way with a given row.
 
 A batch's calls share one wall-clock deadline (`timeout_s`, see `gspo.rewards.deadline` for how and at what cost),
-and the `code` reward runs model-written programs in a sandboxed child process (`gspo.rewards.sandbox`).
+and the `code` reward runs model-written programs in a sandboxed child process (`gspo.rewards.code` on `gspo.sandbox`).
 """
 
 from __future__ import annotations
@@ -261,7 +261,7 @@ class RewardRunner:
             raise RewardFailure(
                 f"{stuck} reward calls that timed out (rewards.timeout_s={self.timeout_s:g}) are still running in "
                 "background threads, which Python cannot stop; stopping before they take over the process. Fix the "
-                "hanging reward function, or run untrusted code through gspo.rewards.sandbox"
+                "hanging reward function, or run untrusted code through gspo.sandbox"
             )
         return outcomes
 

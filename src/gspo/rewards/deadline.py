@@ -18,7 +18,7 @@ until it returns by itself. The alternatives were worse here:
 
 So: a deadline here protects training from *hangs* in trusted reward code (a regex or a symbolic solver gone
 quadratic, a lock, a network call). Untrusted code must not run in a reward thread at all: it belongs in
-`gspo.rewards.sandbox`, whose child process is killed at its own limits. The threads are daemons, so the abandoned
+`gspo.sandbox`, whose child process is killed at its own limits. The threads are daemons, so the abandoned
 ones never keep the interpreter from exiting (a `concurrent.futures` pool would join them at exit, i.e. hang).
 
 With more than one worker, calls run concurrently: a win for rewards that wait (the sandbox, I/O); the functions must

@@ -64,6 +64,15 @@ Weights = Iterable[tuple[str, torch.Tensor]]
 ToCheckpoint = Callable[[Weights, "torch.dtype | None"], Iterator[tuple[str, torch.Tensor]]]
 
 
+def _checked_request(engine: Any, prompts: list[str], group_size: int, seeds: list[int],
+                     params: SamplingParams | None) -> tuple[SamplingParams, list[list[int]]]:
+    """The sampling settings of a `generate` call (`params`, else the engine's) and its prompts' token ids, checked
+    against the engine's `max_model_len`."""
+    p = params or engine.params
+    return p, encode_prompts(engine.tokenizer, prompts, group_size, seeds, p.max_new_tokens, engine.max_model_len,
+                             "the engine's max_model_len")
+
+
 def _same_layout(weights: Weights, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The default `to_checkpoint`: the in-memory names are the checkpoint's (true of transformers 4.x and of models
     without fused tensors); cast to `dtype` when given."""
@@ -190,9 +199,7 @@ class VLLMEngine:
                  params: SamplingParams | None = None) -> Trajectory:
         """Sample `group_size` completions per prompt with `params` (default the engine's); completion j of prompt i
         is seeded `row_seed(seeds[i], j)`."""
-        p = params or self.params
-        encoded = encode_prompts(self.tokenizer, prompts, group_size, seeds, p.max_new_tokens, self.max_model_len,
-                                 "the engine's max_model_len")
+        p, encoded = _checked_request(self, prompts, group_size, seeds, params)
         requests = [{"prompt_token_ids": ids} for ids in encoded for _ in range(group_size)]
         per_request = [self._sampling(p, row_seed(seed, j)) for seed in seeds for j in range(group_size)]
         outputs = self.llm.generate(requests, per_request, use_tqdm=False)
@@ -310,9 +317,7 @@ class VLLMServerEngine:
                  params: SamplingParams | None = None) -> Trajectory:
         """Sample `group_size` completions per prompt with `params` (default the engine's); completion j of prompt i
         is seeded `row_seed(seeds[i], j)`."""
-        p = params or self.params
-        encoded = encode_prompts(self.tokenizer, prompts, group_size, seeds, p.max_new_tokens, self.max_model_len,
-                                 "the engine's max_model_len")
+        p, encoded = _checked_request(self, prompts, group_size, seeds, params)
         jobs = [(ids, row_seed(seed, j)) for ids, seed in zip(encoded, seeds, strict=True) for j in range(group_size)]
         with ThreadPoolExecutor(max_workers=min(self.max_concurrent, len(jobs))) as pool:
             samples = list(pool.map(lambda job: self._complete(p, *job), jobs))

@@ -35,10 +35,11 @@ def policy_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     with `full_tensor()`, a collective, so under FSDP every process must iterate this to the end in lockstep; a push
     then never holds more than one full tensor beyond the model. Tensors are detached; tied tensors appear under each
     of their names (an engine that reloads in place must receive the output head too)."""
-    with torch.no_grad():
-        for name, tensor in unwrap_model(model).state_dict().items():
-            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-            yield name, full.detach()
+    # no torch.no_grad() here: a generator suspended inside it would leave gradients off in its consumer (and for
+    # good, if it is not run to the end); state_dict() tensors are detached, so nothing is recorded anyway
+    for name, tensor in unwrap_model(model).state_dict().items():
+        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        yield name, full.detach()
 
 
 def checkpoint_layout(model: nn.Module) -> Callable[[Weights, torch.dtype | None], Iterator[tuple[str, torch.Tensor]]]:
