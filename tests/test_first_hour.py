@@ -22,10 +22,11 @@ from conftest import DEMO, tiny_overrides
 from gspo.cli import main
 from gspo.config import ConfigError, load_config
 from gspo.data import load_data, load_rows, split_by_fraction
+from gspo.evaluation import evaluate
 from gspo.models import build_preset
 from gspo.rewards import RewardRunner
 from gspo.tracking import read_metrics
-from gspo.trainer import evaluate, train
+from gspo.trainer import train
 
 GSPO = [sys.executable, "-m", "gspo"]
 QUICK = ["cold_start=null", "trainer.eval_every=0", "data.eval_size=8"]

@@ -135,9 +135,9 @@ def _eval_setup(args: argparse.Namespace):
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
+    from gspo.evaluation import evaluate
     from gspo.models import load_model
     from gspo.parallel import resolve_device
-    from gspo.trainer import evaluate
 
     rows, rewards, accuracy_reward, threshold, new_tokens, source = _eval_setup(args)
     rewards.check_rows(rows)
