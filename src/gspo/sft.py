@@ -23,6 +23,7 @@ from gspo.models import load_model, resolve_dtype, save_model
 from gspo.optim import make_optimizer
 from gspo.runfolder import publish_dir
 from gspo.schedule import derive_seed
+from gspo.trajectory import pad_left, pad_right
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +37,8 @@ def encode_pairs(
     p_ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
     c_ids = [tokenizer.encode(c, add_special_tokens=False) + ([tokenizer.eos_token_id] if add_eos else [])
              for c in completions]
-    s, t = max(map(len, p_ids)), max(map(len, c_ids))
-    prompt_ids = torch.tensor([[pad] * (s - len(x)) + x for x in p_ids])
-    prompt_mask = torch.tensor([[0] * (s - len(x)) + [1] * len(x) for x in p_ids])
-    completion_ids = torch.tensor([x + [pad] * (t - len(x)) for x in c_ids])
-    completion_mask = torch.tensor([[1] * len(x) + [0] * (t - len(x)) for x in c_ids])
+    prompt_ids, prompt_mask = pad_left(p_ids, pad)
+    completion_ids, completion_mask = pad_right(c_ids, pad)
     return prompt_ids, prompt_mask, completion_ids, completion_mask
 
 

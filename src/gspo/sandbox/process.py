@@ -453,6 +453,18 @@ def _prctl(option: int, value: int) -> None:
         raise OSError(ctypes.get_errno(), f"prctl({option}) failed")
 
 
+def _child(report: Callable[..., None], body: Callable[[], None]) -> None:
+    """In a forked child: run `body`, which execs or exits and only returns by raising; the failure is then reported
+    as a setup error and the child exits 127, so it never runs on into the parent's code."""
+    try:
+        body()
+    except BaseException as exc:
+        try:
+            report(setup_error=f"{type(exc).__name__}: {exc}")
+        finally:
+            os._exit(127)
+
+
 def _launch(spec: dict[str, Any]) -> int:
     """The launcher's main: namespaces, then fork the program's process, wait for it and report its exit status."""
     import fcntl
@@ -492,13 +504,7 @@ def _launch(spec: dict[str, Any]) -> int:
 
     pid = os.fork()
     if pid == 0:
-        try:
-            _init_process(spec, result_fd, limit_procs, report)
-        except BaseException as exc:
-            try:
-                report(setup_error=f"{type(exc).__name__}: {exc}")
-            finally:
-                os._exit(127)
+        _child(report, lambda: _init_process(spec, result_fd, limit_procs, report))
     os.close(result_fd)
     # the trainer's SIGTERM (timeout): kill the init, which takes the whole namespace with it; the wait below returns
     # once all of it is gone
@@ -579,17 +585,14 @@ def _init_process(spec: dict[str, Any], result_fd: int, limit_procs: bool, repor
 
     program = os.fork()
     if program == 0:
-        try:
+        def run_program() -> None:
             _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # not inherited across fork
             os.dup2(result_fd, _RESULT_FD)  # inheritable: the harness writes its token here
             os.chdir(spec["workdir"])
             python = spec["python"]
             os.execve(python, [python, "-I", "-S", "-B", "main.py"], spec["env"])
-        except BaseException as exc:
-            try:
-                report(setup_error=f"{type(exc).__name__}: {exc}")
-            finally:
-                os._exit(127)
+
+        _child(report, run_program)
     os.close(result_fd)
     while True:
         pid, status = os.wait()
