@@ -51,3 +51,16 @@ def test_repadding_keeps_every_token_in_place(s, t, left, right):
     assert r.shape[1] == s + left + t + right
     assert torch.equal(r[:, left:left + s + t], batch.extras["routing"])
     assert (r[:, :left] == FREE).all() and (r[:, left + s + t:] == FREE).all()
+
+
+def test_misshapen_fields_are_refused():
+    base = dict(prompt_ids=torch.ones(2, 3, dtype=torch.long), prompt_mask=torch.ones(2, 3, dtype=torch.long),
+                completion_ids=torch.ones(2, 4, dtype=torch.long), completion_mask=torch.ones(2, 4, dtype=torch.long),
+                logprobs=torch.zeros(2, 4), truncated=torch.zeros(2, dtype=torch.bool), completions=["a", "b"],
+                prompt_index=torch.arange(2))
+    with pytest.raises(ValueError, match="loss_mask has shape"):
+        Trajectory(**base, loss_mask=torch.ones(2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="versions has shape"):
+        Trajectory(**{**base, "versions": torch.zeros(1, 4, dtype=torch.long)})
+    with pytest.raises(ValueError, match="prompt_ids"):
+        Trajectory(**{**base, "prompt_mask": torch.ones(2, 2, dtype=torch.long)})

@@ -93,6 +93,14 @@ class Trajectory:
             self.loss_mask = self.completion_mask
         if self.versions is None:
             self.versions = torch.full_like(self.completion_ids, NO_VERSION)
+        shape = tuple(self.completion_ids.shape)
+        for name in ("completion_mask", "loss_mask", "logprobs", "versions", "token_rewards"):
+            value = getattr(self, name)
+            if value is not None and tuple(value.shape) != shape:
+                raise ValueError(f"Trajectory.{name} has shape {tuple(value.shape)}, but completion_ids is {shape}")
+        if tuple(self.prompt_mask.shape) != tuple(self.prompt_ids.shape) or self.prompt_ids.shape[0] != shape[0]:
+            raise ValueError(f"Trajectory: prompt_ids {tuple(self.prompt_ids.shape)} and prompt_mask "
+                             f"{tuple(self.prompt_mask.shape)} must match each other and the {shape[0]} response rows")
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
