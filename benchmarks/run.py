@@ -174,16 +174,16 @@ def gspo_worker(path: str, batches: int, warmup: int, options: dict) -> dict:
         **({"rewards": rewards} if rewards else {}),
         "trainer": {"device": device, **options.get("trainer", {})},
     })
-    group = init_distributed(cfg.trainer.parallel, cfg.trainer.device)  # one process: this device
+    process_group = init_distributed(cfg.trainer.parallel, cfg.trainer.device)  # one process: this device
     model, tokenizer = load_model(cfg.model.name, dtype=cfg.model.dtype)
-    model = model.to(group.device)
+    model = model.to(process_group.device)
     rows = addition_rows()
     optimizer, scheduler = make_optimizer(model, cfg.optim.lr, 1000, betas=cfg.optim.betas)
     ro = cfg.rollout
     engine = HFSampler(model, tokenizer, SamplingParams(temperature=ro.temperature, max_new_tokens=ro.max_new_tokens),
-                       dtype=ro.dtype)
+                       dtype=ro.dtype, decode=ro.decode)
     engine.eos_ids = []  # fixed-length completions: EOS is an ordinary token here (TRL side: min_new_tokens)
-    ctx = RLStep(cfg, engine, RewardRunner(cfg.rewards.functions), hooks=default_hooks(cfg, model), group=group)
+    ctx = RLStep(cfg, engine, RewardRunner(cfg.rewards.functions), hooks=default_hooks(cfg, model), group=process_group)
     model.train()
     times, tokens, rollout = [], [], []
     rss0 = rss_bytes()
@@ -340,7 +340,51 @@ def sampler_worker(path: str, batches: int, warmup: int, options: dict) -> dict:
     return out
 
 
-WORKERS = {"gspo": gspo_worker, "trl": trl_worker, "padding": padding_worker, "sampler": sampler_worker}
+def gpu_sampler_worker(path: str, batches: int, warmup: int, options: dict) -> dict:
+    """GPU mode's sampler rows: a bf16 engine's tokens/s at GPU_SHAPE with each decode loop (the first call, which
+    compiles, timed apart), against the forward-only bound: one no-grad forward over the same [rows, prompt + new]
+    tokens (what the decode loop computes, in a single pass)."""
+    import torch
+
+    from gspo.models import load_model
+    from gspo.rollout import HFSampler, SamplingParams
+
+    n_prompts, group, new_tokens, device = worker_shape(options)
+    model, tokenizer = load_model(path)
+    model = model.to(device)
+    prompts = [r["prompt"] for r in addition_rows()[:n_prompts]]
+    out: dict = {}
+    for decode in ("dynamic", "compiled"):
+        engine = HFSampler(model, tokenizer, SamplingParams(max_new_tokens=new_tokens), dtype="bfloat16",
+                           decode=decode)
+        engine.eos_ids = []
+        times = []
+        for _ in range(warmup + batches):
+            sync(device)
+            t0 = time.perf_counter()
+            b = engine.generate(prompts, group, list(range(n_prompts)))
+            sync(device)
+            times.append(time.perf_counter() - t0)
+        ids = torch.cat([b.prompt_ids, b.completion_ids], 1)
+        mask = torch.cat([b.prompt_mask, b.completion_mask], 1)
+        forward = []
+        for _ in range(3):
+            sync(device)
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                engine.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                             use_cache=False, logits_to_keep=new_tokens)
+            sync(device)
+            forward.append(time.perf_counter() - t0)
+        out[decode] = {"first": times[0], "sample": times[warmup:], "forward": forward,
+                       "tokens": int(b.completion_mask.sum())}
+        del engine
+        torch.cuda.empty_cache()
+    return out
+
+
+WORKERS = {"gspo": gspo_worker, "trl": trl_worker, "padding": padding_worker, "sampler": sampler_worker,
+           "gpu_sampler": gpu_sampler_worker}
 
 
 def run_worker(side: str, path: Path, batches: int, warmup: int, threads: int, options: dict | None = None) -> dict:
@@ -474,9 +518,11 @@ def build_gpu_models(root: Path, names: list[str], specs: dict[str, tuple[str, d
 
 
 def compare_gpu(paths: dict[str, Path], rounds: int, threads: int, batches: int, warmup: int,
-                shape: tuple[int, int, int] = GPU_SHAPE, device: str = "cuda") -> dict[str, dict[str, dict]]:
+                shape: tuple[int, int, int] = GPU_SHAPE, device: str = "cuda",
+                decode: str = "auto") -> dict[str, dict[str, dict]]:
     """For each model, `rounds` rounds of every GPU side, alternating (order reversed every other round), each a
-    fresh worker subprocess; returns {model: {side: {"times", "rollout", "update", "peak_gpu"}}}."""
+    fresh worker subprocess, gspo's engine decoding with `decode` (rollout.decode); returns {model: {side: {"times",
+    "rollout", "update", "peak_gpu"}}}."""
     results: dict[str, dict[str, dict]] = {}
     sides = list(GPU_SIDES)
     for model, path in paths.items():
@@ -485,6 +531,8 @@ def compare_gpu(paths: dict[str, Path], rounds: int, threads: int, batches: int,
             for side in sides if r % 2 == 0 else sides[::-1]:
                 worker, options = GPU_SIDES[side]
                 options = {**options, "shape": list(shape), "device": device, "reward": "hash", "time_generation": True}
+                if worker == "gspo":
+                    options["rollout"] = {**options.get("rollout", {}), "decode": decode}
                 out = run_worker(worker, path, batches, warmup, threads, options)
                 if any(t != shape[0] * shape[1] * shape[2] for t in out["tokens"]):
                     raise RuntimeError(f"{side} generated {out['tokens']} tokens per batch, not the fixed length")
@@ -555,9 +603,27 @@ def main_gpu(a: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
           flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         paths = build_gpu_models(Path(tmp), models, GPU_MODELS, "cuda")
-        results = compare_gpu(paths, rounds, a.threads, batches, warmup)
+        options = {"shape": list(GPU_SHAPE), "device": "cuda"}
+        samplers = {m: run_worker("gpu_sampler", p, batches, 1, a.threads, options) for m, p in paths.items()}
+        print_gpu_samplers(samplers)
+        results = compare_gpu(paths, rounds, a.threads, batches, warmup, decode=a.decode)
     summary = {"device": torch.cuda.get_device_name(), "quick": a.quick, **print_gpu_report(results)}
+    for model, by_decode in samplers.items():
+        for decode, r in by_decode.items():
+            summary[f"sampler_tokens_per_s_{model}_{decode}"] = r["tokens"] / median(r["sample"])
     print(json.dumps(summary))
+
+
+def print_gpu_samplers(samplers: dict[str, dict[str, dict]]) -> None:
+    """The GPU sampler rows: tokens/s of each decode loop against the forward-only bound."""
+    rows, group, new_tokens = GPU_SHAPE
+    print(f"\nbuilt-in sampler, bf16 engine, {rows * group} rows × {new_tokens} tokens, vs the forward-only bound "
+          "(one no-grad forward over the same tokens)")
+    for model, by_decode in samplers.items():
+        for decode, r in by_decode.items():
+            sample, bound = r["tokens"] / median(r["sample"]), r["tokens"] / median(r["forward"])
+            print(f"{model:>5} {decode:>8}: {sample:8.0f} tokens/s | bound {bound:9.0f} tokens/s | "
+                  f"{sample / bound:.3f} of the bound | first call {r['first']:.1f} s", flush=True)
 
 
 def main() -> None:
@@ -573,6 +639,8 @@ def main() -> None:
                    help="cpu (default): the CPU comparison; cuda: the GPU comparison (module docstring)")
     p.add_argument("--models", default=None, help=f"comma-separated subset of {', '.join(MODELS)} (cpu; default: all) "
                    f"or {', '.join(GPU_MODELS)} (cuda; default: both)")
+    p.add_argument("--decode", default="auto", choices=["auto", "dynamic", "static", "compiled"],
+                   help="cuda: gspo's rollout.decode in the A/B (default auto: compiled on CUDA)")
     p.add_argument("--memory-lengths", default="1024,2048,4096,8192", help="completion lengths of the memory rows")
     p.add_argument("--quick", action="store_true", help="1 round, fewer batches, memory at 1k and 4k only (cuda: 1 "
                    "round of 1 warm-up + 1 measured batch per side)")

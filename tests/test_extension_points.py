@@ -49,8 +49,9 @@ class NoCacheEngine:
                 uniforms = torch.rand(p.max_new_tokens, generator=torch.Generator().manual_seed(row_seed(seed, j)))
                 tokens, logprobs = [], []
                 for t in range(p.max_new_tokens):
-                    logits = self.model(input_ids=torch.tensor([ids + tokens])).logits[:, -1]
-                    token, logprob = sample_from_logits(logits, uniforms[t:t + 1], p.temperature, p.top_k, p.top_p)
+                    logits = self.model(input_ids=torch.tensor([ids + tokens], device=self.model.device)).logits[:, -1]
+                    u = uniforms[t:t + 1].to(logits.device)
+                    token, logprob = sample_from_logits(logits, u, p.temperature, p.top_k, p.top_p)
                     tokens.append(int(token))
                     logprobs.append(float(logprob))
                     if tokens[-1] in self.eos_ids:

@@ -462,6 +462,67 @@ def test_dropping_finished_rows_does_not_change_results(tok, tiny, kind):
     torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
 
 
+# ---------------------------------------------------------------------------------------------- 9. static KV cache
+
+
+def assert_same_samples(a: Trajectory, b: Trajectory) -> None:
+    """The same tokens, ends and texts, and log-probs equal within float tolerance (attention over padded slots)."""
+    assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.truncated, b.truncated)
+    assert torch.equal(a.completion_mask, b.completion_mask) and a.completions == b.completions
+    torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["moe", "dense"])
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.8, top_p=0.95, max_new_tokens=24, stop=("3.",)),
+    SamplingParams(temperature=1.0, top_k=1, max_new_tokens=40),  # greedy (evaluation)
+], ids=["sampled-stop", "greedy"])
+def test_static_cache_decode_matches_the_dynamic_one(tok, tiny, kind, params):
+    """The fixed-shape loop (the one a compiled step runs) samples what the growing-cache loop samples: same rows,
+    ends (EOS, stop strings, truncation) and texts, for a mixed-length batch, twice (a fresh cache per call)."""
+    dynamic = HFSampler(tiny[kind], tok, params)
+    static = HFSampler(tiny[kind], tok, params, decode="static")
+    a = dynamic.generate(PROMPTS, 4, SEEDS)
+    assert len(set(lengths(a))) > 2 or not params.stop  # sampled: rows really finished at different steps
+    assert_same_samples(a, static.generate(PROMPTS, 4, SEEDS))
+    assert_same_samples(dynamic.generate(PROMPTS[::-1], 3, SEEDS), static.generate(PROMPTS[::-1], 3, SEEDS))
+
+
+def test_static_cache_logprobs_match_the_teacher_forced_forward(tok, tiny):
+    engine = HFSampler(tiny["dense"], tok, SamplingParams(temperature=0.7, max_new_tokens=16), decode="static")
+    batch = engine.generate(PROMPTS, 2, SEEDS)
+    expected = teacher_forced_logprobs(tiny["dense"], batch, 0.7)
+    torch.testing.assert_close(batch.logprobs * batch.completion_mask, expected * batch.completion_mask,
+                               atol=1e-5, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled (CUDA graphs) decode step needs a GPU")
+def test_compiled_decode_on_cuda_matches_the_dynamic_loop(tok):
+    """auto picks the compiled loop on CUDA; its samples equal the eager growing-cache loop's, call after call."""
+    model = build_model("dense", len(tok)).cuda()
+    params = SamplingParams(temperature=0.9, max_new_tokens=24)
+    compiled = HFSampler(model, tok, params, decode="auto")
+    assert compiled.decode == "compiled"
+    dynamic = HFSampler(model, tok, params, decode="dynamic")
+    for seeds in (SEEDS, [5, 6, 7, 8], SEEDS):
+        assert_same_samples(dynamic.generate(PROMPTS, 4, seeds), compiled.generate(PROMPTS, 4, seeds))
+
+
+def test_decode_modes_are_checked(tok, tiny):
+    from gspo.rollout.sampler import resolve_decode
+
+    assert resolve_decode("auto", tiny["dense"], "cpu") == "dynamic"
+    assert resolve_decode("auto", tiny["moe"], "cuda", record_routing=True) == "dynamic"
+    with pytest.raises(ValueError, match="recording the rollout's routing"):
+        HFSampler(tiny["moe"], tok, SamplingParams(), record_routing=True, decode="static")
+    with pytest.raises(ValueError, match="one of dynamic, static, compiled"):
+        resolve_decode("fast", tiny["dense"], "cpu")
+    no_static = build_model("dense", len(tok))
+    no_static._can_compile_fullgraph = False
+    with pytest.raises(ValueError, match="does not support a static KV cache"):
+        HFSampler(no_static, tok, SamplingParams(), decode="compiled")
+
+
 # ---------------------------------------------------------------------------------------------- sanity
 
 

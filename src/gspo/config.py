@@ -177,6 +177,16 @@ class RolloutConfig(_Section):
     max_new_tokens: int = Field(16, ge=1)
     stop: list[str] = Field(default_factory=list)
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    # The built-in engine's decode loop (gspo.rollout.sampler.DECODE_MODES): auto = compiled (static KV cache, CUDA
+    # graphs) on CUDA for models that support it, dynamic (growing cache, finished rows dropped) elsewhere.
+    decode: Literal["auto", "dynamic", "static", "compiled"] = "auto"
+
+    @model_validator(mode="after")
+    def _decode_is_for_the_built_in_engine(self) -> RolloutConfig:
+        if self.engine != "hf" and self.decode != "auto":
+            raise ValueError(f"rollout.decode={self.decode} sets the built-in engine's decode loop; rollout.engine="
+                             f"{self.engine} decodes on its own (leave rollout.decode at auto)")
+        return self
 
 
 class AlgorithmConfig(_Section):

@@ -135,7 +135,8 @@ def collect(step: int, train_rows: list[dict], ctx: RLStep) -> Collected:
     rows = [train_rows[i] for i in prompt_indices(step, ro.prompts_per_step, len(train_rows), cfg.trainer.seed)]
     seeds = [derive_seed(cfg.trainer.seed, "rollout", step, j) for j in range(len(rows))]
     mine = group.shard(len(rows))  # this process's prompts (whole groups; all of them in a one-process run)
-    traj = ctx.engine.generate([r["prompt"] for r in rows[mine]], ro.group_size, seeds[mine])
+    # On the trainer's device whatever the engine's (vLLM returns CPU tensors; the learner needs them by the model).
+    traj = ctx.engine.generate([r["prompt"] for r in rows[mine]], ro.group_size, seeds[mine]).to(group.device)
     ctx.engine.release()  # e.g. an own-copy engine frees its copy until the sync
     seconds = time.perf_counter() - t0
 

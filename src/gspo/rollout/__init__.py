@@ -69,7 +69,7 @@ def make_engine(cfg: Config, model: nn.Module, tokenizer, *, out: str | Path,
     record_routing = cfg.algorithm.routing_replay == "r3"
     if ro.engine == "hf":
         return HFSampler(model, tokenizer, params, dtype=ro.dtype, record_routing=record_routing, own_copy=dist.fsdp,
-                         device=dist.device if dist.fsdp else None)
+                         device=dist.device if dist.fsdp else None, decode=ro.decode)
 
     from gspo.rollout.vllm import VLLMEngine, VLLMServerEngine
 

@@ -14,7 +14,7 @@ import inspect
 from collections.abc import Iterable
 
 import torch
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, StaticCache
 
 from gspo.models import resolve_dtype
 from gspo.moe import RolloutRoutingRecorder, require_replay_support
@@ -23,7 +23,17 @@ from gspo.rollout.base import SamplingParams
 from gspo.rollout.weights import unwrap_model
 from gspo.trajectory import NO_VERSION, Trajectory, pad_left
 
-__all__ = ["HFSampler", "filter_scores", "row_seed", "sample_from_logits"]
+__all__ = ["DECODE_MODES", "HFSampler", "filter_scores", "resolve_decode", "row_seed", "sample_from_logits"]
+
+DECODE_MODES = ("dynamic", "static", "compiled")
+"""How `HFSampler` runs its decode loop. dynamic: a growing KV cache; finished rows leave the batch (the fastest eager
+loop). static: a preallocated KV cache of fixed shape (transformers' StaticCache), every row stays to the end; the
+same tokens, log-probabilities equal within float tolerance. compiled: static, with the decode step compiled by
+torch.compile (on CUDA with CUDA graphs: one graph replay per token instead of hundreds of kernel launches)."""
+
+STATIC_CACHE_BUCKET = 128
+"""A static cache's length is prompt + new tokens rounded up to a multiple of this, so that a compiled decode step
+(fixed shapes) is reused across batches whose prompt lengths differ."""
 
 _SEED_STRIDE = 1_000_003  # prime multiplier that spreads (prompt seed, index in group) over distinct generator seeds
 
@@ -82,6 +92,25 @@ def sample_from_logits(
     return idx.squeeze(1), logp.gather(-1, idx).squeeze(1)
 
 
+def resolve_decode(decode: str, model: PreTrainedModel, device: torch.device | str,
+                   record_routing: bool = False) -> str:
+    """The decode mode `HFSampler` runs for `rollout.decode` (DECODE_MODES or "auto"): auto is compiled on CUDA where
+    the model supports a static cache and no routing is recorded (hooks inside a compiled graph), else dynamic.
+    Raises ValueError for a static mode the model or the routing recording cannot run."""
+    static_ok = bool(getattr(unwrap_model(model), "_can_compile_fullgraph", False))
+    if decode == "auto":
+        return "compiled" if torch.device(device).type == "cuda" and static_ok and not record_routing else "dynamic"
+    if decode not in DECODE_MODES:
+        raise ValueError(f"rollout.decode must be auto or one of {', '.join(DECODE_MODES)}, got {decode!r}")
+    if decode != "dynamic" and not static_ok:
+        raise ValueError(f"rollout.decode={decode}: {type(unwrap_model(model)).__name__} does not support a static KV "
+                         "cache (transformers' _can_compile_fullgraph is False); use rollout.decode=dynamic")
+    if decode != "dynamic" and record_routing:
+        raise ValueError(f"rollout.decode={decode}: recording the rollout's routing (routing_replay r3) needs "
+                         "rollout.decode=dynamic (the recorder's hooks run per eager decode step)")
+    return decode
+
+
 def _trim_heap() -> None:
     """Return the C heap's free pages to the system (glibc's malloc_trim; nothing elsewhere): freed tensors of a few
     MB live in the heap, and without this the process's resident memory keeps them."""
@@ -103,7 +132,9 @@ class HFSampler:
     Generation: prompts are tokenized without special tokens and left-padded; one prefill, then one cached decode
     step per token. Rows that finish (EOS or a stop string) are dropped from the batch and the KV cache, so they stop
     costing compute; the loop ends when every row is finished or `max_new_tokens` is reached. Set
-    `drop_finished_rows = False` to keep finished rows in the batch instead (same results; for testing).
+    `drop_finished_rows = False` to keep finished rows in the batch instead (same results; for testing). `decode`
+    ("static", "compiled") runs the loop over a fixed-shape KV cache instead (see DECODE_MODES), which a compiled
+    decode step needs; the cache lives for one `generate` call, so it never coexists with the updates' memory.
 
     `record_routing=True` (MoE models; for R3 routing replay, arXiv 2510.11370) also records which experts every
     router chose for every prompt and generated token, into `Trajectory.extras["routing"]`: [N, S + T, layers, k]
@@ -123,10 +154,13 @@ class HFSampler:
         record_routing: bool = False,
         own_copy: bool = False,
         device: torch.device | str | None = None,
+        decode: str = "dynamic",
     ) -> None:
         model = unwrap_model(model)
         if record_routing:
             require_replay_support(model, "r3")
+        self.decode = resolve_decode(decode, model, device or next(model.parameters()).device, record_routing)
+        self._compiled_step = None  # the compiled decode forward, made on first use ("compiled")
         self.record_routing = record_routing
         model_dtype = next(model.parameters()).dtype
         target = model_dtype if dtype is None else resolve_dtype(dtype)
@@ -250,7 +284,8 @@ class HFSampler:
                                                    unique_ids.device)
         try:
             with torch.inference_mode(), self._routing or contextlib.nullcontext():
-                raw = self._decode(unique_ids, unique_mask, group_size, uniforms.to(unique_ids.device), params)
+                decode = self._decode if self.decode == "dynamic" else self._decode_static
+                raw = decode(unique_ids, unique_mask, group_size, uniforms.to(unique_ids.device), params)
         finally:
             self.model.train(was_training)
         ids, logprobs, lengths, truncated = (x.clone() for x in raw)  # clones are ordinary tensors again
@@ -365,6 +400,65 @@ class HFSampler:
             if self._routing is not None:
                 self._routing.decode_step(rows, t)
         return out_ids, out_logprobs, lengths, truncated
+
+    def _decode_static(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int, uniforms: torch.Tensor,
+        p: SamplingParams,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`_decode` over a fixed-shape KV cache: every decode step has the same input shapes ([N, 1] tokens and
+        positions, an [N, L] attention mask, the [N, heads, L, head_dim] cache), so a compiled step is replayed as is.
+        Every row stays in the batch to the end (finished ones are ignored), and the prompts are prefilled once per
+        row (the prefill is a small part of the work; a static cache cannot be repeated per group after it).
+        Finishing is tracked on the device; the loop ends early, checked every few steps, once every row has."""
+        prompt_ids = prompt_ids.repeat_interleave(group_size, 0)
+        prompt_mask = prompt_mask.repeat_interleave(group_size, 0)
+        n_rows, prompt_len = prompt_ids.shape
+        device = prompt_ids.device
+        out_ids = torch.full((n_rows, p.max_new_tokens), self.pad_id, dtype=torch.long, device=device)
+        out_logprobs = torch.zeros((n_rows, p.max_new_tokens), dtype=torch.float32, device=device)
+        lengths = torch.full((n_rows,), p.max_new_tokens, dtype=torch.long, device=device)
+        alive = torch.ones(n_rows, dtype=torch.bool, device=device)
+        eos_ids = torch.tensor(self.eos_ids, dtype=torch.long, device=device)
+        rows = torch.arange(n_rows, device=device)
+
+        cache_len = -(-(prompt_len + p.max_new_tokens) // STATIC_CACHE_BUCKET) * STATIC_CACHE_BUCKET
+        cache = StaticCache(config=self.model.config, max_cache_len=cache_len)
+        # One mask for the whole run: the prompt's, then ones (slots past the current token are causally masked).
+        attention = torch.ones((n_rows, cache_len), dtype=torch.long, device=device)
+        attention[:, :prompt_len] = prompt_mask
+        position_ids = (prompt_mask.cumsum(1) - 1).masked_fill(prompt_mask == 0, 1)
+        extra = {"logits_to_keep": 1} if self._forward_takes_logits_to_keep else {}
+        logits = self.model(input_ids=prompt_ids, attention_mask=attention, position_ids=position_ids,
+                            past_key_values=cache, use_cache=True, **extra).logits[:, -1, :]
+        step = self._decode_step()
+        next_position = position_ids[:, -1:] + 1
+        stop_candidates = self._stop_candidates(p.stop, logits.shape[-1], device) if p.stop else None
+        for t in range(p.max_new_tokens):
+            tokens, logprobs = sample_from_logits(logits, uniforms[:, t], p.temperature, p.top_k, p.top_p)
+            out_ids[:, t], out_logprobs[:, t] = tokens, logprobs
+            finished = torch.isin(tokens, eos_ids) & alive
+            if stop_candidates is not None:
+                finished |= self._hits_stop(p.stop, out_ids, rows, t, stop_candidates[tokens] & alive & ~finished)
+            lengths = torch.where(finished, t + 1, lengths)
+            alive &= ~finished
+            if t == p.max_new_tokens - 1 or (t % 8 == 7 and not alive.any()):
+                break
+            if self.decode == "compiled":
+                torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs (logits) are consumed
+            logits = step(input_ids=tokens[:, None], attention_mask=attention, position_ids=next_position + t,
+                          past_key_values=cache, use_cache=True).logits[:, -1, :]
+        return out_ids, out_logprobs, lengths, alive
+
+    def _decode_step(self):
+        """The model's forward for one decode step: as is ("static"), or compiled once per engine ("compiled"): with
+        CUDA graphs on CUDA (mode reduce-overhead), inductor alone elsewhere; shapes fixed (dynamic=False)."""
+        if self.decode != "compiled":
+            return self.model
+        if self._compiled_step is None:
+            cuda = next(self.model.parameters()).device.type == "cuda"
+            self._compiled_step = torch.compile(self.model, dynamic=False, fullgraph=False,
+                                                mode="reduce-overhead" if cuda else "default")
+        return self._compiled_step
 
     # ------------------------------------------------------------------ stop strings
 
