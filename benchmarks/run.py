@@ -545,8 +545,10 @@ def compare_gpu(paths: dict[str, Path], rounds: int, threads: int, batches: int,
                     print(f"  {side}: no generation / update split ({len(out['rollout'])} generation times for "
                           f"{len(out['times'])} batches)", flush=True)
                 acc["peak_gpu"] = max(acc["peak_gpu"], out["peak_gpu"])
+                split = (f" (generation {' '.join(f'{g:.3f}' for g in out['rollout'])} s; peak "
+                         f"{out['peak_gpu'] / 2**30:.1f} GiB)")
                 print(f"  {model:>5} round {r + 1}/{rounds} {side:>10}: "
-                      f"{' '.join(f'{t:.3f}' for t in out['times'])} s", flush=True)
+                      f"{' '.join(f'{t:.3f}' for t in out['times'])} s{split}", flush=True)
     return results
 
 
@@ -604,7 +606,8 @@ def main_gpu(a: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         paths = build_gpu_models(Path(tmp), models, GPU_MODELS, "cuda")
         options = {"shape": list(GPU_SHAPE), "device": "cuda"}
-        samplers = {m: run_worker("gpu_sampler", p, batches, 1, a.threads, options) for m, p in paths.items()}
+        samplers = {} if a.no_sampler else {m: run_worker("gpu_sampler", p, batches, 1, a.threads, options)
+                                             for m, p in paths.items()}
         print_gpu_samplers(samplers)
         results = compare_gpu(paths, rounds, a.threads, batches, warmup, decode=a.decode)
     summary = {"device": torch.cuda.get_device_name(), "quick": a.quick, **print_gpu_report(results)}
@@ -641,6 +644,7 @@ def main() -> None:
                    f"or {', '.join(GPU_MODELS)} (cuda; default: both)")
     p.add_argument("--decode", default="auto", choices=["auto", "dynamic", "static", "compiled"],
                    help="cuda: gspo's rollout.decode in the A/B (default auto: compiled on CUDA)")
+    p.add_argument("--no-sampler", action="store_true", help="cuda: leave out the sampler rows")
     p.add_argument("--memory-lengths", default="1024,2048,4096,8192", help="completion lengths of the memory rows")
     p.add_argument("--quick", action="store_true", help="1 round, fewer batches, memory at 1k and 4k only (cuda: 1 "
                    "round of 1 warm-up + 1 measured batch per side)")
