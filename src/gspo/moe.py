@@ -37,6 +37,7 @@ __all__ = [
     "RouterAdapter",
     "Routing",
     "RoutingCapture",
+    "config_has_experts",
     "find_routers",
     "is_moe",
     "register_router",
@@ -158,7 +159,8 @@ def find_routers(model: nn.Module) -> list[tuple[str, nn.Module, RouterAdapter]]
 _EXPERT_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
-def _config_has_experts(config: Any) -> bool:
+def config_has_experts(config: Any) -> bool:
+    """Whether a model config describes a mixture of experts (more than one expert), routers registered or not."""
     return any(isinstance(getattr(config, key, None), int) and getattr(config, key) > 1 for key in _EXPERT_CONFIG_KEYS)
 
 
@@ -173,7 +175,7 @@ def require_replay_support(model: nn.Module, mode: str) -> None:
     if is_moe(model):
         return
     name = type(model).__name__
-    if _config_has_experts(getattr(model, "config", None)):
+    if config_has_experts(getattr(model, "config", None)):
         raise ValueError(
             f"algorithm.routing_replay={mode}: {name} is a Mixture-of-Experts model but none of its router classes has "
             f"a routing adapter; register one with gspo.moe.register_router (supported: {_supported_names()})")

@@ -17,7 +17,7 @@ import torch
 from transformers import PreTrainedModel, StaticCache
 
 from gspo.models import resolve_dtype
-from gspo.moe import RolloutRoutingRecorder, require_replay_support
+from gspo.moe import RolloutRoutingRecorder, config_has_experts, require_replay_support
 from gspo.rollout.assemble import encode_prompts, eos_ids, pad_id
 from gspo.rollout.base import SamplingParams
 from gspo.rollout.weights import unwrap_model
@@ -94,14 +94,21 @@ def sample_from_logits(
 
 def resolve_decode(decode: str, model: PreTrainedModel, device: torch.device | str,
                    record_routing: bool = False) -> str:
-    """The decode mode `HFSampler` runs for `rollout.decode` (DECODE_MODES or "auto"): auto is compiled on CUDA where
-    the model supports a static cache and no routing is recorded (hooks inside a compiled graph), else dynamic.
-    Raises ValueError for a static mode the model or the routing recording cannot run."""
+    """The decode mode `HFSampler` runs for `rollout.decode` (DECODE_MODES or "auto"): auto is compiled on CUDA for a
+    dense model that supports a static cache, else dynamic. Raises ValueError for a static mode the model or the
+    routing recording cannot run, and for compiled on CUDA with an MoE model: transformers' expert kernel reads the
+    expert offsets on the host (`offs.tolist()` in its grouped-mm fallback, transformers 5.17), which a CUDA graph
+    cannot capture (measured on an H100: "Cannot copy between CPU and CUDA tensors during CUDA graph capture")."""
     static_ok = bool(getattr(unwrap_model(model), "_can_compile_fullgraph", False))
+    moe_on_cuda = torch.device(device).type == "cuda" and config_has_experts(getattr(model, "config", None))
     if decode == "auto":
-        return "compiled" if torch.device(device).type == "cuda" and static_ok and not record_routing else "dynamic"
+        cuda = torch.device(device).type == "cuda"
+        return "compiled" if cuda and static_ok and not moe_on_cuda and not record_routing else "dynamic"
     if decode not in DECODE_MODES:
         raise ValueError(f"rollout.decode must be auto or one of {', '.join(DECODE_MODES)}, got {decode!r}")
+    if decode == "compiled" and moe_on_cuda:
+        raise ValueError("rollout.decode=compiled: an MoE model's decode step cannot be captured in a CUDA graph "
+                         "(transformers' expert kernel syncs with the host); use rollout.decode=static or dynamic")
     if decode != "dynamic" and not static_ok:
         raise ValueError(f"rollout.decode={decode}: {type(unwrap_model(model)).__name__} does not support a static KV "
                          "cache (transformers' _can_compile_fullgraph is False); use rollout.decode=dynamic")
@@ -134,7 +141,7 @@ class HFSampler:
     costing compute; the loop ends when every row is finished or `max_new_tokens` is reached. Set
     `drop_finished_rows = False` to keep finished rows in the batch instead (same results; for testing). `decode`
     ("static", "compiled") runs the loop over a fixed-shape KV cache instead (see DECODE_MODES), which a compiled
-    decode step needs; the cache lives for one `generate` call, so it never coexists with the updates' memory.
+    decode step needs ("compiled" keeps that cache and its weights between calls: `_static_cache`, `release`).
 
     `record_routing=True` (MoE models; for R3 routing replay, arXiv 2510.11370) also records which experts every
     router chose for every prompt and generated token, into `Trajectory.extras["routing"]`: [N, S + T, layers, k]
@@ -161,6 +168,7 @@ class HFSampler:
             require_replay_support(model, "r3")
         self.decode = resolve_decode(decode, model, device or next(model.parameters()).device, record_routing)
         self._compiled_step = None  # the compiled decode forward, made on first use ("compiled")
+        self._static_caches: dict[tuple[int, int], StaticCache] = {}  # ("compiled") kept per shape: see _static_cache
         self.record_routing = record_routing
         model_dtype = next(model.parameters()).dtype
         target = model_dtype if dtype is None else resolve_dtype(dtype)
@@ -235,8 +243,9 @@ class HFSampler:
         """Own-copy engine: free the copy's parameters until the next `update_weights`, which allocates them again.
         The trainer calls this after each rollout, so that the copy (e.g. a bf16 engine's) never coexists with the
         gradients and optimizer state of the updates: peak memory as with a shared engine. Shared-weight engine:
-        nothing to do. `generate` on a released engine is an error."""
-        if not self.owns_weights:
+        nothing to do. `generate` on a released engine is an error. The compiled decode loop keeps its weights (and
+        its KV caches): its CUDA graphs replay fixed memory addresses, which freeing and re-allocating would move."""
+        if not self.owns_weights or self.decode == "compiled":
             return
         for name, p in self.model.named_parameters():
             if name not in self._released_shapes:
@@ -422,7 +431,7 @@ class HFSampler:
         rows = torch.arange(n_rows, device=device)
 
         cache_len = -(-(prompt_len + p.max_new_tokens) // STATIC_CACHE_BUCKET) * STATIC_CACHE_BUCKET
-        cache = StaticCache(config=self.model.config, max_cache_len=cache_len)
+        cache = self._static_cache(n_rows, cache_len)
         # One mask for the whole run: the prompt's, then ones (slots past the current token are causally masked).
         attention = torch.ones((n_rows, cache_len), dtype=torch.long, device=device)
         attention[:, :prompt_len] = prompt_mask
@@ -448,6 +457,22 @@ class HFSampler:
             logits = step(input_ids=tokens[:, None], attention_mask=attention, position_ids=next_position + t,
                           past_key_values=cache, use_cache=True).logits[:, -1, :]
         return out_ids, out_logprobs, lengths, alive
+
+    def _static_cache(self, n_rows: int, cache_len: int) -> StaticCache:
+        """A KV cache of fixed shape for one `generate` call: "static" makes a new one, freed with the call; "compiled"
+        keeps one per (rows, length) for the engine's life and resets it, so that the CUDA graph recorded on it is
+        replayed on the same addresses (transformers' generate keeps its static cache the same way). The price: the
+        cache stays allocated during the updates (28 layers × 128 rows × 384 slots of bf16 K/V: 2.8 GB on the
+        Qwen3-0.6B shape); rollout.decode=dynamic frees everything between rollouts."""
+        if self.decode != "compiled":
+            return StaticCache(config=self.model.config, max_cache_len=cache_len)
+        cache = self._static_caches.get((n_rows, cache_len))
+        if cache is None:
+            cache = self._static_caches[n_rows, cache_len] = StaticCache(config=self.model.config,
+                                                                        max_cache_len=cache_len)
+        else:
+            cache.reset()
+        return cache
 
     def _decode_step(self):
         """The model's forward for one decode step: as is ("static"), or compiled once per engine ("compiled"): with
