@@ -281,8 +281,9 @@ def test_token_advantages_only_where_allowed():
     lp, old, adv, mask = make_batch(0)
     with pytest.raises(ValueError, match="advantages shape"):
         gspo_loss(lp, old, adv[:, None].expand_as(lp), mask)
+    grpo_loss(lp, old, adv[:, None].expand_as(lp), mask)  # token-level losses take [B, T] (per-token TIS weights)
     with pytest.raises(ValueError, match="advantages shape"):
-        grpo_loss(lp, old, adv[:, None].expand_as(lp), mask)
+        grpo_loss(lp, old, adv[:, None].expand_as(lp)[:, :-1], mask)
 
 
 def test_bad_clip_range_raises():
@@ -338,7 +339,7 @@ def test_registry_metadata_of_the_built_in_objectives():
     by = {name: spec.normalise_by for name, spec in OBJECTIVES.items()}
     assert by == {"gspo": "sequences", "gspo_token": "sequences", "grpo": "sequences", "dapo": "tokens",
                   "dr_grpo": "budget", "cispo": "tokens"}
-    assert [name for name, spec in OBJECTIVES.items() if spec.token_advantages] == ["gspo_token"]
+    assert [name for name, spec in OBJECTIVES.items() if not spec.token_advantages] == ["gspo"]
     assert {name: spec.advantage_scale for name, spec in OBJECTIVES.items() if spec.advantage_scale != "group"} == {
         "dr_grpo": "none"}
     assert OBJECTIVES["dr_grpo"].allowed_scales == ("none",)

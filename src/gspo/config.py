@@ -180,12 +180,23 @@ class RolloutConfig(_Section):
     # The built-in engine's decode loop (gspo.rollout.sampler.DECODE_MODES): auto = compiled (static KV cache, CUDA
     # graphs) on CUDA for models that support it, dynamic (growing cache, finished rows dropped) elsewhere.
     decode: Literal["auto", "dynamic", "static", "compiled"] = "auto"
+    # sync: generate, then train on it, alternately (deterministic). async: rollout worker processes generate while
+    # the learner trains (gspo.rollout.workers): a batch may have been sampled by a policy up to `max_staleness`
+    # versions older than the one it trains; with `partial`, a generation in flight takes new weights as they come.
+    mode: Literal["sync", "async"] = "sync"
+    max_staleness: int = Field(1, ge=0)
+    workers: int = Field(1, ge=1)
+    worker_threads: int = Field(1, ge=1)
+    partial: bool = True
 
     @model_validator(mode="after")
     def _decode_is_for_the_built_in_engine(self) -> RolloutConfig:
         if self.engine != "hf" and self.decode != "auto":
             raise ValueError(f"rollout.decode={self.decode} sets the built-in engine's decode loop; rollout.engine="
                              f"{self.engine} decodes on its own (leave rollout.decode at auto)")
+        if self.mode == "async" and self.engine != "hf":
+            raise ValueError(f"rollout.mode=async runs built-in (hf) engines in worker processes; rollout.engine="
+                             f"{self.engine} is not supported there yet (use rollout.mode=sync)")
         return self
 
 
@@ -202,6 +213,41 @@ class AlgorithmConfig(_Section):
     # MoE Routing Replay (§5.3): r2 replays the π_old forward's routing in the π_θ forwards; r3 replays the rollout
     # engine's routing (arXiv 2510.11370) in every training forward. Both need an MoE model with a router adapter.
     routing_replay: Literal["none", "r2", "r3"] = "none"
+    # Train–inference mismatch correction (gspo.correction) by ρ = π_old/μ, μ the engine that sampled the tokens, at
+    # the objective's ratio level (per token; per sequence for gspo/gspo_token, ρ's geometric mean): tis weights each
+    # term by min(ρ, tis_cap), mask drops those with ρ outside mask_bounds (None: the level's default,
+    # correction.DEFAULT_MASK_BOUNDS: token [0.5, 2] as IcePop/MIS, sequence [0.95, 1.05], tighter because a geometric
+    # mean averages the per-token noise). auto: tis+mask when π_old is recomputed and rollout.mode is async (μ is then
+    # an older policy), else off. Needs old_logprobs=recompute (with rollout, π_old is μ); explicit tis/mask also
+    # apply in sync mode (e.g. against a bf16 engine's numerics).
+    mismatch: Literal["auto", "off", "tis", "mask", "tis+mask"] = "auto"
+    tis_cap: float = Field(2.0, gt=1, allow_inf_nan=False)
+    mask_bounds: tuple[float, float] | None = None
+
+    @field_validator("mismatch", mode="before")
+    @classmethod
+    def _off_is_not_false(cls, value: Any) -> Any:
+        """YAML reads an unquoted `off` as the boolean false: `mismatch: off` means "off"."""
+        return "off" if value is False else value
+
+    @model_validator(mode="after")
+    def _check_mismatch(self) -> AlgorithmConfig:
+        if self.old_logprobs == "rollout" and self.mismatch not in ("auto", "off"):
+            raise ValueError(f"algorithm.mismatch={self.mismatch} corrects a recomputed π_old towards the rollout "
+                             "engine's μ, but algorithm.old_logprobs=rollout takes π_old from the engine (π_old is μ, "
+                             "ρ ≡ 1): use algorithm.old_logprobs=recompute, or algorithm.mismatch=off")
+        if self.mask_bounds is not None:
+            low, high = self.mask_bounds
+            if not (0 < low < 1 < high < float("inf")):  # ρ = 1 (no mismatch) is always kept
+                raise ValueError(f"algorithm.mask_bounds must satisfy 0 < low < 1 < high (finite), got [{low}, {high}]")
+            if self.mismatch in ("off", "tis"):
+                raise ValueError(f"algorithm.mask_bounds is set but algorithm.mismatch={self.mismatch} masks nothing: "
+                                 "use mismatch=mask or tis+mask, or remove mask_bounds")
+        spec = OBJECTIVES.get(self.loss)
+        if spec is not None and "tis" in self.mismatch and spec.ratio_level == "token" and not spec.token_advantages:
+            raise ValueError(f"algorithm.mismatch={self.mismatch}: token-level TIS scales the advantages per token, "
+                             f"which algorithm.loss {self.loss} does not accept: use mismatch=mask")
+        return self
 
     @model_validator(mode="after")
     def _resolve_defaults(self) -> AlgorithmConfig:

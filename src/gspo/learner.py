@@ -1,6 +1,8 @@
 """The learner: π_old, then one optimizer update per minibatch of the rollout batch (the paper's algorithm, §2 / §4).
 
     π_old      the engine's own log-probabilities (§5.4), or a no-grad forward of the trainer before the first update
+    mismatch   with π_old recomputed: how far it is from the engine's μ, and optionally a correction by π_old/μ
+               (TIS weights on the advantages, masks on the loss mask: `gspo.correction`)
     for each minibatch k (the batch shuffled and split; every update but the first is off-policy):
         log π_θ       a forward of the policy as it is after k updates
         loss          the objective (e.g. GSPO, Eq. 5 with the sequence ratio of Eq. 7), normalised by its global count
@@ -21,6 +23,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from gspo.correction import Correction, apply_correction, mismatch_metrics
 from gspo.hooks import LearnHook
 from gspo.logprobs import completion_logprobs
 from gspo.objectives import Objective, kl_to_reference, process_normaliser
@@ -43,6 +46,7 @@ class LearnSettings:
     kl_beta: float = 0.0
     grad_clip: float | None = 1.0
     mixed_precision: str | None = None
+    mismatch: Correction | None = None  # the train–inference mismatch correction (None: none), for recomputed π_old
 
 
 def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: Trajectory, advantages: torch.Tensor,
@@ -50,7 +54,9 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
           ref_model: nn.Module | None = None, hooks: Sequence[LearnHook] = ()) -> dict[str, float]:
     """One update per minibatch of `traj` (each process: its share of each minibatch's row indices); returns the
     step's metrics: the objective's metrics averaged over the updates (and the processes), `loss`, `entropy` (first
-    update), `clip_frac_tokens_first_mb`, `grad_norm`, `skipped_updates`, `lr`, the hooks' metrics."""
+    update), `clip_frac_tokens_first_mb`, `grad_norm`, `skipped_updates`, `lr`, the hooks' metrics; with π_old
+    recomputed, the train–inference mismatch (`gspo.correction.mismatch_metrics`) and what its correction masked and
+    truncated (0 when off)."""
     s, group = settings, group or ProcessGroup()
     mask = traj.loss_mask.bool()
     model.train()
@@ -84,6 +90,19 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
     for hook in hooks:
         hook.old_done(group, minibatches)
 
+    # Train–inference mismatch, ρ = π_old/μ on the whole batch (the same on every process). Off, nothing the loss
+    # sees changes; on, TIS scales the advantages and the masks shrink the loss mask, and a normalising count leaves
+    # out the sequences the correction dropped (`kept`), as rejection sampling would. The KL-to-reference term and the
+    # entropy keep the full mask: they are regularisers and diagnostics, not importance-sampled estimates.
+    loss_adv, loss_mask, kept, batch_metrics = advantages, mask, None, {}
+    if s.old_logprobs == "recompute":
+        batch_metrics = mismatch_metrics(old_logprobs, traj.logprobs, mask)
+        batch_metrics.update(mismatch_masked_frac=0.0, mismatch_truncated_frac=0.0)
+        if s.mismatch is not None:
+            loss_adv, loss_mask, fracs = apply_correction(s.mismatch, old_logprobs, traj.logprobs, advantages, mask)
+            kept = loss_mask.any(-1) | ~mask.any(-1)
+            batch_metrics.update(fracs)
+
     sums: dict[str, float] = {}
     grad_norms, skipped, n = [], 0, len(minibatches)
     for k, mb in enumerate(minibatches):
@@ -94,8 +113,9 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
         for hook in hooks:
             sums.update(hook.update_metrics(k, mb, logprobs, old_logprobs))
         # normalised by the count over every process's share: N processes' averaged gradients = one process's
-        count, rows = group.all_sum([s.objective.count(mask[mb], s.max_new_tokens), float(len(mb))])
-        loss, m = s.objective.loss(logprobs, old_logprobs[mb], advantages[mb], mask[mb], eps_low=s.eps_low,
+        count_mask = mask[mb] if kept is None else loss_mask[mb][kept[mb]]
+        count, rows = group.all_sum([s.objective.count(count_mask, s.max_new_tokens), float(len(mb))])
+        loss, m = s.objective.loss(logprobs, old_logprobs[mb], loss_adv[mb], loss_mask[mb], eps_low=s.eps_low,
                                    eps_high=s.eps_high, normaliser=process_normaliser(count, group.world_size))
         if ref_model is not None and s.kl_beta > 0:
             with torch.no_grad(), amp():
@@ -127,7 +147,7 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
         sums["entropy"] *= n  # logged from the first minibatch only
     metrics = group.mean_metrics(sums)
     metrics.update(grad_norm=sum(grad_norms) / len(grad_norms) if grad_norms else math.nan,
-                   skipped_updates=float(skipped), lr=scheduler.get_last_lr()[0])
+                   skipped_updates=float(skipped), lr=scheduler.get_last_lr()[0], **batch_metrics)
     for hook in hooks:
         metrics.update(hook.batch_metrics(traj, old_logprobs))
     return metrics

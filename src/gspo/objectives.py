@@ -10,9 +10,9 @@ and returns `(loss, metrics)`: `loss` is the scalar to minimise (−J); `metrics
 
 Registry: `OBJECTIVES` maps a name to an `Objective`, the loss function with what the rest of gspo needs to know about
 it: its paper's ε defaults, its normaliser (what the sum over tokens is divided by), whether it takes per-token
-advantages, its advantage scale (default and allowed). The config and the learner read that metadata and the
-parallel layer only sums counts: none looks an objective up by name, so adding one is
-`register_objective(name, Objective(...))`.
+advantages, its advantage scale (default and allowed), whether its ratio is per sequence or per token. The config
+and the learner read that metadata and the parallel layer only sums counts: none looks an objective up by name, so
+adding one is `register_objective(name, Objective(...))`.
 
 Normaliser and multi-process training. Each loss is (1/N) Σ_i Σ_t f_{i,t} (f holding any 1/|y_i| factor), with N
 given by the objective's `normalise_by`:
@@ -63,6 +63,9 @@ Metrics = dict[str, float]
 LossFn = Callable[..., tuple[torch.Tensor, Metrics]]
 """`fn(logprobs, old_logprobs, advantages, mask, *, eps_low, eps_high, normaliser) -> (loss, metrics)`."""
 NormaliseBy = Literal["sequences", "tokens", "budget"]
+RatioLevel = Literal["sequence", "token"]
+"""What the objective's importance ratio is taken over: one ratio per sequence (GSPO's s_i) or one per token (GRPO's
+w_{i,t}). The train–inference mismatch correction (`gspo.correction`) takes the same level."""
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -275,11 +278,12 @@ def _token_clip_objective(
     aggregate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> tuple[torch.Tensor, Metrics]:
     """Shared body of the token-ratio PPO-clip objectives: per-token min(w Â, clip(w) Â), then `aggregate(x, mask)`
-    (which holds the normaliser)."""
+    (which holds the normaliser). `advantages` is [B] (Â_i) or [B, T] (Â_{i,t}, e.g. Â_i scaled by per-token TIS
+    weights, `gspo.correction`)."""
     _check_eps(eps_low, eps_high)
-    logprobs, old_logprobs, advantages, mask = _check(logprobs, old_logprobs, advantages, mask, token_advantages=False)
+    logprobs, old_logprobs, advantages, mask = _check(logprobs, old_logprobs, advantages, mask, token_advantages=True)
     log_w, w = _token_ratio(logprobs, old_logprobs, mask)
-    adv = advantages[:, None].expand_as(w)
+    adv = advantages[:, None].expand_as(w) if advantages.dim() == 1 else _masked(advantages, mask)
     loss = -aggregate(_clipped_surrogate(w, adv, eps_low, eps_high), mask)
     metrics = _token_metrics(log_w.detach(), _clipped(w.detach(), adv, eps_low, eps_high), mask)
     metrics.update(_ratio_metrics(w, mask))
@@ -385,13 +389,15 @@ def cispo_loss(
 ) -> tuple[torch.Tensor, Metrics]:
     """CISPO (MiniMax-M1, arXiv 2506.13585): the importance weight is clipped and detached, every token keeps a
     gradient: J = 1/Σ|y_i| Σ_i Σ_t sg[clip(w_{i,t}, 1−ε_low, 1+ε_high)] Â_i log π_θ(y_{i,t}). ε_low = 1 (no lower
-    bound) as in MiniMax-M1. clip_frac_tokens counts tokens whose weight is truncated. `normaliser` replaces Σ|y_i|."""
+    bound) as in MiniMax-M1. clip_frac_tokens counts tokens whose weight is truncated. `normaliser` replaces Σ|y_i|.
+    `advantages` is [B] or [B, T]."""
     _check_eps(eps_low, eps_high)
     normaliser = _check_normaliser(normaliser)
-    logprobs, old_logprobs, advantages, mask = _check(logprobs, old_logprobs, advantages, mask, token_advantages=False)
+    logprobs, old_logprobs, advantages, mask = _check(logprobs, old_logprobs, advantages, mask, token_advantages=True)
     log_w, w = _token_ratio(logprobs, old_logprobs, mask)
     weight = w.detach().clamp(1 - eps_low, 1 + eps_high)
-    loss = -token_mean(weight * advantages[:, None] * _masked(logprobs, mask), mask, normaliser)
+    adv = advantages[:, None] if advantages.dim() == 1 else _masked(advantages, mask)
+    loss = -token_mean(weight * adv * _masked(logprobs, mask), mask, normaliser)
     truncated = (w.detach() > 1 + eps_high) | (w.detach() < 1 - eps_low)
     metrics = _token_metrics(log_w.detach(), truncated, mask)
     metrics.update(_ratio_metrics(w, mask))
@@ -434,6 +440,8 @@ class Objective:
     token_advantages  the loss accepts per-token advantages [B, T] as well as [B]
     advantage_scale   the advantage normalisation it is meant for (`group_advantages(scale=...)`), the config's default
     allowed_scales    the scales it may be run with (dr_grpo: only "none", since it removes the std normalisation)
+    ratio_level       "sequence" (one importance ratio per response: gspo, gspo_token) or "token" (one per token):
+                      which form of the train–inference mismatch correction applies (`gspo.correction`)
 
     Calling the spec calls `loss` with the spec's ε unless given.
     """
@@ -446,6 +454,7 @@ class Objective:
     token_advantages: bool = False
     advantage_scale: Scale = "group"
     allowed_scales: tuple[Scale, ...] = SCALES
+    ratio_level: RatioLevel = "token"
 
     def __post_init__(self) -> None:
         if not callable(self.loss):
@@ -461,6 +470,8 @@ class Objective:
             raise ValueError(f"advantage_scale {self.advantage_scale!r} is not in allowed_scales {self.allowed_scales}")
         if not self.summary or "\n" in self.summary:
             raise ValueError("summary must be one non-empty line")
+        if self.ratio_level not in get_args(RatioLevel):
+            raise ValueError(f"ratio_level must be one of {get_args(RatioLevel)}, got {self.ratio_level!r}")
 
     def __call__(
         self,
@@ -520,23 +531,25 @@ def register_objective(name: str, objective: Objective) -> Objective:
 
 
 register_objective("gspo", Objective(
-    loss=gspo_loss, eps_low=3e-4, eps_high=4e-4, normalise_by="sequences",
+    loss=gspo_loss, eps_low=3e-4, eps_high=4e-4, normalise_by="sequences", ratio_level="sequence",
     summary="GSPO (Eq. 5/7): one clipped, length-normalised sequence ratio per response, mean over sequences"))
 register_objective("gspo_token", Objective(
     loss=gspo_token_loss, eps_low=3e-4, eps_high=4e-4, normalise_by="sequences", token_advantages=True,
+    ratio_level="sequence",
     summary="GSPO-token (Eq. 13/14): GSPO's sequence ratio with per-token advantages"))
 register_objective("grpo", Objective(
-    loss=grpo_loss, eps_low=0.2, eps_high=0.27, normalise_by="sequences",
+    loss=grpo_loss, eps_low=0.2, eps_high=0.27, normalise_by="sequences", token_advantages=True, ratio_level="token",
     summary="GRPO (Eq. 2): clipped token ratios, token-mean per response, mean over sequences"))
 register_objective("dapo", Objective(
-    loss=dapo_loss, eps_low=0.2, eps_high=0.28, normalise_by="tokens",
+    loss=dapo_loss, eps_low=0.2, eps_high=0.28, normalise_by="tokens", token_advantages=True, ratio_level="token",
     summary="DAPO: GRPO's clipped token surrogate, mean over all tokens of the batch, clip-higher"))
 register_objective("dr_grpo", Objective(
     loss=dr_grpo_loss, eps_low=0.2, eps_high=0.27, normalise_by="budget", advantage_scale="none",
+    token_advantages=True, ratio_level="token",
     allowed_scales=("none",),
     summary="Dr.GRPO: GRPO with a constant 1/(B·L) normaliser and no std normalisation of the advantages"))
 register_objective("cispo", Objective(
-    loss=cispo_loss, eps_low=1.0, eps_high=0.28, normalise_by="tokens",
+    loss=cispo_loss, eps_low=1.0, eps_high=0.28, normalise_by="tokens", token_advantages=True, ratio_level="token",
     summary="CISPO: clipped, detached token importance weights times log π_θ, mean over all tokens of the batch"))
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 import shutil
 import time
 from collections.abc import Callable, Sequence
@@ -49,6 +50,7 @@ from gspo.parallel import ProcessGroup, init_distributed, wrap_frozen, wrap_poli
 from gspo.parallel.state import full_state, load_state, save_state
 from gspo.rewards import RewardRunner
 from gspo.rollout import RolloutEngine, make_engine, policy_weights
+from gspo.rollout.workers import AsyncRollouts, staleness_metrics
 from gspo.runfolder import (
     check_output_dir,
     check_resume_config,
@@ -97,6 +99,7 @@ class RLStep:
     ref_model: nn.Module | None = None  # the KL reference (algorithm.kl_beta > 0)
     hooks: Sequence[LearnHook] = ()  # `default_hooks`: MoE routing, precision diagnostics
     group: ProcessGroup = field(default_factory=ProcessGroup)  # the processes of a torchrun run (one: no-ops)
+    rollouts: AsyncRollouts | None = None  # rollout.mode async: the worker processes that generate the batches
 
 
 @dataclass
@@ -111,12 +114,19 @@ class Collected:
 
 
 def learn_settings(cfg: Config) -> LearnSettings:
-    """The learner's settings, from the config's algorithm, rollout, optim and trainer sections."""
+    """The learner's settings, from the config's algorithm, rollout, optim and trainer sections. The mismatch
+    correction is resolved here, where rollout.mode is known: "auto" is on only for recomputed π_old with async
+    rollouts (`gspo.correction.resolve_correction`)."""
+    from gspo.correction import resolve_correction
+
     algo = cfg.algorithm
+    mismatch = resolve_correction(algo.mismatch, OBJECTIVES[algo.loss], recompute=algo.old_logprobs == "recompute",
+                                  asynchronous=cfg.rollout.mode == "async", tis_cap=algo.tis_cap,
+                                  mask_bounds=algo.mask_bounds)
     return LearnSettings(objective=OBJECTIVES[algo.loss], eps_low=algo.eps_low, eps_high=algo.eps_high,
                          old_logprobs=algo.old_logprobs, temperature=cfg.rollout.temperature,
                          max_new_tokens=cfg.rollout.max_new_tokens, kl_beta=algo.kl_beta, grad_clip=cfg.optim.grad_clip,
-                         mixed_precision=cfg.trainer.mixed_precision)
+                         mixed_precision=cfg.trainer.mixed_precision, mismatch=mismatch)
 
 
 def default_hooks(cfg: Config, model: nn.Module) -> list[LearnHook]:
@@ -131,6 +141,8 @@ def collect(step: int, train_rows: list[dict], ctx: RLStep) -> Collected:
     (run seed, step, prompt position); each process generates and scores its share of the prompts, then all of them
     hold the whole batch."""
     cfg, ro, group = ctx.cfg, ctx.cfg.rollout, ctx.group
+    if ctx.rollouts is not None:
+        return _collect_async(step, ctx)
     t0 = time.perf_counter()
     rows = [train_rows[i] for i in prompt_indices(step, ro.prompts_per_step, len(train_rows), cfg.trainer.seed)]
     seeds = [derive_seed(cfg.trainer.seed, "rollout", step, j) for j in range(len(rows))]
@@ -149,6 +161,23 @@ def collect(step: int, train_rows: list[dict], ctx: RLStep) -> Collected:
     traj, rewards, stats = group.gather_trajectories(traj, scored.total, stats, pad_id=ctx.engine.pad_id)
     advantages = group_advantages(rewards, ro.group_size, scale=cfg.algorithm.advantage_scale)
     return Collected(traj, rewards, advantages, stats, seconds)
+
+
+def _collect_async(step: int, ctx: RLStep) -> Collected:
+    """rollout.mode async: the next finished batch of the workers, trained as policy version `step`; `seconds` is the
+    time the learner waited for it (0 when rollouts keep ahead of the updates)."""
+    batch, waited = ctx.rollouts.next(step)
+    for kind, counts in batch.failures.items():  # the workers' reward failures count as the run's
+        mine = ctx.rewards.failures if kind == "failures" else ctx.rewards.timeouts
+        for name, n in counts.items():
+            mine[name] = mine.get(name, 0) + n
+    traj = batch.traj.to(ctx.group.device)
+    rewards = batch.rewards.to(ctx.group.device)
+    stats = {**batch.stats, **staleness_metrics(traj, step), "rollout_worker_seconds": batch.seconds,
+             "rollout_ahead": float(ctx.rollouts.ahead()),
+             **{f"rollout_{k}": float(v) for k, v in ctx.rollouts.counts.items()}}
+    advantages = group_advantages(rewards, ctx.cfg.rollout.group_size, scale=ctx.cfg.algorithm.advantage_scale)
+    return Collected(traj, rewards, advantages, stats, waited)
 
 
 def minibatches(step: int, n: int, ctx: RLStep, device: torch.device) -> list[torch.Tensor]:
@@ -172,6 +201,8 @@ def rl_step(step: int, model: nn.Module, optimizer, scheduler, train_rows: list[
                     minibatches(step, len(traj), ctx, traj.loss_mask.device), learn_settings(ctx.cfg), ctx.group,
                     ctx.ref_model, ctx.hooks)
     sync(ctx.engine, model, step + 1)
+    if ctx.rollouts is not None:
+        ctx.rollouts.publish(policy_weights(model), step + 1)
     t_total = time.perf_counter() - t0
 
     lengths = traj.completion_mask.sum(-1).float()
@@ -258,6 +289,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
     rewards.check_rows(data.train)
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
+    elif cfg.rollout.mode == "async":  # the rollout workers' threads are taken from the learner's
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) - cfg.rollout.workers * cfg.rollout.worker_threads))
     set_seed(cfg.trainer.seed)
 
     model, tokenizer = load_model(cfg.model.name, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code,
@@ -302,7 +335,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         model, cfg.optim.lr, cfg.trainer.steps * cfg.algorithm.minibatches, weight_decay=cfg.optim.weight_decay,
         betas=cfg.optim.betas, warmup_steps=cfg.optim.warmup_steps, min_lr_ratio=cfg.optim.min_lr_ratio,
         cosine=cfg.optim.schedule == "cosine")
-    start, bad_steps = 0, 0  # bad_steps: consecutive steps whose updates were all skipped (non-finite)
+    start, bad_steps, state = 0, 0, {}  # bad_steps: consecutive steps whose updates were all skipped (non-finite)
     if checkpoint is not None:
         state = load_state(group, checkpoint, model, optimizer, scheduler)
         start, bad_steps = state["step"], state.get("bad_steps", 0)
@@ -317,8 +350,14 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
     elif resume:
         log.info("no checkpoint in %s yet: starting the run over", out)
     sync(engine, model, start)  # the policy as it is now (cold start, resume), not what the engine was built from
+    rollouts = None
+    if ro.mode == "async":  # worker processes start generating now; a resume continues after the last trained batch
+        rollouts = AsyncRollouts(cfg, model, tokenizer, train_rows, policy_weights(model), start,
+                                 start_index=state.get("rollout_index", start), device=str(group.device),
+                                 counts={k: state[k] for k in ("dropped_stale", "lost_batches", "worker_restarts")
+                                         if k in state})
 
-    ctx = RLStep(cfg, engine, rewards, ref_model, default_hooks(cfg, model), group)
+    ctx = RLStep(cfg, engine, rewards, ref_model, default_hooks(cfg, model), group, rollouts)
     logger = MetricsLogger(out, tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb, mlflow=cfg.log.mlflow,
                            resume_step=start if resume else None, run_config=cfg_dict) if group.is_main else None
     # evaluations (and their sample completions) up to the checkpoint are kept; a run restarting at 0 redoes step 0
@@ -344,6 +383,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
     def checkpoint_now(step: int) -> None:
         save_state(group, out, step, model=model, optimizer=optimizer, scheduler=scheduler, tokenizer=tokenizer,
                    state={"step": step, "data_position": step * ro.prompts_per_step, "bad_steps": bad_steps,
+                          **(rollouts.state_dict() if rollouts is not None else {}),
                           **{f"reward_{kind}": counts for kind, counts in rewards.state_dict().items()},
                           "wall_seconds": time.perf_counter() - wall0},
                    keep_last=cfg.trainer.keep_checkpoints)
@@ -389,6 +429,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         progress.close()
         if logger is not None:
             logger.close()
+        if rollouts is not None:
+            rollouts.close()
 
     # ------------------------------------------------------------------------------------------------- tear-down
     final_tmp = out / ".final.tmp"
@@ -437,6 +479,8 @@ def _model_checks(cfg: Config, model: nn.Module, group: ProcessGroup) -> None:
         if cfg.algorithm.routing_replay != "none":  # a hub model's family is only known now
             require_replay_support(model, cfg.algorithm.routing_replay)
         group.check_sizes(cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.algorithm.minibatches)
+        if cfg.rollout.mode == "async" and group.enabled:
+            raise ValueError("rollout.mode=async runs with one training process; under torchrun use rollout.mode=sync")
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

@@ -27,11 +27,13 @@ __all__ = [
     "policy_weights",
     "row_seed",
     "sample_from_logits",
+    "sampling_params",
     "unwrap_model",
 ]
 
 
-def _sampling_params(cfg: Config) -> SamplingParams:
+def sampling_params(cfg: Config) -> SamplingParams:
+    """The engine's sampling parameters from the rollout section."""
     ro = cfg.rollout
     return SamplingParams(temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
                           max_new_tokens=ro.max_new_tokens, stop=tuple(ro.stop))
@@ -65,7 +67,7 @@ def make_engine(cfg: Config, model: nn.Module, tokenizer, *, out: str | Path,
 
     dist = dist or ProcessGroup()
     out = Path(out)
-    ro, params = cfg.rollout, _sampling_params(cfg)
+    ro, params = cfg.rollout, sampling_params(cfg)
     record_routing = cfg.algorithm.routing_replay == "r3"
     if ro.engine == "hf":
         return HFSampler(model, tokenizer, params, dtype=ro.dtype, record_routing=record_routing, own_copy=dist.fsdp,

@@ -11,7 +11,7 @@ import contextlib
 import copy
 import ctypes
 import inspect
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from transformers import PreTrainedModel, StaticCache
@@ -151,6 +151,10 @@ class HFSampler:
     """
 
     drop_finished_rows: bool = True
+    between_tokens: Callable[[], None] | None = None
+    """Called between two decode steps (after a token is sampled, before the next forward): an asynchronous rollout
+    worker takes new weights there (`update_weights`), so a generation in flight continues under them (a partial
+    rollout); every token records the `version` it was sampled under. The KV cache of earlier tokens is kept."""
 
     def __init__(
         self,
@@ -297,7 +301,7 @@ class HFSampler:
                 raw = decode(unique_ids, unique_mask, group_size, uniforms.to(unique_ids.device), params)
         finally:
             self.model.train(was_training)
-        ids, logprobs, lengths, truncated = (x.clone() for x in raw)  # clones are ordinary tensors again
+        ids, logprobs, lengths, truncated, versions = (x.clone() for x in raw)  # clones are ordinary tensors again
 
         width = int(lengths.max())
         mask = torch.arange(width, device=ids.device)[None, :] < lengths[:, None]
@@ -319,7 +323,7 @@ class HFSampler:
             truncated=truncated,
             completions=completions,
             prompt_index=torch.arange(len(prompts), device=ids.device).repeat_interleave(group_size),
-            versions=torch.where(mask, self.version, NO_VERSION),
+            versions=versions[:, :width].masked_fill(~mask, NO_VERSION),
             extras=extras,
         )
 
@@ -338,13 +342,15 @@ class HFSampler:
     def _decode(
         self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int, uniforms: torch.Tensor,
         p: SamplingParams,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The prefill + cached decode loop for P unique prompts [P, S], each sampled `group_size` times.
 
-        Returns (ids [N, max_new], logprobs [N, max_new], lengths [N], truncated [N]) for N = P * group_size rows;
-        truncated rows are those that never hit EOS or a stop string. Each prompt is prefilled once and its cache
-        repeated for its group. Batch position b holds output row `rows[b]`; finished rows are dropped from every
-        per-row tensor and from the KV cache (or, with `drop_finished_rows = False`, kept but ignored).
+        Returns (ids [N, max_new], logprobs [N, max_new], lengths [N], truncated [N], versions [N, max_new]) for
+        N = P * group_size rows; truncated rows are those that never hit EOS or a stop string; versions: the engine's
+        `version` when each token was sampled (`between_tokens` may change it mid-generation: partial rollouts).
+        Each prompt is prefilled once and its cache repeated for its group. Batch position b holds output row
+        `rows[b]`; finished rows are dropped from every per-row tensor and from the KV cache (or, with
+        `drop_finished_rows = False`, kept but ignored).
         """
         n_rows, prompt_len = prompt_ids.shape[0] * group_size, prompt_ids.shape[1]
         device = prompt_ids.device
@@ -352,6 +358,7 @@ class HFSampler:
         out_logprobs = torch.zeros((n_rows, p.max_new_tokens), dtype=torch.float32, device=device)
         lengths = torch.full((n_rows,), p.max_new_tokens, dtype=torch.long, device=device)
         truncated = torch.ones(n_rows, dtype=torch.bool, device=device)
+        versions = torch.full((n_rows, p.max_new_tokens), NO_VERSION, dtype=torch.long, device=device)
         eos_ids = torch.tensor(self.eos_ids, dtype=torch.long, device=device)
 
         position_ids = (prompt_mask.cumsum(1) - 1).masked_fill(prompt_mask == 0, 1)
@@ -378,6 +385,7 @@ class HFSampler:
             tokens, logprobs = sample_from_logits(logits, uniforms[rows, t], p.temperature, p.top_k, p.top_p)
             out_ids[rows, t] = tokens
             out_logprobs[rows, t] = logprobs
+            versions[rows, t] = self.version
             finished = torch.isin(tokens, eos_ids) & alive
             if stop_candidates is not None:
                 finished |= self._hits_stop(p.stop, out_ids, rows, t, stop_candidates[tokens] & alive & ~finished)
@@ -398,6 +406,8 @@ class HFSampler:
                         break
             if t == p.max_new_tokens - 1:
                 break
+            if self.between_tokens is not None:
+                self.between_tokens()
             out = self.model(
                 input_ids=tokens[:, None],
                 attention_mask=attention[:, : prompt_len + t + 1],
@@ -408,12 +418,12 @@ class HFSampler:
             cache, logits = out.past_key_values, out.logits[:, -1, :]
             if self._routing is not None:
                 self._routing.decode_step(rows, t)
-        return out_ids, out_logprobs, lengths, truncated
+        return out_ids, out_logprobs, lengths, truncated, versions
 
     def _decode_static(
         self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int, uniforms: torch.Tensor,
         p: SamplingParams,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """`_decode` over a fixed-shape KV cache: every decode step has the same input shapes ([N, 1] tokens and
         positions, an [N, L] attention mask, the [N, heads, L, head_dim] cache), so a compiled step is replayed as is.
         Every row stays in the batch to the end (finished ones are ignored), and the prompts are prefilled once per
@@ -427,6 +437,7 @@ class HFSampler:
         out_logprobs = torch.zeros((n_rows, p.max_new_tokens), dtype=torch.float32, device=device)
         lengths = torch.full((n_rows,), p.max_new_tokens, dtype=torch.long, device=device)
         alive = torch.ones(n_rows, dtype=torch.bool, device=device)
+        versions = torch.full((n_rows, p.max_new_tokens), NO_VERSION, dtype=torch.long, device=device)
         eos_ids = torch.tensor(self.eos_ids, dtype=torch.long, device=device)
         rows = torch.arange(n_rows, device=device)
 
@@ -444,7 +455,7 @@ class HFSampler:
         stop_candidates = self._stop_candidates(p.stop, logits.shape[-1], device) if p.stop else None
         for t in range(p.max_new_tokens):
             tokens, logprobs = sample_from_logits(logits, uniforms[:, t], p.temperature, p.top_k, p.top_p)
-            out_ids[:, t], out_logprobs[:, t] = tokens, logprobs
+            out_ids[:, t], out_logprobs[:, t], versions[:, t] = tokens, logprobs, self.version
             finished = torch.isin(tokens, eos_ids) & alive
             if stop_candidates is not None:
                 finished |= self._hits_stop(p.stop, out_ids, rows, t, stop_candidates[tokens] & alive & ~finished)
@@ -452,11 +463,13 @@ class HFSampler:
             alive &= ~finished
             if t == p.max_new_tokens - 1 or (t % 8 == 7 and not alive.any()):
                 break
+            if self.between_tokens is not None:
+                self.between_tokens()
             if self.decode == "compiled":
                 torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs (logits) are consumed
             logits = step(input_ids=tokens[:, None], attention_mask=attention, position_ids=next_position + t,
                           past_key_values=cache, use_cache=True).logits[:, -1, :]
-        return out_ids, out_logprobs, lengths, alive
+        return out_ids, out_logprobs, lengths, alive, versions
 
     def _static_cache(self, n_rows: int, cache_len: int) -> StaticCache:
         """A KV cache of fixed shape for one `generate` call: "static" makes a new one, freed with the call; "compiled"

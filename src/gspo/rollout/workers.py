@@ -1,0 +1,267 @@
+"""Asynchronous rollouts (`rollout.mode: async`): worker processes generate while the learner trains.
+
+    learner   step k: take a finished batch from a worker (dropping any older than `max_staleness` versions), train
+              on it with policy version k, publish version k + 1 into the shared weights
+    worker    claim the next batch index i, wait until version >= i - max_staleness is published, generate and score
+              batch i with its own engine, send it to the learner through its own pipe
+
+The wait is the back-pressure: a worker is never more than max_staleness + 1 batches ahead of the learner, so what is
+in flight is bounded. Each worker has a pipe of its own (one writer: a worker killed mid-message cannot leave a shared
+queue's lock held), replaced when the worker is restarted.
+
+With `partial`, a worker takes newly published weights between two decode steps, so a generation in flight continues
+under them (a partial rollout, §5.4): each token keeps the version and the engine log-probability it was sampled with,
+so π_old is per token (`old_logprobs: rollout`). Batch i draws its prompts and seeds exactly as sync step i would.
+
+Which weights a token was sampled with depends on timing, so async runs are not bit-reproducible (sync runs are).
+A worker that dies (killed, out of memory) is restarted with the current weights and the batch it was generating is
+counted as lost; an exception in a worker stops the run with the worker's traceback. On resume, batch indices
+continue after the last trained one: a batch in flight at a crash was never trained, and it is generated again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import tempfile
+import time
+import traceback
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+
+import torch
+import torch.multiprocessing as mp
+
+from gspo.trajectory import NO_VERSION, Trajectory
+
+__all__ = ["AsyncRollouts", "WorkerBatch", "WorkerError", "staleness_metrics", "token_staleness"]
+
+IDLE = -1  # a worker's in-flight index when it is not generating
+
+
+class WorkerError(RuntimeError):
+    """A rollout worker raised: its traceback is the message."""
+
+
+@dataclass
+class WorkerBatch:
+    """One finished batch, as a worker sends it (CPU tensors)."""
+
+    index: int
+    traj: Trajectory
+    rewards: torch.Tensor
+    stats: dict[str, float]
+    seconds: float  # the worker's generation + scoring time
+    failures: dict[str, dict[str, int]]  # reward failures / timeouts counted while scoring this batch
+
+
+def token_staleness(traj: Trajectory, version: int) -> torch.Tensor:
+    """[N, T] how many versions older than `version` (the policy being trained) each response token's sampler was;
+    0 off the loss mask."""
+    valid = traj.loss_mask.bool() & (traj.versions != NO_VERSION)
+    return torch.where(valid, version - traj.versions, 0)
+
+
+def staleness_metrics(traj: Trajectory, version: int, buckets: int = 4) -> dict[str, float]:
+    """Per-step staleness: mean and max over the loss tokens, and the histogram as fractions of tokens that are
+    0, 1, ..., `buckets` - 1 and >= `buckets` versions old (`staleness_frac_0`, ..., `staleness_frac_4+`)."""
+    valid = traj.loss_mask.bool() & (traj.versions != NO_VERSION)
+    age = token_staleness(traj, version)[valid].float()
+    if age.numel() == 0:
+        return {"staleness_mean": 0.0, "staleness_max": 0.0}
+    hist = {f"staleness_frac_{b}": float((age == b).float().mean()) for b in range(buckets)}
+    hist[f"staleness_frac_{buckets}+"] = float((age >= buckets).float().mean())
+    return {"staleness_mean": float(age.mean()), "staleness_max": float(age.max()), **hist}
+
+
+class SharedWeights:
+    """The learner's latest weights in shared memory plus their version; a worker copies them into its engine, never
+    a half-written set. The lock is a file lock (flock: the learner writes exclusively, workers read shared): the
+    kernel releases it when its holder dies, so a worker killed while copying cannot block the learner."""
+
+    def __init__(self, weights: Iterable[tuple[str, torch.Tensor]], ctx) -> None:
+        self.tensors = {name: t.detach().to("cpu", copy=True).share_memory_() for name, t in weights}
+        self.version = ctx.Value("q", NO_VERSION, lock=False)
+        fd, self.lock_path = tempfile.mkstemp(prefix="gspo-weights-", suffix=".lock")
+        os.close(fd)
+        self._fd: int | None = None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_fd": None}  # each process opens the lock file itself
+
+    @contextlib.contextmanager
+    def _locked(self, exclusive: bool) -> Iterator[None]:
+        import fcntl  # POSIX only: async rollouts need it, nothing else does
+
+        if self._fd is None:
+            self._fd = os.open(self.lock_path, os.O_RDWR)
+        fcntl.flock(self._fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    @torch.no_grad()
+    def publish(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        with self._locked(exclusive=True):
+            for name, t in weights:
+                self.tensors[name].copy_(t)
+            self.version.value = version
+
+    def pull(self, engine) -> None:
+        """Give `engine` the published weights if it does not have them yet."""
+        if engine.version != self.version.value:
+            with self._locked(exclusive=False):
+                engine.update_weights(self.tensors.items(), int(self.version.value))
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.lock_path)
+
+
+def _worker_main(worker: int, model_config, tokenizer, cfg, train_rows: list[dict], shared: SharedWeights, channel,
+                 claim, in_flight, device: str) -> None:
+    """A rollout worker process: claim, wait for fresh-enough weights, generate, score, send; until the learner stops
+    it. Its engine is built from the policy's architecture and takes every weight from `shared`. Exceptions go to the
+    learner as ("error", worker, traceback)."""
+    from transformers import AutoModelForCausalLM
+
+    from gspo.rewards import RewardRunner
+    from gspo.rollout import HFSampler, sampling_params
+    from gspo.schedule import derive_seed, prompt_indices
+
+    try:
+        torch.set_num_threads(cfg.rollout.worker_threads)
+        ro = cfg.rollout
+        model = AutoModelForCausalLM.from_config(model_config).to(device)
+        engine = HFSampler(model, tokenizer, sampling_params(cfg), dtype=ro.dtype, own_copy=True,
+                           record_routing=cfg.algorithm.routing_replay == "r3", decode=ro.decode)
+        del model
+        engine.version = NO_VERSION  # nothing published taken yet
+        rewards = RewardRunner(cfg.rewards.functions, on_error=cfg.rewards.on_error,
+                               timeout_s=cfg.rewards.timeout_s, workers=cfg.rewards.workers)
+        if ro.partial:
+            engine.between_tokens = lambda: shared.pull(engine)
+        while True:
+            with claim.get_lock():
+                i = claim.value
+                claim.value += 1
+            in_flight[worker] = i
+            while shared.version.value < i - ro.max_staleness:  # the staleness bound, enforced before generating
+                time.sleep(0.002)
+            shared.pull(engine)
+            t0 = time.perf_counter()
+            rows = [train_rows[j] for j in prompt_indices(i, ro.prompts_per_step, len(train_rows), cfg.trainer.seed)]
+            seeds = [derive_seed(cfg.trainer.seed, "rollout", i, j) for j in range(len(rows))]
+            before = rewards.state_dict()
+            traj = engine.generate([r["prompt"] for r in rows], ro.group_size, seeds).to("cpu")
+            row_of = [rows[int(k)] for k in traj.prompt_index]
+            scored = rewards.score([r["prompt"] for r in row_of], traj.completions, row_of)
+            solved = scored.correct(cfg.rewards.accuracy_reward, cfg.rewards.accuracy_threshold)
+            after = rewards.state_dict()
+            failures = {kind: {name: n - before[kind][name] for name, n in counts.items()}
+                        for kind, counts in after.items()}
+            batch = WorkerBatch(i, traj, scored.total.cpu(), {**scored.stats, "solved": float(solved.sum())},
+                                time.perf_counter() - t0, failures)
+            # plain pickle bytes: tensors sent through torch's shared-memory reductions live in the sender's file
+            # descriptors, which a worker killed right after sending takes with it
+            channel.send_bytes(pickle.dumps(batch))  # killed before it returns: the batch is lost
+            in_flight[worker] = IDLE
+    except Exception:  # everything goes to the learner, which raises it
+        channel.send_bytes(pickle.dumps(("error", worker, traceback.format_exc())))
+
+
+class AsyncRollouts:
+    """The learner's side of asynchronous rollouts: the worker processes, their pipes, the shared weights."""
+
+    def __init__(self, cfg, model: torch.nn.Module, tokenizer, train_rows: list[dict], weights, version: int,
+                 start_index: int = 0, device: str = "cpu", counts: dict[str, int] | None = None) -> None:
+        ro = cfg.rollout
+        self.cfg, self.tokenizer, self.train_rows, self.device = cfg, tokenizer, train_rows, device
+        self.ctx = mp.get_context("spawn")  # fork would copy the learner's threads and locks
+        self.shared = SharedWeights(weights, self.ctx)
+        self.shared.publish((), version)
+        self.model_config = model.config  # a (re)started worker builds this architecture; weights come from `shared`
+        self.claim = self.ctx.Value("q", start_index)
+        self.in_flight = self.ctx.Array("q", [IDLE] * ro.workers)
+        self.next_index = start_index  # after the last trained batch: where a resume continues
+        self.counts = {"dropped_stale": 0, "lost_batches": 0, "worker_restarts": 0, **(counts or {})}
+        self.workers: list = [None] * ro.workers
+        self.readers: list = [None] * ro.workers
+        for w in range(ro.workers):
+            self._start(w)
+
+    def _start(self, worker: int) -> None:
+        reader, writer = self.ctx.Pipe(duplex=False)
+        process = self.ctx.Process(
+            target=_worker_main, daemon=True, name=f"gspo-rollout-{worker}",
+            args=(worker, self.model_config, self.tokenizer, self.cfg, self.train_rows, self.shared, writer,
+                  self.claim, self.in_flight, self.device))
+        process.start()
+        writer.close()  # the worker holds the only write end: its death reads as end-of-file here
+        self.workers[worker], self.readers[worker] = process, reader
+
+    def publish(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """The learner's new weights, version `version`, to every worker (read at their next poll)."""
+        self.shared.publish(weights, version)
+
+    def next(self, version: int) -> tuple[WorkerBatch, float]:
+        """The next batch no more than `max_staleness` versions older than `version` (older ones are dropped and
+        counted), and the seconds the learner waited for it. Restarts dead workers while waiting."""
+        t0 = time.perf_counter()
+        while True:
+            ready = wait(self.readers, timeout=0.1)
+            if not ready:
+                continue
+            w = self.readers.index(ready[0])
+            try:
+                item = pickle.loads(self.readers[w].recv_bytes())
+            except (EOFError, OSError, pickle.UnpicklingError):  # the worker died (perhaps mid-message)
+                self._restart(w)
+                continue
+            if isinstance(item, tuple):
+                raise WorkerError(f"rollout worker {item[1]} failed:\n{item[2]}")
+            sampled = item.traj.versions[item.traj.versions != NO_VERSION]
+            oldest = int(sampled.min()) if sampled.numel() else version
+            if version - oldest > self.cfg.rollout.max_staleness:
+                self.counts["dropped_stale"] += 1
+                continue
+            self.next_index = max(self.next_index, item.index + 1)
+            return item, time.perf_counter() - t0
+
+    def _restart(self, w: int) -> None:
+        """Worker `w` died: count the batch it held as lost and start a new one on a new pipe."""
+        process = self.workers[w]
+        process.join(timeout=10)
+        self.readers[w].close()
+        if self.in_flight[w] != IDLE:
+            self.counts["lost_batches"] += 1
+            self.in_flight[w] = IDLE
+        self.counts["worker_restarts"] += 1
+        if self.counts["worker_restarts"] > 10 * len(self.workers):
+            raise WorkerError(f"rollout workers died {self.counts['worker_restarts']} times (last exit code "
+                              f"{process.exitcode}); giving up")
+        self._start(w)
+
+    def ahead(self) -> int:
+        """Batches the workers have claimed beyond the last one the learner took (bounded: back-pressure)."""
+        return int(self.claim.value) - self.next_index
+
+    def state_dict(self) -> dict[str, int]:
+        """What a checkpoint keeps: where the batch indices continue, and the counts."""
+        return {"rollout_index": self.next_index, **self.counts}
+
+    def close(self) -> None:
+        """Stop the workers (they may be blocked sending, or waiting for weights)."""
+        for process in self.workers:
+            if process.is_alive():
+                process.terminate()
+        for process, reader in zip(self.workers, self.readers, strict=True):
+            process.join(timeout=10)
+            reader.close()
+        self.shared.close()

@@ -1,0 +1,118 @@
+"""Asynchronous rollouts (issue 16): staleness bookkeeping, per-token versions of partial rollouts, the worker
+processes under the trainer (staleness bound, back-pressure, a killed worker, resume)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from conftest import DEMO, SimulatedCrash, crash_after, tiny_overrides
+from gspo.checkpoint import find_latest_checkpoint
+from gspo.config import load_config
+from gspo.models import build_preset
+from gspo.rollout import HFSampler, SamplingParams, policy_weights
+from gspo.rollout.workers import staleness_metrics, token_staleness
+from gspo.tracking import read_metrics
+from gspo.trainer import train
+from gspo.trajectory import NO_VERSION, Trajectory
+
+ASYNC = ["rollout.mode=async", "trainer.steps=5", "cold_start.steps=2", "trainer.eval_every=0", "data.eval_size=8"]
+
+
+def traj_with_versions(versions: list[list[int]], mask: list[list[int]]) -> Trajectory:
+    v, m = torch.tensor(versions), torch.tensor(mask)
+    n, t = v.shape
+    return Trajectory(prompt_ids=torch.ones(n, 2, dtype=torch.long), prompt_mask=torch.ones(n, 2, dtype=torch.long),
+                      completion_ids=torch.ones(n, t, dtype=torch.long), completion_mask=m, logprobs=torch.zeros(n, t),
+                      truncated=torch.zeros(n, dtype=torch.bool), completions=[""] * n,
+                      prompt_index=torch.arange(n), versions=v)
+
+
+def test_staleness_by_hand():
+    traj = traj_with_versions([[3, 3, 2, NO_VERSION], [1, 1, 0, 0]], [[1, 1, 1, 0], [1, 1, 1, 1]])
+    assert token_staleness(traj, 4).tolist() == [[1, 1, 2, 0], [3, 3, 4, 4]]
+    m = staleness_metrics(traj, 4)
+    ages = [1, 1, 2, 3, 3, 4, 4]  # the 7 loss tokens
+    assert m["staleness_mean"] == pytest.approx(sum(ages) / 7) and m["staleness_max"] == 4
+    fractions = [m[f"staleness_frac_{b}"] for b in ("0", "1", "2", "3", "4+")]
+    assert fractions == pytest.approx([0, 2 / 7, 1 / 7, 2 / 7, 2 / 7])
+
+
+def test_a_partial_rollout_keeps_each_tokens_version_and_log_prob():
+    """Weights that arrive mid-generation are used from the next token on; the tokens before keep the old version
+    and exactly the log-probs (and tokens) of a generation that never saw the new weights."""
+    model, tok = build_preset("tiny-moe", seed=0)
+    other, _ = build_preset("tiny-moe", seed=1)
+    params = SamplingParams(max_new_tokens=10)
+    reference = HFSampler(model, tok, params, own_copy=True).generate(["1+2=", "33+4="], 3, [5, 6])
+    engine = HFSampler(model, tok, params, own_copy=True)
+    calls = []
+
+    def arrive() -> None:  # after the 4th token, version 7 arrives
+        calls.append(1)
+        if len(calls) == 4:
+            engine.update_weights(policy_weights(other), 7)
+
+    engine.between_tokens = arrive
+    partial = engine.generate(["1+2=", "33+4="], 3, [5, 6])
+    live = partial.completion_mask.bool()
+    expected = torch.where(torch.arange(partial.versions.shape[1]) < 4, 0, 7).expand_as(live)
+    assert torch.equal(partial.versions[live], expected[live])
+    assert (partial.versions[~live] == NO_VERSION).all()
+    assert torch.equal(partial.completion_ids[:, :4], reference.completion_ids[:, :4])
+    assert torch.equal(partial.logprobs[:, :4], reference.logprobs[:, :4])
+    assert not torch.equal(partial.logprobs[:, 4:][live[:, 4:]], reference.logprobs[:, 4:][live[:, 4:]])
+
+
+def async_cfg(out, *extra):
+    return load_config(DEMO, tiny_overrides(out, *ASYNC, "trainer.device=cpu", *extra))
+
+
+def test_async_training_stays_within_the_staleness_bound_and_stops_its_workers(tmp_path):
+    summary = train(async_cfg(tmp_path, "rollout.max_staleness=1"))
+    assert summary["status"] == "completed"
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    assert all(r["staleness_max"] <= 1 and r["rollout_dropped_stale"] == 0 for r in records)
+    assert records[0]["staleness_max"] == 0  # the first batch is sampled by the initial policy
+    assert not multiprocessing.active_children()
+
+
+def test_back_pressure_bounds_how_far_workers_run_ahead(tmp_path):
+    """A slow learner: the workers stop at the staleness bound and the bounded queue, never unbounded."""
+    slow = lambda done, metrics: time.sleep(0.5)  # noqa: E731
+    train(async_cfg(tmp_path, "rollout.max_staleness=2"), callbacks=[slow])
+    for r in read_metrics(tmp_path / "metrics.jsonl"):
+        assert r["rollout_ahead"] <= 2 + 1 + 1  # the bound, the queue slot, the one being generated
+        assert r["staleness_max"] <= 2
+
+
+def test_a_killed_worker_is_restarted_and_the_run_goes_on(tmp_path):
+    def kill_worker(done: int, metrics: dict) -> None:
+        if done == 2:
+            (worker,) = multiprocessing.active_children()
+            os.kill(worker.pid, signal.SIGKILL)
+
+    summary = train(async_cfg(tmp_path, "trainer.steps=6"), callbacks=[kill_worker])
+    assert summary["status"] == "completed"
+    last = read_metrics(tmp_path / "metrics.jsonl")[-1]
+    assert last["step"] == 6 and last["rollout_worker_restarts"] == 1
+    assert last["rollout_lost_batches"] in (0, 1)  # 1 when it died holding a batch (generating, or on a full queue)
+
+
+def test_an_async_run_resumes_after_a_crash_from_its_checkpoint(tmp_path):
+    cfg = async_cfg(tmp_path, "trainer.checkpoint_every=2")
+    with pytest.raises(SimulatedCrash):
+        train(cfg, callbacks=[crash_after(3)])
+    assert not multiprocessing.active_children()  # the crash stopped the workers too
+    checkpoint = find_latest_checkpoint(tmp_path)
+    assert checkpoint.name.endswith("2")
+    summary = train(cfg, resume=True)
+    assert summary["status"] == "completed"
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]  # step 3 of the crashed run is redone
