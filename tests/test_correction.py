@@ -62,13 +62,15 @@ def test_token_mis_keeps_ratios_within_the_bounds():
 
 
 def test_geometric_mean_masks_sequences_not_tokens():
-    """A: every token within the token bounds, geometric mean 1.2 outside the sequence bounds → dropped. B: two tokens
-    outside the token bounds (4 and 1/4), geometric mean (4 · 1/4 · 1 · 1)^(1/4) = 1 → kept, where MIS drops them."""
+    """A: every token within the token bounds, geometric mean 1.2 outside sequence bounds [0.9, 1.1] → dropped. B:
+    two tokens outside the token bounds (4 and 1/4), geometric mean (4 · 1/4 · 1 · 1)^(1/4) = 1 → kept at either
+    sequence bounds, where MIS drops them."""
     old, eng, mask = ratios([[1.2, 1.2], [4.0, 0.25, 1.0, 1.0], []])
     log_rho = token_log_ratio(old, eng, mask)
     seq = sequence_log_ratio(log_rho, mask)
     torch.testing.assert_close(seq, torch.tensor([math.log(1.2), 0.0, 0.0]))
-    assert sequence_keep_mask(seq, *DEFAULT_MASK_BOUNDS["sequence"]).tolist() == [False, True, True]
+    assert sequence_keep_mask(seq, 0.9, 1.1).tolist() == [False, True, True]
+    assert sequence_keep_mask(seq, *DEFAULT_MASK_BOUNDS["sequence"]).tolist() == [True, True, True]
     assert token_keep_mask(log_rho, mask, *DEFAULT_MASK_BOUNDS["token"]).tolist() == [
         [True, True, False, False], [False, False, True, True], [False] * 4]
     torch.testing.assert_close(sequence_tis_weights(torch.tensor([math.log(3.0), math.log(0.5)]), 2.0),
