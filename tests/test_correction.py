@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from conftest import DEMO, tiny_overrides
+from conftest import DEMO, tiny_overrides, varied_reward
 from gspo.config import ConfigError, load_config
 from gspo.correction import (
     DEFAULT_MASK_BOUNDS,
@@ -24,10 +24,17 @@ from gspo.correction import (
     token_tis_weights,
 )
 from gspo.objectives import OBJECTIVES, Objective, cispo_loss, grpo_loss, gspo_loss, gspo_token_loss, process_normaliser
+from gspo.rewards import REWARDS
 from gspo.tracking import read_metrics
 from gspo.trainer import learn_settings, train
 
-pytestmark = pytest.mark.usefixtures("test_rewards")
+
+@pytest.fixture(autouse=True)
+def varied(monkeypatch):
+    """The `varied` reward for this module's trainer runs, registered per test (the session-wide `test_rewards`
+    fixture would leak it into test_rewards' registry checks)."""
+    monkeypatch.setitem(REWARDS, "varied", varied_reward)
+
 
 
 def ratios(rho: list[list[float]], engine: float = -1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
