@@ -301,9 +301,12 @@ def test_a_missing_tracker_package_is_refused_before_the_model_is_built(tmp_path
 def test_ctrl_c_ends_with_a_resume_hint_and_exit_130(tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # SIGINT back to its default in the child, as at a terminal: a suite started as a background job of a
+    # non-interactive shell (`cmd &`) inherits it ignored, and Python then never raises KeyboardInterrupt
     proc = subprocess.Popen([*GSPO, "train", str(DEMO), *tiny_overrides(out, *QUICK, "trainer.steps=500",
                                                                         "trainer.checkpoint_every=1")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and not ((out / "metrics.jsonl").exists()
                                                and len(read_metrics(out / "metrics.jsonl")) >= 2):
