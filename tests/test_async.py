@@ -13,7 +13,7 @@ import torch
 
 from conftest import DEMO, SimulatedCrash, crash_after, tiny_overrides
 from gspo.checkpoint import find_latest_checkpoint
-from gspo.config import load_config
+from gspo.config import ConfigError, load_config
 from gspo.models import build_preset
 from gspo.rollout import HFSampler, SamplingParams, policy_weights
 from gspo.rollout.workers import staleness_metrics, token_staleness
@@ -116,3 +116,12 @@ def test_an_async_run_resumes_after_a_crash_from_its_checkpoint(tmp_path):
     assert summary["status"] == "completed"
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]  # step 3 of the crashed run is redone
+
+
+def test_async_settings_on_a_sync_run_are_refused_not_ignored(tmp_path):
+    for setting in ("rollout.workers=2", "rollout.max_staleness=3", "rollout.partial=false"):
+        with pytest.raises(ConfigError, match=r"only apply to rollout\.mode=async"):
+            load_config(DEMO, tiny_overrides(tmp_path, setting))
+    assert load_config(DEMO, tiny_overrides(tmp_path, "rollout.mode=async", "rollout.workers=2")).rollout.workers == 2
+    with pytest.raises(ConfigError, match="not supported there yet"):
+        load_config(DEMO, tiny_overrides(tmp_path, "rollout.mode=async", "rollout.engine=vllm"))

@@ -194,6 +194,11 @@ class RolloutConfig(_Section):
         if self.engine != "hf" and self.decode != "auto":
             raise ValueError(f"rollout.decode={self.decode} sets the built-in engine's decode loop; rollout.engine="
                              f"{self.engine} decodes on its own (leave rollout.decode at auto)")
+        async_only = {"max_staleness": 1, "workers": 1, "worker_threads": 1, "partial": True}  # their defaults
+        changed = [k for k, default in async_only.items() if getattr(self, k) != default]
+        if self.mode == "sync" and changed:
+            raise ValueError(f"rollout.{', rollout.'.join(changed)} only apply to rollout.mode=async (this run is "
+                             "sync): set rollout.mode=async, or leave them out")
         if self.mode == "async" and self.engine != "hf":
             raise ValueError(f"rollout.mode=async runs built-in (hf) engines in worker processes; rollout.engine="
                              f"{self.engine} is not supported there yet (use rollout.mode=sync)")

@@ -84,6 +84,13 @@ def derive_seed(*parts: int | str) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+def step_prompts(step: int, train_rows: list[dict], count: int, seed: int) -> tuple[list[dict], list[int]]:
+    """The rows step `step` trains on and their sampling seeds (one per prompt, from the run seed, the step and the
+    prompt's position): what a synchronous step and an asynchronous worker's batch `step` both generate from."""
+    rows = [train_rows[i] for i in prompt_indices(step, count, len(train_rows), seed)]
+    return rows, [derive_seed(seed, "rollout", step, j) for j in range(len(rows))]
+
+
 def prompt_indices(step: int, count: int, num_rows: int, seed: int) -> list[int]:
     """Which rows step `step` trains on: consecutive slices of a per-epoch seeded permutation, so the data
     position is a function of the step alone (exact resume, no sampler state to save)."""

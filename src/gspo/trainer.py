@@ -60,7 +60,7 @@ from gspo.runfolder import (
     write_atomic,
     write_jsonl,
 )
-from gspo.schedule import derive_seed, drop_long_prompts, prompt_indices, prompt_token_limit, unknown_character_rows
+from gspo.schedule import derive_seed, drop_long_prompts, prompt_token_limit, step_prompts, unknown_character_rows
 from gspo.sft import cold_start
 from gspo.tracking import MetricsLogger, Progress, check_trackers, plot_curves, read_metrics
 from gspo.trajectory import Trajectory
@@ -144,21 +144,18 @@ def collect(step: int, train_rows: list[dict], ctx: RLStep) -> Collected:
     if ctx.rollouts is not None:
         return _collect_async(step, ctx)
     t0 = time.perf_counter()
-    rows = [train_rows[i] for i in prompt_indices(step, ro.prompts_per_step, len(train_rows), cfg.trainer.seed)]
-    seeds = [derive_seed(cfg.trainer.seed, "rollout", step, j) for j in range(len(rows))]
+    rows, seeds = step_prompts(step, train_rows, ro.prompts_per_step, cfg.trainer.seed)
     mine = group.shard(len(rows))  # this process's prompts (whole groups; all of them in a one-process run)
     # On the trainer's device whatever the engine's (vLLM returns CPU tensors; the learner needs them by the model).
     traj = ctx.engine.generate([r["prompt"] for r in rows[mine]], ro.group_size, seeds[mine]).to(group.device)
     ctx.engine.release()  # e.g. an own-copy engine frees its copy until the sync
     seconds = time.perf_counter() - t0
 
-    row_of = [rows[mine][int(i)] for i in traj.prompt_index]
-    scored = ctx.rewards.score([r["prompt"] for r in row_of], traj.completions, row_of)
-    solved = scored.correct(cfg.rewards.accuracy_reward, cfg.rewards.accuracy_threshold)
-    stats = {**scored.stats, "solved": float(solved.sum())}  # a count: summed over processes
-    if group.enabled:
+    total, stats = ctx.rewards.score_rollouts(rows[mine], traj.prompt_index, traj.completions,
+                                              cfg.rewards.accuracy_reward, cfg.rewards.accuracy_threshold)
+    if group.enabled:  # `solved` is a count: summed over processes
         ctx.rewards.sync_counts(group.all_sum)
-    traj, rewards, stats = group.gather_trajectories(traj, scored.total, stats, pad_id=ctx.engine.pad_id)
+    traj, rewards, stats = group.gather_trajectories(traj, total, stats, pad_id=ctx.engine.pad_id)
     advantages = group_advantages(rewards, ro.group_size, scale=cfg.algorithm.advantage_scale)
     return Collected(traj, rewards, advantages, stats, seconds)
 

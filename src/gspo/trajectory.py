@@ -34,25 +34,24 @@ NO_VERSION = -1
 def pad_left(rows: Sequence[Sequence[int]], pad_id: int,
              width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-id rows left-padded with `pad_id` to `width` (default: the longest row): (ids, mask) [N, width] long."""
-    width = max(len(r) for r in rows) if width is None else width
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            ids[i, width - len(r):] = torch.as_tensor(r, dtype=torch.long)
-            mask[i, width - len(r):] = 1
-    return ids, mask
+    return _pad(rows, pad_id, width, left=True)
 
 
 def pad_right(rows: Sequence[Sequence[int]], pad_id: int,
               width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-id rows right-padded with `pad_id` to `width` (default: the longest row): (ids, mask) [N, width] long."""
+    return _pad(rows, pad_id, width, left=False)
+
+
+def _pad(rows: Sequence[Sequence[int]], pad_id: int, width: int | None,
+         left: bool) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(r) for r in rows) if width is None else width
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, r in enumerate(rows):
-        ids[i, :len(r)] = torch.as_tensor(r, dtype=torch.long)
-        mask[i, :len(r)] = 1
+        cols = slice(width - len(r), width) if left else slice(0, len(r))
+        ids[i, cols] = torch.as_tensor(r, dtype=torch.long)
+        mask[i, cols] = 1
     return ids, mask
 
 

@@ -311,6 +311,15 @@ class RewardRunner:
             for name, fn in zip(self.names, self.functions, strict=True):
                 check_signature(fn, name, rows[0])
 
+    def score_rollouts(self, rows: list[dict], prompt_index: torch.Tensor, completions: list[str],
+                       accuracy_reward: str | None, accuracy_threshold: float) -> tuple[torch.Tensor, dict[str, float]]:
+        """Score completion k against its prompt's row `rows[prompt_index[k]]`: (weighted totals [N], the stats of
+        `score` plus `solved`, the count of completions that `accuracy_reward` ≥ `accuracy_threshold` calls solved)."""
+        row_of = [rows[int(i)] for i in prompt_index]
+        scored = self.score([r["prompt"] for r in row_of], completions, row_of)
+        solved = scored.correct(accuracy_reward, accuracy_threshold)
+        return scored.total, {**scored.stats, "solved": float(solved.sum())}
+
     def score(self, prompts: list[str], completions: list[str], rows: list[dict]) -> RewardScores:
         """Like `__call__`, keeping each function's unweighted values and which calls failed (`RewardScores`)."""
         n = len(completions)

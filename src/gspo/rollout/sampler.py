@@ -100,9 +100,9 @@ def resolve_decode(decode: str, model: PreTrainedModel, device: torch.device | s
     expert offsets on the host (`offs.tolist()` in its grouped-mm fallback, transformers 5.17), which a CUDA graph
     cannot capture (measured on an H100: "Cannot copy between CPU and CUDA tensors during CUDA graph capture")."""
     static_ok = bool(getattr(unwrap_model(model), "_can_compile_fullgraph", False))
-    moe_on_cuda = torch.device(device).type == "cuda" and config_has_experts(getattr(model, "config", None))
+    cuda = torch.device(device).type == "cuda"
+    moe_on_cuda = cuda and config_has_experts(getattr(model, "config", None))
     if decode == "auto":
-        cuda = torch.device(device).type == "cuda"
         return "compiled" if cuda and static_ok and not moe_on_cuda and not record_routing else "dynamic"
     if decode not in DECODE_MODES:
         raise ValueError(f"rollout.decode must be auto or one of {', '.join(DECODE_MODES)}, got {decode!r}")
@@ -354,12 +354,7 @@ class HFSampler:
         """
         n_rows, prompt_len = prompt_ids.shape[0] * group_size, prompt_ids.shape[1]
         device = prompt_ids.device
-        out_ids = torch.full((n_rows, p.max_new_tokens), self.pad_id, dtype=torch.long, device=device)
-        out_logprobs = torch.zeros((n_rows, p.max_new_tokens), dtype=torch.float32, device=device)
-        lengths = torch.full((n_rows,), p.max_new_tokens, dtype=torch.long, device=device)
-        truncated = torch.ones(n_rows, dtype=torch.bool, device=device)
-        versions = torch.full((n_rows, p.max_new_tokens), NO_VERSION, dtype=torch.long, device=device)
-        eos_ids = torch.tensor(self.eos_ids, dtype=torch.long, device=device)
+        out_ids, out_logprobs, lengths, truncated, versions, eos_ids = self._outputs(n_rows, p.max_new_tokens, device)
 
         position_ids = (prompt_mask.cumsum(1) - 1).masked_fill(prompt_mask == 0, 1)
         extra = {"logits_to_keep": 1} if self._forward_takes_logits_to_keep else {}
@@ -420,6 +415,16 @@ class HFSampler:
                 self._routing.decode_step(rows, t)
         return out_ids, out_logprobs, lengths, truncated, versions
 
+    def _outputs(self, n_rows: int, max_new: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """A decode loop's buffers: ids [N, max_new] (pad), log-probs [N, max_new] (0), lengths [N] (max_new), a
+        per-row flag [N] (True: not finished yet), versions [N, max_new] (NO_VERSION), and the EOS ids."""
+        return (torch.full((n_rows, max_new), self.pad_id, dtype=torch.long, device=device),
+                torch.zeros((n_rows, max_new), dtype=torch.float32, device=device),
+                torch.full((n_rows,), max_new, dtype=torch.long, device=device),
+                torch.ones(n_rows, dtype=torch.bool, device=device),
+                torch.full((n_rows, max_new), NO_VERSION, dtype=torch.long, device=device),
+                torch.tensor(self.eos_ids, dtype=torch.long, device=device))
+
     def _decode_static(
         self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int, uniforms: torch.Tensor,
         p: SamplingParams,
@@ -433,12 +438,7 @@ class HFSampler:
         prompt_mask = prompt_mask.repeat_interleave(group_size, 0)
         n_rows, prompt_len = prompt_ids.shape
         device = prompt_ids.device
-        out_ids = torch.full((n_rows, p.max_new_tokens), self.pad_id, dtype=torch.long, device=device)
-        out_logprobs = torch.zeros((n_rows, p.max_new_tokens), dtype=torch.float32, device=device)
-        lengths = torch.full((n_rows,), p.max_new_tokens, dtype=torch.long, device=device)
-        alive = torch.ones(n_rows, dtype=torch.bool, device=device)
-        versions = torch.full((n_rows, p.max_new_tokens), NO_VERSION, dtype=torch.long, device=device)
-        eos_ids = torch.tensor(self.eos_ids, dtype=torch.long, device=device)
+        out_ids, out_logprobs, lengths, alive, versions, eos_ids = self._outputs(n_rows, p.max_new_tokens, device)
         rows = torch.arange(n_rows, device=device)
 
         cache_len = -(-(prompt_len + p.max_new_tokens) // STATIC_CACHE_BUCKET) * STATIC_CACHE_BUCKET

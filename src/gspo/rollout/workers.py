@@ -133,7 +133,7 @@ def _worker_main(worker: int, model_config, tokenizer, cfg, train_rows: list[dic
 
     from gspo.rewards import RewardRunner
     from gspo.rollout import HFSampler, sampling_params
-    from gspo.schedule import derive_seed, prompt_indices
+    from gspo.schedule import step_prompts
 
     try:
         torch.set_num_threads(cfg.rollout.worker_threads)
@@ -156,18 +156,15 @@ def _worker_main(worker: int, model_config, tokenizer, cfg, train_rows: list[dic
                 time.sleep(0.002)
             shared.pull(engine)
             t0 = time.perf_counter()
-            rows = [train_rows[j] for j in prompt_indices(i, ro.prompts_per_step, len(train_rows), cfg.trainer.seed)]
-            seeds = [derive_seed(cfg.trainer.seed, "rollout", i, j) for j in range(len(rows))]
+            rows, seeds = step_prompts(i, train_rows, ro.prompts_per_step, cfg.trainer.seed)  # as sync step i
             before = rewards.state_dict()
             traj = engine.generate([r["prompt"] for r in rows], ro.group_size, seeds).to("cpu")
-            row_of = [rows[int(k)] for k in traj.prompt_index]
-            scored = rewards.score([r["prompt"] for r in row_of], traj.completions, row_of)
-            solved = scored.correct(cfg.rewards.accuracy_reward, cfg.rewards.accuracy_threshold)
+            total, stats = rewards.score_rollouts(rows, traj.prompt_index, traj.completions,
+                                                  cfg.rewards.accuracy_reward, cfg.rewards.accuracy_threshold)
             after = rewards.state_dict()
             failures = {kind: {name: n - before[kind][name] for name, n in counts.items()}
                         for kind, counts in after.items()}
-            batch = WorkerBatch(i, traj, scored.total.cpu(), {**scored.stats, "solved": float(solved.sum())},
-                                time.perf_counter() - t0, failures)
+            batch = WorkerBatch(i, traj, total.cpu(), stats, time.perf_counter() - t0, failures)
             # plain pickle bytes: tensors sent through torch's shared-memory reductions live in the sender's file
             # descriptors, which a worker killed right after sending takes with it
             channel.send_bytes(pickle.dumps(batch))  # killed before it returns: the batch is lost
