@@ -135,25 +135,65 @@ def _eval_setup(args: argparse.Namespace):
     return rows, runner, accuracy, args.accuracy_threshold, args.max_new_tokens or 16, source
 
 
+def _eval_sampling(args: argparse.Namespace) -> tuple[int, float | None, float | None, list[int]]:
+    """(samples per row, temperature, top-p, ks) for `gspo eval`, validated before anything is loaded: --samples
+    N >= 1; with N > 1 --temperature > 0 (default 1) and --top-p in (0, 1] (default 1); with N = 1 (greedy decoding)
+    neither may ask for sampling; --k a comma-separated list of ints in [1, N] (default 1, 2, 4, ... up to N, and N)."""
+    n = args.samples
+    if n < 1:
+        raise ConfigError(f"--samples must be >= 1 (completions per row), got {n}")
+    temperature, top_p = args.temperature, args.top_p
+    if n == 1:
+        if temperature not in (None, 0.0) or top_p not in (None, 1.0):
+            raise ConfigError("--samples 1 decodes greedily: --temperature and --top-p apply to sampled evaluation, "
+                              "pass --samples N (N > 1) with them")
+        temperature = top_p = None
+    else:
+        temperature = 1.0 if temperature is None else temperature
+        top_p = 1.0 if top_p is None else top_p
+        if not 0 < temperature < float("inf"):
+            raise ConfigError(f"--temperature must be > 0 with --samples {n} > 1, got {temperature:g}")
+        if not 0 < top_p <= 1:
+            raise ConfigError(f"--top-p must be in (0, 1], got {top_p:g}")
+    if args.k is None:
+        ks = sorted({*(2 ** i for i in range(n.bit_length()) if 2 ** i <= n), n})
+    else:
+        try:
+            ks = [int(k) for k in args.k.split(",")]
+        except ValueError:
+            raise ConfigError(f"--k must be comma-separated integers such as 1,4,8, got {args.k!r}") from None
+        if not all(1 <= k <= n for k in ks):
+            raise ConfigError(f"--k: every k must be in [1, --samples={n}], got {args.k}")
+    return n, temperature, top_p, ks
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     from gspo.evaluation import evaluate
     from gspo.models import load_model
     from gspo.parallel import resolve_device
 
+    n, temperature, top_p, ks = _eval_sampling(args)
     rows, rewards, accuracy_reward, threshold, new_tokens, source = _eval_setup(args)
     rewards.check_rows(rows)
     model, tokenizer = load_model(args.model)
     model = model.to(resolve_device(args.device))
+    sampling = {} if n == 1 else {"samples_per_prompt": n, "temperature": temperature, "top_p": top_p, "ks": ks,
+                                  "seed": args.seed}
     result = evaluate(model, tokenizer, rows, rewards, new_tokens, accuracy_reward=accuracy_reward,
-                      accuracy_threshold=threshold)
-    failed_rows = round(result["reward_failure_rate"] * len(rows))
-    print(json.dumps({"model": args.model, "rows": len(rows), "source": source, **result,
-                      "solved": round(result["accuracy"] * len(rows)),
+                      accuracy_threshold=threshold, **sampling)
+    # one [low, high] pair per k (in the place of its two scalars) instead of pass@k_ci95_low / _high
+    result = {key.removesuffix("_low"): [value, result[key.replace("_low", "_high")]] if key.endswith("_ci95_low")
+              else value for key, value in result.items() if not key.endswith("_ci95_high")}
+    completions = len(rows) * n
+    failed = round(result["reward_failure_rate"] * completions)
+    counts = ({"solved": round(result["accuracy"] * len(rows)), "rows_with_reward_failures": failed} if n == 1 else
+              {"solved_samples": round(result["accuracy"] * completions), "samples_with_reward_failures": failed})
+    print(json.dumps({"model": args.model, "rows": len(rows), "source": source, "samples_per_prompt": n,
+                      "temperature": temperature, "top_p": top_p, **result, **counts,
                       "accuracy_means": f"{accuracy_reward} >= {threshold:g}",
-                      "rows_with_reward_failures": failed_rows, "reward_failures": dict(rewards.failures),
-                      "reward_timeouts": dict(rewards.timeouts)}))
-    if failed_rows == len(rows):
-        print(f"gspo eval: error: a reward function failed on every one of the {len(rows)} rows "
+                      "reward_failures": dict(rewards.failures), "reward_timeouts": dict(rewards.timeouts)}))
+    if failed == completions:
+        print(f"gspo eval: error: a reward function failed on every one of the {completions} completions "
               f"(failures by function: {dict(rewards.failures)}); the accuracy above measures nothing. Check the "
               "reward (--reward) and the rows' fields (--fields)", file=sys.stderr)
         return 1
@@ -237,7 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     data_args(p, 20000)
     p.set_defaults(func=_cmd_sft)
 
-    p = sub.add_parser("eval", help="greedy accuracy of a model on held-out rows: a task, a dataset, or a config's")
+    p = sub.add_parser("eval", help="accuracy of a model on held-out rows (a task, a dataset, or a config's): greedy, "
+                                    "or pass@k / maj@k over --samples N sampled completions per row")
     p.add_argument("model", help="preset, local HF directory (e.g. RUN/final) or hub id")
     p.add_argument("--config", default=None,
                    help="a training config (e.g. RUN/config.yaml): its held-out rows, fields, rewards and accuracy")
@@ -248,6 +289,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--accuracy-threshold", type=float, default=1.0)
     p.add_argument("--timeout", type=float, default=30.0, help="seconds for a batch of reward calls")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 16, or the config's")
+    p.add_argument("--samples", type=int, default=1,
+                   help="completions sampled per row (default 1: greedy decoding); N > 1 adds pass@k and maj@k, "
+                        "reproducible per --seed")
+    p.add_argument("--temperature", type=float, default=None, help="with --samples N > 1: > 0 (default 1)")
+    p.add_argument("--top-p", type=float, default=None, help="with --samples N > 1: nucleus in (0, 1] (default 1)")
+    p.add_argument("--k", default=None,
+                   help="with --samples N: the k of pass@k / maj@k, comma-separated, each <= N (default 1,2,4,...,N)")
     data_args(p, None)  # rows: 500, or with --config its data.eval_size
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides of --config")
     p.set_defaults(func=_cmd_eval)

@@ -1,8 +1,15 @@
 """Held-out evaluation: greedy decoding on held-out rows, scored by the run's rewards, with what accuracy means made
-explicit (`rewards.accuracy_reward` >= `rewards.accuracy_threshold`, see `gspo.config.resolve_accuracy_reward`)."""
+explicit (`rewards.accuracy_reward` >= `rewards.accuracy_threshold`, see `gspo.config.resolve_accuracy_reward`).
+
+With `samples_per_prompt=n > 1`, n completions per row are sampled instead, and `evaluate` also reports pass@k
+(`pass_at_k`, the unbiased estimator of Chen et al. 2021), its 95% interval across problems (`mean_ci95`) and maj@k
+(`maj_at_k`, majority vote over `vote_answer` keys)."""
 
 from __future__ import annotations
 
+import math
+from collections import Counter
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -11,46 +18,162 @@ from gspo.config import resolve_accuracy_reward
 from gspo.rewards import RewardRunner
 from gspo.rollout import HFSampler, SamplingParams
 
-__all__ = ["evaluate", "format_samples"]
+__all__ = ["evaluate", "format_samples", "maj_at_k", "mean_ci95", "pass_at_k", "vote_answer"]
+
+_Z95 = 1.959963984540054  # the standard normal's 97.5% quantile: a two-sided 95% interval is mean ± _Z95 · s.e.
+_SEED_MIX = 2_654_435_761  # a sampled row's prompt seed is seed · _SEED_MIX + its position. Not seed << 32: torch's
+# CPU generator keeps only a seed's low 32 bits, so seeds that differ by a multiple of 2**32 draw the same numbers
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased estimate of pass@k for one problem from `n` samples of which `c` are correct: Chen et al. 2021,
+    "Evaluating Large Language Models Trained on Code" (arXiv 2107.03374), Eq. 1, pass@k = 1 − C(n−c, k) / C(n, k),
+    the probability that k samples drawn without replacement from the n include a correct one. (The benchmark's
+    pass@k is the mean of this over problems.)
+
+    Computed in the paper's numerically stable product form (its Figure 3), C(n−c, k) / C(n, k) =
+    ∏_{i=n−c+1}^{n} (1 − k/i), which never forms the huge binomials; 1.0 when n − c < k (every k-subset holds a
+    correct sample). Raises ValueError unless 0 ≤ c ≤ n and 1 ≤ k ≤ n."""
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def vote_answer(completion: str) -> str | None:
+    """The answer a completion votes for in maj@k, by default: its text stripped, with every run of whitespace made one
+    space; None (no vote) for an empty completion. No task-specific parsing: completions that a verifier would accept
+    as the same answer in different words ("579" and "579 ok" for addition) vote separately; pass `answer_of` to
+    `evaluate` (or the keys to `maj_at_k`) to vote on an extracted answer instead."""
+    text = " ".join(completion.split())
+    return text or None
+
+
+def maj_at_k(answers: Sequence[Hashable | None], correct: Sequence[bool], k: int) -> float:
+    """maj@k of one problem (majority voting, as in Wang et al. 2022, "Self-Consistency", arXiv 2203.11171): 1.0 if
+    the most frequent answer among the first `k` samples is a correct one, else 0.0.
+
+    `answers[j]` is sample j's answer key (None: it gave none, and does not vote), `correct[j]` whether the verifier
+    accepted it. An answer is correct if any of its samples was judged correct (a deterministic verifier judges equal
+    answers alike; "any" forgives a call that failed on one copy). Ties go to the answer that occurs first. No votes at
+    all: 0.0.
+
+    With more than k samples only the first k are used: the samples are i.i.d., so the first k are k draws like any
+    other and the result is an unbiased (if noisier than averaging over every k-subset) estimate of maj@k."""
+    if not 1 <= k <= len(answers) or len(correct) != len(answers):
+        raise ValueError(f"maj_at_k needs 1 <= k <= {len(answers)} answers and one verdict per answer, got k={k} and "
+                         f"{len(correct)} verdicts")
+    votes = Counter(a for a in answers[:k] if a is not None)  # Counter keeps first-occurrence order
+    if not votes:
+        return 0.0
+    top = max(votes.values())
+    winner = next(a for a, count in votes.items() if count == top)
+    return 1.0 if any(ok for a, ok in zip(answers[:k], correct[:k], strict=True) if a == winner) else 0.0
+
+
+def mean_ci95(values: Sequence[float]) -> tuple[float, float]:
+    """A 95% confidence interval for the mean of per-problem estimates (e.g. pass@k), by the normal approximation:
+    mean ± 1.96 · s / √P with s the sample standard deviation (ddof 1) of the P values, clipped to [0, 1] (the values
+    are probabilities). Deterministic; zero width when all problems agree; (0, 1) for fewer than 2 problems, whose
+    spread cannot be estimated. It covers the sampling of problems and of completions together (each problem's value
+    already averages its own samples)."""
+    if len(values) < 2:
+        return 0.0, 1.0
+    mean = sum(values) / len(values)
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+    half = _Z95 * std / math.sqrt(len(values))
+    return max(0.0, mean - half), min(1.0, mean + half)
 
 
 def evaluate(model, tokenizer, rows: list[dict], rewards: RewardRunner, max_new_tokens: int,
              batch_size: int = 256, sampler=None, accuracy_reward: str | None = None,
              accuracy_threshold: float = 1.0, samples: list[dict] | None = None,
-             n_samples: int = 0) -> dict[str, float]:
+             n_samples: int = 0, *, samples_per_prompt: int = 1, temperature: float = 1.0, top_p: float = 1.0,
+             ks: Sequence[int] = (1,), seed: int = 0,
+             answer_of: Callable[[str], Hashable | None] = vote_answer) -> dict[str, float]:
     """Greedy decoding on `rows`, scored by `rewards`. Returns row means: `accuracy` (the fraction solved: the
     unweighted value of `accuracy_reward` (default: the only function, or the only built-in verifier) is at least
     `accuracy_threshold`, so other rewards' weights do not change it), `reward_mean` (the weighted sum),
     `reward_failure_rate` (rows on which some reward function failed), `response_length`, `truncation_rate`. The
     first `n_samples` rows' prompts, completions, rewards and verdicts are appended to `samples`. `sampler`: the
     rollout engine to decode with (the run's own, with greedy settings for this call); default an HFSampler on
-    `model`."""
-    greedy = SamplingParams(top_k=1, max_new_tokens=max_new_tokens)
-    sampler = sampler or HFSampler(model, tokenizer, greedy)
+    `model`.
+
+    `samples_per_prompt=n > 1` samples n completions per row instead (at `temperature` and `top_p`; row i's are a
+    function of `seed` and i alone, so a call is reproducible whatever `batch_size`, which then counts completions:
+    `batch_size // n` rows per generate call). The five means are then over all n·rows completions (`accuracy`, the
+    mean per-sample accuracy, is the pass@1 estimate; `reward_failure_rate` the fraction of completions with a failed
+    reward call), `samples` gets each row's first completion, and for every k in `ks` (1 <= k <= n) it adds
+    `pass@{k}` (the mean over rows of `pass_at_k`), `pass@{k}_ci95_low` / `pass@{k}_ci95_high` (`mean_ci95` of the
+    rows' estimates) and `maj@{k}` (the mean of `maj_at_k` over the rows' first k samples, voting on
+    `answer_of(completion)`; default `vote_answer`). With n = 1 (the default) `ks`, `seed` and `answer_of` are unused
+    and the result is the greedy one above, unchanged. Raises ValueError for n < 1, an empty `ks` or a k outside
+    [1, n], and (n > 1) a temperature or top_p that `SamplingParams` refuses.
+
+    The interval keys are not row means: a caller that evaluates shards of the rows separately (several processes)
+    must not average them; recompute them with `mean_ci95` from every row's `pass_at_k` instead. Such a caller also
+    draws other completions than one call on all the rows would: i is a row's position in the `rows` given."""
+    n = samples_per_prompt
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"evaluate: samples_per_prompt must be an int >= 1, got {n!r}")
+    ks = list(ks)
+    if not ks or not all(isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= n for k in ks):
+        raise ValueError(f"evaluate: every k in ks must be an int in [1, samples_per_prompt={n}], got {ks}")
+    ks = sorted(set(ks))
+    if n == 1:
+        params = SamplingParams(top_k=1, max_new_tokens=max_new_tokens)  # greedy
+    else:
+        params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
+    sampler = sampler or HFSampler(model, tokenizer, params)
     accuracy_reward = resolve_accuracy_reward(rewards.names, accuracy_reward, key="evaluate(accuracy_reward=...)")
-    scores, correct, failed, lengths, truncated = [], [], [], [], []
-    for start in range(0, len(rows), batch_size):
-        chunk = rows[start:start + batch_size]
+    per_call = batch_size if n == 1 else max(1, batch_size // n)
+    scores, correct, failed, lengths, truncated, answers = [], [], [], [], [], []
+    for start in range(0, len(rows), per_call):
+        chunk = rows[start:start + per_call]
         prompts = [r["prompt"] for r in chunk]
-        batch = sampler.generate(prompts, 1, [0] * len(prompts), params=greedy)
-        scored = rewards.score(prompts, batch.completions, chunk)
+        seeds = [0] * len(prompts) if n == 1 else [seed * _SEED_MIX + start + i for i in range(len(chunk))]
+        batch = sampler.generate(prompts, n, seeds, params=params)
+        # completion j answers prompt j // n (prompt-major)
+        scored = rewards.score([p for p in prompts for _ in range(n)], batch.completions,
+                               [r for r in chunk for _ in range(n)])
         scores.append(scored.total)
         correct.append(scored.correct(accuracy_reward, accuracy_threshold))
         failed.append(scored.rows_failed())
         lengths.append(batch.completion_mask.sum(-1).float().cpu())
         truncated.append(batch.truncated.float().cpu())
+        if n > 1:
+            answers.extend(answer_of(c) for c in batch.completions)
         if samples is not None and len(samples) < n_samples:
             for i in range(min(n_samples - len(samples), len(chunk))):
-                samples.append({"prompt": prompts[i], "completion": batch.completions[i],
-                                "reward": float(scored.total[i]), "correct": bool(correct[-1][i]),
+                samples.append({"prompt": prompts[i], "completion": batch.completions[i * n],
+                                "reward": float(scored.total[i * n]), "correct": bool(correct[-1][i * n]),
                                 **({"answer": chunk[i]["answer"]} if "answer" in chunk[i] else {})})
-    return {
+    result = {
         "accuracy": float(torch.cat(correct).float().mean()),
         "reward_mean": float(torch.cat(scores).mean()),
         "reward_failure_rate": float(torch.cat(failed).float().mean()),
         "response_length": float(torch.cat(lengths).mean()),
         "truncation_rate": float(torch.cat(truncated).mean()),
     }
+    if n > 1:
+        result.update(_pass_and_majority(torch.cat(correct).view(-1, n).tolist(), answers, ks))
+    return result
+
+
+def _pass_and_majority(correct: list[list[bool]], answers: list[Hashable | None],
+                       ks: Sequence[int]) -> dict[str, float]:
+    """pass@k, its interval and maj@k for each k in `ks`, from each row's n verdicts and the n·rows answers."""
+    n = len(correct[0])
+    solved = [sum(row) for row in correct]
+    out: dict[str, float] = {}
+    for k in ks:
+        estimates = [pass_at_k(n, c, k) for c in solved]
+        out[f"pass@{k}"] = sum(estimates) / len(estimates)
+        out[f"pass@{k}_ci95_low"], out[f"pass@{k}_ci95_high"] = mean_ci95(estimates)
+        out[f"maj@{k}"] = sum(maj_at_k(answers[i * n:(i + 1) * n], row, k)
+                              for i, row in enumerate(correct)) / len(correct)
+    return out
 
 
 def format_samples(step: int, samples: list[dict]) -> str:

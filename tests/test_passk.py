@@ -1,0 +1,249 @@
+"""pass@k (Chen et al. 2021, Eq. 1), maj@k and their interval: the pure functions against hand computations, then
+`evaluate(samples_per_prompt=n)` on a tiny model and `gspo eval --samples N` (output keys and flag validation)."""
+
+from __future__ import annotations
+
+import json
+import math
+from fractions import Fraction
+
+import pytest
+
+from conftest import varied_reward
+from gspo.cli import main
+from gspo.evaluation import evaluate, maj_at_k, mean_ci95, pass_at_k, vote_answer
+from gspo.models import build_preset, save_model
+from gspo.rewards import REWARDS, RewardRunner
+
+# ------------------------------------------------------------------------------------------------ pass@k estimator
+
+
+@pytest.mark.parametrize(
+    ("n", "c", "k", "expected"),
+    [
+        (5, 2, 1, 0.4),  # c / n
+        (5, 2, 2, 0.7),  # 1 - C(3,2)/C(5,2) = 1 - 3/10
+        (5, 2, 3, 0.9),  # 1 - C(3,3)/C(5,3) = 1 - 1/10
+        (5, 0, 1, 0.0),
+        (5, 0, 5, 0.0),  # no correct sample: never solved, whatever k
+        (5, 4, 2, 1.0),  # n - c = 1 < k: every pair holds a correct sample
+        (5, 5, 1, 1.0),
+        (10, 3, 4, 1 - 35 / 210),  # 1 - C(7,4)/C(10,4)
+    ],
+)
+def test_pass_at_k_matches_hand_computation(n, c, k, expected):
+    assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+
+
+def test_pass_at_k_equals_the_binomial_form_and_stays_stable_for_large_n():
+    for n in range(1, 13):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                exact = 1 - Fraction(math.comb(n - c, k), math.comb(n, k))
+                assert pass_at_k(n, c, k) == pytest.approx(float(exact), abs=1e-12), (n, c, k)
+    # C(2000, 1000) overflows a float; the product form does not form it
+    exact = 1 - Fraction(math.comb(1000, 100), math.comb(2000, 100))
+    assert pass_at_k(2000, 1000, 100) == pytest.approx(float(exact), abs=1e-12)
+    assert pass_at_k(2000, 1, 100) == pytest.approx(100 / 2000, abs=1e-12)
+
+
+@pytest.mark.parametrize(("n", "c", "k"), [(5, 6, 1), (5, -1, 1), (5, 2, 0), (5, 2, 6)])
+def test_pass_at_k_rejects_impossible_counts(n, c, k):
+    with pytest.raises(ValueError, match="pass_at_k"):
+        pass_at_k(n, c, k)
+
+
+# --------------------------------------------------------------------------------------------------------- maj@k
+
+
+@pytest.mark.parametrize(
+    ("answers", "correct", "k", "expected"),
+    [
+        (["7", "7", "8"], [True, True, False], 3, 1.0),  # the majority is right
+        (["8", "8", "7"], [False, False, True], 3, 0.0),  # a right minority does not count
+        (["8", "7"], [False, True], 2, 0.0),  # a tie goes to the first answer to occur ...
+        (["7", "8"], [True, False], 2, 1.0),  # ... whichever it is
+        (["8", "7", "7", "8"], [False, True, True, False], 4, 0.0),  # 2-2 tie: "8" occurred first
+        ([None, None, "7"], [False, False, True], 3, 1.0),  # samples without an answer do not vote
+        ([None, None, None], [False, False, False], 3, 0.0),  # no votes at all
+        (["7", "8", "8"], [True, False, False], 1, 1.0),  # only the first k samples vote
+        (["7", "8", "8"], [True, False, False], 3, 0.0),
+        (["7", "7"], [False, True], 2, 1.0),  # an answer is right if any of its samples was judged right
+    ],
+)
+def test_maj_at_k_on_hand_made_votes(answers, correct, k, expected):
+    assert maj_at_k(answers, correct, k) == expected
+
+
+def test_maj_at_k_rejects_bad_k_and_mismatched_verdicts():
+    with pytest.raises(ValueError, match="maj_at_k"):
+        maj_at_k(["1", "2"], [True, False], 3)
+    with pytest.raises(ValueError, match="maj_at_k"):
+        maj_at_k(["1", "2"], [True], 1)
+
+
+def test_vote_answer_normalises_whitespace_and_abstains_on_empty_text():
+    assert vote_answer("  579 \n ok ") == vote_answer("579 ok") == "579 ok"
+    assert vote_answer("579") != vote_answer("5 79")
+    assert vote_answer("") is None and vote_answer(" \n\t") is None
+
+
+# ------------------------------------------------------------------------------------------------ the 95% interval
+
+
+def test_ci_is_the_normal_interval_around_the_mean():
+    values = [0.2, 0.5, 0.9, 0.4]
+    mean = sum(values) / 4
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / 3)
+    low, high = mean_ci95(values)
+    assert low < mean < high
+    assert (low, high) == pytest.approx((mean - 1.959964 * std / 2, mean + 1.959964 * std / 2), abs=1e-6)
+
+
+def test_ci_has_zero_width_when_all_problems_agree_and_stays_in_0_1():
+    low, high = mean_ci95([0.7] * 5)
+    assert low == high == pytest.approx(0.7)
+    assert mean_ci95([1.0, 1.0, 1.0, 0.0]) == (pytest.approx(0.26, abs=1e-2), 1.0)  # 0.75 ± 0.49, clipped at 1
+    assert mean_ci95([0.3]) == (0.0, 1.0)  # one problem: no spread to estimate
+
+
+# ------------------------------------------------------------------------------------------ evaluate(n > 1) on a model
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return build_preset("tiny-moe")
+
+
+ROWS = [{"prompt": f"{i}+{i}=", "answer": str(2 * i), "id": i} for i in range(8)]
+
+
+def make_recorder(seen: list[tuple[int, str, float]]):
+    def digits(prompt: str, completion: str, **row) -> float:
+        """The fraction of digits (varies between samples of a random model); records every call."""
+        value = varied_reward(prompt, completion)
+        seen.append((row["id"], completion, value))
+        return value
+
+    return digits
+
+
+def test_evaluate_with_samples_reports_pass_and_maj_at_k(tiny):
+    model, tokenizer = tiny
+    seen: list[tuple[int, str, float]] = []
+    rewards = RewardRunner([(make_recorder(seen), 1.0)], timeout_s=None)
+    result = evaluate(model, tokenizer, ROWS, rewards, 4, samples_per_prompt=4, ks=(4, 1, 2), accuracy_threshold=0.5)
+
+    assert len(seen) == 4 * len(ROWS) and {i for i, _, _ in seen} == set(range(len(ROWS)))
+    solved = [sum(v >= 0.5 for i, _, v in seen if i == row) for row in range(len(ROWS))]
+    per_sample = sum(solved) / (4 * len(ROWS))
+    assert 0 < per_sample < 1  # a property the checks below can fail on
+    assert result["accuracy"] == pytest.approx(per_sample) and result["pass@1"] == pytest.approx(per_sample)
+    assert result["pass@2"] == pytest.approx(sum(pass_at_k(4, c, 2) for c in solved) / len(ROWS))
+    assert result["pass@4"] == pytest.approx(sum(c > 0 for c in solved) / len(ROWS))
+    assert result["pass@1"] <= result["pass@2"] <= result["pass@4"]
+    assert result["pass@1"] < result["pass@4"]  # some row was solved by some but not all of its samples
+    for k in (1, 2, 4):
+        assert result[f"pass@{k}_ci95_low"] <= result[f"pass@{k}_ci95_high"]
+        assert result[f"pass@{k}_ci95_low"] <= result[f"pass@{k}"] <= result[f"pass@{k}_ci95_high"]
+        assert 0 <= result[f"maj@{k}"] <= 1
+    assert result["reward_mean"] == pytest.approx(sum(v for _, _, v in seen) / len(seen), abs=1e-6)
+
+
+def test_evaluate_samples_are_reproducible_whatever_the_batch_size(tiny):
+    model, tokenizer = tiny
+    rewards = RewardRunner([(varied_reward, 1.0)], timeout_s=None)
+    run = lambda batch_size, seed=0: evaluate(model, tokenizer, ROWS, rewards, 4, batch_size=batch_size,  # noqa: E731
+                                              samples_per_prompt=4, ks=(1, 2, 4), accuracy_threshold=0.5, seed=seed)
+    first = run(256)
+    assert run(256) == first
+    assert run(4) == first  # one row per generate call: the same completions
+    assert run(256, seed=1) != first  # another seed draws other completions
+
+
+def test_evaluate_majority_votes_on_answer_of(tiny):
+    """One answer for every sample: maj@k is then whether that answer is right, i.e. the verdict shared by all."""
+    model, tokenizer = tiny
+    rows = [{"prompt": f"{i}+1=", "solved": i < 3} for i in range(8)]
+    rewards = RewardRunner([(lambda prompt, completion, **row: float(row["solved"]), 1.0)], timeout_s=None)
+    result = evaluate(model, tokenizer, rows, rewards, 2, samples_per_prompt=3, ks=(1, 3),
+                      answer_of=lambda completion: "same")
+    assert result["maj@1"] == result["maj@3"] == result["pass@3"] == 3 / 8
+    no_votes = evaluate(model, tokenizer, rows, rewards, 2, samples_per_prompt=3, ks=(3,),
+                        answer_of=lambda completion: None)
+    assert no_votes["maj@3"] == 0.0 and no_votes["pass@3"] == 3 / 8
+
+
+def test_default_evaluate_stays_greedy(tiny):
+    model, tokenizer = tiny
+    rewards = RewardRunner([(varied_reward, 1.0)], timeout_s=None)
+    greedy = evaluate(model, tokenizer, ROWS, rewards, 4, accuracy_threshold=0.5)
+    assert sorted(greedy) == ["accuracy", "response_length", "reward_failure_rate", "reward_mean", "truncation_rate"]
+    assert evaluate(model, tokenizer, ROWS, rewards, 4, accuracy_threshold=0.5, samples_per_prompt=1,
+                    temperature=0.5, seed=3) == greedy
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"samples_per_prompt": 0}, "samples_per_prompt"), ({"samples_per_prompt": 4, "ks": (5,)}, "ks"),
+     ({"samples_per_prompt": 4, "ks": ()}, "ks"), ({"samples_per_prompt": 4, "ks": (0, 1)}, "ks"),
+     ({"samples_per_prompt": 2, "temperature": 0.0}, "temperature"), ({"samples_per_prompt": 2, "top_p": 0}, "top_p")],
+)
+def test_evaluate_rejects_bad_sampling_arguments(tiny, kwargs, match):
+    model, tokenizer = tiny
+    with pytest.raises(ValueError, match=match):
+        evaluate(model, tokenizer, ROWS, RewardRunner([(varied_reward, 1.0)]), 4, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------------ gspo eval
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("passk") / "model"
+    save_model(*build_preset("tiny-moe"), out)
+    return out
+
+
+def eval_json(capsys) -> dict:
+    out = capsys.readouterr().out
+    return json.loads(out[out.rindex("\n{") + 1:] if "\n{" in out else out[out.index("{"):])
+
+
+def test_gspo_eval_with_samples_prints_pass_and_maj_at_k(model_dir, capsys, monkeypatch):
+    monkeypatch.setitem(REWARDS, "varied", varied_reward)
+    assert main(["eval", str(model_dir), "--size", "8", "--max-new-tokens", "4", "--reward", "varied",
+                 "--accuracy-threshold", "0.5", "--samples", "4", "--k", "1,2,4"]) == 0
+    result = eval_json(capsys)
+    assert result["samples_per_prompt"] == 4 and result["temperature"] == 1.0 and result["top_p"] == 1.0
+    for k in (1, 2, 4):
+        low, high = result[f"pass@{k}_ci95"]
+        assert low <= result[f"pass@{k}"] <= high
+        assert 0 <= result[f"maj@{k}"] <= 1
+        assert f"pass@{k}_ci95_low" not in result
+    assert result["pass@1"] <= result["pass@2"] <= result["pass@4"]
+    assert result["pass@1"] == pytest.approx(result["accuracy"])
+    assert result["solved_samples"] == round(result["accuracy"] * 32)
+
+
+def test_gspo_eval_default_is_greedy_without_pass_keys(model_dir, capsys):
+    assert main(["eval", str(model_dir), "--size", "4", "--max-new-tokens", "4"]) == 0
+    result = eval_json(capsys)
+    assert result["samples_per_prompt"] == 1 and result["temperature"] is None
+    assert not [key for key in result if key.startswith(("pass@", "maj@"))]
+    assert "solved" in result and "rows_with_reward_failures" in result
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [(["--samples", "4", "--k", "1,8"], "--k"), (["--samples", "4", "--k", "0"], "--k"),
+     (["--samples", "4", "--k", "two"], "--k"), (["--k", "2"], "--k"), (["--samples", "0"], "--samples"),
+     (["--samples", "4", "--temperature", "0"], "--temperature"),
+     (["--samples", "4", "--temperature", "-1"], "--temperature"), (["--samples", "4", "--top-p", "1.5"], "--top-p"),
+     (["--temperature", "0.7"], "--temperature")],
+)
+def test_gspo_eval_validates_sampling_flags_before_loading_anything(tmp_path, capsys, flags, named):
+    missing = tmp_path / "no_model"  # a model that does not exist: the flag's error must come first
+    assert main(["eval", str(missing), "--size", "2", *flags]) == 2
+    err = capsys.readouterr().err
+    assert named in err and str(missing) not in err
