@@ -4,12 +4,15 @@
     python scripts/prepare_gsm8k.py --source DIR --out data/gsm8k   # from a DatasetDict saved with save_to_disk
 
 Why a preparation step: `openai/gsm8k` has two configs (`main`, `socratic`), which `datasets.load_dataset` cannot
-choose without a name; its `answer` column is a worked solution ending in `#### 72`, while the `math` reward wants
-the final answer alone; and gspo samples from raw prompt text, so the chat template is applied here, once.
-Columns written: `question` (original), `chat_prompt` (the Qwen3 chat prompt, thinking off), `final_answer`
-(the number after ####, thousands separators removed) and `rationale` (the worked solution, calculator annotations
-<<...>> removed; usable as `solution` for cold-start SFT). The recipes map them with
-`data.fields: {prompt: chat_prompt, answer: final_answer}`.
+choose without a name; and its `answer` column is a worked solution ending in `#### 72`, while the `math` reward
+wants the final answer alone. Columns written: `question` (original), `chat_prompt` (the conversation to prompt
+with: one user message, the question and the instruction to box the answer), `final_answer` (the number after ####,
+thousands separators removed) and `rationale` (the worked solution, calculator annotations <<...>> removed; usable as
+`solution` for cold-start SFT). The recipes map them with `data.fields: {prompt: chat_prompt, answer: final_answer}`.
+
+The chat template is not applied here: training renders the messages with the model's own template
+(`gspo.data.render_prompts`, `data.chat`), so the data fits any chat model. For Qwen3 with thinking off, as the
+recipes prompt it, set `data.chat_template_kwargs: {enable_thinking: false}`.
 """
 
 from __future__ import annotations
@@ -19,16 +22,14 @@ import re
 from typing import Any
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
-# Qwen3's chat template for one user turn with thinking disabled (what `apply_chat_template(...,
-# add_generation_prompt=True, enable_thinking=False)` renders).
-QWEN3_TEMPLATE = "<|im_start|>user\n{question}\n{instruction}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 
 _FINAL = re.compile(r"####\s*(.+?)\s*$", re.DOTALL)
 _CALCULATOR = re.compile(r"<<[^>]*>>")
 
 
-def gsm8k_row(example: dict[str, Any]) -> dict[str, str]:
-    """One GSM8K example (`question`, `answer` = solution + '#### N') as the recipe's columns."""
+def gsm8k_row(example: dict[str, Any]) -> dict[str, Any]:
+    """One GSM8K example (`question`, `answer` = solution + '#### N') as the recipe's columns; `chat_prompt` is a
+    list of messages, rendered at training time with the model's chat template."""
     match = _FINAL.search(example["answer"])
     if match is None:
         raise ValueError(f"GSM8K answer without a '#### N' final answer: {example['answer'][-80:]!r}")
@@ -37,7 +38,7 @@ def gsm8k_row(example: dict[str, Any]) -> dict[str, str]:
     question = example["question"].strip()
     return {
         "question": question,
-        "chat_prompt": QWEN3_TEMPLATE.format(question=question, instruction=INSTRUCTION),
+        "chat_prompt": [{"role": "user", "content": f"{question}\n{INSTRUCTION}"}],
         "final_answer": final,
         "rationale": f"{rationale}\nThe final answer is \\boxed{{{final}}}.",
     }

@@ -91,11 +91,13 @@ def test_gsm8k_rows_have_the_final_answer_and_a_chat_prompt():
     row = prepare_gsm8k().gsm8k_row(GSM8K)
     assert row["final_answer"] == "1072"
     assert "<<" not in row["rationale"] and "####" not in row["rationale"]
-    assert row["chat_prompt"].startswith("<|im_start|>user\nNatalia sold clips")
-    assert row["chat_prompt"].endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
-    assert math_reward(row["chat_prompt"], "... so the total is \\boxed{1072}.", answer=row["final_answer"]) == 1.0
-    assert math_reward(row["chat_prompt"], "\\boxed{1071}", answer=row["final_answer"]) == 0.0
-    assert math_reward(row["chat_prompt"], row["rationale"], answer=row["final_answer"]) == 1.0
+    # the prompt is a conversation, rendered at training time with the model's own chat template (gspo.data.chat)
+    [message] = row["chat_prompt"]
+    assert message["role"] == "user" and message["content"].startswith("Natalia sold clips")
+    question = message["content"]
+    assert math_reward(question, "... so the total is \\boxed{1072}.", answer=row["final_answer"]) == 1.0
+    assert math_reward(question, "\\boxed{1071}", answer=row["final_answer"]) == 0.0
+    assert math_reward(question, row["rationale"], answer=row["final_answer"]) == 1.0
     with pytest.raises(ValueError, match="####"):
         prepare_gsm8k().gsm8k_row({"question": "q", "answer": "no final answer"})
 
@@ -108,7 +110,8 @@ def test_prepared_gsm8k_loads_with_the_recipe_field_mapping(tmp_path):
     assert prepare_gsm8k().prepare(source, str(tmp_path / "gsm8k")) == {"train": 3, "test": 2}
     fields = load_config(ROOT / "configs" / "qwen3-0.6b-gsm8k.yaml").data.fields
     rows = load_rows(str(tmp_path / "gsm8k"), split="test", fields=fields)
-    assert len(rows) == 2 and rows[0]["answer"] == "1072" and rows[0]["prompt"].startswith("<|im_start|>user")
+    assert len(rows) == 2 and rows[0]["answer"] == "1072"
+    assert rows[0]["prompt"][0]["role"] == "user" and rows[0]["prompt"][0]["content"].startswith("Natalia")
 
 
 # --------------------------------------------------------------------------------------- vLLM engines, pure parts

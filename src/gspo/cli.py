@@ -59,7 +59,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _cmd_sft(args: argparse.Namespace) -> int:
     from gspo.checkpoint import set_seed
-    from gspo.data import load_rows, make_task
+    from gspo.config import DataConfig
+    from gspo.data import DataSplits, load_rows, make_task, render_chat
     from gspo.models import load_model, save_model
     from gspo.parallel import resolve_device
     from gspo.sft import sft
@@ -73,6 +74,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     set_seed(args.seed)
     model, tokenizer = load_model(args.model, seed=args.seed)
     model = model.to(resolve_device(args.device))
+    rows = render_chat(DataSplits(train=rows, heldout=[]), DataConfig(), tokenizer).train  # message prompts
     t0 = time.perf_counter()
     losses = sft(model, tokenizer, rows, steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
     save_model(model, tokenizer, args.out)
@@ -93,10 +95,11 @@ def _fields(args: argparse.Namespace) -> dict[str, str] | None:
 
 
 def _eval_setup(args: argparse.Namespace):
-    """(rows, reward runner, accuracy reward, threshold, new tokens, where the rows came from) for `gspo eval`:
-    a training config's held-out rows and rewards (--config), or --task / --data with --reward."""
-    from gspo.config import resolve_accuracy_reward
-    from gspo.data import load_data, load_rows, make_task
+    """(rows, reward runner, accuracy reward, threshold, new tokens, data section) for `gspo eval`: a training config's
+    held-out rows (as `DataSplits`), rewards and data section (--config), or --task / --data rows with --reward and
+    the default data section (message prompts rendered with the model's chat template)."""
+    from gspo.config import DataConfig, resolve_accuracy_reward
+    from gspo.data import DataSplits, load_data, load_rows, make_task
     from gspo.rewards import RewardRunner
 
     if args.config is not None:
@@ -112,7 +115,8 @@ def _eval_setup(args: argparse.Namespace):
         r = cfg.rewards
         runner = RewardRunner(r.functions, on_error="zero", timeout_s=r.timeout_s, workers=r.workers)
         tokens = args.max_new_tokens or cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens
-        return data.heldout, runner, r.accuracy_reward, r.accuracy_threshold, tokens, data.heldout_source
+        heldout = DataSplits(train=[], heldout=data.heldout, heldout_source=data.heldout_source)
+        return heldout, runner, r.accuracy_reward, r.accuracy_threshold, tokens, cfg.data
     if args.overrides:
         raise ConfigError(f"key=value overrides ({' '.join(args.overrides)}) apply to --config only")
     if args.data is not None and args.task is not None:
@@ -129,10 +133,11 @@ def _eval_setup(args: argparse.Namespace):
         task = args.task or "addition"
         rows = make_task(task, split=args.split or "test", size=500 if args.size is None else args.size, seed=args.seed)
         source = {"kind": "task_split", "task": task, "split": args.split or "test"}
+    data = DataSplits(train=[], heldout=rows, heldout_source=source)
     names = args.reward or [args.task or "addition"]
     runner = RewardRunner({name: 1.0 for name in names}, on_error="zero", timeout_s=args.timeout)
     accuracy = resolve_accuracy_reward(names, args.accuracy_reward, key="--accuracy-reward")
-    return rows, runner, accuracy, args.accuracy_threshold, args.max_new_tokens or 16, source
+    return data, runner, accuracy, args.accuracy_threshold, args.max_new_tokens or 16, DataConfig()
 
 
 def _eval_sampling(args: argparse.Namespace) -> tuple[int, float | None, float | None, list[int]]:
@@ -168,14 +173,17 @@ def _eval_sampling(args: argparse.Namespace) -> tuple[int, float | None, float |
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
+    from gspo.data import render_chat
     from gspo.evaluation import evaluate
     from gspo.models import load_model
     from gspo.parallel import resolve_device
 
     n, temperature, top_p, ks = _eval_sampling(args)
-    rows, rewards, accuracy_reward, threshold, new_tokens, source = _eval_setup(args)
-    rewards.check_rows(rows)
+    data, rewards, accuracy_reward, threshold, new_tokens, data_cfg = _eval_setup(args)
+    rewards.check_rows(data.heldout)
     model, tokenizer = load_model(args.model)
+    data = render_chat(data, data_cfg, tokenizer)
+    rows, source = data.heldout, data.heldout_source
     model = model.to(resolve_device(args.device))
     sampling = {} if n == 1 else {"samples_per_prompt": n, "temperature": temperature, "top_p": top_p, "ks": ks,
                                   "seed": args.seed}
@@ -193,7 +201,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                       "accuracy_means": f"{accuracy_reward} >= {threshold:g}",
                       "reward_failures": dict(rewards.failures), "reward_timeouts": dict(rewards.timeouts)}))
     if failed == completions:
-        print(f"gspo eval: error: a reward function failed on every one of the {completions} completions "
+        print(f"gspo eval: error: a reward function failed on every one of the {completions} "
+              f"{'rows' if n == 1 else 'completions'} "
               f"(failures by function: {dict(rewards.failures)}); the accuracy above measures nothing. Check the "
               "reward (--reward) and the rows' fields (--fields)", file=sys.stderr)
         return 1

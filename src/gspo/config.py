@@ -36,12 +36,34 @@ class _Section(BaseModel):
         return value
 
 
+class LoraConfig(_Section):
+    """LoRA (through peft, `gspo.lora`): train low-rank adapters W + (alpha/r)·B·A on the frozen model instead of all
+    its weights. Checkpoints hold the adapter; rollout engines get the merged weights; OUT/final/ is a peft adapter
+    folder (plus OUT/final/merged/, a full model, with `merged_final`)."""
+
+    r: int = Field(16, ge=1)  # the adapters' rank
+    alpha: float = Field(32.0, gt=0)  # scale alpha/r of the adapter's output
+    dropout: float = Field(0.0, ge=0, lt=1)  # dropout on the adapter's input (training forwards only)
+    # module names (peft: a name matches if it equals the module's name or ends it after a dot, e.g. q_proj), or
+    # "all-linear": every nn.Linear except the output head. MoE experts fused into 3-D weights are not nn.Linear.
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    merged_final: bool = False  # also write the merged full model to OUT/final/merged/ at the end
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_modules(cls, value: list[str] | str) -> list[str] | str:
+        if isinstance(value, list) and (not value or not all(name.strip() for name in value)):
+            raise ValueError(f"must be \"all-linear\" or a non-empty list of module names, got {value!r}")
+        return value
+
+
 class ModelConfig(_Section):
     """The policy: a preset (`tiny-moe`, `tiny-dense`), a local HF model directory, or a hub id."""
 
     name: str = "tiny-moe"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     trust_remote_code: bool = False
+    lora: LoraConfig | None = None  # train LoRA adapters instead of the full model (see LoraConfig)
 
 
 class ColdStartConfig(_Section):
@@ -79,6 +101,22 @@ class DataConfig(_Section):
     # Prompts longer than this many tokens are skipped at load time (counted, logged, in summary.json). None: the
     # model's max_position_embeddings minus the tokens generated after the prompt (rollout or evaluation).
     max_prompt_tokens: int | None = Field(None, ge=1)
+    # Chat templates (gspo.data.chat.render_prompts): "auto" renders message-list prompts, "always" string ones too.
+    chat: Literal["auto", "always", "never"] = "auto"
+    # A system message put first in every rendered conversation that has none (None: no system message added).
+    system_prompt: str | None = Field(None, min_length=1)
+    # A Jinja chat template file that replaces the tokenizer's own (None: the tokenizer's template).
+    chat_template: str | None = None
+    # Extra variables for the chat template, e.g. {enable_thinking: false} for Qwen3.
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_file(cls, value: str | None) -> str | None:
+        if value is not None and not Path(value).expanduser().is_file():
+            raise ValueError(f"data.chat_template {value!r} is not a file: it must be the path of a Jinja chat "
+                             "template (or null for the tokenizer's own)")
+        return value
 
     @model_validator(mode="after")
     def _one_source(self) -> DataConfig:
@@ -115,6 +153,10 @@ class RewardConfig(_Section):
     # weights of the other rewards (format, length, ...) never change what accuracy means.
     accuracy_reward: str | None = None
     accuracy_threshold: float = Field(1.0, allow_inf_nan=False)
+    # DAPO's soft overlong punishment (Eq. 13): a completion longer than max_new_tokens − overlong_buffer tokens gets
+    # −overlong_penalty · (excess / overlong_buffer) added to its reward, −overlong_penalty at the budget.
+    overlong_buffer: int | None = Field(None, ge=1)
+    overlong_penalty: float = Field(1.0, gt=0, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _nonempty(self) -> RewardConfig:
@@ -188,6 +230,13 @@ class RolloutConfig(_Section):
     workers: int = Field(1, ge=1)
     worker_threads: int = Field(1, ge=1)
     partial: bool = True
+    # DAPO's dynamic sampling: groups whose G rewards are all equal carry no signal (advantage 0); sample more prompts,
+    # at most `dynamic_max_rounds` rounds per step, and train on P groups with varied rewards (gspo.trainer.collect).
+    dynamic_sampling: bool = False
+    dynamic_max_rounds: int = Field(4, ge=2)
+    # Leave completions cut at max_new_tokens out of the loss (TRL's mask_truncated_completions, DAPO's overlong
+    # filtering): their reward judges an unfinished answer. They still count in their group's advantages.
+    overlong_filter: bool = False
 
     @model_validator(mode="after")
     def _decode_is_for_the_built_in_engine(self) -> RolloutConfig:
@@ -296,6 +345,32 @@ class LogConfig(_Section):
     samples: int = Field(4, ge=0)  # held-out completions with their rewards logged at each evaluation (samples.jsonl)
 
 
+class GuardConfig(_Section):
+    """The collapse guard (gspo.guard): each step's reward, entropy, clip fraction, ratio extremes and finiteness
+    against the median ± robust spread of the last `window` healthy steps; `patience` anomalous steps in a row are a
+    collapse. action rollback: back to the last checkpoint before the collapse began, learning rate × `lr_factor`,
+    at most `max_rollbacks` times, then stop; stop: status "collapsed" in summary.json; warn: log it and go on."""
+
+    enabled: bool = True
+    action: Literal["rollback", "stop", "warn"] = "rollback"
+    window: int = Field(20, ge=3)
+    warmup: int = Field(10, ge=3)  # healthy steps in the window before the relative rules apply
+    patience: int = Field(3, ge=1)
+    z: float = Field(3.0, gt=0)
+    reward_drop: float = Field(0.5, gt=0, le=1)  # fraction of the best baseline reward the mean must lose
+    entropy_factor: float = Field(2.0, gt=1)  # entropy below M / f or above M · f
+    clip_jump: float = Field(0.25, gt=0, le=1)  # absolute rise of the clipped-token fraction
+    ratio_jump: float = Field(10.0, gt=1)  # factor on the baseline ratio_max (1 / factor on ratio_min)
+    lr_factor: float = Field(0.5, gt=0, lt=1)
+    max_rollbacks: int = Field(2, ge=0)
+
+    @model_validator(mode="after")
+    def _warmup_fits(self) -> GuardConfig:
+        if self.warmup > self.window:
+            raise ValueError(f"trainer.guard.warmup={self.warmup} cannot exceed trainer.guard.window={self.window}")
+        return self
+
+
 class TrainerConfig(_Section):
     steps: int = Field(100, ge=1)
     seed: int = Field(0, ge=0, lt=2**32)  # the range `set_seed` accepts: checked here, before any compute
@@ -323,6 +398,7 @@ class TrainerConfig(_Section):
     # Stop (TrainingError, summary.json with status "failed") after this many consecutive RL steps whose optimizer
     # updates were all skipped for a non-finite loss or gradient norm. None: never stop.
     max_bad_steps: int | None = Field(5, ge=1)
+    guard: GuardConfig = Field(default_factory=GuardConfig)
 
 
 class Config(_Section):
@@ -382,6 +458,12 @@ def _check_scaling(cfg: Config) -> None:
             raise ValueError(f"rollout.vllm.max_model_len={ro.vllm.max_model_len} must hold the longest prompt plus "
                              f"{longest} new tokens: set data.max_prompt_tokens to at most "
                              f"{ro.vllm.max_model_len - longest} (longer prompts are then skipped at load time)")
+    if cfg.rewards.overlong_buffer is not None and cfg.rewards.overlong_buffer > ro.max_new_tokens:
+        raise ValueError(f"rewards.overlong_buffer={cfg.rewards.overlong_buffer} is longer than rollout.max_new_tokens="
+                         f"{ro.max_new_tokens}: the penalty starts max_new_tokens − overlong_buffer tokens in")
+    if ro.dynamic_sampling and ro.mode == "async":
+        raise ValueError("rollout.dynamic_sampling runs in the synchronous collect; with rollout.mode=async the "
+                         "workers' batches are trained as they come: use one of the two")
     if tr.mixed_precision is not None and cfg.model.dtype != "float32":
         raise ValueError(f"trainer.mixed_precision={tr.mixed_precision} computes in low precision over float32 "
                          f"weights: it needs model.dtype=float32, not {cfg.model.dtype}")

@@ -106,6 +106,11 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     character encodes to `<unk>`. There is no normaliser and the decoder concatenates tokens, so
     `decode(encode(s)) == s` for every string over `VOCAB_CHARS`, spaces included. No BOS/EOS is added when encoding
     (the rollout and SFT code append EOS themselves). Padding is on the left, as generation needs.
+
+    Its chat template writes each message as `role: content; ` and the generation prompt as `assistant:` (e.g.
+    "system: be brief; user: 2+3=; assistant:"), characters the vocabulary has (no uppercase, no newline), so
+    conversation data can be exercised on the presets offline. Setting it changes nothing about how a string is
+    tokenized.
     """
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     for ch in VOCAB_CHARS:
@@ -122,6 +127,11 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         padding_side="left",
         clean_up_tokenization_spaces=False,  # the default clean-up would delete the space in "a ." on decode
         model_max_length=256,
+    )
+    # saved with the tokenizer (save_pretrained) and loaded back with it
+    tokenizer.chat_template = (
+        "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}; {% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
     )
     return tokenizer
 

@@ -1,10 +1,13 @@
 """Prompt data: procedural tasks with verifiable answers (`make_task`) and rows loaded from files or the hub
-(`load_rows`). Rows are plain dicts with at least a non-empty string `prompt`."""
+(`load_rows`). Rows are plain dicts with at least a `prompt`: a non-empty string, or a list of chat messages that
+`render_prompts` turns into a string with the model's chat template once the tokenizer is loaded."""
 
+from gspo.data.chat import render_chat, render_prompts
 from gspo.data.files import load_rows
 from gspo.data.heldout import DataSplits, load_data, split_by_fraction
 from gspo.data.tasks import SPLITS, TASKS, Task, make_task, split_of
 
 __all__ = [
-    "SPLITS", "TASKS", "DataSplits", "Task", "load_data", "load_rows", "make_task", "split_by_fraction", "split_of",
+    "SPLITS", "TASKS", "DataSplits", "Task", "load_data", "load_rows", "make_task", "render_chat", "render_prompts",
+    "split_by_fraction", "split_of",
 ]

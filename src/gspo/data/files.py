@@ -1,6 +1,8 @@
 """Load prompt rows from files, saved datasets or the Hugging Face Hub, with early and specific validation.
 
-Whatever the source, the result is a list of plain dicts that each carry a non-empty string `prompt`; the fields that
+Whatever the source, the result is a list of plain dicts that each carry a `prompt`: a non-empty string, or a
+conversation, a list of messages `{"role": ..., "content": ...}` (also read from a `messages` field when there is no
+`prompt`) that `gspo.data.chat.render_prompts` later renders with the model's chat template. The fields that
 rewards and cold start read, when present, are checked too (`answer`: a non-empty string, numbers converted;
 `solution`: a non-empty string; `tests`: a non-empty string or list of strings). A bad row is reported by its 0-based
 index (and line number for JSON Lines) and by the field that is wrong, so a broken dataset fails at load time rather
@@ -15,12 +17,14 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["load_rows"]
+__all__ = ["ROLES", "check_messages", "load_rows"]
 
 # Files `datasets.Dataset.save_to_disk` / `DatasetDict.save_to_disk` write at the top of their directory.
 _SAVED_DATASET_MARKERS = ("state.json", "dataset_info.json")
 _SAVED_DATASET_DICT_MARKER = "dataset_dict.json"
 _FILE_SUFFIXES = (".jsonl", ".parquet")
+# The roles of OpenAI-style chat messages; a prompt must not end with "assistant" (the answer is not part of it).
+ROLES = ("system", "user", "assistant", "tool")
 
 
 def _check_fields(fields: Mapping[str, str] | None) -> dict[str, str]:
@@ -53,18 +57,57 @@ def _normalize_row(raw: Any, index: int, line: int | None, fields: Mapping[str, 
         if raw[theirs] is None:
             raise ValueError(f"{source}: {where} field {theirs!r} (mapped to {ours!r}) is null")
         row[ours] = raw[theirs]
+    field = "prompt"
+    if "prompt" not in row and "messages" in row:
+        field, row["prompt"] = "messages", row.pop("messages")  # an OpenAI-style conversation is the prompt
     if "prompt" not in row:
         raise ValueError(
-            f"{source}: {where} has no field 'prompt' (map another column with fields={{'prompt': ...}}); "
-            f"its fields are {sorted(raw)}"
+            f"{source}: {where} has no field 'prompt' or 'messages' (map another column with "
+            f"fields={{'prompt': ...}}); its fields are {sorted(raw)}"
         )
     prompt = row["prompt"]
-    if not isinstance(prompt, str):
-        raise ValueError(f"{source}: {where} field 'prompt' must be a string, got {type(prompt).__name__} {prompt!r}")
-    if not prompt.strip():
+    if isinstance(prompt, list) or field == "messages":
+        row["prompt"] = check_messages(prompt, f"{source}: {where} field {field!r}")
+    elif not isinstance(prompt, str):
+        raise ValueError(f"{source}: {where} field 'prompt' must be a string or a list of messages, got "
+                         f"{type(prompt).__name__} {prompt!r}")
+    elif not prompt.strip():
         raise ValueError(f"{source}: {where} field 'prompt' is empty or whitespace")
     _check_known_fields(row, f"{source}: {where}")
     return row
+
+
+def check_messages(messages: Any, where: str) -> list[dict[str, Any]]:
+    """Check a conversation used as a prompt and return it as a list of plain dicts.
+
+    Each message is an object with a `role` from `ROLES` and a non-empty string `content`; the list is non-empty and
+    does not end with an assistant message (the expected answer belongs in `answer` / `solution`, not the prompt).
+    Keys other than role and content are kept, except null ones: parquet and `datasets` fill a key that only some
+    messages have (`name`, `tool_calls`) with null in the others, which would make the same conversation differ by
+    source. Raises ValueError starting with `where` (source, row, field) and naming the message and the problem.
+    """
+    if not isinstance(messages, list):
+        raise ValueError(f"{where} must be a list of messages (objects with 'role' and 'content'), got "
+                         f"{_shown(messages)}")
+    if not messages:
+        raise ValueError(f"{where} is an empty list of messages")
+    checked = []
+    for j, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ValueError(f"{where} message {j} is a {type(message).__name__}, expected an object with 'role' and "
+                             f"'content': {_shown(message)}")
+        role = message.get("role")
+        if role not in ROLES:
+            raise ValueError(f"{where} message {j} has role {role!r}; the allowed roles are {', '.join(ROLES)}")
+        content = message.get("content")
+        if not (isinstance(content, str) and content.strip()):
+            raise ValueError(f"{where} message {j} ({role}) needs a non-empty string 'content', got "
+                             f"{'nothing' if 'content' not in message else _shown(content)}")
+        checked.append({key: value for key, value in message.items() if value is not None})
+    if checked[-1]["role"] == "assistant":
+        raise ValueError(f"{where} ends with an assistant message: a prompt must end with a user, system or tool "
+                         "message (the expected answer belongs in 'answer' / 'solution')")
+    return checked
 
 
 def _check_known_fields(row: dict[str, Any], where: str) -> None:
@@ -198,7 +241,7 @@ def load_rows(
     limit: int | None = None,
     lone_split_ok: bool = False,
 ) -> list[dict]:
-    """Load rows from `source` and check that every row has a non-empty string `prompt`.
+    """Load rows from `source` and check that every row has a prompt: a non-empty string or a list of messages.
 
     `source` is a `.jsonl` file (one JSON object a line; blank lines skipped), a `.parquet` file, a directory written
     by `datasets` `save_to_disk`, or anything `datasets.load_dataset(source)` accepts (a hub id, a folder of data
@@ -209,10 +252,13 @@ def load_rows(
     `fields` maps our field names to the source's column names, e.g. `{"prompt": "question", "answer": "final"}`:
     the mapped columns are renamed, all other columns are kept as they are. Every field named in `fields`, and
     `prompt`, is required. `limit` keeps only the first `limit` rows (rows after them are not read or checked).
+    A `prompt` may be a string or a conversation (a list of messages, see `check_messages`); a row without `prompt`
+    but with `messages` has that list moved to `prompt`. Conversations are rendered later, with the model's chat
+    template (`gspo.data.chat.render_prompts`).
 
     Raises ValueError naming the source, the row (0-based index; line number for JSON Lines) and the field for a
-    missing field, a non-string or empty prompt, a wrong-typed or empty `answer` / `solution` / `tests`, or a
-    malformed JSON line; FileNotFoundError for a missing data file;
+    missing field, a non-string or empty prompt, a malformed message list, a wrong-typed or empty `answer` /
+    `solution` / `tests`, or a malformed JSON line; FileNotFoundError for a missing data file;
     ValueError if the source has no rows.
     """
     if not isinstance(source, str) or not source.strip():

@@ -41,6 +41,9 @@ class DataSplits:
 
 
 def _prompt_key(prompt: Any) -> str:
+    """The identity of a prompt for deduplication and hashing: a string prompt is itself (so the held-out split of a
+    string dataset never changes); a conversation (list of messages) is its canonical JSON, keys sorted, so the same
+    messages match whatever the key order of the source."""
     return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
 
 

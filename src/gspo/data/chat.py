@@ -1,0 +1,126 @@
+"""Render conversation prompts with the model's chat template, once, right after the tokenizer is loaded.
+
+Rows may carry `prompt` as a string (fed to the model as it is) or as a list of messages (see
+`gspo.data.files.check_messages`). Everything downstream (rollout, evaluation, cold start, length filtering) works on
+prompt strings, so `render_prompts` turns each conversation into the exact text a chat model expects:
+`tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)`. The messages stay on the row
+under `messages`, so a reward function can read the conversation it scores.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from gspo.data.files import check_messages
+
+__all__ = ["CHAT_MODES", "render_chat", "render_prompts"]
+
+log = logging.getLogger(__name__)
+
+CHAT_MODES = ("auto", "always", "never")
+# Arguments of `apply_chat_template` that `render_prompts` sets itself, so template_kwargs may not.
+_RESERVED_KWARGS = frozenset({"conversation", "tokenize", "add_generation_prompt", "chat_template"})
+
+
+def _read_template(chat_template: str | None, tokenizer: Any, where: str) -> str | None:
+    """The template to render with: the file `chat_template` when given (None: the tokenizer's own). Raises when
+    neither exists, since a conversation cannot become model text without one."""
+    if chat_template is not None:
+        path = Path(chat_template).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"{where}: data.chat_template {chat_template!r} is not a file (a Jinja template)")
+        return path.read_text(encoding="utf-8")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"{where}: the tokenizer has no chat template, so message prompts cannot be rendered; set "
+                         "data.chat_template to a Jinja template file, or give the rows string prompts")
+    return None
+
+
+def render_prompts(
+    rows: Sequence[Mapping[str, Any]],
+    tokenizer: Any,
+    *,
+    mode: Literal["auto", "always", "never"] = "auto",
+    system_prompt: str | None = None,
+    chat_template: str | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
+    where: str = "data",
+) -> list[dict]:
+    """New rows whose `prompt` is a string, rendering conversations with the chat template; `rows` are not mutated.
+
+    `mode`: "auto" renders the rows whose prompt is a list of messages and leaves string prompts as they are;
+    "always" also wraps a string prompt as one user message and renders it (how an embedded task is phrased to a
+    chat model); "never" leaves strings alone and refuses conversations. A rendered row keeps its messages (as they
+    were, without `system_prompt`) under `messages`. `system_prompt` is prepended as a system message to a
+    conversation that has none. `chat_template` is a Jinja file that replaces the tokenizer's template (None: the
+    tokenizer's). `template_kwargs` (e.g. `{"enable_thinking": False}`) are passed to the template. `where` names the
+    rows in errors (e.g. "data.path train rows").
+
+    Raises ValueError naming the row for a conversation under mode "never", a malformed message list, or a template
+    that fails or renders nothing; ValueError naming `data.chat_template` when there is no template to render with.
+    """
+    if mode not in CHAT_MODES:
+        raise ValueError(f"{where}: chat mode must be one of {list(CHAT_MODES)}, got {mode!r}")
+    if system_prompt is not None and not (isinstance(system_prompt, str) and system_prompt.strip()):
+        raise ValueError(f"{where}: data.system_prompt must be a non-empty string or null, got {system_prompt!r}")
+    kwargs = dict(template_kwargs or {})
+    if _RESERVED_KWARGS & set(kwargs):
+        raise ValueError(f"{where}: data.chat_template_kwargs may not set {sorted(_RESERVED_KWARGS & set(kwargs))}: "
+                         "render_prompts sets them itself")
+
+    is_chat = [isinstance(row["prompt"], list) or mode == "always" for row in rows]
+    if mode == "never" and any(is_chat):
+        index = is_chat.index(True)
+        raise ValueError(f"{where}: row {index} has a list of messages as its prompt, but data.chat is 'never'; set "
+                         "data.chat: auto to render conversations with the chat template")
+    template = _read_template(chat_template, tokenizer, where) if any(is_chat) else None
+    if system_prompt is not None and mode == "auto" and not all(is_chat):
+        log.warning("%s: data.system_prompt is only added to conversations; %d string prompts are used as they are "
+                    "(data.chat: always renders them as user messages too)", where, is_chat.count(False))
+
+    rendered = []
+    for index, (row, chat) in enumerate(zip(rows, is_chat, strict=True)):
+        new = dict(row)
+        if chat:
+            prompt = row["prompt"]
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            messages = check_messages(messages, f"{where}: row {index} prompt")  # copies: the row keeps its own
+            shown = messages
+            if system_prompt is not None and not any(m["role"] == "system" for m in messages):
+                shown = [{"role": "system", "content": system_prompt}, *messages]
+            new["prompt"] = _render(tokenizer, shown, template, kwargs, f"{where}: row {index}")
+            new["messages"] = messages
+        rendered.append(new)
+    return rendered
+
+
+def _render(tokenizer: Any, messages: list[dict], template: str | None, kwargs: dict[str, Any], where: str) -> str:
+    """One conversation as prompt text, ending with the template's generation prompt (the assistant turn opens)."""
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                             chat_template=template, **kwargs)
+    except Exception as exc:
+        raise ValueError(f"{where}: the chat template failed: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"{where}: the chat template rendered {text!r}, not a non-empty prompt string")
+    return text
+
+
+def render_chat(data: Any, data_cfg: Any, tokenizer: Any) -> Any:
+    """`data` (a `DataSplits`) with its training and held-out rows rendered by `render_prompts` as the config's data
+    section says (`data.chat`, `system_prompt`, `chat_template`, `chat_template_kwargs`). A render error (a row, a
+    template) is a ConfigError naming the key. Called once the tokenizer is loaded, before prompts are measured."""
+    from dataclasses import replace
+
+    from gspo.config import ConfigError
+
+    kwargs = dict(mode=data_cfg.chat, system_prompt=data_cfg.system_prompt, chat_template=data_cfg.chat_template,
+                  template_kwargs=data_cfg.chat_template_kwargs)
+    try:
+        return replace(data, train=render_prompts(data.train, tokenizer, where="training rows", **kwargs),
+                       heldout=render_prompts(data.heldout, tokenizer, where="held-out rows", **kwargs))
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(f"data: {e}") from None

@@ -1,0 +1,166 @@
+"""The collapse guard: each RL step's metrics against a rolling baseline of the run's own healthy steps.
+
+A GSPO run that collapses (the paper's §1: GRPO's collapse is often irreversible) shows it in a few metrics long
+before anyone reads the curves: the reward falls, the entropy collapses or explodes, the clip fraction or the
+importance ratios jump, or the numbers stop being finite. `CollapseGuard.observe` checks one step's metrics against
+the median and the robust spread (1.4826 · median absolute deviation) of the last `window` healthy steps:
+
+    reward_mean        below   R − max(z·σ, reward_drop·|R|), R = max(M, the best M of the run so far)
+    entropy            below   M − max(z·σ, (1 − 1/entropy_factor)·M)  or above  M + max(z·σ, (entropy_factor − 1)·M)
+    clip_frac_tokens   above   M + max(z·σ, clip_jump)
+    ratio_max          above   exp(log M + max(z·σ_log, log ratio_jump))   (ratio_min: below, mirrored; log space)
+    non-finite         loss, grad_norm, reward_mean or entropy not finite, or an update skipped for it
+
+Both a statistical (z·σ) and a practical (relative) margin must be exceeded, so neither noise in a short window nor
+a tiny but stable spread raises an alarm. The relative rules start once `warmup` healthy steps are in the window;
+the non-finite rule from the first step. A step that breaks a rule is not added to the baseline. `patience`
+consecutive anomalous steps are a collapse (which began at the first anomalous step not followed by `patience`
+healthy ones): the trainer then rolls back to the last checkpoint taken before the
+first of them, with the learning rate lowered by `lr_factor` (at most `max_rollbacks` times), or stops with status
+"collapsed" and the reason in summary.json. The guard's state is JSON and saved in every checkpoint (exact resume).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["CollapseGuard", "GuardSettings", "Verdict", "good_checkpoint"]
+
+WATCHED = ("reward_mean", "entropy", "clip_frac_tokens", "ratio_max", "ratio_min")
+FINITE = ("loss", "grad_norm", "reward_mean", "entropy")
+
+
+@dataclass(frozen=True)
+class GuardSettings:
+    """The guard's thresholds (`trainer.guard` in the config; see the module doc for the rules)."""
+
+    window: int = 20
+    warmup: int = 10
+    patience: int = 3
+    z: float = 3.0
+    reward_drop: float = 0.5
+    entropy_factor: float = 2.0
+    clip_jump: float = 0.25
+    ratio_jump: float = 10.0
+
+
+@dataclass
+class Verdict:
+    """What the guard made of one step: the rules it broke (rule → explanation) and whether that completes a
+    collapse (`patience` anomalous steps in a row, the first being `first_step`)."""
+
+    step: int
+    flags: dict[str, str] = field(default_factory=dict)
+    collapsed: bool = False
+    first_step: int | None = None
+
+    @property
+    def reason(self) -> str:
+        return "; ".join(f"{k}: {v}" for k, v in self.flags.items())
+
+
+def _robust(values: list[float]) -> tuple[float, float]:
+    """(median, 1.4826 · median absolute deviation): a centre and spread that one outlier cannot move."""
+    m = statistics.median(values)
+    return m, 1.4826 * statistics.median(abs(v - m) for v in values)
+
+
+class CollapseGuard:
+    """Watches a run's per-step metrics; `observe` each step in order (see the module doc)."""
+
+    def __init__(self, settings: GuardSettings) -> None:
+        self.s = settings
+        self.history: list[dict[str, float]] = []  # the last `window` healthy steps' watched values (and "step")
+        self.streak: list[int] = []  # consecutive anomalous steps, oldest first
+        self.since: int | None = None  # the first anomalous step not followed by `patience` healthy ones
+        self.healthy_run = 0  # healthy steps in a row
+        self.reward_peak: float | None = None  # the best baseline median of reward_mean so far (a slow slide counts)
+
+    def observe(self, step: int, metrics: dict[str, Any]) -> Verdict:
+        """Check step `step`'s metrics; healthy steps join the baseline."""
+        verdict = Verdict(step, self._flags(metrics))
+        if verdict.flags:
+            self.streak.append(step)
+            self.healthy_run = 0
+            self.since = step if self.since is None else self.since
+            if len(self.streak) >= self.s.patience:  # a rollback goes back before the first anomaly of the episode
+                verdict.collapsed, verdict.first_step = True, self.since
+        else:
+            self.streak = []
+            self.healthy_run += 1
+            if self.healthy_run >= self.s.patience:
+                self.since = None
+            kept = {k: float(metrics[k]) for k in WATCHED if _finite(metrics.get(k))}
+            self.history = [*self.history, {"step": step, **kept}][-self.s.window:]
+        return verdict
+
+    def _flags(self, metrics: dict[str, Any]) -> dict[str, str]:
+        s, flags = self.s, {}
+        bad = [k for k in FINITE if k in metrics and not _finite(metrics[k])]
+        if bad or (metrics.get("skipped_updates") or 0) > 0:
+            flags["non_finite"] = (f"{', '.join(bad)} not finite" if bad else f"{metrics['skipped_updates']:g} "
+                                   "update(s) skipped for a non-finite loss or gradient")
+        if len(self.history) < s.warmup:
+            return flags
+
+        def baseline(key: str, log: bool = False) -> tuple[float, float] | None:
+            values = [h[key] for h in self.history if key in h and (not log or h[key] > 0)]
+            if len(values) < s.warmup or not _finite(metrics.get(key)) or (log and metrics[key] <= 0):
+                return None
+            return _robust([math.log(v) for v in values] if log else values)
+
+        if (b := baseline("reward_mean")) is not None:
+            m, sd = b
+            self.reward_peak = m if self.reward_peak is None else max(self.reward_peak, m)
+            ref = self.reward_peak
+            limit = ref - max(s.z * sd, s.reward_drop * abs(ref))
+            if metrics["reward_mean"] < limit:
+                flags["reward"] = (f"reward_mean {metrics['reward_mean']:.4g} < {limit:.4g} (baseline median {m:.4g}, "
+                                   f"best {ref:.4g})")
+        if (b := baseline("entropy")) is not None:
+            m, sd = b
+            low = m - max(s.z * sd, (1 - 1 / s.entropy_factor) * m)
+            high = m + max(s.z * sd, (s.entropy_factor - 1) * m)
+            x = metrics["entropy"]
+            if not low <= x <= high:
+                flags["entropy"] = f"entropy {x:.4g} outside [{low:.4g}, {high:.4g}] (baseline median {m:.4g})"
+        if (b := baseline("clip_frac_tokens")) is not None:
+            m, sd = b
+            limit = m + max(s.z * sd, s.clip_jump)
+            if metrics["clip_frac_tokens"] > limit:
+                flags["clip_frac"] = (f"clip_frac_tokens {metrics['clip_frac_tokens']:.4g} > {limit:.4g} "
+                                      f"(baseline median {m:.4g})")
+        for key, sign in (("ratio_max", 1), ("ratio_min", -1)):
+            if (b := baseline(key, log=True)) is not None:
+                m, sd = b
+                limit = m + sign * max(s.z * sd, math.log(s.ratio_jump))
+                x = math.log(metrics[key])
+                if sign * (x - limit) > 0:
+                    flags[key] = (f"{key} {metrics[key]:.4g} {'>' if sign > 0 else '<'} {math.exp(limit):.4g} "
+                                  f"(baseline median {math.exp(m):.4g})")
+        return flags
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": [dict(h) for h in self.history], "streak": list(self.streak),
+                "reward_peak": self.reward_peak, "since": self.since, "healthy_run": self.healthy_run}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.history = [dict(h) for h in state.get("history", [])]
+        self.streak = list(state.get("streak", []))
+        self.reward_peak = state.get("reward_peak")
+        self.since = state.get("since")
+        self.healthy_run = state.get("healthy_run", 0)
+
+
+def good_checkpoint(steps: list[int], first_anomalous: int) -> int | None:
+    """The latest checkpoint step whose weights no anomalous step saw: the metrics of step d are measured on the
+    rollouts of the weights after d − 1 steps, so checkpoint c is clean when c + 1 < `first_anomalous`."""
+    clean = [c for c in steps if c + 1 < first_anomalous]
+    return max(clean) if clean else None
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
