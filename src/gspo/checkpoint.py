@@ -184,7 +184,8 @@ def _save_model(model: Any, model_dir: Path) -> None:
 
     transformers 5 by default renames some tensors on save (e.g. fused MoE experts back to per-expert tensors, the
     "original format"); that file would not load back with ``load_state_dict``, so we ask for the in-memory layout.
-    transformers 5 still reads such a folder with ``from_pretrained``.
+    transformers 5 still reads such a folder with ``from_pretrained``. A peft (LoRA) model's ``save_pretrained``
+    writes its adapter only (adapter_config.json, adapter_model.safetensors), read back by :func:`_load_adapter`.
     """
     kwargs: dict[str, Any] = {"safe_serialization": True}
     if "save_original_format" in inspect.signature(model.save_pretrained).parameters:
@@ -331,6 +332,16 @@ def find_latest_checkpoint(out_dir: str | os.PathLike) -> Path | None:
     return None
 
 
+def list_checkpoints(out_dir: str | os.PathLike) -> list[int]:
+    """The steps of the checkpoint folders of the run in `out_dir`, oldest first (not verified: `load_checkpoint`
+    verifies the one it loads)."""
+    root = Path(out_dir) / CHECKPOINTS_DIRNAME
+    if not root.is_dir():
+        return []
+    _restore_set_aside(root)
+    return sorted(_step_dirs(root))
+
+
 # ----------------------------------------------------------------------------------------------------------- loading
 
 
@@ -390,6 +401,9 @@ def _load_model_weights(model: torch.nn.Module, model_dir: Path) -> None:
     unexpected is an error: a checkpoint silently loading half its weights would be a wrong resume.
     """
     weights = _read_weights(model_dir)
+    if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
+        _load_adapter(model, model_dir, weights)
+        return
     try:
         result = model.load_state_dict(weights, strict=False)
     except RuntimeError as exc:  # shape mismatches are raised even with strict=False
@@ -399,6 +413,24 @@ def _load_model_weights(model: torch.nn.Module, model_dir: Path) -> None:
     untied = [key for key in result.missing_keys if not _is_tied_to_loaded(model, key, weights)]
     if untied:
         raise CheckpointError(f"the weights in {model_dir} lack tensors of the model (not tied ones): {untied}")
+
+
+def _load_adapter(model: Any, model_dir: Path, weights: dict[str, torch.Tensor]) -> None:
+    """Load a LoRA (peft) model's checkpoint: its adapter tensors only, as `PeftModel.save_pretrained` wrote them in
+    `_save_model` (the frozen base weights are not saved; the resumed run rebuilds them from `model.name`). The
+    tensor names must be exactly the model's adapter names: a checkpoint of another rank or other targets is an
+    error, as is one written without LoRA."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+    expected = set(get_peft_model_state_dict(model))
+    missing, unexpected = sorted(expected - weights.keys()), sorted(weights.keys() - expected)
+    if missing or unexpected:
+        raise CheckpointError(f"the weights in {model_dir} do not fit the LoRA adapters: missing {missing[:5]} "
+                              f"({len(missing)}), unexpected {unexpected[:5]} ({len(unexpected)})")
+    try:
+        set_peft_model_state_dict(model, weights)
+    except RuntimeError as exc:  # shape mismatches (another rank)
+        raise CheckpointError(f"the adapter weights in {model_dir} do not fit the model: {exc}") from exc
 
 
 def _read_weights(model_dir: Path) -> dict[str, torch.Tensor]:

@@ -93,3 +93,16 @@ def check_update_precision(params: list[torch.Tensor], lr: float) -> None:
             f"learning rate {lr:g} is below the resolution of the {'/'.join(dtypes)} weights: an AdamW step of that "
             f"size rounds away on {fraction:.1%} of them. Train float32 weights with low-precision compute instead "
             f"(model.dtype=float32, trainer.mixed_precision=bfloat16), or raise the learning rate")
+
+
+def scale_lr(optimizer: torch.optim.Optimizer, scheduler, factor: float) -> None:
+    """Multiply the learning rate by `factor` from now on: the scheduler's base rates (so warm-up and decay keep their
+    shape) and the optimizer's current rates. The scaled base rates are part of the scheduler's state, so a checkpoint
+    taken afterwards resumes with them (the collapse guard's lower learning rate after a rollback)."""
+    if not factor > 0:
+        raise ValueError(f"learning-rate factor must be > 0, got {factor}")
+    scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
+    for group in optimizer.param_groups:
+        group["lr"] *= factor
+        if "initial_lr" in group:
+            group["initial_lr"] *= factor

@@ -52,11 +52,11 @@ CHECKPOINTS_DIRNAME = "checkpoints"
 
 # What gspo writes in a run folder (and all that --overwrite deletes); hidden temporaries are `.NAME.tmp` / `.old`.
 RUN_FILES = ("config.yaml", "metrics.jsonl", "eval.jsonl", "samples.jsonl", "summary.json", "curves.png", "tb",
-             CHECKPOINTS_DIRNAME, "cold_start", "cold_start.tmp", "final", "weight_sync")
+             CHECKPOINTS_DIRNAME, "cold_start", "cold_start.tmp", "final", "weight_sync", "guard.jsonl")
 # Config keys (fnmatch patterns) a resume may change: none of them changes what the optimizer computes.
 RESUMABLE = ("trainer.steps", "trainer.threads", "trainer.out", "trainer.eval_every", "trainer.checkpoint_every",
-             "trainer.keep_checkpoints", "trainer.max_bad_steps", "trainer.device", "log.*", "rewards.timeout_s",
-             "rewards.workers", "rollout.vllm.server_url", "rollout.vllm.weight_sync_dir",
+             "trainer.keep_checkpoints", "trainer.max_bad_steps", "trainer.device", "trainer.guard.*", "log.*",
+             "rewards.timeout_s", "rewards.workers", "rollout.vllm.server_url", "rollout.vllm.weight_sync_dir",
              "rollout.vllm.request_timeout", "rollout.vllm.max_concurrent_requests")
 
 

@@ -91,6 +91,17 @@ def step_prompts(step: int, train_rows: list[dict], count: int, seed: int) -> tu
     return rows, [derive_seed(seed, "rollout", step, j) for j in range(len(rows))]
 
 
+def refill_prompts(step: int, round_: int, train_rows: list[dict], count: int,
+                   seed: int) -> tuple[list[dict], list[int]]:
+    """Dynamic sampling's extra prompts for round `round_` (≥ 1) of step `step`, and their sampling seeds: `count`
+    rows from a permutation seeded by (run seed, step, round), a pure function of them like `step_prompts` (exact
+    resume); the main data position is not advanced, so a run's step-by-step prompts do not depend on the filter."""
+    perm = torch.randperm(len(train_rows),
+                          generator=torch.Generator().manual_seed(derive_seed(seed, "refill", step, round_)))
+    rows = [train_rows[int(perm[j % len(train_rows)])] for j in range(count)]
+    return rows, [derive_seed(seed, "rollout", step, round_, j) for j in range(count)]
+
+
 def prompt_indices(step: int, count: int, num_rows: int, seed: int) -> list[int]:
     """Which rows step `step` trains on: consecutive slices of a per-epoch seeded permutation, so the data
     position is a function of the step alone (exact resume, no sampler state to save)."""

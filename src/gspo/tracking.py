@@ -130,6 +130,17 @@ class MetricsLogger:
         if self._mlflow is not None:
             self._mlflow.log_metrics({key: float(value) for key, value in finite.items()}, step=step)
 
+    def rewind(self, step: int) -> None:
+        """Forget what was logged after `step` (the collapse guard rolled the run back to its checkpoint): metrics.jsonl
+        keeps the lines of steps <= `step` and TensorBoard hides later events. W&B and MLflow cannot forget: they keep
+        the discarded steps, and the steps logged again after the rollback follow them."""
+        self._file.close()
+        truncate_metrics(self.metrics_path, step)
+        self._file = open(self.metrics_path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        if self._tb is not None:
+            self._tb.close()
+            self._start_tensorboard(step, None)
+
     def log_text(self, step: int, tag: str, text: str) -> None:
         """A text record (e.g. sample completions) for the trackers that show text: TensorBoard, W&B."""
         if self._tb is not None:

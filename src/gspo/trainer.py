@@ -24,11 +24,12 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import math
 import os
 import shutil
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -36,19 +37,21 @@ import yaml
 from torch import nn
 
 from gspo.advantages import group_advantages, zero_variance_groups
-from gspo.checkpoint import find_latest_checkpoint, set_seed
+from gspo.checkpoint import checkpoint_path, find_latest_checkpoint, list_checkpoints, set_seed
 from gspo.config import Config, ConfigError, config_to_dict
-from gspo.data import load_data
+from gspo.data import load_data, render_chat
 from gspo.evaluation import evaluate, format_samples
+from gspo.guard import CollapseGuard, GuardSettings, Verdict, good_checkpoint
 from gspo.hooks import LearnHook, MoERouting, PrecisionMetrics
 from gspo.learner import LearnSettings, learn
 from gspo.models import enable_gradient_checkpointing, load_model, save_model
 from gspo.moe import is_moe, replay_support_error, require_replay_support
 from gspo.objectives import OBJECTIVES
-from gspo.optim import check_update_precision, make_optimizer
+from gspo.optim import check_update_precision, make_optimizer, scale_lr
 from gspo.parallel import ProcessGroup, init_distributed, wrap_frozen, wrap_policy
 from gspo.parallel.state import full_state, load_state, save_state
 from gspo.rewards import RewardRunner
+from gspo.rewards.shaping import add_overlong_penalty
 from gspo.rollout import RolloutEngine, make_engine, policy_weights
 from gspo.rollout.workers import AsyncRollouts, staleness_metrics
 from gspo.runfolder import (
@@ -60,13 +63,20 @@ from gspo.runfolder import (
     write_atomic,
     write_jsonl,
 )
-from gspo.schedule import derive_seed, drop_long_prompts, prompt_token_limit, step_prompts, unknown_character_rows
+from gspo.schedule import (
+    derive_seed,
+    drop_long_prompts,
+    prompt_token_limit,
+    refill_prompts,
+    step_prompts,
+    unknown_character_rows,
+)
 from gspo.sft import cold_start
 from gspo.tracking import MetricsLogger, Progress, check_trackers, plot_curves, read_metrics
-from gspo.trajectory import Trajectory
+from gspo.trajectory import Trajectory, concat
 
-__all__ = ["Collected", "RLStep", "RunInterrupted", "TrainingError", "collect", "default_hooks", "learn_settings",
-           "rl_step", "sync", "train"]
+__all__ = ["Collected", "RLStep", "RunCollapsed", "RunInterrupted", "TrainingError", "collect", "default_hooks",
+           "learn_settings", "rl_step", "sync", "train"]
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +86,10 @@ StepCallback = Callable[[int, dict], None]
 
 class TrainingError(RuntimeError):
     """The run stopped because training itself went wrong (e.g. too many steps without a finite update)."""
+
+
+class RunCollapsed(TrainingError):
+    """The collapse guard stopped the run (trainer.guard): what it saw is in the message and in summary.json."""
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -107,10 +121,15 @@ class Collected:
     """One step's rollout batch: every process holds all of it (`ProcessGroup.gather_trajectories`)."""
 
     traj: Trajectory
-    rewards: torch.Tensor  # [N] weighted reward sums
+    rewards: torch.Tensor  # [N] weighted reward sums (with the overlong penalty, if configured)
     advantages: torch.Tensor  # [N] Â_i of Eq. 6
     reward_stats: dict[str, float]  # per-function means (`reward/...`), failure counts, `solved`
     seconds: float  # sampling time of this process (the rollout phase)
+    sampled_rewards: torch.Tensor | None = None  # [M] every completion sampled this step (dynamic sampling: M ≥ N)
+
+    def __post_init__(self) -> None:
+        if self.sampled_rewards is None:
+            self.sampled_rewards = self.rewards
 
 
 def learn_settings(cfg: Config) -> LearnSettings:
@@ -139,12 +158,29 @@ def default_hooks(cfg: Config, model: nn.Module) -> list[LearnHook]:
 def collect(step: int, train_rows: list[dict], ctx: RLStep) -> Collected:
     """Prompts → trajectories → rewards → group advantages. P prompts × G completions, each prompt's sampling seeded by
     (run seed, step, prompt position); each process generates and scores its share of the prompts, then all of them
-    hold the whole batch."""
-    cfg, ro, group = ctx.cfg, ctx.cfg.rollout, ctx.group
+    hold the whole batch. With rollout.dynamic_sampling, groups without reward variance are replaced by groups from
+    further prompts (`_keep_informative`); with rollout.overlong_filter, truncated completions leave the loss."""
+    cfg, ro = ctx.cfg, ctx.cfg.rollout
     if ctx.rollouts is not None:
-        return _collect_async(step, ctx)
+        batch = _collect_async(step, ctx)
+    else:
+        rows, seeds = step_prompts(step, train_rows, ro.prompts_per_step, cfg.trainer.seed)
+        batch = _sample(rows, seeds, ctx)
+        if ro.dynamic_sampling:
+            batch = _keep_informative(step, train_rows, batch, ctx)
+    batch.advantages = group_advantages(batch.rewards, ro.group_size, scale=cfg.algorithm.advantage_scale)
+    if ro.overlong_filter:  # after the advantages: a truncated completion still counts in its group's baseline
+        traj = batch.traj
+        batch.traj = replace(traj, loss_mask=traj.loss_mask * ~traj.truncated[:, None].to(traj.loss_mask.device))
+        batch.reward_stats["overlong_filtered"] = float(traj.truncated.float().mean())
+    return batch
+
+
+def _sample(rows: list[dict], seeds: list[int], ctx: RLStep) -> Collected:
+    """`rows` × G completions (this process's share of the prompts), scored, shaped, gathered on every process;
+    advantages are left to `collect`."""
+    cfg, ro, group = ctx.cfg, ctx.cfg.rollout, ctx.group
     t0 = time.perf_counter()
-    rows, seeds = step_prompts(step, train_rows, ro.prompts_per_step, cfg.trainer.seed)
     mine = group.shard(len(rows))  # this process's prompts (whole groups; all of them in a one-process run)
     # On the trainer's device whatever the engine's (vLLM returns CPU tensors; the learner needs them by the model).
     traj = ctx.engine.generate([r["prompt"] for r in rows[mine]], ro.group_size, seeds[mine]).to(group.device)
@@ -153,11 +189,51 @@ def collect(step: int, train_rows: list[dict], ctx: RLStep) -> Collected:
 
     total, stats = ctx.rewards.score_rollouts(rows[mine], traj.prompt_index, traj.completions,
                                               cfg.rewards.accuracy_reward, cfg.rewards.accuracy_threshold)
+    total, stats = add_overlong_penalty(total, stats, traj.completion_mask.sum(-1), ro.max_new_tokens,
+                                        cfg.rewards.overlong_buffer, cfg.rewards.overlong_penalty)
     if group.enabled:  # `solved` is a count: summed over processes
         ctx.rewards.sync_counts(group.all_sum)
     traj, rewards, stats = group.gather_trajectories(traj, total, stats, pad_id=ctx.engine.pad_id)
-    advantages = group_advantages(rewards, ro.group_size, scale=cfg.algorithm.advantage_scale)
-    return Collected(traj, rewards, advantages, stats, seconds)
+    return Collected(traj, rewards, torch.zeros_like(rewards), stats, seconds)
+
+
+def _keep_informative(step: int, train_rows: list[dict], first: Collected, ctx: RLStep) -> Collected:
+    """DAPO's dynamic sampling: while fewer than P of the groups sampled so far have varied rewards, sample another
+    round of prompts (`schedule.refill_prompts`; as many as the informative rate so far says are needed, at most
+    4P), up to rollout.dynamic_max_rounds rounds; then train on the first P informative groups, topped up with
+    constant ones (counted: `dynamic_filled_groups`) if the rounds ran out. None informative at all is an error."""
+    cfg, ro, group = ctx.cfg, ctx.cfg.rollout, ctx.group
+    p, g = ro.prompts_per_step, ro.group_size
+    parts = [first]
+    informative = [~zero_variance_groups(first.rewards, g)]
+    kept, sampled = int(informative[0].sum()), p
+    while kept < p and len(parts) < ro.dynamic_max_rounds:
+        n = min(math.ceil((p - kept) * sampled / max(kept, sampled / 8)), 4 * p)
+        n = math.ceil(n / group.world_size) * group.world_size  # whole groups on every process
+        rows, seeds = refill_prompts(step, len(parts), train_rows, n, cfg.trainer.seed)
+        parts.append(_sample(rows, seeds, ctx))
+        informative.append(~zero_variance_groups(parts[-1].rewards, g))
+        kept, sampled = kept + int(informative[-1].sum()), sampled + n
+    flags = torch.cat(informative).cpu()
+    if kept == 0:
+        raise TrainingError(
+            f"step {step + 1}: every one of the {sampled} groups sampled in {len(parts)} rounds (rollout."
+            f"dynamic_max_rounds) had equal rewards for all its {g} completions (the first: all "
+            f"{float(first.rewards[0]):g}), "
+            "so dynamic sampling has nothing to train on: the task is too hard or too easy for the policy, or the "
+            "reward does not depend on the completion. Check the rewards, or set rollout.dynamic_sampling=false")
+    chosen = torch.cat([flags.nonzero().flatten(), (~flags).nonzero().flatten()])[:p]  # informative first, in order
+    rows = (chosen[:, None] * g + torch.arange(g)).flatten()
+    every = torch.cat([c.rewards for c in parts])
+    stats: dict[str, float] = {}
+    for c in parts:  # counts add up; per-function means are weighted by the completions behind them
+        for k, v in c.reward_stats.items():
+            stats[k] = stats.get(k, 0.0) + (v * len(c.rewards) / len(every) if k.startswith("reward/") else v)
+    stats.update(dynamic_rounds=float(len(parts)), dynamic_sampled_prompts=float(sampled),
+                 dynamic_filled_groups=float(max(p - kept, 0)))
+    traj = concat([c.traj for c in parts], pad_id=ctx.engine.pad_id).take(rows.to(every.device))
+    return Collected(traj, every[rows.to(every.device)], first.advantages, stats, sum(c.seconds for c in parts),
+                     sampled_rewards=every)
 
 
 def _collect_async(step: int, ctx: RLStep) -> Collected:
@@ -173,8 +249,7 @@ def _collect_async(step: int, ctx: RLStep) -> Collected:
     stats = {**batch.stats, **staleness_metrics(traj, step), "rollout_worker_seconds": batch.seconds,
              "rollout_ahead": float(ctx.rollouts.ahead()),
              **{f"rollout_{k}": float(v) for k, v in ctx.rollouts.counts.items()}}
-    advantages = group_advantages(rewards, ctx.cfg.rollout.group_size, scale=ctx.cfg.algorithm.advantage_scale)
-    return Collected(traj, rewards, advantages, stats, waited)
+    return Collected(traj, rewards, torch.zeros_like(rewards), stats, waited)  # advantages: `collect`
 
 
 def minibatches(step: int, n: int, ctx: RLStep, device: torch.device) -> list[torch.Tensor]:
@@ -204,13 +279,14 @@ def rl_step(step: int, model: nn.Module, optimizer, scheduler, train_rows: list[
 
     lengths = traj.completion_mask.sum(-1).float()
     stats = dict(batch.reward_stats)
+    sampled = batch.sampled_rewards  # every completion of the step (before dynamic sampling's filter)
     return {
-        "reward_mean": float(batch.rewards.mean()),
-        "reward_std": float(batch.rewards.std()),
-        "accuracy": stats.pop("solved") / len(traj),  # solved as rewards.accuracy_reward says
+        "reward_mean": float(sampled.mean()),
+        "reward_std": float(sampled.std()),
+        "accuracy": stats.pop("solved") / len(sampled),  # solved as rewards.accuracy_reward says
         "response_length": float(lengths.mean()),
         "truncation_rate": float(traj.truncated.float().mean()),
-        "zero_variance_groups": float(zero_variance_groups(batch.rewards, ctx.cfg.rollout.group_size).float().mean()),
+        "zero_variance_groups": float(zero_variance_groups(sampled, ctx.cfg.rollout.group_size).float().mean()),
         **learned,
         "tokens_per_second": float(lengths.sum()) / t_total,
         "time_rollout": batch.seconds,
@@ -293,6 +369,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
     model, tokenizer = load_model(cfg.model.name, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code,
                                   seed=cfg.trainer.seed)
     _model_checks(cfg, model, group)
+    data = render_chat(data, cfg.data, tokenizer)  # message prompts → the model's chat template (gspo.data.chat)
     ro = cfg.rollout
     eval_tokens = cfg.trainer.eval_max_new_tokens or ro.max_new_tokens
     train_rows, skipped_train = drop_long_prompts(data.train, tokenizer,
@@ -347,14 +424,27 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
     elif resume:
         log.info("no checkpoint in %s yet: starting the run over", out)
     sync(engine, model, start)  # the policy as it is now (cold start, resume), not what the engine was built from
-    rollouts = None
-    if ro.mode == "async":  # worker processes start generating now; a resume continues after the last trained batch
-        rollouts = AsyncRollouts(cfg, model, tokenizer, train_rows, policy_weights(model), start,
-                                 start_index=state.get("rollout_index", start), device=str(group.device),
-                                 counts={k: state[k] for k in ("dropped_stale", "lost_batches", "worker_restarts")
-                                         if k in state})
 
+    def start_rollouts(start: int, state: dict) -> AsyncRollouts | None:
+        """rollout.mode async: worker processes start generating now; a resume (or a rollback) continues after the
+        last batch trained up to `start`."""
+        if ro.mode != "async":
+            return None
+        return AsyncRollouts(cfg, model, tokenizer, train_rows, policy_weights(model), start,
+                             start_index=state.get("rollout_index", start), device=str(group.device),
+                             counts={k: state[k] for k in ("dropped_stale", "lost_batches", "worker_restarts")
+                                     if k in state})
+
+    rollouts = start_rollouts(start, state)
     ctx = RLStep(cfg, engine, rewards, ref_model, default_hooks(cfg, model), group, rollouts)
+    gc = cfg.trainer.guard
+    guard = CollapseGuard(GuardSettings(window=gc.window, warmup=gc.warmup, patience=gc.patience, z=gc.z,
+                                        reward_drop=gc.reward_drop, entropy_factor=gc.entropy_factor,
+                                        clip_jump=gc.clip_jump, ratio_jump=gc.ratio_jump)) if gc.enabled else None
+    guarded = state.get("guard", {})  # the guard's baseline, rollbacks and learning-rate scale at the checkpoint
+    if guard is not None:
+        guard.load_state_dict(guarded)
+    rollbacks, lr_scale = guarded.get("rollbacks", 0), guarded.get("lr_scale", 1.0)
     logger = MetricsLogger(out, tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb, mlflow=cfg.log.mlflow,
                            resume_step=start if resume else None, run_config=cfg_dict) if group.is_main else None
     # evaluations (and their sample completions) up to the checkpoint are kept; a run restarting at 0 redoes step 0
@@ -381,21 +471,96 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         save_state(group, out, step, model=model, optimizer=optimizer, scheduler=scheduler, tokenizer=tokenizer,
                    state={"step": step, "data_position": step * ro.prompts_per_step, "bad_steps": bad_steps,
                           **(rollouts.state_dict() if rollouts is not None else {}),
+                          **({"guard": {**guard.state_dict(), "rollbacks": rollbacks, "lr_scale": lr_scale}}
+                             if guard is not None else {}),
                           **{f"reward_{kind}": counts for kind, counts in rewards.state_dict().items()},
                           "wall_seconds": time.perf_counter() - wall0},
                    keep_last=cfg.trainer.keep_checkpoints)
 
+    def roll_back(verdict: Verdict) -> int | None:
+        """The guard saw a collapse: restore the last checkpoint no anomalous step saw, with the learning rate ×
+        trainer.guard.lr_factor; returns its step (None: no rollback, the run stops). Later checkpoints, metrics and
+        evaluations are discarded (OUT/guard.jsonl keeps the discarded metrics), and the restored checkpoint is saved
+        again with the guard's new state, so that a crash from here resumes with the lower learning rate."""
+        nonlocal rollbacks, lr_scale, bad_steps, rollouts
+        steps = group.main_first(lambda: list_checkpoints(out))
+        back = good_checkpoint(steps, verdict.first_step)
+        if gc.action != "rollback" or rollbacks >= gc.max_rollbacks or back is None:
+            return None
+        state = load_state(group, checkpoint_path(out, back), model, optimizer, scheduler)
+        before = state.get("guard", {})
+        scale_lr(optimizer, scheduler, lr_scale * gc.lr_factor / before.get("lr_scale", 1.0))
+        rollbacks, lr_scale, bad_steps = rollbacks + 1, lr_scale * gc.lr_factor, state.get("bad_steps", 0)
+        guard.load_state_dict(before)
+        if group.is_main:
+            for later in (s for s in steps if s > back):
+                shutil.rmtree(checkpoint_path(out, later), ignore_errors=True)
+            discarded = [r for r in read_metrics(out / "metrics.jsonl") if r["step"] > back]
+            with open(out / "guard.jsonl", "a", encoding="utf-8") as f:
+                f.write(json.dumps({"step": verdict.step, "event": "rollback", "reason": verdict.reason,
+                                    "first_anomalous_step": verdict.first_step, "to_checkpoint": back,
+                                    "lr_scale": lr_scale, "rollback": rollbacks, "discarded": discarded}) + "\n")
+            logger.rewind(back)
+        evals[:] = [r for r in evals if r["step"] <= back]
+        samples[:] = [r for r in samples if r["step"] <= back]
+        if group.is_main:
+            write_jsonl(out / "eval.jsonl", evals)
+            write_jsonl(out / "samples.jsonl", samples)
+        sync(engine, model, back)
+        if rollouts is not None:
+            rollouts.close()
+            rollouts = ctx.rollouts = start_rollouts(back, state)
+        checkpoint_now(back)
+        log.warning("collapse guard: %s (steps %d-%d); rolled back to the checkpoint of step %d with the learning "
+                    "rate × %g (rollback %d of %d)", verdict.reason, verdict.first_step, verdict.step, back,
+                    lr_scale, rollbacks, gc.max_rollbacks)
+        return back
+
+    def collapsed(verdict: Verdict) -> RunCollapsed:
+        """Stop: summary.json with status "collapsed" and the reason (the last good checkpoint stays resumable)."""
+        why = ("trainer.guard.action=stop" if gc.action == "stop" else
+               f"{rollbacks} rollback(s) already (trainer.guard.max_rollbacks={gc.max_rollbacks})"
+               if rollbacks >= gc.max_rollbacks else
+               f"no checkpoint from before step {verdict.first_step - 1} to roll back to (trainer.checkpoint_every)")
+        error = (f"collapse at step {verdict.step} (anomalous since step {verdict.first_step}): {verdict.reason}; "
+                 f"stopped, since {why}")
+        if group.is_main:
+            write_atomic(out / "summary.json", json.dumps({
+                "status": "collapsed", "error": error, "steps_done": verdict.step, "steps": cfg.trainer.steps,
+                "guard": {"rollbacks": rollbacks, "lr_scale": lr_scale, "reason": verdict.reason,
+                          "first_anomalous_step": verdict.first_step},
+                "wall_seconds": time.perf_counter() - wall0}, indent=2))
+            _plot_run(cfg, out, evals)
+        return RunCollapsed(error)
+
     # ------------------------------------------------------------------------------------------------------ loop
     done = start
+    if guard is not None and gc.action == "rollback" and start == 0 and cfg.trainer.checkpoint_every:
+        checkpoint_now(0)  # a collapse in the first steps has the start to roll back to
     progress = Progress(total=cfg.trainer.steps, initial=start, every=cfg.log.progress_every,
                         disable=None if cfg.log.progress and group.is_main else True,
                         keys=("reward_mean", "heldout_accuracy", "clip_frac_tokens"))
     try:
         if start == 0 and eval_rows:
             run_eval(0)
-        for step in range(start, cfg.trainer.steps):
+        step = start
+        while step < cfg.trainer.steps:
             metrics = rl_step(step, model, optimizer, scheduler, train_rows, ctx)
-            done = step + 1
+            done = step = step + 1
+            verdict = guard.observe(done, metrics) if guard is not None else None
+            if verdict is not None:
+                metrics["guard_anomalies"] = float(len(verdict.flags))
+                if verdict.flags:
+                    log.warning("collapse guard, step %d: %s", done, verdict.reason)
+                if verdict.collapsed and gc.action != "warn":
+                    if logger is not None:
+                        logger.log(done, metrics)
+                    back = roll_back(verdict)
+                    if back is None:
+                        raise collapsed(verdict)
+                    step = done = back
+                    progress.update(done, {})
+                    continue
             # the last step is always evaluated: the summary's accuracy after RL must be measured after RL
             if eval_rows and (done == cfg.trainer.steps or (cfg.trainer.eval_every
                                                             and done % cfg.trainer.eval_every == 0)):
@@ -405,7 +570,13 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
             progress.update(done, metrics)
             bad_steps = bad_steps + 1 if metrics["skipped_updates"] == cfg.algorithm.minibatches else 0
             if cfg.trainer.checkpoint_every and (done % cfg.trainer.checkpoint_every == 0 or done == cfg.trainer.steps):
-                checkpoint_now(done)
+                doubted = guard is not None and guard.since is not None and gc.action == "rollback"
+                if doubted and done < cfg.trainer.steps:
+                    # weights the guard has doubts about would push the last good checkpoint out (keep_checkpoints)
+                    log.warning("collapse guard: checkpoint of step %d skipped (anomalous since step %d)", done,
+                                guard.since)
+                else:
+                    checkpoint_now(done)
             if cfg.trainer.max_bad_steps is not None and bad_steps >= cfg.trainer.max_bad_steps:
                 error = (f"stopped at step {done}: the last {bad_steps} steps (trainer.max_bad_steps) had every update "
                          f"skipped for a non-finite loss or gradient norm, so the weights stopped changing; "
@@ -451,6 +622,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         "reward_timeouts": dict(rewards.timeouts),
         "skipped_updates": _skipped_updates(out),
         "skipped_prompts": {"train": skipped_train, "eval": skipped_eval},
+        "guard": None if guard is None else {"rollbacks": rollbacks, "lr_scale": lr_scale},
         "unknown_character_rows": unknown,
     }
     if group.is_main:

@@ -25,7 +25,7 @@ import torch
 
 from gspo.moe import FREE
 
-__all__ = ["Trajectory", "pad_left", "pad_right"]
+__all__ = ["Trajectory", "concat", "pad_left", "pad_right"]
 
 NO_VERSION = -1
 """`versions` of response tokens the policy did not generate (padding, tool output)."""
@@ -121,6 +121,17 @@ class Trajectory:
         extras = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.extras.items()}
         return replace(self, **moved, extras=extras)
 
+    def take(self, idx: torch.Tensor) -> Trajectory:
+        """Rows `idx` (in that order) as a trajectory of their own, `prompt_index` renumbered 0, 1, ... in order of
+        first appearance (whole groups taken in order stay group-contiguous)."""
+        idx = idx.to(self.completion_ids.device)
+        picked = {name: getattr(self, name)[idx] for name in _TENSORS}
+        _, picked["prompt_index"] = torch.unique_consecutive(picked["prompt_index"], return_inverse=True)
+        if self.token_rewards is not None:
+            picked["token_rewards"] = self.token_rewards[idx]
+        extras = {k: v[idx] if isinstance(v, torch.Tensor) else v for k, v in self.extras.items()}
+        return replace(self, **picked, completions=[self.completions[int(i)] for i in idx], extras=extras)
+
     def padded(self, prompt_len: int, width: int, pad_id: int) -> Trajectory:
         """Prompts left-padded to `prompt_len` and responses right-padded to `width` (`pad_id`, masks 0, log-probs 0,
         versions NO_VERSION, routing FREE): the layout of a wider batch this one is concatenated into."""
@@ -144,6 +155,24 @@ class Trajectory:
             token_rewards=None if self.token_rewards is None else _pad_dim1(self.token_rewards, 0, right, 0.0),
             extras=extras,
         )
+
+
+def concat(parts: Sequence[Trajectory], pad_id: int) -> Trajectory:
+    """The rows of `parts` in order, re-padded to the widest prompt and response (`Trajectory.padded`);
+    `prompt_index` continues from one part to the next (part k's prompts follow part k − 1's)."""
+    s = max(p.prompt_ids.shape[1] for p in parts)
+    t = max(p.completion_ids.shape[1] for p in parts)
+    wide = [p.padded(s, t, pad_id) for p in parts]
+    offsets = [0]
+    for p in parts[:-1]:
+        offsets.append(offsets[-1] + (int(p.prompt_index.max()) + 1 if len(p) else 0))
+    tensors = {name: torch.cat([getattr(p, name) for p in wide]) for name in _TENSORS if name != "prompt_index"}
+    rewards = [p.token_rewards for p in wide]
+    extras = {k: torch.cat([p.extras[k] for p in wide]) if isinstance(v, torch.Tensor) else v
+              for k, v in wide[0].extras.items()}
+    return Trajectory(**tensors, completions=[c for p in parts for c in p.completions],
+                      prompt_index=torch.cat([p.prompt_index + o for p, o in zip(parts, offsets, strict=True)]),
+                      token_rewards=None if any(r is None for r in rewards) else torch.cat(rewards), extras=extras)
 
 
 _TENSORS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "loss_mask", "logprobs", "versions",

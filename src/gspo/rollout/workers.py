@@ -132,6 +132,7 @@ def _worker_main(worker: int, model_config, tokenizer, cfg, train_rows: list[dic
     from transformers import AutoModelForCausalLM
 
     from gspo.rewards import RewardRunner
+    from gspo.rewards.shaping import add_overlong_penalty
     from gspo.rollout import HFSampler, sampling_params
     from gspo.schedule import step_prompts
 
@@ -161,6 +162,8 @@ def _worker_main(worker: int, model_config, tokenizer, cfg, train_rows: list[dic
             traj = engine.generate([r["prompt"] for r in rows], ro.group_size, seeds).to("cpu")
             total, stats = rewards.score_rollouts(rows, traj.prompt_index, traj.completions,
                                                   cfg.rewards.accuracy_reward, cfg.rewards.accuracy_threshold)
+            total, stats = add_overlong_penalty(total, stats, traj.completion_mask.sum(-1), ro.max_new_tokens,
+                                                cfg.rewards.overlong_buffer, cfg.rewards.overlong_penalty)
             after = rewards.state_dict()
             failures = {kind: {name: n - before[kind][name] for name, n in counts.items()}
                         for kind, counts in after.items()}
