@@ -190,6 +190,8 @@ def _save_model(model: Any, model_dir: Path) -> None:
     kwargs: dict[str, Any] = {"safe_serialization": True}
     if "save_original_format" in inspect.signature(model.save_pretrained).parameters:
         kwargs["save_original_format"] = False
+    if "save_embedding_layers" in inspect.signature(model.save_pretrained).parameters:  # peft: the base embeddings are
+        kwargs["save_embedding_layers"] = False  # frozen, not trained; "auto" would look the base model up on the Hub
     model.save_pretrained(model_dir, **kwargs)
     pickled = [p.name for p in model_dir.iterdir() if p.suffix in {".bin", ".pt", ".pth", ".pkl"}]
     if pickled:

@@ -8,15 +8,16 @@ the median and the robust spread (1.4826 · median absolute deviation) of the la
     reward_mean        below   R − max(z·σ, reward_drop·|R|), R = max(M, the best M of the run so far)
     entropy            below   M − max(z·σ, (1 − 1/entropy_factor)·M)  or above  M + max(z·σ, (entropy_factor − 1)·M)
     clip_frac_tokens   above   M + max(z·σ, clip_jump)
-    ratio_max          above   exp(log M + max(z·σ_log, log ratio_jump))   (ratio_min: below, mirrored; log space)
+    |log ratio_max|    above   max(M + z·σ, ratio_jump·M)   (M, σ of |log ratio_max|; ratio_min likewise, mirrored)
     non-finite         loss, grad_norm, reward_mean or entropy not finite, or an update skipped for it
 
 Both a statistical (z·σ) and a practical (relative) margin must be exceeded, so neither noise in a short window nor
-a tiny but stable spread raises an alarm. The relative rules start once `warmup` healthy steps are in the window;
-the non-finite rule from the first step. A step that breaks a rule is not added to the baseline. `patience`
-consecutive anomalous steps are a collapse (which began at the first anomalous step not followed by `patience`
-healthy ones): the trainer then rolls back to the last checkpoint taken before the
-first of them, with the learning rate lowered by `lr_factor` (at most `max_rollbacks` times), or stops with status
+a tiny but stable spread raises an alarm. The relative rules start once `warmup` healthy steps are in the window; the
+non-finite rule from the first step. A non-finite step is reported but is neither a collapse step nor a baseline
+step: the trainer's `max_bad_steps` decides about steps whose updates were skipped for it. A step that breaks a rule
+is not added to the baseline. `patience` consecutive anomalous steps are a collapse, which began at the first
+anomalous step not followed by `patience` healthy ones: the trainer then rolls back to the last checkpoint that no
+step since then saw, with the learning rate × `lr_factor` (at most `max_rollbacks` times), or stops with status
 "collapsed" and the reason in summary.json. The guard's state is JSON and saved in every checkpoint (exact resume).
 """
 
@@ -44,7 +45,7 @@ class GuardSettings:
     reward_drop: float = 0.5
     entropy_factor: float = 2.0
     clip_jump: float = 0.25
-    ratio_jump: float = 10.0
+    ratio_jump: float = 5.0
 
 
 @dataclass
@@ -82,6 +83,8 @@ class CollapseGuard:
     def observe(self, step: int, metrics: dict[str, Any]) -> Verdict:
         """Check step `step`'s metrics; healthy steps join the baseline."""
         verdict = Verdict(step, self._flags(metrics))
+        if set(verdict.flags) == {"non_finite"}:  # reported; trainer.max_bad_steps decides about such steps
+            return verdict
         if verdict.flags:
             self.streak.append(step)
             self.healthy_run = 0
@@ -110,7 +113,7 @@ class CollapseGuard:
             values = [h[key] for h in self.history if key in h and (not log or h[key] > 0)]
             if len(values) < s.warmup or not _finite(metrics.get(key)) or (log and metrics[key] <= 0):
                 return None
-            return _robust([math.log(v) for v in values] if log else values)
+            return _robust([abs(math.log(v)) for v in values] if log else values)
 
         if (b := baseline("reward_mean")) is not None:
             m, sd = b
@@ -133,14 +136,13 @@ class CollapseGuard:
             if metrics["clip_frac_tokens"] > limit:
                 flags["clip_frac"] = (f"clip_frac_tokens {metrics['clip_frac_tokens']:.4g} > {limit:.4g} "
                                       f"(baseline median {m:.4g})")
-        for key, sign in (("ratio_max", 1), ("ratio_min", -1)):
+        for key, sign in (("ratio_max", 1), ("ratio_min", -1)):  # how far from 1, in log space
             if (b := baseline(key, log=True)) is not None:
                 m, sd = b
-                limit = m + sign * max(s.z * sd, math.log(s.ratio_jump))
-                x = math.log(metrics[key])
-                if sign * (x - limit) > 0:
-                    flags[key] = (f"{key} {metrics[key]:.4g} {'>' if sign > 0 else '<'} {math.exp(limit):.4g} "
-                                  f"(baseline median {math.exp(m):.4g})")
+                limit = max(m + s.z * sd, s.ratio_jump * m)
+                if abs(math.log(metrics[key])) > limit:
+                    flags[key] = (f"{key} {metrics[key]:.4g} {'>' if sign > 0 else '<'} "
+                                  f"{math.exp(sign * limit):.4g} (baseline median {math.exp(sign * m):.4g})")
         return flags
 
     def state_dict(self) -> dict[str, Any]:

@@ -44,6 +44,7 @@ from gspo.evaluation import evaluate, format_samples
 from gspo.guard import CollapseGuard, GuardSettings, Verdict, good_checkpoint
 from gspo.hooks import LearnHook, MoERouting, PrecisionMetrics
 from gspo.learner import LearnSettings, learn
+from gspo.lora import apply_lora, save_lora_final
 from gspo.models import enable_gradient_checkpointing, load_model, save_model
 from gspo.moe import is_moe, replay_support_error, require_replay_support
 from gspo.objectives import OBJECTIVES
@@ -403,6 +404,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         cold = group.main_first(lambda: cold_start(cfg, out, model, tokenizer, train_rows))
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.algorithm.kl_beta > 0 else None
     engine = make_engine(cfg, model, tokenizer, out=out, dist=group)  # before wrapping: it may copy the full model
+    if cfg.model.lora is not None:  # after the engine: an own-copy engine is built from the plain model
+        model = apply_lora(model, cfg.model.lora)  # only the adapters train; engines receive merged weights
     model = wrap_policy(group, model, cfg.trainer.mixed_precision)  # DDP / FSDP2; one process: as is
     ref_model = wrap_frozen(group, ref_model, cfg.trainer.mixed_precision)
     optimizer, scheduler = make_optimizer(
@@ -475,7 +478,14 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
                              if guard is not None else {}),
                           **{f"reward_{kind}": counts for kind, counts in rewards.state_dict().items()},
                           "wall_seconds": time.perf_counter() - wall0},
-                   keep_last=cfg.trainer.keep_checkpoints)
+                   keep_last=cfg.trainer.keep_checkpoints + doubted_checkpoints())
+
+    def doubted_checkpoints() -> int:
+        """Checkpoints taken since the guard's current anomalies began (their weights may be the collapse's): kept on
+        top of trainer.keep_checkpoints, so that they do not push the last clean checkpoint out."""
+        if guard is None or guard.since is None or gc.action != "rollback":
+            return 0
+        return sum(c + 1 >= guard.since for c in list_checkpoints(out))
 
     def roll_back(verdict: Verdict) -> int | None:
         """The guard saw a collapse: restore the last checkpoint no anomalous step saw, with the learning rate ×
@@ -535,8 +545,6 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
 
     # ------------------------------------------------------------------------------------------------------ loop
     done = start
-    if guard is not None and gc.action == "rollback" and start == 0 and cfg.trainer.checkpoint_every:
-        checkpoint_now(0)  # a collapse in the first steps has the start to roll back to
     progress = Progress(total=cfg.trainer.steps, initial=start, every=cfg.log.progress_every,
                         disable=None if cfg.log.progress and group.is_main else True,
                         keys=("reward_mean", "heldout_accuracy", "clip_frac_tokens"))
@@ -570,13 +578,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
             progress.update(done, metrics)
             bad_steps = bad_steps + 1 if metrics["skipped_updates"] == cfg.algorithm.minibatches else 0
             if cfg.trainer.checkpoint_every and (done % cfg.trainer.checkpoint_every == 0 or done == cfg.trainer.steps):
-                doubted = guard is not None and guard.since is not None and gc.action == "rollback"
-                if doubted and done < cfg.trainer.steps:
-                    # weights the guard has doubts about would push the last good checkpoint out (keep_checkpoints)
-                    log.warning("collapse guard: checkpoint of step %d skipped (anomalous since step %d)", done,
-                                guard.since)
-                else:
-                    checkpoint_now(done)
+                checkpoint_now(done)
             if cfg.trainer.max_bad_steps is not None and bad_steps >= cfg.trainer.max_bad_steps:
                 error = (f"stopped at step {done}: the last {bad_steps} steps (trainer.max_bad_steps) had every update "
                          f"skipped for a non-finite loss or gradient norm, so the weights stopped changing; "
@@ -605,7 +607,11 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
     with full_state(group, model) as full_model:  # None but on rank 0
         if full_model is not None:
             shutil.rmtree(final_tmp, ignore_errors=True)
-            save_model(full_model, tokenizer, final_tmp)
+            if cfg.model.lora is not None:  # a peft adapter folder (and, on request, the merged model in merged/)
+                save_lora_final(full_model, tokenizer, final_tmp, merged=cfg.model.lora.merged_final,
+                                base_model=str(out / "cold_start") if cfg.cold_start is not None else cfg.model.name)
+            else:
+                save_model(full_model, tokenizer, final_tmp)
             publish_dir(final_tmp, out / "final")
     if group.is_main:
         _plot_run(cfg, out, evals)
@@ -639,7 +645,8 @@ def _model_checks(cfg: Config, model: nn.Module, group: ProcessGroup) -> None:
             enable_gradient_checkpointing(model)
         except ValueError as e:
             raise ConfigError(f"trainer.gradient_checkpointing: {e}") from None
-    for key, lr in [("optim.lr", cfg.optim.lr)] + ([("cold_start.lr", cfg.cold_start.lr)] if cfg.cold_start else []):
+    checked = [] if cfg.model.lora is not None else [("optim.lr", cfg.optim.lr)]  # LoRA adapters are float32
+    for key, lr in checked + ([("cold_start.lr", cfg.cold_start.lr)] if cfg.cold_start else []):
         try:  # bf16/fp16 weights that an AdamW step of this size cannot move: refused before any compute
             check_update_precision([p for p in model.parameters() if p.requires_grad], lr)
         except ValueError as e:
@@ -648,6 +655,9 @@ def _model_checks(cfg: Config, model: nn.Module, group: ProcessGroup) -> None:
         if cfg.algorithm.routing_replay != "none":  # a hub model's family is only known now
             require_replay_support(model, cfg.algorithm.routing_replay)
         group.check_sizes(cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.algorithm.minibatches)
+        if cfg.model.lora is not None and group.fsdp:
+            raise ValueError("model.lora with trainer.parallel=fsdp is not supported (merging the adapters into "
+                             "sharded weights for the rollout engine): use trainer.parallel=ddp")
         if cfg.rollout.mode == "async" and group.enabled:
             raise ValueError("rollout.mode=async runs with one training process; under torchrun use rollout.mode=sync")
     except ValueError as e:

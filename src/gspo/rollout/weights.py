@@ -34,10 +34,19 @@ def policy_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     Accepts a bare model, a DDP wrapper or an FSDP2-sharded model: sharded tensors (DTensors) are gathered one at a time
     with `full_tensor()`, a collective, so under FSDP every process must iterate this to the end in lockstep; a push
     then never holds more than one full tensor beyond the model. Tensors are detached; tied tensors appear under each
-    of their names (an engine that reloads in place must receive the output head too)."""
+    of their names (an engine that reloads in place must receive the output head too).
+
+    A LoRA policy (a peft model, `gspo.lora`) yields its merged weights W + (alpha/r)·B·A under the base model's names,
+    no adapter tensors: engines load it as the full model it computes (`gspo.lora.merged_weights`)."""
+    bare = unwrap_model(model)
+    if hasattr(bare, "peft_config"):
+        from gspo.lora import merged_weights
+
+        yield from merged_weights(bare)
+        return
     # no torch.no_grad() here: a generator suspended inside it would leave gradients off in its consumer (and for
     # good, if it is not run to the end); state_dict() tensors are detached, so nothing is recorded anyway
-    for name, tensor in unwrap_model(model).state_dict().items():
+    for name, tensor in bare.state_dict().items():
         full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
         yield name, full.detach()
 
@@ -56,6 +65,8 @@ def checkpoint_layout(model: nn.Module) -> Callable[[Weights, torch.dtype | None
             return tensors
     else:
         bare = unwrap_model(model)
+        if hasattr(bare, "get_base_model"):  # a peft (LoRA) model: the stream has its base model's names
+            bare = bare.get_base_model()
 
         def revert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             return revert_weight_conversion(bare, tensors)

@@ -1,0 +1,251 @@
+"""Long runs: dynamic sampling, overlong shaping and filtering, and the collapse guard (detection, rollback, stop)."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+import torch
+
+from conftest import DEMO, tiny_overrides
+from gspo.checkpoint import checkpoint_path, list_checkpoints
+from gspo.config import ConfigError, load_config
+from gspo.guard import CollapseGuard, GuardSettings, good_checkpoint
+from gspo.optim import make_optimizer, scale_lr
+from gspo.rewards import REWARDS
+from gspo.rewards.shaping import add_overlong_penalty, overlong_penalty
+from gspo.schedule import refill_prompts
+from gspo.tracking import read_metrics
+from gspo.trainer import RunCollapsed, TrainingError, train
+from gspo.trajectory import Trajectory, concat
+
+# ------------------------------------------------------------------------------------------------ overlong shaping
+
+
+def test_overlong_penalty_is_daPO_eq_13():
+    # L_max = 10, L_cache = 4: 0 up to 6 tokens, then a ramp to -1 at 10, -1 beyond
+    lengths = torch.tensor([0, 5, 6, 7, 8, 10, 11])
+    expected = torch.tensor([0.0, 0.0, 0.0, -0.25, -0.5, -1.0, -1.0])
+    assert torch.equal(overlong_penalty(lengths, 10, 4), expected)
+    assert torch.equal(overlong_penalty(lengths, 10, 4, penalty=0.5), 0.5 * expected)
+    with pytest.raises(ValueError, match="buffer"):
+        overlong_penalty(lengths, 10, 11)
+
+
+def test_add_overlong_penalty_adds_to_the_reward_and_reports_its_mean():
+    total, stats = add_overlong_penalty(torch.tensor([1.0, 1.0]), {"reward/x": 1.0}, torch.tensor([2, 4]), 4, 2, 1.0)
+    assert torch.equal(total, torch.tensor([1.0, 0.0])) and stats == {"reward/x": 1.0, "reward/overlong": -0.5}
+    same, stats = add_overlong_penalty(torch.tensor([1.0]), {}, torch.tensor([4]), 4, None, 1.0)
+    assert torch.equal(same, torch.tensor([1.0])) and stats == {}
+
+
+def test_overlong_buffer_longer_than_the_budget_is_refused():
+    with pytest.raises(ConfigError, match="overlong_buffer"):
+        load_config(DEMO, ["rewards.overlong_buffer=7"])  # the demo generates 6 tokens
+
+
+# ------------------------------------------------------------------------------------------ trajectories, prompts
+
+
+def _traj(rows: list[list[int]], prompt_len: int, groups: list[int], first: int = 0) -> Trajectory:
+    n, t = len(rows), max(map(len, rows))
+    ids = torch.zeros(n, t, dtype=torch.long)
+    mask = torch.zeros(n, t, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.tensor(r)
+        mask[i, :len(r)] = 1
+    return Trajectory(prompt_ids=torch.full((n, prompt_len), first + 1), prompt_mask=torch.ones(n, prompt_len,
+                      dtype=torch.long), completion_ids=ids, completion_mask=mask, logprobs=-mask.float(),
+                      truncated=torch.zeros(n, dtype=torch.bool), completions=[str(r) for r in rows],
+                      prompt_index=torch.tensor(groups))
+
+
+def test_concat_pads_to_the_widest_and_continues_the_prompt_index():
+    a = _traj([[1], [2]], prompt_len=2, groups=[0, 0])
+    b = _traj([[3, 4, 5], [6]], prompt_len=3, groups=[0, 0], first=5)
+    both = concat([a, b], pad_id=0)
+    assert both.completion_ids.tolist() == [[1, 0, 0], [2, 0, 0], [3, 4, 5], [6, 0, 0]]
+    assert both.completion_mask.sum(-1).tolist() == [1, 1, 3, 1]
+    assert both.prompt_mask.tolist()[0] == [0, 1, 1] and both.prompt_mask.tolist()[2] == [1, 1, 1]
+    assert both.prompt_index.tolist() == [0, 0, 1, 1]
+    assert both.completions == ["[1]", "[2]", "[3, 4, 5]", "[6]"]
+
+
+def test_take_keeps_whole_groups_and_renumbers_them():
+    traj = _traj([[1], [2], [3], [4], [5], [6]], prompt_len=1, groups=[0, 0, 1, 1, 2, 2])
+    taken = traj.take(torch.tensor([4, 5, 0, 1]))
+    assert taken.completion_ids[:, 0].tolist() == [5, 6, 1, 2]
+    assert taken.prompt_index.tolist() == [0, 0, 1, 1]
+    assert taken.completions == ["[5]", "[6]", "[1]", "[2]"]
+
+
+def test_refill_prompts_are_a_pure_function_of_step_and_round():
+    rows = [{"prompt": str(i)} for i in range(50)]
+    a, seeds_a = refill_prompts(3, 1, rows, 10, seed=0)
+    assert (a, seeds_a) == refill_prompts(3, 1, rows, 10, seed=0)
+    b, seeds_b = refill_prompts(3, 2, rows, 10, seed=0)
+    assert a != b and not set(seeds_a) & set(seeds_b)
+    many, _ = refill_prompts(0, 1, rows[:3], 7, seed=0)  # more than the rows: cycles through them
+    assert len(many) == 7 and {r["prompt"] for r in many} == {"0", "1", "2"}
+
+
+# ------------------------------------------------------------------------------------------------ the guard, pure
+
+
+def _healthy(step: int, rng: random.Random) -> dict:
+    return {"reward_mean": 0.3 + 0.002 * step + rng.gauss(0, 0.04), "entropy": 0.5 + rng.gauss(0, 0.03),
+            "clip_frac_tokens": 0.35 + rng.gauss(0, 0.05), "ratio_max": 1.004 + abs(rng.gauss(0, 0.001)),
+            "ratio_min": 0.996 - abs(rng.gauss(0, 0.001)), "loss": 0.0, "grad_norm": 1.0, "skipped_updates": 0.0}
+
+
+def test_guard_never_flags_a_noisy_improving_run():
+    rng = random.Random(0)
+    guard = CollapseGuard(GuardSettings())
+    verdicts = [guard.observe(step, _healthy(step, rng)) for step in range(1, 400)]
+    assert not any(v.flags for v in verdicts)
+
+
+def test_guard_catches_a_reward_collapse_after_patience_steps():
+    rng = random.Random(1)
+    guard = CollapseGuard(GuardSettings(patience=3))
+    for step in range(1, 21):
+        assert not guard.observe(step, _healthy(step, rng)).flags
+    dip = guard.observe(21, {**_healthy(21, rng), "reward_mean": 0.05})
+    assert dip.flags.keys() == {"reward"} and not dip.collapsed  # one bad step is not a collapse
+    assert not guard.observe(22, _healthy(22, rng)).collapsed
+    verdicts = [guard.observe(s, {**_healthy(s, rng), "reward_mean": 0.02}) for s in (23, 24, 25)]
+    assert [v.collapsed for v in verdicts] == [False, False, True]
+    assert verdicts[-1].first_step == 21  # the episode began with the dip: fewer than `patience` healthy steps since
+
+
+def test_guard_state_round_trip_gives_the_same_verdicts():
+    rng = random.Random(2)
+    a = CollapseGuard(GuardSettings())
+    steps = [_healthy(s, rng) for s in range(1, 30)] + [{**_healthy(30, rng), "entropy": 2.0}] * 3
+    for s, m in enumerate(steps[:25], 1):
+        a.observe(s, m)
+    b = CollapseGuard(GuardSettings())
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))  # through JSON, as in a checkpoint
+    for s, m in enumerate(steps[25:], 26):
+        va, vb = a.observe(s, m), b.observe(s, m)
+        assert (va.flags, va.collapsed, va.first_step) == (vb.flags, vb.collapsed, vb.first_step)
+    assert va.collapsed and "entropy" in va.flags
+
+
+@pytest.mark.parametrize("key, value", [("entropy", 0.1), ("entropy", 1.5), ("clip_frac_tokens", 0.9),
+                                        ("ratio_max", 1.5), ("ratio_min", 0.5)])
+def test_guard_flags_each_watched_metric(key, value):
+    rng = random.Random(3)
+    guard = CollapseGuard(GuardSettings())
+    for step in range(1, 21):
+        guard.observe(step, _healthy(step, rng))
+    assert list(guard.observe(21, {**_healthy(21, rng), key: value}).flags) == [
+        {"clip_frac_tokens": "clip_frac"}.get(key, key.split("_")[0] if key == "entropy" else key)]
+
+
+def test_guard_reports_non_finite_steps_and_leaves_them_to_max_bad_steps():
+    guard = CollapseGuard(GuardSettings(patience=2))
+    verdicts = [guard.observe(1, {"loss": math.nan, "reward_mean": 0.1}),
+                guard.observe(2, {"loss": 0.0, "reward_mean": 0.1, "skipped_updates": 1.0}),
+                guard.observe(3, {"loss": math.inf, "reward_mean": 0.1})]
+    assert all("non_finite" in v.flags for v in verdicts)  # from the first step, before any baseline
+    assert not any(v.collapsed for v in verdicts) and guard.history == []  # nor part of the baseline
+
+
+def test_good_checkpoint_is_the_last_one_no_anomalous_step_saw():
+    # anomalies from step 16 on: the weights after 15 steps produced step 16's rollouts, so 15 is not clean
+    assert good_checkpoint([0, 10, 15, 20], first_anomalous=16) == 10
+    assert good_checkpoint([0, 10, 15, 20], first_anomalous=17) == 15
+    assert good_checkpoint([5], first_anomalous=6) is None
+
+
+def test_scale_lr_scales_the_schedule_from_now_on():
+    layer = torch.nn.Linear(2, 2)
+    opt, sched = make_optimizer(layer, 1e-3, total_steps=10, warmup_steps=4)
+    other_opt, other = make_optimizer(torch.nn.Linear(2, 2), 1e-3, total_steps=10, warmup_steps=4)
+    for _ in range(3):
+        opt.step(), sched.step(), other_opt.step(), other.step()
+    scale_lr(opt, sched, 0.5)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.5 * other_opt.param_groups[0]["lr"])
+    opt.step(), sched.step(), other_opt.step(), other.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.5 * other_opt.param_groups[0]["lr"])
+    assert sched.state_dict()["base_lrs"] == [pytest.approx(5e-4)]
+
+
+# ------------------------------------------------------------------------------------------------ in the trainer
+
+
+@pytest.fixture
+def counted_reward(monkeypatch):
+    """A reward registered as `fading`: varied (digit fraction) for the first `healthy` RL steps' completions,
+    0 for every completion after them, counting calls (16 completions per step in the tiny config)."""
+    calls = {"n": 0, "healthy": 10}
+
+    def fading(prompt: str, completion: str, **row) -> float:
+        calls["n"] += 1
+        if calls["n"] > 16 * calls["healthy"]:
+            return 0.0
+        return 0.2 + 0.6 * sum(c.isdigit() for c in completion) / max(1, len(completion))
+
+    monkeypatch.setitem(REWARDS, "fading", fading)
+    monkeypatch.setitem(REWARDS, "constant", lambda prompt, completion, **row: 0.5)
+    return calls
+
+
+GUARDED = ["rewards.functions={fading: 1.0}", "trainer.steps=24", "trainer.eval_every=0", "data.eval_size=4",
+           "trainer.checkpoint_every=2", "trainer.keep_checkpoints=3", "trainer.guard.window=6",
+           "trainer.guard.warmup=4", "trainer.guard.patience=2", "trainer.guard.max_rollbacks=1"]
+
+
+def test_guard_rolls_back_once_then_stops_with_status_collapsed(tmp_path, counted_reward):
+    out = tmp_path / "run"
+    with pytest.raises(RunCollapsed, match="collapse at step"):
+        train(load_config(DEMO, tiny_overrides(out, *GUARDED)))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "collapsed" and "reward" in summary["error"] and summary["guard"]["rollbacks"] == 1
+    [event] = read_metrics(out / "guard.jsonl")
+    # the reward fell to 0 from step 11: steps 11-12 anomalous, rollback to a checkpoint that step 11 did not see
+    assert event["first_anomalous_step"] == 11 and event["to_checkpoint"] <= 9 and event["lr_scale"] == 0.5
+    assert [r["step"] for r in event["discarded"]] == list(range(event["to_checkpoint"] + 1, event["step"] + 1))
+    steps = [r["step"] for r in read_metrics(out / "metrics.jsonl")]
+    assert steps == sorted(set(steps))  # one line per step: the discarded ones are gone
+    # the rolled-back checkpoint was saved again with the guard's new state, so a resume keeps the lower lr
+    state = json.loads((checkpoint_path(out, event["to_checkpoint"]) / "state.json").read_text())["state"]
+    assert state["guard"]["rollbacks"] == 1 and state["guard"]["lr_scale"] == 0.5
+    assert all(s <= summary["steps_done"] for s in list_checkpoints(out))
+    lrs = {r["step"]: r["lr"] for r in read_metrics(out / "metrics.jsonl")}
+    assert lrs[event["to_checkpoint"] + 1] < event["discarded"][0]["lr"]  # the replayed step runs at the lower lr
+
+
+def test_guard_warn_only_logs(tmp_path, counted_reward):
+    out = tmp_path / "run"
+    train(load_config(DEMO, tiny_overrides(out, *GUARDED, "trainer.guard.action=warn", "trainer.steps=14")))
+    records = read_metrics(out / "metrics.jsonl")
+    assert json.loads((out / "summary.json").read_text())["status"] == "completed"
+    assert [r["step"] for r in records] == list(range(1, 15))
+    assert sum(r["guard_anomalies"] for r in records) >= 2 and not (out / "guard.jsonl").exists()
+
+
+def test_dynamic_sampling_trains_on_full_batches_of_informative_groups(tmp_path, counted_reward):
+    counted_reward["healthy"] = 10**9
+    out = tmp_path / "run"
+    train(load_config(DEMO, tiny_overrides(out, "rewards.functions={fading: 1.0, addition: 0.0}",
+                                           "rollout.dynamic_sampling=true", "rollout.overlong_filter=true",
+                                           "rewards.overlong_buffer=2", "trainer.steps=2")))
+    for record in read_metrics(out / "metrics.jsonl"):
+        assert record["dynamic_rounds"] >= 1 and record["dynamic_sampled_prompts"] >= 4
+        assert "reward/overlong" in record and "overlong_filtered" in record
+
+
+def test_dynamic_sampling_on_a_constant_reward_stops_with_a_clear_error(tmp_path, counted_reward):
+    out = tmp_path / "run"
+    with pytest.raises(TrainingError, match=r"equal rewards.*dynamic_sampling"):
+        train(load_config(DEMO, tiny_overrides(out, "rewards.functions={constant: 1.0}",
+                                               "rollout.dynamic_sampling=true", "rollout.dynamic_max_rounds=2")))
+
+
+def test_dynamic_sampling_is_refused_with_async_rollouts():
+    with pytest.raises(ConfigError, match="dynamic_sampling"):
+        load_config(DEMO, ["rollout.dynamic_sampling=true", "rollout.mode=async"])

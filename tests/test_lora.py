@@ -1,0 +1,297 @@
+"""LoRA through peft (`gspo.lora`): what trains, the merged weights engines receive, sampling, checkpoints, the final
+adapter and merged model, and the errors for targets LoRA cannot adapt."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+
+import pytest
+import torch
+
+peft = pytest.importorskip("peft")
+
+from gspo.checkpoint import CheckpointError, save_checkpoint  # noqa: E402
+from gspo.config import LoraConfig, ModelConfig, load_config  # noqa: E402
+from gspo.logprobs import completion_logprobs  # noqa: E402
+from gspo.lora import apply_lora, merged_weights, save_lora_final  # noqa: E402
+from gspo.models import load_model  # noqa: E402
+from gspo.optim import make_optimizer  # noqa: E402
+from gspo.parallel import ProcessGroup  # noqa: E402
+from gspo.parallel.state import load_state, save_state  # noqa: E402
+from gspo.rollout import HFSampler, SamplingParams, policy_weights  # noqa: E402
+from gspo.rollout.weights import checkpoint_layout  # noqa: E402
+
+# peft asks the model `is_gradient_checkpointing`, which transformers 5 deprecates: not ours to fix
+pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+
+KINDS = ["tiny-dense", "tiny-moe"]
+TEXTS = ["12+34=46", "7+8=15", "50+49=99", "3+3=6"]
+PROMPTS = ["12+34=", "7+8=", "50+49="]
+GREEDY = SamplingParams(top_k=1, max_new_tokens=8)
+
+
+def lora_model(kind: str, seed: int = 0, **cfg):
+    """A preset wrapped with LoRA (r=4), its adapters' B set to random values so that merging changes the weights."""
+    model, tok = load_model(kind, seed=seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 1)
+        wrapped = apply_lora(model, LoraConfig(**{"r": 4, "alpha": 8.0, **cfg}))
+        for name, p in wrapped.named_parameters():
+            if "lora_B" in name:
+                p.data.normal_(0, 0.05)
+    return wrapped, tok
+
+
+def sft_loss(model, tok) -> torch.Tensor:
+    batch = tok(TEXTS, return_tensors="pt", padding=True)
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    return model(**batch, labels=labels).loss
+
+
+def train_step(model, tok, optimizer, scheduler) -> float:
+    loss = sft_loss(model, tok)
+    loss.backward()
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def logits(model, tok) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        return model(**tok(TEXTS, return_tensors="pt", padding=True)).logits
+
+
+# ------------------------------------------------------------------------------------------------- what trains
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_only_adapters_require_grad_and_change(kind):
+    model, tok = lora_model(kind)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if n in trainable)
+    optimizer, scheduler = make_optimizer(model, 1e-2, 10)
+    assert sum(len(g["params"]) for g in optimizer.param_groups) == len(trainable)  # AdamW keeps state for these only
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    train_step(model, tok, optimizer, scheduler)
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and changed <= trainable
+
+
+def test_all_linear_targets_the_linear_layers_but_the_head():
+    dense, _ = lora_model("tiny-dense")
+    assert set(dense.peft_config["default"].target_modules) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                                "up_proj", "down_proj"}
+    moe, _ = lora_model("tiny-moe")  # experts (fused 3-D weights) and router are not nn.Linear: attention only
+    adapted = {n.rpartition(".lora_A")[0] for n, _ in moe.named_parameters() if ".lora_A." in n}
+    assert adapted and all(n.split(".")[-1] in {"q_proj", "k_proj", "v_proj", "o_proj"} for n in adapted)
+    assert not moe.peft_config["default"].target_parameters
+    assert "lm_head" not in str(dense.peft_config["default"].target_modules)
+
+
+def test_config_section():
+    assert ModelConfig().lora is None
+    cfg = load_config(overrides=["model.lora.r=8", "model.lora.target_modules=[q_proj, v_proj]"])
+    assert cfg.model.lora == LoraConfig(r=8, target_modules=["q_proj", "v_proj"])
+    for bad in ({"r": 0}, {"alpha": 0}, {"dropout": 1.0}, {"target_modules": []}, {"target_modules": "q_proj"}):
+        with pytest.raises(ValueError):
+            LoraConfig(**bad)
+
+
+# ------------------------------------------------------------------------------------------------ bad targets
+
+
+@pytest.mark.parametrize(("kind", "targets", "says"), [
+    ("tiny-dense", ["qproj"], ["['qproj'] match no module", "q_proj", "down_proj"]),
+    ("tiny-moe", ["gate_up_proj"], ["match no module", "fused 3-D parameters", "gate_up_proj [8, 256, 128]"]),
+    ("tiny-moe", ["q_proj", "experts"], ["'experts'", "Qwen3MoeExperts, not an nn.Linear", "fused 3-D"]),
+    ("tiny-moe", ["gate"], ["Qwen3MoeTopKRouter, not an nn.Linear"]),
+    ("tiny-dense", ["lm_head"], ["tied to ['model.embed_tokens.weight']"]),
+])
+def test_targets_lora_cannot_adapt_are_explained(kind, targets, says):
+    model, _ = load_model(kind)
+    with pytest.raises(ValueError) as err:
+        apply_lora(model, LoraConfig(target_modules=targets))
+    for text in says:
+        assert text in str(err.value)
+    assert not hasattr(model, "peft_config")  # refused before peft touched the model
+
+
+def test_missing_peft_says_how_to_install(monkeypatch):
+    model, _ = load_model("tiny-dense")
+    monkeypatch.setitem(sys.modules, "peft", None)  # makes `import peft` raise ImportError
+    with pytest.raises(ImportError, match="pip install peft"):
+        apply_lora(model, LoraConfig())
+
+
+# ------------------------------------------------------------------------------------------- merged weights
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_policy_weights_are_the_merged_model(kind):
+    model, _ = lora_model(kind)
+    own = {n: t.clone() for n, t in model.get_base_model().state_dict().items()}
+    streamed = dict(policy_weights(model))
+    reference = copy.deepcopy(model).merge_and_unload().state_dict()
+    assert list(streamed) == list(load_model(kind)[0].state_dict()) == list(reference)  # the base's names, in order
+    for name, tensor in streamed.items():
+        torch.testing.assert_close(tensor, reference[name], rtol=0, atol=1e-6)
+    assert any(not torch.equal(streamed[n], own[n.replace("q_proj.", "q_proj.base_layer.")]) for n in streamed
+               if "q_proj" in n)  # the adapters were merged in ...
+    assert all(torch.equal(t, own[n]) for n, t in model.get_base_model().state_dict().items())  # ... in a copy
+
+
+def test_checkpoint_layout_of_peft_model_is_the_base_models():
+    """What vLLM loads: the merged stream mapped to the saved-checkpoint layout (transformers 5 splits fused MoE
+    experts back per expert), exactly as for the plain model."""
+    model, _ = lora_model("tiny-moe")
+    plain, _ = load_model("tiny-moe")
+    names = [n for n, _ in checkpoint_layout(model)(policy_weights(model))]
+    assert names == [n for n, _ in checkpoint_layout(plain)(policy_weights(plain))]
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in names
+
+
+@pytest.mark.filterwarnings("ignore:The following (rank|alpha)_pattern keys did not match:RuntimeWarning")
+def test_merged_weights_of_peft_parameter_adapters():
+    """peft's own all-linear on a transformers-5 MoE also adapts the fused experts and the router (ParamWrapper, one
+    per parameter, nested): the merged stream handles those too."""
+    base, _ = load_model("tiny-moe")
+    model = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules="all-linear", task_type="CAUSAL_LM"))
+    if not model.peft_config["default"].target_parameters:
+        pytest.skip("this peft does not adapt fused MoE parameters")
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.05)
+    streamed = dict(merged_weights(model))
+    reference = copy.deepcopy(model).merge_and_unload().state_dict()
+    assert list(streamed) == list(reference)
+    for name, tensor in streamed.items():
+        torch.testing.assert_close(tensor, reference[name], rtol=0, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------- sampling
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sampler_on_peft_model_matches_merged_copy(kind):
+    model, tok = lora_model(kind)
+    merged = copy.deepcopy(model).merge_and_unload()
+    shared = HFSampler(model, tok, GREEDY)
+    assert shared.shares_weights
+    expected = HFSampler(merged, tok, GREEDY).generate(PROMPTS, 1, [0, 1, 2])
+    got = shared.generate(PROMPTS, 1, [0, 1, 2])
+    assert torch.equal(got.completion_ids, expected.completion_ids)
+    # the learner's log-probabilities through the peft model are the merged model's
+    batch = expected
+    args = (batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)
+    lp, _ = completion_logprobs(model, *args)
+    ref, _ = completion_logprobs(merged, *args)
+    torch.testing.assert_close(lp, ref, rtol=0, atol=1e-4)
+
+
+def test_own_copy_engine_built_before_apply_lora_takes_the_merged_stream():
+    """The trainer's order: the engine (here an own copy, as under FSDP or rollout.dtype) is built from the plain
+    model, then apply_lora; every sync then streams merged weights under the plain model's names."""
+    base, tok = load_model("tiny-dense")
+    engine = HFSampler(base, tok, GREEDY, own_copy=True)
+    model = apply_lora(base, LoraConfig(r=4, alpha=8.0))
+    optimizer, scheduler = make_optimizer(model, 5e-2, 10)
+    for _ in range(3):
+        train_step(model, tok, optimizer, scheduler)
+    engine.update_weights(policy_weights(model), version=1)
+    merged = copy.deepcopy(model).merge_and_unload()
+    expected = HFSampler(merged, tok, GREEDY).generate(PROMPTS, 1, [0, 1, 2])
+    assert torch.equal(engine.generate(PROMPTS, 1, [0, 1, 2]).completion_ids, expected.completion_ids)
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_checkpoint_round_trip_is_exact(tmp_path, kind):
+    group = ProcessGroup()
+    model, tok = lora_model(kind)
+    optimizer, scheduler = make_optimizer(model, 1e-2, 10)
+    for _ in range(2):
+        train_step(model, tok, optimizer, scheduler)
+    save_state(group, tmp_path, 2, model=model, optimizer=optimizer, scheduler=scheduler, tokenizer=tok,
+               state={"step": 2}, keep_last=2)
+    folder = tmp_path / "checkpoints" / "step_00000002" / "model"
+    assert (folder / "adapter_model.safetensors").is_file() and not (folder / "model.safetensors").exists()
+    expected_loss = train_step(model, tok, optimizer, scheduler)
+
+    fresh, _ = lora_model(kind, seed=0)  # the base from the run's model.name and seed, as on resume
+    for p in fresh.parameters():
+        if p.requires_grad:  # adapters unlike the saved ones: the load must restore them
+            p.data.uniform_()
+    fresh_opt, fresh_sched = make_optimizer(fresh, 1e-2, 10)
+    assert load_state(group, folder.parent, fresh, fresh_opt, fresh_sched) == {"step": 2}
+    assert train_step(fresh, tok, fresh_opt, fresh_sched) == expected_loss  # bit for bit
+    for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    for a, b in zip(optimizer.state.values(), fresh_opt.state.values(), strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_checkpoint_must_fit_the_adapters(tmp_path):
+    model, tok = lora_model("tiny-dense")
+    optimizer, scheduler = make_optimizer(model, 1e-2, 10)
+    path = save_checkpoint(tmp_path, 1, model=model, tokenizer=tok, optimizer=optimizer, scheduler=scheduler,
+                           state={})
+    other, _ = lora_model("tiny-dense", r=8)
+    other_opt, other_sched = make_optimizer(other, 1e-2, 10)
+    with pytest.raises(CheckpointError, match="do not fit"):
+        load_state(ProcessGroup(), path, other, other_opt, other_sched)
+    full, _ = load_model("tiny-dense")  # written without LoRA: no adapter tensors in it
+    full_opt, full_sched = make_optimizer(full, 1e-2, 10)
+    full_path = save_checkpoint(tmp_path / "full", 1, model=full, tokenizer=tok, optimizer=full_opt,
+                                scheduler=full_sched, state={})
+    with pytest.raises(CheckpointError, match="LoRA adapters"):
+        load_state(ProcessGroup(), full_path, model, optimizer, scheduler)
+
+
+# ---------------------------------------------------------------------------------------------- final model
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_final_adapter_and_merged_model_load_back(tmp_path, kind):
+    model, tok = lora_model(kind)
+    out = save_lora_final(model, tok, tmp_path / "final", merged=True, base_model="/models/base")
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == "/models/base"
+    expected = logits(model, tok)
+    base, _ = load_model(kind)
+    reloaded = peft.PeftModel.from_pretrained(base, out)
+    torch.testing.assert_close(logits(reloaded, tok), expected, rtol=0, atol=1e-6)
+    merged, merged_tok = load_model(str(out / "merged"))
+    assert not hasattr(merged, "peft_config") and merged_tok.get_vocab() == tok.get_vocab()
+    torch.testing.assert_close(logits(merged, tok), expected, rtol=0, atol=1e-4)
+    save_lora_final(model, tok, tmp_path / "plain", merged=False)
+    assert not (tmp_path / "plain" / "merged").exists()
+
+
+def test_trainer_runs_lora_and_writes_an_adapter_and_a_merged_model(tmp_path, test_rewards):
+    """`model.lora` in a training run: only adapters train, final/ is a peft adapter folder with the merged model in
+    final/merged (loadable by gspo), and a resume continues from the adapter checkpoint."""
+    from conftest import DEMO, tiny_overrides
+
+    from gspo.config import load_config
+    from gspo.models import load_model
+    from gspo.trainer import train
+
+    out = tmp_path / "run"
+    overrides = tiny_overrides(out, "model.lora={r: 4, alpha: 8, merged_final: true}", "trainer.checkpoint_every=1",
+                               "rewards.functions={addition: 1.0, varied: 0.5}", "trainer.steps=2", "optim.lr=1e-2")
+    summary = train(load_config(DEMO, overrides))
+    assert summary["status"] == "completed"
+    assert (out / "final" / "adapter_config.json").is_file() and (out / "final" / "adapter_model.safetensors").is_file()
+    merged, _ = load_model(str(out / "final" / "merged"))
+    cold, _ = load_model(str(out / "cold_start"))
+    changed = [n for n, p in merged.state_dict().items() if not torch.equal(p, cold.state_dict()[n])]
+    assert changed and all("proj" in n for n in changed)  # the adapters moved the targeted projections only
+    summary = train(load_config(DEMO, [*overrides[:-2], "trainer.steps=3", "optim.lr=1e-2"]), resume=True)
+    assert summary["status"] == "completed"
