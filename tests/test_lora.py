@@ -278,9 +278,6 @@ def test_trainer_runs_lora_and_writes_an_adapter_and_a_merged_model(tmp_path, te
     """`model.lora` in a training run: only adapters train, final/ is a peft adapter folder with the merged model in
     final/merged (loadable by gspo), and a resume continues from the adapter checkpoint."""
     from conftest import DEMO, tiny_overrides
-
-    from gspo.config import load_config
-    from gspo.models import load_model
     from gspo.trainer import train
 
     out = tmp_path / "run"
@@ -293,5 +290,7 @@ def test_trainer_runs_lora_and_writes_an_adapter_and_a_merged_model(tmp_path, te
     cold, _ = load_model(str(out / "cold_start"))
     changed = [n for n, p in merged.state_dict().items() if not torch.equal(p, cold.state_dict()[n])]
     assert changed and all("proj" in n for n in changed)  # the adapters moved the targeted projections only
+    adapter, _ = load_model(str(out / "final"))  # the adapter folder: its base (cold_start) with the adapters merged
+    assert all(torch.allclose(p, merged.state_dict()[n], atol=1e-6) for n, p in adapter.state_dict().items())
     summary = train(load_config(DEMO, [*overrides[:-2], "trainer.steps=3", "optim.lr=1e-2"]), resume=True)
     assert summary["status"] == "completed"

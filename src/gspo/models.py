@@ -258,6 +258,24 @@ def _check_local_model_dir(path: Path, shown: str) -> None:
             raise PermissionError(f"{name} in model directory {shown!r} cannot be read: permission denied") from None
 
 
+def _load_adapter_folder(path: Path, **kwargs) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A peft LoRA adapter folder (a LoRA run's OUT/final): its base model (adapter_config.json's
+    `base_model_name_or_path`, loaded by `load_model`) with the adapters merged in, and the folder's tokenizer."""
+    import json
+
+    from peft import PeftModel
+
+    base_name = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if not base_name:
+        raise ValueError(f"LoRA adapter folder {str(path)!r}: adapter_config.json names no base_model_name_or_path")
+    base, _ = load_model(base_name, **kwargs)
+    model = PeftModel.from_pretrained(base, str(path)).merge_and_unload()
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
 def load_model(
     name_or_path: str,
     *,
@@ -268,7 +286,8 @@ def load_model(
     """Load a causal LM and its tokenizer.
 
     `name_or_path` is a preset name (`PRESETS`; weights random from `seed`), a local model directory (e.g. one
-    written by `save_model`), or a Hugging Face Hub id. `seed` only matters for presets. Remote code is only run when
+    written by `save_model`, or a LoRA run's adapter folder: its base with the adapters merged), or a Hugging Face Hub
+    id. `seed` only matters for presets. Remote code is only run when
     `trust_remote_code=True`. Weights are only read from safetensors files (`use_safetensors=True`): a directory or
     hub repository with only pickle weights (pytorch_model.bin) is refused, since unpickling can run code. A
     tokenizer without a pad token gets its EOS token as pad.
@@ -288,6 +307,8 @@ def load_model(
     path = Path(name_or_path).expanduser()
     is_local = path.exists() or _looks_like_local_path(name_or_path)
     source = str(path) if is_local else name_or_path
+    if is_local and (path / "adapter_config.json").is_file() and not (path / "config.json").exists():
+        return _load_adapter_folder(path, dtype=dtype, trust_remote_code=trust_remote_code, seed=seed)
     if is_local:
         _check_local_model_dir(path, name_or_path)
         try:
