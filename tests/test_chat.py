@@ -297,3 +297,29 @@ def test_prepared_gsm8k_rows_are_messages_that_render_as_the_old_qwen3_prompt(tm
     # what the script used to write by hand (Qwen3, thinking off)
     assert out[0]["prompt"] == ("<|im_start|>user\nTom has 3 apples and buys 4. How many?\n"
                                 f"{module.INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+# ------------------------------------------------------------------------------------------------ prompt templates
+
+
+def test_prompt_template_phrases_rows_from_their_fields_before_the_chat_template():
+    from gspo.config import DataConfig
+    from gspo.data import DataSplits, make_task, render_chat
+    from gspo.models import build_tokenizer
+
+    rows = make_task("addition", split="train", size=3, seed=0, digits=2)
+    cfg = DataConfig(chat="always", prompt_template="what is {a} + {b}?")
+    data = render_chat(DataSplits(train=rows, heldout=[]), cfg, build_tokenizer())
+    for raw, done in zip(rows, data.train, strict=True):
+        assert done["messages"] == [{"role": "user", "content": f"what is {raw['a']} + {raw['b']}?"}]
+        assert done["prompt"].endswith("assistant:") and done["answer"] == raw["answer"]
+
+
+def test_prompt_template_naming_a_missing_field_is_a_clear_error():
+    from gspo.config import ConfigError, DataConfig
+    from gspo.data import DataSplits, render_chat
+    from gspo.models import build_tokenizer
+
+    cfg = DataConfig(prompt_template="what is {x}?")
+    with pytest.raises(ConfigError, match=r"'x'.*row 0.*fields"):
+        render_chat(DataSplits(train=[{"prompt": "1+1=", "answer": "2"}], heldout=[]), cfg, build_tokenizer())

@@ -439,3 +439,13 @@ def test_runner_validates_timeout_and_workers() -> None:
     for workers in (0, 1.5, True):
         with pytest.raises(ValueError, match="workers"):
             RewardRunner({"addition": 1.0}, workers=workers)
+
+
+@pytest.mark.parametrize("completion, expected", [
+    ("57 + 58 = 115", 1.0), ("115", 1.0), ("The answer is 1,15.", 1.0), ("115 is wrong, it is 116", 0.0),
+    ("no number", 0.0), ("-115", 0.0), ("1150", 0.0),
+])
+def test_last_number_reward_reads_the_last_integer(completion, expected):
+    from gspo.rewards import REWARDS
+
+    assert REWARDS["last_number"]("q", completion, answer="115") == expected

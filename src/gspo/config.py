@@ -101,6 +101,9 @@ class DataConfig(_Section):
     # Prompts longer than this many tokens are skipped at load time (counted, logged, in summary.json). None: the
     # model's max_position_embeddings minus the tokens generated after the prompt (rollout or evaluation).
     max_prompt_tokens: int | None = Field(None, ge=1)
+    # A phrasing of every row's prompt from its fields, e.g. "What is {a} + {b}?" (applied before the chat template,
+    # gspo.data.chat.apply_prompt_template). None: the rows' own prompts.
+    prompt_template: str | None = Field(None, min_length=1)
     # Chat templates (gspo.data.chat.render_prompts): "auto" renders message-list prompts, "always" string ones too.
     chat: Literal["auto", "always", "never"] = "auto"
     # A system message put first in every rendered conversation that has none (None: no system message added).

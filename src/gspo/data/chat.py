@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from gspo.data.files import check_messages
 
-__all__ = ["CHAT_MODES", "render_chat", "render_prompts"]
+__all__ = ["CHAT_MODES", "apply_prompt_template", "render_chat", "render_prompts"]
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,8 @@ def _render(tokenizer: Any, messages: list[dict], template: str | None, kwargs: 
 
 def render_chat(data: Any, data_cfg: Any, tokenizer: Any) -> Any:
     """`data` (a `DataSplits`) with its training and held-out rows rendered by `render_prompts` as the config's data
-    section says (`data.chat`, `system_prompt`, `chat_template`, `chat_template_kwargs`). A render error (a row, a
+    section says (`data.prompt_template` first, then `chat`, `system_prompt`, `chat_template`,
+    `chat_template_kwargs`). A render error (a row, a
     template) is a ConfigError naming the key. Called once the tokenizer is loaded, before prompts are measured."""
     from dataclasses import replace
 
@@ -119,8 +120,27 @@ def render_chat(data: Any, data_cfg: Any, tokenizer: Any) -> Any:
 
     kwargs = dict(mode=data_cfg.chat, system_prompt=data_cfg.system_prompt, chat_template=data_cfg.chat_template,
                   template_kwargs=data_cfg.chat_template_kwargs)
+    template = getattr(data_cfg, "prompt_template", None)
     try:
-        return replace(data, train=render_prompts(data.train, tokenizer, where="training rows", **kwargs),
-                       heldout=render_prompts(data.heldout, tokenizer, where="held-out rows", **kwargs))
+        train, heldout = (apply_prompt_template(rows, template, where) if template else rows
+                          for rows, where in ((data.train, "training rows"), (data.heldout, "held-out rows")))
+        return replace(data, train=render_prompts(train, tokenizer, where="training rows", **kwargs),
+                       heldout=render_prompts(heldout, tokenizer, where="held-out rows", **kwargs))
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(f"data: {e}") from None
+
+
+def apply_prompt_template(rows: Sequence[Mapping[str, Any]], template: str, where: str = "data") -> list[dict]:
+    """New rows whose `prompt` is `template` filled in with the row's fields (`str.format`), e.g. "What is {a} + {b}?
+    Answer with just the number." for the addition task's rows: a phrasing for chat models without a new dataset.
+    A field the template names that a row lacks is an error naming it and the row's fields."""
+    out = []
+    for i, row in enumerate(rows):
+        try:
+            out.append({**row, "prompt": template.format(**row)})
+        except KeyError as e:
+            raise ValueError(f"{where}: data.prompt_template names the field {e.args[0]!r}, which row {i} does not "
+                             f"have (its fields: {sorted(row)})") from None
+        except (IndexError, ValueError) as e:
+            raise ValueError(f"data.prompt_template {template!r} is not a valid format string: {e}") from None
+    return out

@@ -56,11 +56,12 @@ def _check_addition(options: Mapping[str, int]) -> None:
 
 
 def _sample_addition(rng: random.Random, options: Mapping[str, int]) -> dict[str, Any]:
-    """`a+b=` with both operands uniform in [0, 10**digits); the answer and the solution are the sum."""
+    """`a+b=` with both operands uniform in [0, 10**digits) (also as fields `a`, `b`, for `data.prompt_template`);
+    the answer and the solution are the sum."""
     high = 10 ** options["digits"]
     a, b = rng.randrange(high), rng.randrange(high)
     total = str(a + b)
-    return {"prompt": f"{a}+{b}=", "answer": total, "solution": total}
+    return {"prompt": f"{a}+{b}=", "answer": total, "solution": total, "a": a, "b": b}
 
 
 # ---- countdown -------------------------------------------------------------------------------------------------------

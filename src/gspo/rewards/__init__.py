@@ -27,7 +27,13 @@ from typing import Any, Literal
 
 import torch
 
-from gspo.rewards.builtin import addition_reward, countdown_reward, math_reward, parse_arithmetic
+from gspo.rewards.builtin import (
+    addition_reward,
+    countdown_reward,
+    last_number_reward,
+    math_reward,
+    parse_arithmetic,
+)
 from gspo.rewards.code import code_reward
 from gspo.rewards.deadline import DeadlinePool, Outcome
 
@@ -41,6 +47,7 @@ __all__ = [
     "check_signature",
     "code_reward",
     "countdown_reward",
+    "last_number_reward",
     "math_reward",
     "parse_arithmetic",
     "resolve_reward",
@@ -54,6 +61,7 @@ REWARDS: dict[str, RewardFn] = {
     "addition": addition_reward,
     "code": code_reward,
     "countdown": countdown_reward,
+    "last_number": last_number_reward,
     "math": math_reward,
 }
 

@@ -42,6 +42,16 @@ def addition_reward(prompt: str, completion: str, **row: Any) -> float:
     return 1.0 if prefix is not None and prefix.group(0) == answer else 0.0
 
 
+def last_number_reward(prompt: str, completion: str, **row: Any) -> float:
+    """1.0 if the last integer in the completion equals the integer `row["answer"]`, else 0.0: for chat models that
+    answer in a sentence or an equation ("57 + 58 = 115" scores 1 for 115; "115 is wrong, it is 116" scores 0)."""
+    answer = str(_required(row, "answer", "last_number_reward")).strip()
+    if not _INTEGER.fullmatch(answer):
+        raise ValueError(f"last_number_reward needs an integer answer, got {answer!r}")
+    numbers = _INTEGER.findall(completion.replace(",", ""))
+    return 1.0 if numbers and int(numbers[-1]) == int(answer) else 0.0
+
+
 class _Parser:
     """Recursive-descent parser for `expr := term (('+'|'-') term)*`, `term := factor (('*'|'/') factor)*`,
     `factor := integer | '(' expr ')'`, evaluating exactly with fractions. Raises ValueError on any malformation."""
