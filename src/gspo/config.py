@@ -363,7 +363,7 @@ class GuardConfig(_Section):
     reward_drop: float = Field(0.5, gt=0, le=1)  # fraction of the best baseline reward the mean must lose
     entropy_factor: float = Field(2.0, gt=1)  # entropy below M / f or above M · f
     clip_jump: float = Field(0.25, gt=0, le=1)  # absolute rise of the clipped-token fraction
-    ratio_jump: float = Field(5.0, gt=1)  # factor on the baseline |log ratio_max| (and |log ratio_min|)
+    ratio_jump: float = Field(10.0, gt=1)  # factor on the baseline |log ratio_max| (and |log ratio_min|)
     lr_factor: float = Field(0.5, gt=0, lt=1)
     max_rollbacks: int = Field(2, ge=0)
 

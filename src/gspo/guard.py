@@ -45,7 +45,7 @@ class GuardSettings:
     reward_drop: float = 0.5
     entropy_factor: float = 2.0
     clip_jump: float = 0.25
-    ratio_jump: float = 5.0
+    ratio_jump: float = 10.0
 
 
 @dataclass
