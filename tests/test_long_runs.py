@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from conftest import DEMO, tiny_overrides
+from conftest import DEMO, SimulatedCrash, crash_after, safetensors_of, tiny_overrides
 from gspo.checkpoint import checkpoint_path, list_checkpoints
 from gspo.config import ConfigError, load_config
 from gspo.guard import CollapseGuard, GuardSettings, good_checkpoint
@@ -249,3 +249,22 @@ def test_dynamic_sampling_on_a_constant_reward_stops_with_a_clear_error(tmp_path
 def test_dynamic_sampling_is_refused_with_async_rollouts():
     with pytest.raises(ConfigError, match="dynamic_sampling"):
         load_config(DEMO, ["rollout.dynamic_sampling=true", "rollout.mode=async"])
+
+
+def test_dynamic_sampling_resumes_exactly(tmp_path, test_rewards):
+    """A run with dynamic sampling killed after step 3 and resumed from its step-2 checkpoint ends with the same
+    weights and metrics as an uninterrupted one: the extra rounds' prompts and seeds are functions of the step."""
+    extra = ["rewards.functions={addition: 1.0, varied: 0.5}", "rollout.dynamic_sampling=true", "trainer.steps=4",
+             "trainer.checkpoint_every=2", "trainer.device=cpu"]
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    train(load_config(DEMO, tiny_overrides(whole, *extra)))
+    cfg = load_config(DEMO, tiny_overrides(parts, *extra))
+    with pytest.raises(SimulatedCrash):
+        train(cfg, callbacks=[crash_after(3)])
+    train(cfg, resume=True)
+    a, b = safetensors_of(whole / "final"), safetensors_of(parts / "final")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    drop = ("tokens_per_second", "time_rollout", "time_update")
+    rows = [[{k: v for k, v in r.items() if k not in drop} for r in read_metrics(out / "metrics.jsonl")]
+            for out in (whole, parts)]
+    assert rows[0] == rows[1] and all("dynamic_rounds" in r for r in rows[0])

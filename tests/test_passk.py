@@ -247,3 +247,20 @@ def test_gspo_eval_validates_sampling_flags_before_loading_anything(tmp_path, ca
     assert main(["eval", str(missing), "--size", "2", *flags]) == 2
     err = capsys.readouterr().err
     assert named in err and str(missing) not in err
+
+
+def test_trainer_logs_heldout_pass_at_k_when_asked(tmp_path):
+    """trainer.eval_samples > 1: every evaluation logs pass@k for k = 1, 2, 4 and maj@k, pass@k non-decreasing in k."""
+    from conftest import DEMO, tiny_overrides
+    from gspo.config import load_config
+    from gspo.tracking import read_metrics
+    from gspo.trainer import train
+
+    out = tmp_path / "run"
+    train(load_config(DEMO, tiny_overrides(out, "trainer.steps=1", "trainer.eval_samples=4",
+                                           "trainer.eval_temperature=1.0")))
+    for record in read_metrics(out / "eval.jsonl"):
+        passes = [record[f"heldout_pass@{k}"] for k in (1, 2, 4)]
+        assert passes == sorted(passes) and "heldout_maj@4" in record
+        assert record["heldout_pass@1"] == pytest.approx(record["heldout_accuracy"])
+        assert record["heldout_pass@4_ci95_low"] <= record["heldout_pass@4"] <= record["heldout_pass@4_ci95_high"]

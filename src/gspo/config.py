@@ -380,6 +380,11 @@ class TrainerConfig(_Section):
     out: str = "runs/gspo"
     eval_every: int = Field(10, ge=0)
     eval_max_new_tokens: int | None = Field(None, ge=1)
+    # Held-out pass@k: sample this many completions per row at eval_temperature and log pass@k (unbiased estimator)
+    # and maj@k for k = 1, 2, 4, ..., eval_samples besides `heldout_accuracy` (then the mean per-sample accuracy).
+    # 1: greedy decoding, as before.
+    eval_samples: int = Field(1, ge=1)
+    eval_temperature: float = Field(1.0, gt=0)
     checkpoint_every: int = Field(50, ge=0)
     keep_checkpoints: int = Field(2, ge=1)
     threads: int | None = Field(None, ge=1)

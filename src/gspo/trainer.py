@@ -454,12 +454,19 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
     evals, samples = ([r for r in read_metrics(out / name) if r["step"] <= start]
                       if start > 0 and (out / name).exists() else [] for name in ("eval.jsonl", "samples.jsonl"))
 
+    n_eval = cfg.trainer.eval_samples  # > 1: sampled evaluation with pass@k / maj@k (gspo.evaluation)
+    sampled_eval = {} if n_eval == 1 else {
+        "samples_per_prompt": n_eval, "temperature": cfg.trainer.eval_temperature, "seed": cfg.trainer.seed,
+        "ks": sorted({*(2 ** i for i in range(n_eval.bit_length()) if 2 ** i <= n_eval), n_eval})}
+
     def run_eval(step: int) -> dict[str, float]:
         shown: list[dict] = []
         scores = group.evaluate(lambda part: evaluate(
             model, tokenizer, part, rewards, eval_tokens, sampler=engine, accuracy_reward=cfg.rewards.accuracy_reward,
-            accuracy_threshold=cfg.rewards.accuracy_threshold, samples=shown, n_samples=cfg.log.samples),
-            eval_rows, after=lambda: rewards.sync_counts(group.all_sum))  # rank 0 has the first rows: its samples
+            accuracy_threshold=cfg.rewards.accuracy_threshold, samples=shown, n_samples=cfg.log.samples,
+            **sampled_eval), eval_rows, after=lambda: rewards.sync_counts(group.all_sum))  # rank 0: the first rows
+        if group.enabled:  # row-weighted means are right for pass@k and maj@k, not for the interval bounds
+            scores = {k: v for k, v in scores.items() if "_ci95_" not in k}
         result = {f"heldout_{k}": v for k, v in scores.items()}
         evals.append({"step": step, **result})
         if logger is not None:
