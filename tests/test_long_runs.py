@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from conftest import DEMO, SimulatedCrash, crash_after, safetensors_of, tiny_overrides
+from conftest import DEMO, SimulatedCrash, crash_after, safetensors_of, tiny_overrides, varied_reward
 from gspo.checkpoint import checkpoint_path, list_checkpoints
 from gspo.config import ConfigError, load_config
 from gspo.guard import CollapseGuard, GuardSettings, good_checkpoint
@@ -251,9 +251,10 @@ def test_dynamic_sampling_is_refused_with_async_rollouts():
         load_config(DEMO, ["rollout.dynamic_sampling=true", "rollout.mode=async"])
 
 
-def test_dynamic_sampling_resumes_exactly(tmp_path, test_rewards):
+def test_dynamic_sampling_resumes_exactly(tmp_path, monkeypatch):
     """A run with dynamic sampling killed after step 3 and resumed from its step-2 checkpoint ends with the same
     weights and metrics as an uninterrupted one: the extra rounds' prompts and seeds are functions of the step."""
+    monkeypatch.setitem(REWARDS, "varied", varied_reward)  # per test: the registry stays as the other tests expect
     extra = ["rewards.functions={addition: 1.0, varied: 0.5}", "rollout.dynamic_sampling=true", "trainer.steps=4",
              "trainer.checkpoint_every=2", "trainer.device=cpu"]
     whole, parts = tmp_path / "whole", tmp_path / "parts"

@@ -274,12 +274,14 @@ def test_final_adapter_and_merged_model_load_back(tmp_path, kind):
     assert not (tmp_path / "plain" / "merged").exists()
 
 
-def test_trainer_runs_lora_and_writes_an_adapter_and_a_merged_model(tmp_path, test_rewards):
+def test_trainer_runs_lora_and_writes_an_adapter_and_a_merged_model(tmp_path, monkeypatch):
     """`model.lora` in a training run: only adapters train, final/ is a peft adapter folder with the merged model in
     final/merged (loadable by gspo), and a resume continues from the adapter checkpoint."""
-    from conftest import DEMO, tiny_overrides
+    from conftest import DEMO, tiny_overrides, varied_reward
+    from gspo.rewards import REWARDS
     from gspo.trainer import train
 
+    monkeypatch.setitem(REWARDS, "varied", varied_reward)  # per test: the registry stays as the other tests expect
     out = tmp_path / "run"
     overrides = tiny_overrides(out, "model.lora={r: 4, alpha: 8, merged_final: true}", "trainer.checkpoint_every=1",
                                "rewards.functions={addition: 1.0, varied: 0.5}", "trainer.steps=2", "optim.lr=1e-2")

@@ -184,7 +184,7 @@ def user_module(tmp_path, monkeypatch) -> str:
 
 
 def test_resolve_registry_names() -> None:
-    assert set(REWARDS) == {"addition", "code", "countdown", "math"}
+    assert set(REWARDS) == {"addition", "code", "countdown", "last_number", "math"}
     for name, fn in REWARDS.items():
         assert resolve_reward(name) is fn
     assert resolve_reward("gspo.rewards.builtin:addition_reward") is addition_reward
@@ -199,7 +199,8 @@ def test_resolve_import_paths(user_module: str) -> None:
 
 
 def test_resolve_errors(user_module: str) -> None:
-    with pytest.raises(ValueError, match=r"unknown reward 'adition'.*\['addition', 'code', 'countdown', 'math'\]"):
+    known = r"\['addition', 'code', 'countdown', 'last_number', 'math'\]"
+    with pytest.raises(ValueError, match=r"unknown reward 'adition'.*" + known):
         resolve_reward("adition")
     with pytest.raises(ValueError, match=r"'gspo_test_broken_rewards:f'.*ModuleNotFoundError.*module_that_does_not"):
         resolve_reward("gspo_test_broken_rewards:f")

@@ -258,6 +258,15 @@ def _check_local_model_dir(path: Path, shown: str) -> None:
             raise PermissionError(f"{name} in model directory {shown!r} cannot be read: permission denied") from None
 
 
+def _is_adapter_folder(path: Path) -> bool:
+    """A peft adapter folder (adapter_config.json, no config.json); an unreadable folder is not (the model-folder
+    checks then say what cannot be read)."""
+    try:
+        return (path / "adapter_config.json").is_file() and not (path / "config.json").exists()
+    except OSError:
+        return False
+
+
 def _load_adapter_folder(path: Path, **kwargs) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A peft LoRA adapter folder (a LoRA run's OUT/final): its base model (adapter_config.json's
     `base_model_name_or_path`, loaded by `load_model`) with the adapters merged in, and the folder's tokenizer."""
@@ -307,7 +316,7 @@ def load_model(
     path = Path(name_or_path).expanduser()
     is_local = path.exists() or _looks_like_local_path(name_or_path)
     source = str(path) if is_local else name_or_path
-    if is_local and (path / "adapter_config.json").is_file() and not (path / "config.json").exists():
+    if is_local and _is_adapter_folder(path):
         return _load_adapter_folder(path, dtype=dtype, trust_remote_code=trust_remote_code, seed=seed)
     if is_local:
         _check_local_model_dir(path, name_or_path)
