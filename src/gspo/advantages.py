@@ -53,3 +53,35 @@ def group_advantages(
     else:
         adv = centred
     return torch.where(flat, torch.zeros_like(adv), adv).flatten()
+
+
+def turn_advantages(token_rewards: torch.Tensor, loss_mask: torch.Tensor, group_size: int, scale: Scale = "group",
+                    eps: float = 1e-6) -> torch.Tensor:
+    """Per-token advantages Â_{i,t} of a multi-turn episode, for GSPO-token (Eq. 13/14) and the token-advantage
+    objectives: the group-normalised reward-to-go (this library's choice; the paper leaves Â_{i,t} open)
+
+        Â_{i,t} = (G_{i,t} − mean_j R_j) / std_j R_j,   G_{i,t} = Σ_{t' ≥ t} r_{i,t'},   R_j = G_{j,0}
+
+    with `token_rewards` r [N, T] (each turn's reward on its last policy token, the final answer's on the episode's
+    last), the mean and sample std over the episode returns R of the group, scaled as `group_advantages` says.
+    A token is credited with the rewards of its own turn and the turns after it, not those before: the episode's
+    first turn gets exactly Eq. 6's Â_i, and when only the final answer is rewarded every token gets Â_i (GSPO-token
+    then equals GSPO, as the paper notes). A group whose returns are all equal is not rescaled (std 1), so its later
+    turns keep the credit of their own rewards. 0 off `loss_mask`. Returns [N, T] float."""
+    if token_rewards.shape != loss_mask.shape or token_rewards.dim() != 2:
+        raise ValueError(f"token_rewards {tuple(token_rewards.shape)} and loss_mask {tuple(loss_mask.shape)} must be "
+                         "the same [N, T] shape")
+    returns = _grouped(token_rewards.sum(-1), group_size)  # [P, G]; also validates finiteness and grouping
+    if scale not in ("group", "batch", "none"):
+        raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
+    to_go = token_rewards.to(returns.dtype).flip(-1).cumsum(-1).flip(-1).view(returns.shape[0], group_size, -1)
+    centred = to_go - returns.mean(-1, keepdim=True)[..., None]
+    if scale == "group":
+        std = returns.std(-1, keepdim=True, correction=1)
+        std = torch.where(std <= eps, torch.ones_like(std), std)[..., None]
+    elif scale == "batch":
+        std = returns.flatten().std(correction=1)
+        std = std if std > eps else torch.ones_like(std)
+    else:
+        std = torch.ones(())
+    return (centred / std).view_as(token_rewards) * loss_mask.to(returns.dtype)

@@ -257,6 +257,43 @@ class RolloutConfig(_Section):
         return self
 
 
+class EnvConfig(_Section):
+    """Multi-turn episodes (`gspo.agent`): the policy acts turn by turn in an environment, e.g. calling tools, and is
+    trained on its own tokens only (observation tokens have loss mask 0). `name: tools` is tool use (`ToolEnv`) with
+    `tools` (built-in names or `package.module:function`) whose calls are found by `parser`; any other name is an
+    import path `package.module:factory` of your own environment, called with `options`. `rollout.max_new_tokens` is
+    then the budget of one policy turn; `max_tokens` bounds a whole episode's response (policy and observation
+    tokens). The run's reward functions score the final reply; the environment may add per-turn rewards, which
+    objectives that take per-token advantages (gspo_token, grpo, ...) credit per turn (`turn_credit`,
+    gspo.advantages.turn_advantages)."""
+
+    name: str = "tools"
+    tools: list[str] = Field(default_factory=lambda: ["calc"])
+    parser: Literal["hermes", "call"] = "hermes"
+    options: dict[str, Any] = Field(default_factory=dict)
+    max_turns: int = Field(4, ge=1)
+    max_tokens: int = Field(256, ge=2)
+    max_calls_per_turn: int = Field(4, ge=1)
+    max_observation_chars: int = Field(2000, ge=1)  # a tool's output beyond this is cut (with a note)
+    tool_timeout_s: float = Field(10.0, gt=0, allow_inf_nan=False)  # one turn's tool calls of an episode together
+    step_timeout_s: float = Field(60.0, gt=0, allow_inf_nan=False)  # one turn's environment steps, all episodes
+    workers: int = Field(4, ge=1)  # environment steps (and tool calls) run at once
+    invalid_call_reward: float = Field(0.0, allow_inf_nan=False)  # a turn whose call is malformed
+    tool_error_reward: float = Field(0.0, allow_inf_nan=False)  # per call that raised, timed out or returned non-text
+    turn_credit: bool = True  # per-token (reward-to-go) advantages for objectives that take them; False: Eq. 6's Â_i
+
+    @model_validator(mode="after")
+    def _known(self) -> EnvConfig:
+        if self.name != "tools" and ":" not in self.name and "." not in self.name:
+            raise ValueError(f"env.name must be 'tools' or an import path 'package.module:factory', got {self.name!r}")
+        if self.name == "tools" and not self.tools:
+            raise ValueError("env.tools must name at least one tool for env.name=tools")
+        if self.name != "tools" and "tools" in self.model_fields_set:
+            raise ValueError("env.tools are for env.name=tools; a custom environment takes its settings from "
+                             "env.options")
+        return self
+
+
 class AlgorithmConfig(_Section):
     """The objective and how the rollout batch is used. eps_* default to the objective's paper values."""
 
@@ -415,6 +452,7 @@ class Config(_Section):
     data: DataConfig = Field(default_factory=DataConfig)
     rewards: RewardConfig = Field(default_factory=RewardConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    env: EnvConfig | None = None  # multi-turn episodes (None: one completion per prompt)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     log: LogConfig = Field(default_factory=LogConfig)
@@ -472,6 +510,16 @@ def _check_scaling(cfg: Config) -> None:
     if ro.dynamic_sampling and ro.mode == "async":
         raise ValueError("rollout.dynamic_sampling runs in the synchronous collect; with rollout.mode=async the "
                          "workers' batches are trained as they come: use one of the two")
+    if cfg.env is not None:
+        if ro.mode == "async":
+            raise ValueError("env (multi-turn episodes) runs in the synchronous collect; rollout.mode=async is not "
+                             "supported with it yet (use rollout.mode=sync)")
+        if cfg.rewards.overlong_buffer is not None:
+            raise ValueError("rewards.overlong_buffer shapes single-turn completions; with env, limit episodes with "
+                             "env.max_tokens / env.max_turns (rollout.overlong_filter drops truncated episodes)")
+        if ro.max_new_tokens > cfg.env.max_tokens:
+            raise ValueError(f"rollout.max_new_tokens={ro.max_new_tokens} (one policy turn) exceeds env.max_tokens="
+                             f"{cfg.env.max_tokens} (a whole episode's response)")
     if tr.mixed_precision is not None and cfg.model.dtype != "float32":
         raise ValueError(f"trainer.mixed_precision={tr.mixed_precision} computes in low precision over float32 "
                          f"weights: it needs model.dtype=float32, not {cfg.model.dtype}")

@@ -91,7 +91,7 @@ def evaluate(model, tokenizer, rows: list[dict], rewards: RewardRunner, max_new_
              accuracy_threshold: float = 1.0, samples: list[dict] | None = None,
              n_samples: int = 0, *, samples_per_prompt: int = 1, temperature: float = 1.0, top_p: float = 1.0,
              ks: Sequence[int] = (1,), seed: int = 0,
-             answer_of: Callable[[str], Hashable | None] = vote_answer) -> dict[str, float]:
+             answer_of: Callable[[str], Hashable | None] = vote_answer, episodes=None) -> dict[str, float]:
     """Greedy decoding on `rows`, scored by `rewards`. Returns row means: `accuracy` (the fraction solved: the
     unweighted value of `accuracy_reward` (default: the only function, or the only built-in verifier) is at least
     `accuracy_threshold`, so other rewards' weights do not change it), `reward_mean` (the weighted sum),
@@ -113,7 +113,11 @@ def evaluate(model, tokenizer, rows: list[dict], rewards: RewardRunner, max_new_
 
     The interval keys are not row means: a caller that evaluates shards of the rows separately (several processes)
     must not average them; recompute them with `mean_ci95` from every row's `pass_at_k` instead. Such a caller also
-    draws other completions than one call on all the rows would: i is a row's position in the `rows` given."""
+    draws other completions than one call on all the rows would: i is a row's position in the `rows` given.
+
+    `episodes` (a `gspo.agent.EpisodeRunner`): each row is a multi-turn episode instead (`max_new_tokens` per policy
+    turn); the rewards score its final reply, `reward_mean` adds the environment's turn rewards, the result adds the
+    episode and tool-use rates (`gspo.agent.episodes.count_metrics`), and samples carry the whole `transcript`."""
     n = samples_per_prompt
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"evaluate: samples_per_prompt must be an int >= 1, got {n!r}")
@@ -128,16 +132,21 @@ def evaluate(model, tokenizer, rows: list[dict], rewards: RewardRunner, max_new_
     sampler = sampler or HFSampler(model, tokenizer, params)
     accuracy_reward = resolve_accuracy_reward(rewards.names, accuracy_reward, key="evaluate(accuracy_reward=...)")
     per_call = batch_size if n == 1 else max(1, batch_size // n)
-    scores, correct, failed, lengths, truncated, answers = [], [], [], [], [], []
+    scores, correct, failed, lengths, truncated, answers, counts = [], [], [], [], [], [], []
     for start in range(0, len(rows), per_call):
         chunk = rows[start:start + per_call]
         prompts = [r["prompt"] for r in chunk]
         seeds = [0] * len(prompts) if n == 1 else [seed * _SEED_MIX + start + i for i in range(len(chunk))]
-        batch = sampler.generate(prompts, n, seeds, params=params)
+        if episodes is not None:
+            batch = episodes.run(chunk, n, seeds, params)
+            counts.append(batch.extras["episode"].cpu())
+        else:
+            batch = sampler.generate(prompts, n, seeds, params=params)
         # completion j answers prompt j // n (prompt-major)
         scored = rewards.score([p for p in prompts for _ in range(n)], batch.completions,
                                [r for r in chunk for _ in range(n)])
-        scores.append(scored.total)
+        turns = 0.0 if batch.token_rewards is None else batch.token_rewards.sum(-1).cpu()
+        scores.append(scored.total + turns)
         correct.append(scored.correct(accuracy_reward, accuracy_threshold))
         failed.append(scored.rows_failed())
         lengths.append(batch.completion_mask.sum(-1).float().cpu())
@@ -147,8 +156,9 @@ def evaluate(model, tokenizer, rows: list[dict], rewards: RewardRunner, max_new_
         if samples is not None and len(samples) < n_samples:
             for i in range(min(n_samples - len(samples), len(chunk))):
                 samples.append({"prompt": prompts[i], "completion": batch.completions[i * n],
-                                "reward": float(scored.total[i * n]), "correct": bool(correct[-1][i * n]),
-                                **({"answer": chunk[i]["answer"]} if "answer" in chunk[i] else {})})
+                                "reward": float(scores[-1][i * n]), "correct": bool(correct[-1][i * n]),
+                                **({"answer": chunk[i]["answer"]} if "answer" in chunk[i] else {}),
+                                **({"transcript": _transcript(tokenizer, batch, i * n)} if episodes else {})})
     result = {
         "accuracy": float(torch.cat(correct).float().mean()),
         "reward_mean": float(torch.cat(scores).mean()),
@@ -156,9 +166,18 @@ def evaluate(model, tokenizer, rows: list[dict], rewards: RewardRunner, max_new_
         "response_length": float(torch.cat(lengths).mean()),
         "truncation_rate": float(torch.cat(truncated).mean()),
     }
+    if counts:
+        from gspo.agent.episodes import count_metrics
+
+        result.update(count_metrics(torch.cat(counts), batch.extras["episode_keys"]))
     if n > 1:
         result.update(_pass_and_majority(torch.cat(correct).view(-1, n).tolist(), answers, ks))
     return result
+
+
+def _transcript(tokenizer, batch, i: int) -> str:
+    """Row i's whole response (policy turns and observations) as text."""
+    return tokenizer.decode(batch.completion_ids[i][batch.completion_mask[i].bool()].tolist(), skip_special_tokens=True)
 
 
 def _pass_and_majority(correct: list[list[bool]], answers: list[Hashable | None],

@@ -18,6 +18,8 @@ from torch import nn
 if TYPE_CHECKING:
     from gspo.config import Config
 
+from gspo.agent import run_chat_format
+from gspo.agent.episodes import ChatFormat, encode_demonstration
 from gspo.logprobs import completion_logprobs
 from gspo.models import load_model, resolve_dtype, save_model
 from gspo.optim import make_optimizer
@@ -29,17 +31,28 @@ log = logging.getLogger(__name__)
 
 
 def encode_pairs(
-    tokenizer, prompts: list[str], completions: list[str], add_eos: bool = True
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Tokenize (prompt, completion) pairs: prompts left-padded, completions right-padded with EOS appended.
-    Returns prompt_ids, prompt_mask [N, S] and completion_ids, completion_mask [N, T]."""
+    tokenizer, prompts: list[str], completions: list[str | list[dict]], fmt: ChatFormat | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tokenize (prompt, demonstration) pairs: prompts left-padded, demonstrations right-padded. A demonstration is
+    a completion string (EOS appended, every token trained) or a multi-turn episode as messages (assistant turns and
+    the tool / user messages between them, laid out as the episode driver lays out episodes by `fmt`, default the
+    tokenizer's chat template; only the assistant turns trained: `gspo.agent.encode_demonstration`).
+    Returns prompt_ids, prompt_mask [N, S], completion_ids, completion_mask [N, T] and the loss mask [N, T]."""
     pad = tokenizer.pad_token_id
     p_ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-    c_ids = [tokenizer.encode(c, add_special_tokens=False) + ([tokenizer.eos_token_id] if add_eos else [])
-             for c in completions]
+    c_ids, l_ids = [], []
+    for c in completions:
+        if isinstance(c, str):
+            c_ids.append([*tokenizer.encode(c, add_special_tokens=False), tokenizer.eos_token_id])
+            l_ids.append([1] * len(c_ids[-1]))
+        else:
+            fmt = fmt or ChatFormat(tokenizer)
+            ids, loss = encode_demonstration(fmt, c)
+            c_ids.append(ids)
+            l_ids.append(loss)
     prompt_ids, prompt_mask = pad_left(p_ids, pad)
     completion_ids, completion_mask = pad_right(c_ids, pad)
-    return prompt_ids, prompt_mask, completion_ids, completion_mask
+    return prompt_ids, prompt_mask, completion_ids, completion_mask, pad_right(l_ids, 0)[0]
 
 
 def sft(
@@ -56,6 +69,7 @@ def sft(
     target_loss: float | None = None,
     progress: bool = True,
     mixed_precision: str | None = None,
+    chat_format: ChatFormat | None = None,
 ) -> list[float]:
     """Minimise the token-mean negative log-likelihood of `row[solution_field]` + EOS given `row["prompt"]`, for
     `steps` AdamW steps on random batches, or until a running mean of the loss reaches `target_loss` (after
@@ -65,12 +79,23 @@ def sft(
     through a sharp transition whose step varies widely with the seed, so a fixed step budget leaves some seeds
     with nothing for RL to sharpen and others with nothing left to learn.
 
+    A row's solution may also be a multi-turn demonstration (a list of messages, see `encode_pairs`), laid out by
+    `chat_format` (default: the tokenizer's chat template), of which only the assistant turns are trained.
+
     `mixed_precision` ("bfloat16"): forwards and backwards under torch.autocast over the float32 weights.
     Runs on the model's device (CPU or a GPU)."""
-    missing = [i for i, r in enumerate(rows) if not isinstance(r.get(solution_field), str)]
+    missing = [i for i, r in enumerate(rows) if not isinstance(r.get(solution_field), (str, list))]
     if missing:
-        raise ValueError(f"cold-start SFT needs a string {solution_field!r} in every row; row {missing[0]} has none "
-                         f"({len(missing)} rows in total)")
+        raise ValueError(f"cold-start SFT needs a {solution_field!r} in every row (a string, or a list of messages "
+                         f"for a multi-turn demonstration); row {missing[0]} has none ({len(missing)} rows in total)")
+    if any(isinstance(r[solution_field], list) for r in rows):  # a malformed demonstration fails here, not mid-run
+        chat_format = chat_format or ChatFormat(tokenizer)
+        for i, r in enumerate(rows):
+            if isinstance(r[solution_field], list):
+                try:
+                    encode_demonstration(chat_format, r[solution_field])
+                except ValueError as exc:
+                    raise ValueError(f"cold-start SFT: row {i}'s {solution_field!r}: {exc}") from None
     from tqdm.auto import tqdm
 
     optimizer, scheduler = make_optimizer(model, lr, steps, warmup_steps=warmup_steps, min_lr_ratio=0.0)
@@ -85,11 +110,11 @@ def sft(
     bar = tqdm(range(steps), desc="cold-start SFT", disable=None if progress else True, leave=False)
     for _ in bar:
         batch = [rows[rng.randrange(len(rows))] for _ in range(batch_size)]
-        enc = tuple(t.to(device) for t in encode_pairs(tokenizer, [r["prompt"] for r in batch],
-                                                       [r[solution_field] for r in batch]))
+        *enc, mask = (t.to(device) for t in encode_pairs(tokenizer, [r["prompt"] for r in batch],
+                                                          [r[solution_field] for r in batch], chat_format))
         with amp():
             logprobs, _ = completion_logprobs(model, *enc, trim_padding=True)  # no routing capture: skip padding
-        mask = enc[3].bool()
+        mask = mask.bool()
         loss = -logprobs[mask].mean()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -117,7 +142,8 @@ def cold_start(cfg: Config, out: Path, model: nn.Module, tokenizer, train_rows: 
     cs = cfg.cold_start
     losses = sft(model, tokenizer, train_rows, steps=cs.steps, batch_size=cs.batch_size, lr=cs.lr,
                  warmup_steps=cs.warmup_steps, seed=derive_seed(cfg.trainer.seed, "sft"),
-                 target_loss=cs.target_loss, progress=cfg.log.progress, mixed_precision=cfg.trainer.mixed_precision)
+                 target_loss=cs.target_loss, progress=cfg.log.progress, mixed_precision=cfg.trainer.mixed_precision,
+                 chat_format=run_chat_format(cfg, tokenizer))
     info = {"steps": len(losses), "final_loss": sum(losses[-20:]) / len(losses[-20:])}
     log.info("cold-start SFT: %d steps, final loss %.3f", info["steps"], info["final_loss"])
     tmp = out / "cold_start.tmp"

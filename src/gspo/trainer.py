@@ -36,7 +36,8 @@ import torch
 import yaml
 from torch import nn
 
-from gspo.advantages import group_advantages, zero_variance_groups
+from gspo.advantages import group_advantages, turn_advantages, zero_variance_groups
+from gspo.agent import EpisodeRunner, build_env, episode_metrics, make_episode_runner
 from gspo.checkpoint import checkpoint_path, find_latest_checkpoint, list_checkpoints, set_seed
 from gspo.config import Config, ConfigError, config_to_dict
 from gspo.data import load_data, render_chat
@@ -115,6 +116,7 @@ class RLStep:
     hooks: Sequence[LearnHook] = ()  # `default_hooks`: MoE routing, precision diagnostics
     group: ProcessGroup = field(default_factory=ProcessGroup)  # the processes of a torchrun run (one: no-ops)
     rollouts: AsyncRollouts | None = None  # rollout.mode async: the worker processes that generate the batches
+    episodes: EpisodeRunner | None = None  # env: multi-turn episodes on `engine` instead of one completion per prompt
 
 
 @dataclass
@@ -123,7 +125,7 @@ class Collected:
 
     traj: Trajectory
     rewards: torch.Tensor  # [N] weighted reward sums (with the overlong penalty, if configured)
-    advantages: torch.Tensor  # [N] Â_i of Eq. 6
+    advantages: torch.Tensor  # [N] Â_i of Eq. 6, or [N, T] per-token advantages (multi-turn, token-level objectives)
     reward_stats: dict[str, float]  # per-function means (`reward/...`), failure counts, `solved`
     seconds: float  # sampling time of this process (the rollout phase)
     sampled_rewards: torch.Tensor | None = None  # [M] every completion sampled this step (dynamic sampling: M ≥ N)
@@ -145,7 +147,8 @@ def learn_settings(cfg: Config) -> LearnSettings:
                                   mask_bounds=algo.mask_bounds)
     return LearnSettings(objective=OBJECTIVES[algo.loss], eps_low=algo.eps_low, eps_high=algo.eps_high,
                          old_logprobs=algo.old_logprobs, temperature=cfg.rollout.temperature,
-                         max_new_tokens=cfg.rollout.max_new_tokens, kl_beta=algo.kl_beta, grad_clip=cfg.optim.grad_clip,
+                         max_new_tokens=cfg.env.max_tokens if cfg.env else cfg.rollout.max_new_tokens,
+                         kl_beta=algo.kl_beta, grad_clip=cfg.optim.grad_clip,
                          mixed_precision=cfg.trainer.mixed_precision, mismatch=mismatch)
 
 
@@ -169,7 +172,11 @@ def collect(step: int, train_rows: list[dict], ctx: RLStep) -> Collected:
         batch = _sample(rows, seeds, ctx)
         if ro.dynamic_sampling:
             batch = _keep_informative(step, train_rows, batch, ctx)
-    batch.advantages = group_advantages(batch.rewards, ro.group_size, scale=cfg.algorithm.advantage_scale)
+    scale, traj = cfg.algorithm.advantage_scale, batch.traj
+    if cfg.env is not None and cfg.env.turn_credit and OBJECTIVES[cfg.algorithm.loss].token_advantages:
+        batch.advantages = turn_advantages(traj.token_rewards, traj.loss_mask, ro.group_size, scale=scale)
+    else:
+        batch.advantages = group_advantages(batch.rewards, ro.group_size, scale=scale)
     if ro.overlong_filter:  # after the advantages: a truncated completion still counts in its group's baseline
         traj = batch.traj
         batch.traj = replace(traj, loss_mask=traj.loss_mask * ~traj.truncated[:, None].to(traj.loss_mask.device))
@@ -184,12 +191,19 @@ def _sample(rows: list[dict], seeds: list[int], ctx: RLStep) -> Collected:
     t0 = time.perf_counter()
     mine = group.shard(len(rows))  # this process's prompts (whole groups; all of them in a one-process run)
     # On the trainer's device whatever the engine's (vLLM returns CPU tensors; the learner needs them by the model).
-    traj = ctx.engine.generate([r["prompt"] for r in rows[mine]], ro.group_size, seeds[mine]).to(group.device)
+    if ctx.episodes is not None:
+        traj = ctx.episodes.run(rows[mine], ro.group_size, seeds[mine]).to(group.device)
+    else:
+        traj = ctx.engine.generate([r["prompt"] for r in rows[mine]], ro.group_size, seeds[mine]).to(group.device)
     ctx.engine.release()  # e.g. an own-copy engine frees its copy until the sync
     seconds = time.perf_counter() - t0
 
     total, stats = ctx.rewards.score_rollouts(rows[mine], traj.prompt_index, traj.completions,
                                               cfg.rewards.accuracy_reward, cfg.rewards.accuracy_threshold)
+    if traj.token_rewards is not None:  # an episode: the final reply's reward on its last policy token, plus the turns'
+        last = traj.loss_mask.shape[1] - 1 - traj.loss_mask.flip(-1).argmax(-1)
+        traj.token_rewards[torch.arange(len(traj)), last] += total.to(traj.token_rewards)
+        total = traj.token_rewards.sum(-1)
     total, stats = add_overlong_penalty(total, stats, traj.completion_mask.sum(-1), ro.max_new_tokens,
                                         cfg.rewards.overlong_buffer, cfg.rewards.overlong_penalty)
     if group.enabled:  # `solved` is a count: summed over processes
@@ -279,7 +293,7 @@ def rl_step(step: int, model: nn.Module, optimizer, scheduler, train_rows: list[
     t_total = time.perf_counter() - t0
 
     lengths = traj.completion_mask.sum(-1).float()
-    stats = dict(batch.reward_stats)
+    stats = {**batch.reward_stats, **episode_metrics(traj)}
     sampled = batch.sampled_rewards  # every completion of the step (before dynamic sampling's filter)
     return {
         "reward_mean": float(sampled.mean()),
@@ -361,6 +375,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
     rewards = RewardRunner(cfg.rewards.functions, on_error=cfg.rewards.on_error, timeout_s=cfg.rewards.timeout_s,
                            workers=cfg.rewards.workers)
     rewards.check_rows(data.train)
+    make_env, tool_schemas = build_env(cfg)  # env: one environment per episode, the tools the template describes
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
     elif cfg.rollout.mode == "async":  # the rollout workers' threads are taken from the learner's
@@ -370,15 +385,17 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
     model, tokenizer = load_model(cfg.model.name, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code,
                                   seed=cfg.trainer.seed)
     _model_checks(cfg, model, group)
-    data = render_chat(data, cfg.data, tokenizer)  # message prompts → the model's chat template (gspo.data.chat)
+    # message prompts → the model's chat template (gspo.data.chat), with the tools' schemas for tool use
+    data = render_chat(data, cfg.data, tokenizer, tools=tool_schemas)
     ro = cfg.rollout
     eval_tokens = cfg.trainer.eval_max_new_tokens or ro.max_new_tokens
-    train_rows, skipped_train = drop_long_prompts(data.train, tokenizer,
-                                                  prompt_token_limit(cfg, model, ro.max_new_tokens), "training")
+    train_rows, skipped_train = drop_long_prompts(data.train, tokenizer, prompt_token_limit(
+        cfg, model, cfg.env.max_tokens if cfg.env else ro.max_new_tokens), "training")
     eval_rows, skipped_eval = [], 0
     if data.heldout:
         eval_rows, skipped_eval = drop_long_prompts(data.heldout, tokenizer,
-                                                    prompt_token_limit(cfg, model, eval_tokens), "held-out")
+                                                    prompt_token_limit(cfg, model, cfg.env.max_tokens if cfg.env
+                                                                       else eval_tokens), "held-out")
     heldout_source = {**data.heldout_source, "rows": len(eval_rows)} if eval_rows else {"kind": "none"}
     unknown = {"train": unknown_character_rows(tokenizer, train_rows, "training",
                                                ("prompt", "solution") if cfg.cold_start else ("prompt",)),
@@ -439,7 +456,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
                                      if k in state})
 
     rollouts = start_rollouts(start, state)
-    ctx = RLStep(cfg, engine, rewards, ref_model, default_hooks(cfg, model), group, rollouts)
+    episodes = make_episode_runner(cfg, engine, tokenizer, make_env) if make_env is not None else None
+    ctx = RLStep(cfg, engine, rewards, ref_model, default_hooks(cfg, model), group, rollouts, episodes)
     gc = cfg.trainer.guard
     guard = CollapseGuard(GuardSettings(window=gc.window, warmup=gc.warmup, patience=gc.patience, z=gc.z,
                                         reward_drop=gc.reward_drop, entropy_factor=gc.entropy_factor,
@@ -462,9 +480,10 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
     def run_eval(step: int) -> dict[str, float]:
         shown: list[dict] = []
         scores = group.evaluate(lambda part: evaluate(
-            model, tokenizer, part, rewards, eval_tokens, sampler=engine, accuracy_reward=cfg.rewards.accuracy_reward,
-            accuracy_threshold=cfg.rewards.accuracy_threshold, samples=shown, n_samples=cfg.log.samples,
-            **sampled_eval), eval_rows, after=lambda: rewards.sync_counts(group.all_sum))  # rank 0: the first rows
+            model, tokenizer, part, rewards, eval_tokens, sampler=engine, episodes=episodes,
+            accuracy_reward=cfg.rewards.accuracy_reward, accuracy_threshold=cfg.rewards.accuracy_threshold,
+            samples=shown, n_samples=cfg.log.samples, **sampled_eval), eval_rows,
+            after=lambda: rewards.sync_counts(group.all_sum))  # rank 0: the first rows
         if group.enabled:  # row-weighted means are right for pass@k and maj@k, not for the interval bounds
             scores = {k: v for k, v in scores.items() if "_ci95_" not in k}
         result = {f"heldout_{k}": v for k, v in scores.items()}

@@ -109,17 +109,18 @@ def _render(tokenizer: Any, messages: list[dict], template: str | None, kwargs: 
     return text
 
 
-def render_chat(data: Any, data_cfg: Any, tokenizer: Any) -> Any:
+def render_chat(data: Any, data_cfg: Any, tokenizer: Any, tools: list[dict] | None = None) -> Any:
     """`data` (a `DataSplits`) with its training and held-out rows rendered by `render_prompts` as the config's data
     section says (`data.prompt_template` first, then `chat`, `system_prompt`, `chat_template`,
-    `chat_template_kwargs`). A render error (a row, a
-    template) is a ConfigError naming the key. Called once the tokenizer is loaded, before prompts are measured."""
+    `chat_template_kwargs`), with `tools` (JSON schemas, `gspo.agent`) passed to the template as `tools` so that it
+    describes them to the model. A render error (a row, a template) is a ConfigError naming the key. Called once the
+    tokenizer is loaded, before prompts are measured."""
     from dataclasses import replace
 
     from gspo.config import ConfigError
 
     kwargs = dict(mode=data_cfg.chat, system_prompt=data_cfg.system_prompt, chat_template=data_cfg.chat_template,
-                  template_kwargs=data_cfg.chat_template_kwargs)
+                  template_kwargs={**data_cfg.chat_template_kwargs, **({"tools": tools} if tools else {})})
     template = getattr(data_cfg, "prompt_template", None)
     try:
         train, heldout = (apply_prompt_template(rows, template, where) if template else rows

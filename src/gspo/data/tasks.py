@@ -6,7 +6,8 @@ stable hash of its prompt falls in one of `TEST_BUCKETS` buckets (`split_of`), a
 problems. Problems are drawn with replacement, so a split may repeat a problem when its problem space is small.
 
 Rows are plain dicts: `prompt` (what the model sees), `answer` (the gold final answer, a string), `solution` (one
-correct completion, without EOS, for supervised cold start), `task`, plus task-specific fields.
+correct completion, without EOS, for supervised cold start; for `multiply`, possibly a multi-turn tool-use
+demonstration as messages), `task`, plus task-specific fields.
 """
 
 from __future__ import annotations
@@ -62,6 +63,31 @@ def _sample_addition(rng: random.Random, options: Mapping[str, int]) -> dict[str
     a, b = rng.randrange(high), rng.randrange(high)
     total = str(a + b)
     return {"prompt": f"{a}+{b}=", "answer": total, "solution": total, "a": a, "b": b}
+
+
+# ---- multiply (with a calculator tool) ------------------------------------------------------------------------------
+
+
+def _check_multiply(options: Mapping[str, int]) -> None:
+    if options["digits_a"] < 1 or options["digits_b"] < 1:
+        raise ValueError(f"task 'multiply': digits_a and digits_b must be >= 1, got {dict(options)}")
+    if not 0 <= options["tool_share"] <= 100:
+        raise ValueError(f"task 'multiply': tool_share is a percentage in [0, 100], got {options['tool_share']}")
+
+
+def _sample_multiply(rng: random.Random, options: Mapping[str, int]) -> dict[str, Any]:
+    """`a*b=` with a of `digits_a` digits and b of `digits_b` (fields `a`, `b`): a product the tiny models cannot
+    compute in their heads, but can with the `calc` tool. The solution (a cold-start demonstration) is, for
+    `tool_share` percent of the rows, a tool-use episode in the `call` format (`calc(a*b)`, the tool's result, the
+    result as the answer) and otherwise the bare answer."""
+    a = rng.randrange(10 ** (options["digits_a"] - 1), 10 ** options["digits_a"])
+    b = rng.randrange(10 ** (options["digits_b"] - 1), 10 ** options["digits_b"])
+    total = str(a * b)
+    solution: str | list[dict] = total
+    if rng.randrange(100) < options["tool_share"]:
+        solution = [{"role": "assistant", "content": f"calc({a}*{b})"}, {"role": "tool", "content": total},
+                    {"role": "assistant", "content": total}]
+    return {"prompt": f"{a}*{b}=", "answer": total, "solution": solution, "a": a, "b": b}
 
 
 # ---- countdown -------------------------------------------------------------------------------------------------------
@@ -150,6 +176,12 @@ TASKS: dict[str, Task] = {
         defaults={"digits": 3},
         check=_check_addition,
         sample=_sample_addition,
+    ),
+    "multiply": Task(
+        name="multiply",
+        defaults={"digits_a": 3, "digits_b": 2, "tool_share": 50},
+        check=_check_multiply,
+        sample=_sample_multiply,
     ),
     "countdown": Task(
         name="countdown",

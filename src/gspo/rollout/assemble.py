@@ -39,12 +39,20 @@ def eos_ids(tokenizer, generation_config: Any = None) -> list[int]:
     return ids
 
 
-def encode_prompts(tokenizer, prompts: list[str], group_size: int, seeds: list[int], max_new_tokens: int,
+def encode_prompts(tokenizer, prompts: list[str | list[int]], group_size: int, seeds: list[int], max_new_tokens: int,
                    max_len: int | None = None, limit_name: str = "max_len") -> list[list[int]]:
-    """Validate a `generate` request and tokenize its prompts without special tokens. Raises ValueError for a prompt
-    that tokenizes to nothing or whose tokens plus `max_new_tokens` exceed `max_len` (named `limit_name`)."""
+    """Validate a `generate` request and tokenize its prompts without special tokens; a prompt given as token ids (a
+    multi-turn episode's context, `gspo.agent.episodes`) is taken as it is. Raises ValueError for a prompt that
+    tokenizes to nothing, ids that are not ints in the vocabulary, or a prompt whose tokens plus `max_new_tokens`
+    exceed `max_len` (named `limit_name`)."""
     check_request(prompts, group_size, seeds)
-    encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    encoded = [list(p) if isinstance(p, (list, tuple)) else tokenizer(p, add_special_tokens=False)["input_ids"]
+               for p in prompts]
+    vocab = len(tokenizer)
+    for i, ids in enumerate(encoded):
+        if isinstance(prompts[i], (list, tuple)) and not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+            raise ValueError(f"generate: prompt {i} is a list of token ids, but not all are ints in [0, {vocab})")
     for i, ids in enumerate(encoded):
         if not ids:
             raise ValueError(f"generate: prompt {i} tokenizes to zero tokens: {prompts[i]!r}")

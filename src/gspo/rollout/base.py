@@ -47,7 +47,7 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
 
-def check_request(prompts: list[str], group_size: int, seeds: list[int]) -> None:
+def check_request(prompts: list[str | list[int]], group_size: int, seeds: list[int]) -> None:
     """Raise ValueError for a `generate` request no engine can serve: no prompts, group_size < 1, not one seed per
     prompt."""
     if not prompts:
@@ -65,12 +65,13 @@ class RolloutEngine(Protocol):
     shares_weights: bool  # samples from the trainer's own tensors: `update_weights` has nothing to read
     pad_id: int  # the token its trajectories are padded with
 
-    def generate(self, prompts: list[str], group_size: int, seeds: list[int],
+    def generate(self, prompts: list[str | list[int]], group_size: int, seeds: list[int],
                  params: SamplingParams | None = None) -> Trajectory:
-        """Sample `group_size` responses for each prompt (rows g·G .. g·G+G−1 answer prompt g); prompt i's group is a
-        function of `seeds[i]` alone, so results do not depend on which other prompts share the batch (or the
-        process). `params` replaces the engine's own sampling settings for this call (e.g. greedy evaluation). Every
-        generated token's `versions` entry is `self.version`."""
+        """Sample `group_size` responses for each prompt (rows g·G .. g·G+G−1 answer prompt g; a prompt is text,
+        tokenized without special tokens, or token ids taken as they are, so that a multi-turn episode continues from
+        its exact tokens); prompt i's group is a function of `seeds[i]` alone, so results do not depend on which other
+        prompts share the batch (or the process). `params` replaces the engine's own sampling settings for this call
+        (e.g. greedy evaluation). Every generated token's `versions` entry is `self.version`."""
         ...
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:

@@ -259,7 +259,7 @@ class HFSampler:
 
     # ------------------------------------------------------------------ generation
 
-    def generate(self, prompts: list[str], group_size: int, seeds: list[int],
+    def generate(self, prompts: list[str | list[int]], group_size: int, seeds: list[int],
                  params: SamplingParams | None = None) -> Trajectory:
         """Sample `group_size` completions for each prompt (rows g*G .. g*G+G-1 belong to prompt g), with `params`
         (default: the engine's own).
@@ -327,7 +327,7 @@ class HFSampler:
             extras=extras,
         )
 
-    def _encode(self, prompts: list[str], group_size: int, seeds: list[int],
+    def _encode(self, prompts: list[str | list[int]], group_size: int, seeds: list[int],
                 params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
         """Validate the request; return the left-padded prompt ids and mask [P, S] on the model's device."""
         if any(not s for s in params.stop):

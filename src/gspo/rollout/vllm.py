@@ -64,7 +64,7 @@ Weights = Iterable[tuple[str, torch.Tensor]]
 ToCheckpoint = Callable[[Weights, "torch.dtype | None"], Iterator[tuple[str, torch.Tensor]]]
 
 
-def _checked_request(engine: Any, prompts: list[str], group_size: int, seeds: list[int],
+def _checked_request(engine: Any, prompts: list[str | list[int]], group_size: int, seeds: list[int],
                      params: SamplingParams | None) -> tuple[SamplingParams, list[list[int]]]:
     """The sampling settings of a `generate` call (`params`, else the engine's) and its prompts' token ids, checked
     against the engine's `max_model_len`."""
@@ -195,7 +195,7 @@ class VLLMEngine:
         return VSamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_tokens=p.max_new_tokens,
                                stop=list(p.stop) or None, include_stop_str_in_output=True, seed=seed, logprobs=0)
 
-    def generate(self, prompts: list[str], group_size: int, seeds: list[int],
+    def generate(self, prompts: list[str | list[int]], group_size: int, seeds: list[int],
                  params: SamplingParams | None = None) -> Trajectory:
         """Sample `group_size` completions per prompt with `params` (default the engine's); completion j of prompt i
         is seeded `row_seed(seeds[i], j)`."""
@@ -313,7 +313,7 @@ class VLLMServerEngine:
             routing = np.load(io.BytesIO(base64.b64decode(choice["routed_experts"])))
         return Sample(prompt, tokens, logprobs, choice["finish_reason"] == "length", routing)
 
-    def generate(self, prompts: list[str], group_size: int, seeds: list[int],
+    def generate(self, prompts: list[str | list[int]], group_size: int, seeds: list[int],
                  params: SamplingParams | None = None) -> Trajectory:
         """Sample `group_size` completions per prompt with `params` (default the engine's); completion j of prompt i
         is seeded `row_seed(seeds[i], j)`."""

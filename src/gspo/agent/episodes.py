@@ -1,0 +1,281 @@
+"""The episode driver: multi-turn rollouts over the engine protocol, laid out as one `Trajectory` row per episode.
+
+Turn by turn, every unfinished episode of the batch is continued in one `engine.generate` call (its context passed
+as token ids, so the policy sees exactly the tokens it will be trained on, never a re-tokenised transcript):
+
+    prompt ─ policy turn (loss 1, engine log-probs, version) ─ observation (loss 0) ─ policy turn ─ ... ─ final answer
+
+The response of row i is everything after the prompt: policy tokens (`loss_mask` 1) and observation tokens
+(`loss_mask` 0: attended to, never trained on; log-prob 0, version NO_VERSION). Each turn's environment reward sits on
+that turn's last policy token in `token_rewards`; the trainer adds the final answer's reward (the run's reward
+functions, on `completions[i]` = the final reply's text) at the episode's last policy token, so an episode's return is
+`token_rewards[i].sum()`.
+
+Limits, all recorded: `max_turns` policy turns (an episode still going then is cut: `turn_limit`); `max_tokens`
+response tokens in all, policy and observation (`token_limit`: a turn is cut to what is left, an observation that
+does not fit ends the episode). A policy turn cut at `max_new_tokens` without EOS ends its episode too (the model did
+not finish its message); every such episode is `truncated`. Per-episode counts are in `extras["episode"]` [N, K]
+(names in `extras["episode_keys"]`): turns, the limits hit, environment failures and the environment's own counts.
+
+Observations given as chat messages are rendered with the tokenizer's chat template (`ChatFormat`): the text the
+template puts after an assistant message (e.g. "<|im_end|>\\n", less the EOS the policy already generated), then the
+new messages and the generation prompt, exactly as `apply_chat_template` renders them after an assistant turn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from gspo.agent.env import Environment, Step
+from gspo.rewards.deadline import DeadlinePool
+from gspo.rollout.base import SamplingParams
+from gspo.schedule import derive_seed
+from gspo.trajectory import NO_VERSION, Trajectory, pad_left, pad_right
+
+__all__ = ["EPISODE_COUNTS", "ChatFormat", "EpisodeLimits", "EpisodeRunner", "count_metrics", "encode_demonstration",
+           "episode_metrics"]
+
+EPISODE_COUNTS = ("turns", "turn_limit", "token_limit", "unfinished_turn", "env_failures")
+"""Counts the driver keeps per episode (then the environment's `Step.info` keys, in order of first appearance)."""
+
+_DUMMY = "\x00gspo-content\x00"  # stands for an assistant message's content when locating the template's turn end
+
+
+class ChatFormat:
+    """How observation messages become tokens after a policy turn, from the tokenizer's chat template
+    (`template`: a Jinja string replacing the tokenizer's; `template_kwargs`: extra template variables)."""
+
+    def __init__(self, tokenizer, template: str | None = None, template_kwargs: dict | None = None) -> None:
+        self.tokenizer, self.template, self.kwargs = tokenizer, template, dict(template_kwargs or {})
+        self.base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _DUMMY}]
+        rendered = self._render(self.base, False)
+        self.turn_end = rendered[rendered.rindex(_DUMMY) + len(_DUMMY):]  # after an assistant message's content
+        self.eos_texts = {tokenizer.decode([i]) for i in {tokenizer.eos_token_id} if i is not None}
+
+    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, chat_template=self.template,
+                                                      add_generation_prompt=generation_prompt, **self.kwargs)
+        except Exception as exc:
+            raise ValueError(f"the chat template cannot render an episode's messages ({type(exc).__name__}: {exc})") \
+                from None
+
+    def observation_text(self, messages: list[dict], after_eos: bool) -> str:
+        """The text that follows a policy turn: the template's end of the assistant turn (without the EOS text when
+        the turn `after_eos` ended with it), the `messages`, then the generation prompt."""
+        rendered = self._render([*self.base, *messages], True)
+        start = rendered.rindex(_DUMMY) + len(_DUMMY)
+        if not rendered.startswith(self.turn_end, start):
+            raise ValueError("the chat template renders an assistant turn's end differently when messages follow it; "
+                             "gspo cannot place observation tokens after a policy turn with it")
+        end = self.turn_end
+        if after_eos:
+            end = next((end[len(t):] for t in self.eos_texts if t and end.startswith(t)), end)
+        return end + rendered[start + len(self.turn_end):]
+
+    def encode(self, observation: str | list[dict], after_eos: bool) -> list[int]:
+        """Token ids of an observation: messages through `observation_text`, a string as it is."""
+        text = observation if isinstance(observation, str) else self.observation_text(observation, after_eos)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def encode_demonstration(fmt: ChatFormat, messages: Sequence[dict]) -> tuple[list[int], list[int]]:
+    """A multi-turn demonstration (the messages after the prompt: assistant turns, and tool / user messages between
+    them) in the episode layout: (token ids, loss mask), assistant turns + EOS with mask 1, the rest 0. What the
+    cold-start SFT trains on, so the policy learns exactly the layout the driver produces."""
+    tok, eos = fmt.tokenizer, fmt.tokenizer.eos_token_id
+    ids: list[int] = []
+    mask: list[int] = []
+    pending: list[dict] = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or not isinstance(m.get("role"), str):
+            raise ValueError(f"demonstration message {i} must be {{'role': str, 'content': str}}, got {m!r}")
+        if m["role"] == "assistant":
+            if pending:
+                obs = fmt.encode(pending, after_eos=True)
+                ids += obs
+                mask += [0] * len(obs)
+                pending = []
+            turn = tok(m["content"], add_special_tokens=False)["input_ids"] + [eos]
+            ids += turn
+            mask += [1] * len(turn)
+        else:
+            if not ids:
+                raise ValueError("a demonstration starts with an assistant message (the prompt holds what is before)")
+            pending.append(m)
+    if pending:
+        raise ValueError("a demonstration ends with an assistant message (its final answer)")
+    return ids, mask
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    max_turns: int = 4  # policy turns per episode
+    max_tokens: int = 256  # response tokens per episode, policy and observation
+    step_timeout_s: float | None = 60.0  # one turn's environment steps together
+    workers: int = 4  # environment steps run at once
+
+
+@dataclass
+class _Episode:
+    env: Environment
+    prompt: list[int]
+    seed: int
+    ids: list[int] = field(default_factory=list)
+    loss: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    final: str = ""
+    done: bool = False
+    truncated: bool = False
+    counts: dict[str, float] = field(default_factory=dict)
+
+    def add(self, ids: list[int], logprobs: list[float] | None = None, version: int = NO_VERSION) -> None:
+        policy = logprobs is not None
+        self.ids += ids
+        self.loss += [int(policy)] * len(ids)
+        self.logprobs += logprobs if policy else [0.0] * len(ids)
+        self.versions += [version if policy else NO_VERSION] * len(ids)
+        self.rewards += [0.0] * len(ids)
+
+    def stop(self, reason: str | None = None, truncated: bool = True) -> None:
+        self.done, self.truncated = True, self.truncated or truncated
+        if reason:
+            self.counts[reason] = self.counts.get(reason, 0.0) + 1
+
+
+class EpisodeRunner:
+    """Runs batches of episodes on `engine` (any `RolloutEngine`); `make_env()` gives a fresh environment per
+    episode; `fmt` renders message observations. `run` has the engine's `generate` contract, with rows instead of
+    prompts: rows g·G .. g·G+G−1 are the G episodes of rows[g], each a function of `seeds[g]` and its index."""
+
+    def __init__(self, engine, tokenizer, make_env: Callable[[], Environment], limits: EpisodeLimits,
+                 fmt: ChatFormat | None = None) -> None:
+        self.engine, self.tokenizer, self.make_env, self.limits = engine, tokenizer, make_env, limits
+        self.fmt = fmt or ChatFormat(tokenizer)
+        self.pool = DeadlinePool(workers=limits.workers, timeout_s=limits.step_timeout_s)
+        self.eos = {tokenizer.eos_token_id}
+
+    def run(self, rows: list[dict], group_size: int, seeds: list[int],
+            params: SamplingParams | None = None) -> Trajectory:
+        params = params or self.engine.params
+        episodes = []
+        for g, row in enumerate(rows):
+            for j in range(group_size):
+                env = self.make_env()
+                try:
+                    prompt = env.reset(row)
+                except Exception as exc:
+                    raise ValueError(f"the environment's reset failed on row {g} ({type(exc).__name__}: {exc})") \
+                        from exc
+                if not isinstance(prompt, str) or not prompt:
+                    raise ValueError(f"the environment's reset returned {prompt!r} for row {g}, not a prompt string")
+                ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+                episodes.append(_Episode(env, ids, derive_seed(seeds[g], "episode", j)))
+        lim = self.limits
+        for turn in range(lim.max_turns):
+            active = [e for e in episodes if not e.done]
+            if not active:
+                break
+            self._policy_turn(active, turn, params)
+            self._env_turn([e for e in active if not e.done], last=turn == lim.max_turns - 1)
+        return self._layout(episodes, group_size)
+
+    def _policy_turn(self, active: list[_Episode], turn: int, params: SamplingParams) -> None:
+        """One generate call for every active episode; each appends its reply (cut to its token budget)."""
+        left = [self.limits.max_tokens - len(e.ids) for e in active]
+        cap = min(params.max_new_tokens, max(left))
+        traj = self.engine.generate([e.prompt + e.ids for e in active], 1,
+                                    [derive_seed(e.seed, "turn", turn) for e in active],
+                                    params=replace(params, max_new_tokens=cap))
+        for i, e in enumerate(active):
+            n = int(traj.completion_mask[i].sum())
+            ids = traj.completion_ids[i, :n].tolist()
+            e.counts["turns"] = e.counts.get("turns", 0.0) + 1
+            if n > left[i]:  # the episode's token budget ends inside this reply
+                ids = ids[:left[i]]
+                e.add(ids, traj.logprobs[i, :left[i]].tolist(), int(traj.versions[i, 0]))
+                e.final = self.tokenizer.decode([t for t in ids if t not in self.eos], skip_special_tokens=True)
+                e.stop("token_limit")
+                continue
+            e.add(ids, traj.logprobs[i, :n].tolist(), int(traj.versions[i, 0]))
+            e.final = traj.completions[i]
+            if bool(traj.truncated[i]):
+                e.stop("token_limit" if n == left[i] else "unfinished_turn")
+
+    def _env_turn(self, stepping: list[_Episode], last: bool) -> None:
+        """Every stepping episode's environment takes its reply (together, under one deadline); observations that
+        fit are appended; a failing environment ends only its own episode."""
+        outcomes = self.pool.map([(e.env.step, (e.final,), {}) for e in stepping])
+        for e, outcome in zip(stepping, outcomes, strict=True):
+            step = outcome.value
+            if outcome.timed_out or outcome.error is not None or not isinstance(step, Step):
+                e.stop("env_failures")
+                continue
+            e.rewards[-1] += float(step.reward)
+            for key, value in step.info.items():
+                e.counts[key] = e.counts.get(key, 0.0) + float(value)
+            if step.done:
+                e.stop(truncated=False)
+                continue
+            if last:
+                e.stop("turn_limit")
+                continue
+            obs = self.fmt.encode(step.observation or "", after_eos=bool(e.ids) and e.ids[-1] in self.eos)
+            if len(e.ids) + len(obs) >= self.limits.max_tokens:  # no room for the observation and a reply
+                e.stop("token_limit")
+                continue
+            e.add(obs)
+
+    def _layout(self, episodes: list[_Episode], group_size: int) -> Trajectory:
+        prompt_ids, prompt_mask = pad_left([e.prompt for e in episodes], self.engine.pad_id)
+        ids, mask = pad_right([e.ids for e in episodes], self.engine.pad_id)
+
+        def right(values: list[list], fill: float, dtype: torch.dtype) -> torch.Tensor:
+            out = torch.full(ids.shape, fill, dtype=dtype)
+            for i, v in enumerate(values):
+                out[i, :len(v)] = torch.tensor(v, dtype=dtype)
+            return out
+
+        keys = list(EPISODE_COUNTS) + sorted({k for e in episodes for k in e.counts} - set(EPISODE_COUNTS))
+        return Trajectory(
+            prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=ids, completion_mask=mask,
+            logprobs=right([e.logprobs for e in episodes], 0.0, torch.float32),
+            truncated=torch.tensor([e.truncated for e in episodes], dtype=torch.bool),
+            completions=[e.final for e in episodes],
+            prompt_index=torch.arange(len(episodes) // group_size).repeat_interleave(group_size),
+            loss_mask=right([e.loss for e in episodes], 0, torch.long),
+            versions=right([e.versions for e in episodes], NO_VERSION, torch.long),
+            token_rewards=right([e.rewards for e in episodes], 0.0, torch.float32),
+            extras={"episode": torch.tensor([[e.counts.get(k, 0.0) for k in keys] for e in episodes]),
+                    "episode_keys": tuple(keys)},
+        )
+
+
+def episode_metrics(traj: Trajectory) -> dict[str, float]:
+    """`count_metrics` of a batch's episodes; empty for single-turn trajectories."""
+    if "episode" not in traj.extras:
+        return {}
+    return count_metrics(traj.extras["episode"], traj.extras["episode_keys"])
+
+
+def count_metrics(counts: torch.Tensor, keys: Sequence[str]) -> dict[str, float]:
+    """Means over episodes from their counts [N, K] (`extras["episode"]`): `episode_turns`, the rate of each limit
+    and failure (`episode_turn_limit`, ...); with tools, `tool_calls` per episode, `tool_call_rate` (episodes with at
+    least one call attempt), `tool_call_validity` (well-formed calls among the attempts; NaN without any) and
+    `tool_failures` (calls that raised, timed out or returned non-text, among the well-formed)."""
+    counts = counts.float().cpu()
+    col = {k: counts[:, i] for i, k in enumerate(keys)}
+    out = {"episode_turns": float(col["turns"].mean())}
+    out.update({f"episode_{k}": float((col[k] > 0).float().mean()) for k in EPISODE_COUNTS[1:]})
+    if "tool_calls" in col:
+        calls, zero = col["tool_calls"], torch.zeros_like(col["tool_calls"])
+        invalid, failed = col.get("invalid_calls", zero).sum(), col.get("tool_failures", zero).sum()
+        out.update(tool_calls=float(calls.mean()), tool_call_rate=float((calls > 0).float().mean()),
+                   tool_call_validity=float(1 - invalid / calls.sum()) if calls.sum() else float("nan"),
+                   tool_failures=float(failed / (calls.sum() - invalid)) if calls.sum() > invalid else 0.0)
+    return out

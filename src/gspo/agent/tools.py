@@ -1,0 +1,255 @@
+"""Tools: Python callables with an OpenAI-style JSON schema, the parsers that find their calls in a model's reply, and
+running the calls so that no tool can crash or hang an episode.
+
+A tool is a plain function with type hints and a Google-style docstring; `Tool.from_function` takes its schema from
+them with transformers' `get_json_schema` (the schema a chat template renders for the model through
+`apply_chat_template(tools=...)`). A reply's calls are found by a parser for the format the model was taught:
+
+    hermes   `<tool_call>{"name": "calc", "arguments": {"expression": "2*3"}}</tool_call>` (Qwen2.5/Qwen3, Hermes): JSON
+             in tags, any number per reply
+    call     `calc(2*3)`: the whole reply is one call, its text between the parentheses the tool's first parameter
+             (for small vocabularies such as the embedded tiny tokenizer's, which has no quotes or braces)
+
+A reply with no call is the model's answer. A malformed call (bad JSON, an unknown tool, missing or unexpected
+arguments) is not an error of the run: `ParsedCalls.error` says what was wrong, and the environment shows the model
+that text as the tool's observation. `run_calls` runs calls in a `DeadlinePool`: a tool that raises, outlives its
+timeout or returns something other than text gives an "error: ..." observation and is counted; training goes on.
+Untrusted code belongs in the sandbox: the built-in `python` tool runs the model's program there.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import operator
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gspo.rewards.deadline import DeadlinePool
+
+__all__ = ["PARSERS", "TOOLS", "ParsedCalls", "Tool", "ToolCall", "ToolResult", "calc", "parse_call", "parse_hermes",
+           "python", "resolve_tool", "run_calls"]
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A callable the model may call by `name`, described to it by `schema` (OpenAI function-calling format)."""
+
+    name: str
+    fn: Callable[..., Any]
+    schema: dict
+
+    @classmethod
+    def from_function(cls, fn: Callable[..., Any]) -> Tool:
+        """A tool from a function with type hints and a Google-style docstring (an `Args:` section describing every
+        parameter), its schema built by `transformers.utils.get_json_schema`. Raises ValueError naming the function
+        when the schema cannot be built."""
+        from transformers.utils import get_json_schema
+
+        try:
+            schema = get_json_schema(fn)
+        except Exception as exc:
+            raise ValueError(f"tool {getattr(fn, '__name__', fn)!r}: cannot build its JSON schema from its signature "
+                             f"and docstring ({type(exc).__name__}: {exc}); it needs type hints and a Google-style "
+                             "docstring with an Args: section") from None
+        return cls(schema["function"]["name"], fn, schema)
+
+    @property
+    def parameters(self) -> dict:
+        return self.schema["function"].get("parameters", {})
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ParsedCalls:
+    """What a reply asks for: `calls` to run, or `error` (a malformed attempt, shown to the model), or neither (an
+    answer)."""
+
+    calls: tuple[ToolCall, ...] = ()
+    error: str | None = None
+
+
+def _check_arguments(call: ToolCall, tools: Mapping[str, Tool]) -> str | None:
+    """Why `call` cannot be made (unknown tool, missing or unexpected arguments), or None."""
+    if call.name not in tools:
+        return f"unknown tool {call.name!r}; the tools are {', '.join(sorted(tools))}"
+    params = tools[call.name].parameters
+    known, required = set(params.get("properties", {})), set(params.get("required", []))
+    if missing := sorted(required - set(call.arguments)):
+        return f"tool {call.name!r} needs the argument(s) {', '.join(missing)}"
+    if extra := sorted(set(call.arguments) - known):
+        return f"tool {call.name!r} has no argument(s) {', '.join(extra)}; its arguments are {', '.join(sorted(known))}"
+    return None
+
+
+_HERMES = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+
+
+def parse_hermes(text: str, tools: Mapping[str, Tool]) -> ParsedCalls:
+    """Calls in Hermes / Qwen format: each `<tool_call>` tag holds `{"name": ..., "arguments": {...}}` (arguments may
+    also be a JSON string of that object). The first malformed call makes the reply's `error`."""
+    calls = []
+    for body in _HERMES.findall(text):
+        try:
+            obj = json.loads(body)
+        except json.JSONDecodeError as exc:
+            return ParsedCalls(error=f"the tool call is not valid JSON ({exc.msg} at character {exc.pos})")
+        args = obj.get("arguments", {}) if isinstance(obj, dict) else None
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                args = None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(args, dict):
+            return ParsedCalls(error='a tool call must be {"name": <tool>, "arguments": {<argument>: <value>}}')
+        call = ToolCall(obj["name"], args)
+        if problem := _check_arguments(call, tools):
+            return ParsedCalls(error=problem)
+        calls.append(call)
+    return ParsedCalls(tuple(calls))
+
+
+_CALL = re.compile(r"([a-z_][a-z0-9_]*)\((.*)\)", re.DOTALL)
+
+
+def parse_call(text: str, tools: Mapping[str, Tool]) -> ParsedCalls:
+    """One call written `name(argument)`: the whole reply (stripped) is the call, and the text between the outer
+    parentheses is the tool's first parameter. A reply starting `name(` for a known tool but not of that form is
+    malformed; anything else (an unknown name included) is an answer."""
+    text = text.strip()
+    match = _CALL.fullmatch(text)
+    if match is None:
+        opened = re.match(r"([a-z_][a-z0-9_]*)\(", text)
+        if opened and opened.group(1) in tools:
+            return ParsedCalls(error=f"a call is written {opened.group(1)}(<argument>) and nothing else")
+        return ParsedCalls()
+    name, argument = match.groups()
+    if name not in tools:
+        return ParsedCalls()
+    names = list(tools[name].parameters.get("properties", {}))
+    if not names:
+        return ParsedCalls(error=f"tool {name!r} takes no argument; call it as {name}()") if argument else \
+            ParsedCalls((ToolCall(name, {}),))
+    return ParsedCalls((ToolCall(name, {names[0]: argument}),))
+
+
+PARSERS: dict[str, Callable[[str, Mapping[str, Tool]], ParsedCalls]] = {"hermes": parse_hermes, "call": parse_call}
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """A call's observation text and how it went: "ok", "error" (raised), "timeout", "bad_return" (not a str)."""
+
+    content: str
+    status: str = "ok"
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+def run_calls(calls: Sequence[ToolCall], tools: Mapping[str, Tool], pool: DeadlinePool,
+              max_chars: int = 2000) -> list[ToolResult]:
+    """Run `calls` in `pool` (one deadline for them all: `pool.timeout_s`) and return one result per call, in order;
+    never raises for what a tool does. Output beyond `max_chars` characters is cut, with a note saying so."""
+    outcomes = pool.map([(tools[c.name].fn, (), dict(c.arguments)) for c in calls])
+    results = []
+    for call, outcome in zip(calls, outcomes, strict=True):
+        if outcome.timed_out:
+            results.append(ToolResult(f"error: {call.name} timed out after {pool.timeout_s:g} s", "timeout"))
+        elif outcome.error is not None:
+            message = str(outcome.error).splitlines()[0] if str(outcome.error) else ""
+            results.append(ToolResult(f"error: {type(outcome.error).__name__}: {message}"[:max_chars], "error"))
+        elif not isinstance(outcome.value, str):
+            results.append(ToolResult(f"error: {call.name} returned {type(outcome.value).__name__}, not text",
+                                      "bad_return"))
+        else:
+            text = outcome.value
+            results.append(ToolResult(text if len(text) <= max_chars else
+                                      text[:max_chars] + f" [cut at {max_chars} of {len(text)} characters]"))
+    return results
+
+
+# ---- built-in tools --------------------------------------------------------------------------------------------------
+
+_OPS: dict[type, Callable[[int, int], int]] = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+_MAX_DIGITS = 40  # operands and results beyond this many digits are refused (no exponent blow-ups to evaluate)
+
+
+def _evaluate(node: ast.AST) -> int:
+    if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_evaluate(node.operand)
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        value = _OPS[type(node.op)](_evaluate(node.left), _evaluate(node.right))
+    elif isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Div, ast.FloorDiv)):
+        left, right = _evaluate(node.left), _evaluate(node.right)
+        if right == 0:
+            raise ZeroDivisionError("division by zero")
+        if left % right:
+            raise ValueError(f"{left}/{right} is not a whole number")
+        value = left // right
+    else:
+        raise ValueError("only integers, + - * / and parentheses are allowed")
+    if len(str(abs(value))) > _MAX_DIGITS:
+        raise ValueError(f"the result has more than {_MAX_DIGITS} digits")
+    return value
+
+
+def calc(expression: str) -> str:
+    """Evaluate an integer arithmetic expression exactly.
+
+    Args:
+        expression: integers with + - * / and parentheses, e.g. 482*37 or (12+3)*4
+    """
+    if len(expression) > 200:
+        raise ValueError("the expression is longer than 200 characters")
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError:
+        raise ValueError(f"cannot parse {expression!r}") from None
+    return str(_evaluate(tree.body))
+
+
+def python(code: str) -> str:
+    """Run a Python program in a sandbox (no network, no files outside its folder, 5 s) and return what it printed.
+
+    Args:
+        code: the program; print the values you need
+    """
+    from gspo.sandbox import run_sandboxed
+
+    result = run_sandboxed(code, timeout_s=5.0, cpu_s=5.0, memory_mb=512, max_output_bytes=16 << 10)
+    if result.reason == "passed":
+        return result.stdout
+    tail = result.stderr.strip().splitlines()[-1:] or [""]
+    return f"error: {result.reason}" + (f": {tail[0]}" if tail[0] else "")
+
+
+TOOLS: dict[str, Callable[..., Any]] = {"calc": calc, "python": python}
+"""The built-in tools by name (`env.tools` in a config may also name `package.module:function`)."""
+
+
+def resolve_tool(spec: str) -> Tool:
+    """The tool `spec` names: a `TOOLS` name or an import path `package.module:function` (or a .py file path before
+    the colon), imported by the rules reward functions use. Raises ValueError naming the spec."""
+    from gspo.rewards import resolve_reward
+
+    if spec in TOOLS:
+        return Tool.from_function(TOOLS[spec])
+    if ":" not in spec and "." not in spec:
+        raise ValueError(f"unknown tool {spec!r}: not a built-in tool {sorted(TOOLS)} nor an import path "
+                         "'package.module:function'")
+    try:
+        fn = resolve_reward(spec)
+    except ValueError as exc:
+        raise ValueError(str(exc).replace(f"reward {spec!r}", f"tool {spec!r}", 1)) from None
+    return Tool.from_function(fn)

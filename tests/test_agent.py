@@ -1,0 +1,430 @@
+"""Multi-turn episodes (gspo.agent): tool-call parsing and running, the chat-template observation layout, the episode
+driver on the real built-in engine (layout, limits, failures), per-token advantages, that observation tokens never get
+gradient, multi-turn cold-start demonstrations, and the trainer end to end with tools."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+
+import pytest
+import torch
+
+from conftest import DEMO, tiny_overrides
+from gspo.advantages import group_advantages, turn_advantages
+from gspo.agent import (
+    ChatFormat,
+    EpisodeLimits,
+    EpisodeRunner,
+    Step,
+    Tool,
+    ToolCall,
+    ToolEnv,
+    calc,
+    encode_demonstration,
+    episode_metrics,
+)
+from gspo.agent.tools import parse_call, parse_hermes, resolve_tool, run_calls
+from gspo.config import ConfigError, load_config
+from gspo.logprobs import completion_logprobs
+from gspo.models import VOCAB_CHARS, build_preset, build_tokenizer
+from gspo.objectives import OBJECTIVES
+from gspo.rewards.deadline import DeadlinePool
+from gspo.rollout import HFSampler, SamplingParams
+from gspo.sft import encode_pairs, sft
+from gspo.trainer import train
+from gspo.trajectory import NO_VERSION
+
+TOOLS = {"calc": Tool.from_function(calc)}
+
+
+# ---- tools -----------------------------------------------------------------------------------------------------------
+
+
+def test_tool_schema_comes_from_the_signature_and_docstring():
+    schema = TOOLS["calc"].schema["function"]
+    assert schema["name"] == "calc"
+    assert schema["parameters"]["required"] == ["expression"]
+    with pytest.raises(ValueError, match="Args"):
+        Tool.from_function(lambda x: x)
+
+
+def test_calc_is_exact_and_refuses_what_is_not_arithmetic():
+    assert calc("482*37") == "17834"
+    assert calc("(12+3)*4-10/5") == "58"
+    for bad, match in [("2**10", "only integers"), ("__import__('os')", "only integers"), ("7/2", "whole"),
+                       ("1/0", "division by zero"), ("2*(3", "cannot parse")]:
+        with pytest.raises((ValueError, ZeroDivisionError), match=match):
+            calc(bad)
+
+
+def test_hermes_parser_finds_calls_and_names_what_is_malformed():
+    ok = parse_hermes('let me compute <tool_call>{"name": "calc", "arguments": {"expression": "2*3"}}</tool_call>'
+                      '<tool_call>{"name": "calc", "arguments": "{\\"expression\\": \\"4\\"}"}</tool_call>', TOOLS)
+    assert ok.error is None
+    assert ok.calls == (ToolCall("calc", {"expression": "2*3"}), ToolCall("calc", {"expression": "4"}))
+    assert parse_hermes("the answer is 6", TOOLS).calls == () and parse_hermes("6", TOOLS).error is None
+    assert "not valid JSON" in parse_hermes("<tool_call>{name: calc}</tool_call>", TOOLS).error
+    assert "unknown tool 'sum'" in parse_hermes('<tool_call>{"name": "sum", "arguments": {}}</tool_call>', TOOLS).error
+    assert "needs the argument" in parse_hermes('<tool_call>{"name": "calc", "arguments": {}}</tool_call>', TOOLS).error
+    assert "has no argument(s) x" in parse_hermes(
+        '<tool_call>{"name": "calc", "arguments": {"expression": "1", "x": 2}}</tool_call>', TOOLS).error
+    assert parse_hermes('<tool_call>{"name": "calc", "arguments": {"expression": "1"}}', TOOLS).calls  # cut: ok
+
+
+def test_call_parser():
+    assert parse_call(" calc(482*37) ", TOOLS).calls == (ToolCall("calc", {"expression": "482*37"}),)
+    assert parse_call("17834", TOOLS).calls == () and parse_call("17834", TOOLS).error is None
+    assert parse_call("foo(1)", TOOLS).calls == ()  # not a tool: an answer
+    assert "calc(<argument>)" in parse_call("calc(482*37) = 17834", TOOLS).error
+
+
+def _raises(expression: str) -> str:
+    """Fails.
+
+    Args:
+        expression: anything
+    """
+    raise RuntimeError("tool broke")
+
+
+def _hangs(expression: str) -> str:
+    """Hangs.
+
+    Args:
+        expression: anything
+    """
+    time.sleep(5)
+    return "late"
+
+
+def _number(expression: str) -> str:
+    """Returns a number, not text.
+
+    Args:
+        expression: anything
+    """
+    return 42
+
+
+def _long(expression: str) -> str:
+    """Returns a lot.
+
+    Args:
+        expression: anything
+    """
+    return "x" * 60
+
+
+def test_run_calls_isolates_a_tool_that_raises_hangs_or_returns_non_text():
+    tools = {t.name: t for t in map(Tool.from_function, (calc, _raises, _hangs, _number, _long))}
+    pool = DeadlinePool(workers=4, timeout_s=0.5)
+    t0 = time.monotonic()
+    results = run_calls([ToolCall(n, {"expression": "6*7"}) for n in ("calc", "_raises", "_hangs", "_number", "_long")],
+                        tools, pool, max_chars=40)
+    assert time.monotonic() - t0 < 3  # the hanging call costs the deadline, not its 5 s
+    assert [r.status for r in results] == ["ok", "error", "timeout", "bad_return", "ok"]
+    assert results[0].content == "42"
+    assert results[1].content == "error: RuntimeError: tool broke"
+    assert results[2].content.startswith("error: _hangs timed out")
+    assert "returned int, not text" in results[3].content
+    assert results[4].content == "x" * 40 + " [cut at 40 of 60 characters]"
+
+
+def test_resolve_tool_errors_name_the_spec():
+    assert resolve_tool("calc").name == "calc"
+    with pytest.raises(ValueError, match="unknown tool 'nope'"):
+        resolve_tool("nope")
+    with pytest.raises(ValueError, match="tool 'no_such_module:f'"):
+        resolve_tool("no_such_module:f")
+
+
+# ---- the chat-template layout ----------------------------------------------------------------------------------------
+
+
+def test_observation_text_follows_the_template_after_a_policy_turn():
+    tok = build_tokenizer()
+    fmt = ChatFormat(tok)  # the tiny template: "role: content; " and the generation prompt "assistant:"
+    assert fmt.observation_text([{"role": "tool", "content": "6"}], after_eos=True) == "; tool: 6; assistant:"
+    chatml = ("{% for m in messages %}[{{ m.role }}]{{ m.content }}<eos>\n{% endfor %}"
+              "{% if add_generation_prompt %}[assistant]{% endif %}")
+    fmt = ChatFormat(tok, chatml)
+    # the policy's EOS stands for the template's end-of-turn marker; without it the marker is added
+    assert fmt.observation_text([{"role": "tool", "content": "6"}], after_eos=True) == "\n[tool]6<eos>\n[assistant]"
+    assert fmt.observation_text([{"role": "tool", "content": "6"}], after_eos=False) == \
+        "<eos>\n[tool]6<eos>\n[assistant]"
+
+
+def test_demonstration_layout_is_the_episode_layout():
+    tok = build_tokenizer()
+    fmt = ChatFormat(tok)
+    ids, mask = encode_demonstration(fmt, [{"role": "assistant", "content": "calc(2*3)"},
+                                           {"role": "tool", "content": "6"}, {"role": "assistant", "content": "6"}])
+    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    eos = tok.eos_token_id
+    assert ids == [*enc("calc(2*3)"), eos, *enc("; tool: 6; assistant:"), *enc("6"), eos]
+    assert mask == [1] * 10 + [0] * len(enc("; tool: 6; assistant:")) + [1, 1]
+    with pytest.raises(ValueError, match="ends with an assistant"):
+        encode_demonstration(fmt, [{"role": "assistant", "content": "calc(2*3)"}, {"role": "tool", "content": "6"}])
+    with pytest.raises(ValueError, match="starts with an assistant"):
+        encode_demonstration(fmt, [{"role": "tool", "content": "6"}])
+
+
+# ---- the episode driver, on the real built-in engine -----------------------------------------------------------------
+
+
+class Echo:
+    """An environment that answers every reply with a fixed observation for `turns` turns, rewarding turn k with k."""
+
+    def __init__(self, turns: int = 3, observation: str | list | None = None) -> None:
+        self.turns, self.k = turns, 0
+        self.observation = observation or [{"role": "tool", "content": "ok"}]
+
+    def reset(self, row):
+        return row["prompt"]
+
+    def step(self, action):
+        self.k += 1
+        return Step(None if self.k >= self.turns else self.observation, reward=float(self.k),
+                    done=self.k >= self.turns, info={"echoes": 1.0})
+
+
+@pytest.fixture(scope="module")
+def policy():
+    torch.manual_seed(0)
+    model, tok = build_preset("tiny-moe", seed=0)
+    return model.eval(), tok
+
+
+ROWS = [{"prompt": "12*34="}, {"prompt": "5*6="}]
+
+
+def runner(policy, make_env, **limits) -> EpisodeRunner:
+    """Episodes of the untrained tiny model, whose turns end at their first character (every character is a stop
+    string): an untrained model rarely samples EOS, and a turn cut at max_new_tokens would end its episode."""
+    model, tok = policy
+    engine = HFSampler(model, tok, SamplingParams(max_new_tokens=5, stop=tuple(VOCAB_CHARS)))
+    return EpisodeRunner(engine, tok, make_env, EpisodeLimits(**{"max_turns": 4, "max_tokens": 60, **limits}))
+
+
+def test_episode_layout_masks_logprobs_versions_and_turn_rewards(policy):
+    model, tok = policy
+    run = runner(policy, lambda: Echo(3))
+    run.engine.version = 7
+    traj = run.run(ROWS, 2, [1, 2])
+    obs = tok("; tool: ok; assistant:", add_special_tokens=False)["input_ids"]
+    assert len(traj) == 4 and traj.prompt_index.tolist() == [0, 0, 1, 1]
+    loss, real = traj.loss_mask.bool(), traj.completion_mask.bool()
+    assert (loss <= real).all()
+    for i in range(4):
+        ids, lm = traj.completion_ids[i][real[i]].tolist(), traj.loss_mask[i][real[i]].tolist()
+        # three policy turns separated by two observations, each exactly the template's tokens
+        segments = [list(run) for _, run in itertools.groupby(lm)]
+        assert [s[0] for s in segments] == [1, 0, 1, 0, 1]
+        pos = 0
+        for seg in segments:
+            if seg[0] == 0:
+                assert ids[pos:pos + len(seg)] == obs
+            pos += len(seg)
+        # turn rewards 1, 2, 3 on each turn's last policy token
+        last_of_turn = [j for j in range(len(lm)) if lm[j] == 1 and (j + 1 == len(lm) or lm[j + 1] == 0)]
+        assert traj.token_rewards[i].nonzero().flatten().tolist() == last_of_turn
+        assert traj.token_rewards[i][last_of_turn].tolist() == [1.0, 2.0, 3.0]
+    assert (traj.versions[loss] == 7).all() and (traj.versions[~loss] == NO_VERSION).all()
+    assert (traj.logprobs[~loss] == 0).all()
+    # every policy token's engine log-prob is the model's, given everything before it in this very layout
+    with torch.no_grad():
+        recomputed, _ = completion_logprobs(model, *traj.rows(torch.arange(4)))
+    torch.testing.assert_close(recomputed[loss], traj.logprobs[loss], atol=2e-5, rtol=0)
+    m = episode_metrics(traj)
+    assert m["episode_turns"] == 3 and m["episode_turn_limit"] == 0 and not traj.truncated.any()
+    assert traj.extras["episode"][:, traj.extras["episode_keys"].index("echoes")].tolist() == [3.0] * 4
+
+
+def test_episodes_are_reproducible_and_independent_of_the_batch(policy):
+    run = runner(policy, lambda: Echo(2))
+    both = run.run(ROWS, 2, [1, 2])
+    alone = run.run(ROWS[1:], 2, [2])
+    assert both.completions[2:] == alone.completions
+    assert torch.equal(both.completion_ids[2:, :alone.completion_ids.shape[1]], alone.completion_ids)
+    assert run.run(ROWS, 2, [1, 2]).completions == both.completions
+
+
+def test_episode_limits_are_recorded(policy):
+    never = runner(policy, lambda: Echo(100), max_turns=3).run(ROWS, 2, [1, 2])
+    m = episode_metrics(never)
+    assert m["episode_turn_limit"] == 1.0 and never.truncated.all() and m["episode_turns"] == 3
+    short = runner(policy, lambda: Echo(100), max_tokens=12).run(ROWS, 2, [1, 2])
+    assert episode_metrics(short)["episode_token_limit"] == 1.0 and short.truncated.all()
+    assert int(short.completion_mask.sum(-1).max()) <= 12
+
+
+class Faulty:
+    """Row-dependent failures: raise, hang, return a non-Step, or behave."""
+
+    def reset(self, row):
+        self.kind = row["kind"]
+        return row["prompt"]
+
+    def step(self, action):
+        if self.kind == "raise":
+            raise RuntimeError("env broke")
+        if self.kind == "hang":
+            time.sleep(3)
+        if self.kind == "junk":
+            return "not a step"
+        return Step(done=True, reward=1.0)
+
+
+def test_a_failing_environment_ends_only_its_own_episode(policy):
+    rows = [{"prompt": "1=", "kind": k} for k in ("raise", "hang", "junk", "fine")]
+    t0 = time.monotonic()
+    traj = runner(policy, Faulty, step_timeout_s=0.5).run(rows, 2, [1, 2, 3, 4])
+    assert time.monotonic() - t0 < 3
+    failed = traj.extras["episode"][:, traj.extras["episode_keys"].index("env_failures")].tolist()
+    assert failed == [1.0] * 6 + [0.0] * 2
+    assert traj.token_rewards.sum(-1).tolist() == [0.0] * 6 + [1.0] * 2
+
+
+def test_tool_env_turns_calls_into_observations_and_counts_failures():
+    pool = DeadlinePool(workers=2, timeout_s=0.5)
+    tools = {t.name: t for t in map(Tool.from_function, (calc, _raises))}
+    env = ToolEnv(tools, parse_call, pool, invalid_call_reward=-0.5, tool_error_reward=-0.25)
+    assert env.step("calc(6*7)").observation == [{"role": "tool", "name": "calc", "content": "42"}]
+    bad = env.step("calc(6*7")
+    assert bad.observation[0]["content"].startswith("error:") and bad.reward == -0.5
+    assert bad.info == {"tool_calls": 1.0, "invalid_calls": 1.0}
+    broke = env.step("_raises(1)")
+    assert broke.reward == -0.25 and broke.info["tool_failures"] == 1.0
+    assert env.step("42").done
+
+
+# ---- advantages and gradients ----------------------------------------------------------------------------------------
+
+
+def test_turn_advantages_by_hand():
+    # two episodes of one group; rewards at turn ends: episode 0 gets -0.5 (turn 1) and 1 (turn 2); episode 1 gets 0
+    r = torch.tensor([[0, -0.5, 0, 0, 1.0], [0, 0, 0, 0, 0.0]])
+    mask = torch.tensor([[1, 1, 0, 1, 1], [1, 1, 1, 1, 1]])
+    adv = turn_advantages(r, mask, 2)
+    returns = torch.tensor([0.5, 0.0])
+    mean, std = returns.mean(), returns.std()
+    expected = torch.tensor([[0.5, 0.5, 0, 1.0, 1.0], [0, 0, 0, 0, 0.0]]) - mean
+    torch.testing.assert_close(adv, expected / std * mask)
+    assert adv[0, 0] == group_advantages(returns, 2)[0]  # the first turn: Eq. 6's advantage
+
+
+def test_turn_advantages_equal_the_episode_advantage_when_only_the_answer_is_rewarded():
+    torch.manual_seed(0)
+    mask = (torch.rand(8, 12) > 0.3).long()
+    r = torch.zeros(8, 12)
+    last = 11 - mask.flip(-1).argmax(-1)
+    r[torch.arange(8), last] = torch.rand(8)
+    for scale in ("group", "batch", "none"):
+        torch.testing.assert_close(turn_advantages(r, mask, 4, scale),
+                                   group_advantages(r.sum(-1), 4, scale)[:, None] * mask)
+
+
+@pytest.mark.parametrize("loss", ["gspo", "gspo_token", "grpo"])
+def test_observation_tokens_never_get_gradient(loss):
+    torch.manual_seed(0)
+    loss_mask = torch.tensor([[1, 1, 0, 0, 1, 1], [1, 0, 0, 1, 1, 0]])
+    old = torch.randn(2, 6) * 0.01 - 1
+    new = (old + torch.randn(2, 6) * 1e-4).requires_grad_(True)
+    objective = OBJECTIVES[loss]
+    adv = torch.tensor([1.0, -1.0]) if not objective.token_advantages else torch.randn(2, 6) * loss_mask
+    value, _ = objective(new, old, adv, loss_mask)
+    (grad,) = torch.autograd.grad(value, new)
+    assert (grad[loss_mask == 0] == 0).all() and (grad[loss_mask == 1] != 0).any()
+    # changing an observation token's log-probs (π_θ and π_old) changes neither the loss nor any gradient
+    obs = loss_mask == 0
+    new2 = torch.where(obs, new.detach() - 3.0, new.detach()).requires_grad_(True)
+    value2, _ = objective(new2, torch.where(obs, old + 5.0, old), adv, loss_mask)
+    (grad2,) = torch.autograd.grad(value2, new2)
+    assert torch.equal(value, value2) and torch.equal(grad, grad2)
+
+
+def test_observation_tokens_change_no_model_gradient(policy):
+    """End to end through the model: the engine log-prob of an observation token (π_old from the engine) does not
+    reach any parameter's gradient."""
+    model, _ = policy
+    traj = runner(policy, lambda: Echo(2)).run(ROWS, 2, [1, 2])
+    obs = (traj.completion_mask.bool() & ~traj.loss_mask.bool())
+    assert obs.any()
+    adv = turn_advantages(traj.token_rewards, traj.loss_mask, 2)
+
+    def grads(old):
+        model.zero_grad()
+        logprobs, _ = completion_logprobs(model, *traj.rows(torch.arange(len(traj))))
+        value, _ = OBJECTIVES["gspo_token"](logprobs, old, adv, traj.loss_mask)
+        value.backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    a = grads(traj.logprobs)
+    b = grads(torch.where(obs, torch.full_like(traj.logprobs, -7.0), traj.logprobs))
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    model.zero_grad()
+
+
+# ---- cold start and the trainer --------------------------------------------------------------------------------------
+
+
+def test_sft_trains_only_the_assistant_turns_of_a_demonstration():
+    tok = build_tokenizer()
+    demo = [{"role": "assistant", "content": "calc(2*3)"}, {"role": "tool", "content": "6"},
+            {"role": "assistant", "content": "6"}]
+    *_, c_mask, loss_mask = encode_pairs(tok, ["2*3=", "1+1="], [demo, "2"])
+    assert loss_mask[1].tolist()[:2] == [1, 1] and loss_mask[1].sum() == 2
+    assert loss_mask[0].sum() == 12 and c_mask[0].sum() > 12
+    model, tok = build_preset("tiny-moe", seed=0)
+    losses = sft(model, tok, [{"prompt": "2*3=", "solution": demo}] * 8, steps=30, batch_size=4, lr=3e-3,
+                 warmup_steps=2, progress=False)
+    assert losses[-1] < 0.5 * losses[0]
+    with pytest.raises(ValueError, match=r"row 1's 'solution'.*ends with an assistant"):
+        sft(model, tok, [{"prompt": "1=", "solution": "1"}, {"prompt": "2*3=", "solution": demo[:2]}], steps=1,
+            batch_size=1, lr=1e-3, progress=False)
+
+
+def test_engine_prompts_may_be_token_ids(policy):
+    model, tok = policy
+    engine = HFSampler(model, tok, SamplingParams(max_new_tokens=3, top_k=1))
+    ids = tok("12+3=", add_special_tokens=False)["input_ids"]
+    assert engine.generate([ids], 1, [0]).completions == engine.generate(["12+3="], 1, [0]).completions
+    with pytest.raises(ValueError, match="token ids"):
+        engine.generate([[10 ** 6]], 1, [0])
+
+
+CALC = ["data.task=multiply", "data.chat=always", "rewards.functions={addition: 1.0}", "env.parser=call",
+        "env.max_turns=3", "env.max_tokens=48", "rollout.max_new_tokens=12", "cold_start.steps=40",
+        "data.task_options={digits_a: 2, digits_b: 1}"]
+
+
+def calc_config(out, *extra):
+    return load_config(DEMO, [*tiny_overrides(out, *CALC), *extra])
+
+
+def test_env_settings_are_checked_before_any_compute(tmp_path):
+    with pytest.raises(ConfigError, match=r"env\.name"):
+        calc_config(tmp_path / "a", "env.name=nothing")
+    with pytest.raises(ConfigError, match=r"rollout\.mode=async"):
+        calc_config(tmp_path / "b", "rollout.mode=async")
+    with pytest.raises(ConfigError, match=r"exceeds env\.max_tokens"):
+        calc_config(tmp_path / "c", "rollout.max_new_tokens=64")
+    with pytest.raises(ConfigError, match="unknown tool 'abacus'"):
+        train(calc_config(tmp_path / "d", "env.tools=[abacus]"))
+    assert not (tmp_path / "d" / "config.yaml").exists()  # nothing written: the start checks failed first
+
+
+@pytest.mark.parametrize("loss", ["gspo", "gspo_token", "grpo"])
+def test_training_with_tools_runs_and_reports_tool_use(tmp_path, loss):
+    summary = train(calc_config(tmp_path, f"algorithm.loss={loss}"))
+    assert summary["status"] == "completed"
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for key in ("tool_call_rate", "tool_call_validity", "episode_turns", "episode_turn_limit"):
+        assert key in metrics[-1]
+    assert all(0 <= m["tool_call_rate"] <= 1 and 1 <= m["episode_turns"] <= 3 for m in metrics)
+    evals = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert "heldout_tool_call_rate" in evals[0]
+    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert all("transcript" in s for s in samples)
