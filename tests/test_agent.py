@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from conftest import DEMO, tiny_overrides
+from conftest import DEMO, tiny_overrides, varied_reward
 from gspo.advantages import group_advantages, turn_advantages
 from gspo.agent import (
     ChatFormat,
@@ -26,10 +26,12 @@ from gspo.agent import (
     episode_metrics,
 )
 from gspo.agent.tools import parse_call, parse_hermes, resolve_tool, run_calls
+from gspo.cli import main
 from gspo.config import ConfigError, load_config
 from gspo.logprobs import completion_logprobs
 from gspo.models import VOCAB_CHARS, build_preset, build_tokenizer
 from gspo.objectives import OBJECTIVES
+from gspo.rewards import REWARDS
 from gspo.rewards.deadline import DeadlinePool
 from gspo.rollout import HFSampler, SamplingParams
 from gspo.sft import encode_pairs, sft
@@ -176,6 +178,8 @@ def test_demonstration_layout_is_the_episode_layout():
 
 class Echo:
     """An environment that answers every reply with a fixed observation for `turns` turns, rewarding turn k with k."""
+
+    counts = ("echoes",)
 
     def __init__(self, turns: int = 3, observation: str | list | None = None) -> None:
         self.turns, self.k = turns, 0
@@ -428,3 +432,26 @@ def test_training_with_tools_runs_and_reports_tool_use(tmp_path, loss):
     assert "heldout_tool_call_rate" in evals[0]
     samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert all("transcript" in s for s in samples)
+
+
+def test_episodes_combine_with_dynamic_sampling_and_the_overlong_filter(tmp_path, monkeypatch):
+    """Dynamic sampling (which concatenates rounds of episodes: their count columns are fixed per runner) and the
+    overlong filter (truncated episodes out of the loss) run on episodes."""
+    monkeypatch.setitem(REWARDS, "varied", varied_reward)
+    summary = train(calc_config(tmp_path, "trainer.steps=2", "rollout.dynamic_sampling=true",
+                                "rollout.overlong_filter=true", "rewards.functions={varied: 1.0}",
+                                "rewards.accuracy_reward=varied", "rewards.accuracy_threshold=0.5"))
+    assert summary["status"] == "completed"
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all("dynamic_rounds" in m and "overlong_filtered" in m and "tool_call_rate" in m for m in metrics)
+
+
+def test_gspo_eval_with_a_multi_turn_config_evaluates_episodes(tmp_path, capsys):
+    """`gspo eval` of a tool-use run evaluates episodes, as the run's own evaluation did (same held-out accuracy)."""
+    train(calc_config(tmp_path, "trainer.steps=1", "trainer.eval_every=1"))
+    capsys.readouterr()
+    assert main(["eval", str(tmp_path / "final"), "--config", str(tmp_path / "config.yaml")]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    last = json.loads((tmp_path / "eval.jsonl").read_text().splitlines()[-1])
+    assert result["tool_call_rate"] == last["heldout_tool_call_rate"]
+    assert result["accuracy"] == last["heldout_accuracy"] and result["episode_turns"] == last["heldout_episode_turns"]

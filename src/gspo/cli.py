@@ -95,9 +95,10 @@ def _fields(args: argparse.Namespace) -> dict[str, str] | None:
 
 
 def _eval_setup(args: argparse.Namespace):
-    """(rows, reward runner, accuracy reward, threshold, new tokens, data section) for `gspo eval`: a training config's
-    held-out rows (as `DataSplits`), rewards and data section (--config), or --task / --data rows with --reward and
-    the default data section (message prompts rendered with the model's chat template)."""
+    """(rows, reward runner, accuracy reward, threshold, new tokens, data section, config) for `gspo eval`: a training
+    config's held-out rows (as `DataSplits`), rewards, data section and the config itself (--config: with an `env`
+    section the rows are evaluated as episodes), or --task / --data rows with --reward, the default data section
+    (message prompts rendered with the model's chat template) and no config."""
     from gspo.config import DataConfig, resolve_accuracy_reward
     from gspo.data import DataSplits, load_data, load_rows, make_task
     from gspo.rewards import RewardRunner
@@ -116,7 +117,7 @@ def _eval_setup(args: argparse.Namespace):
         runner = RewardRunner(r.functions, on_error="zero", timeout_s=r.timeout_s, workers=r.workers)
         tokens = args.max_new_tokens or cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens
         heldout = DataSplits(train=[], heldout=data.heldout, heldout_source=data.heldout_source)
-        return heldout, runner, r.accuracy_reward, r.accuracy_threshold, tokens, cfg.data
+        return heldout, runner, r.accuracy_reward, r.accuracy_threshold, tokens, cfg.data, cfg
     if args.overrides:
         raise ConfigError(f"key=value overrides ({' '.join(args.overrides)}) apply to --config only")
     if args.data is not None and args.task is not None:
@@ -137,7 +138,7 @@ def _eval_setup(args: argparse.Namespace):
     names = args.reward or [args.task or "addition"]
     runner = RewardRunner({name: 1.0 for name in names}, on_error="zero", timeout_s=args.timeout)
     accuracy = resolve_accuracy_reward(names, args.accuracy_reward, key="--accuracy-reward")
-    return data, runner, accuracy, args.accuracy_threshold, args.max_new_tokens or 16, DataConfig()
+    return data, runner, accuracy, args.accuracy_threshold, args.max_new_tokens or 16, DataConfig(), None
 
 
 def _eval_sampling(args: argparse.Namespace) -> tuple[int, float | None, float | None, list[int]]:
@@ -173,22 +174,29 @@ def _eval_sampling(args: argparse.Namespace) -> tuple[int, float | None, float |
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
+    from gspo.agent import build_env, make_episode_runner
     from gspo.data import render_chat
     from gspo.evaluation import evaluate
     from gspo.models import load_model
     from gspo.parallel import resolve_device
+    from gspo.rollout import HFSampler, SamplingParams
 
     n, temperature, top_p, ks = _eval_sampling(args)
-    data, rewards, accuracy_reward, threshold, new_tokens, data_cfg = _eval_setup(args)
+    data, rewards, accuracy_reward, threshold, new_tokens, data_cfg, cfg = _eval_setup(args)
     rewards.check_rows(data.heldout)
+    make_env, tools = build_env(cfg) if cfg is not None else (None, None)  # env: the rows are episodes
     model, tokenizer = load_model(args.model)
-    data = render_chat(data, data_cfg, tokenizer)
+    data = render_chat(data, data_cfg, tokenizer, tools=tools)
     rows, source = data.heldout, data.heldout_source
     model = model.to(resolve_device(args.device))
     sampling = {} if n == 1 else {"samples_per_prompt": n, "temperature": temperature, "top_p": top_p, "ks": ks,
                                   "seed": args.seed}
+    engine = episodes = None
+    if make_env is not None:
+        engine = HFSampler(model, tokenizer, SamplingParams(max_new_tokens=new_tokens))
+        episodes = make_episode_runner(cfg, engine, tokenizer, make_env)
     result = evaluate(model, tokenizer, rows, rewards, new_tokens, accuracy_reward=accuracy_reward,
-                      accuracy_threshold=threshold, **sampling)
+                      accuracy_threshold=threshold, sampler=engine, episodes=episodes, **sampling)
     # one [low, high] pair per k (in the place of its two scalars) instead of pass@k_ci95_low / _high
     result = {key.removesuffix("_low"): [value, result[key.replace("_low", "_high")]] if key.endswith("_ci95_low")
               else value for key, value in result.items() if not key.endswith("_ci95_high")}

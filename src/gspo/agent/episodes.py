@@ -24,12 +24,13 @@ new messages and the generation prompt, exactly as `apply_chat_template` renders
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from gspo.agent.env import Environment, Step
+from gspo.agent.env import STEP_COUNTS, Environment, Step
 from gspo.rewards.deadline import DeadlinePool
 from gspo.rollout.base import SamplingParams
 from gspo.schedule import derive_seed
@@ -38,8 +39,11 @@ from gspo.trajectory import NO_VERSION, Trajectory, pad_left, pad_right
 __all__ = ["EPISODE_COUNTS", "ChatFormat", "EpisodeLimits", "EpisodeRunner", "count_metrics", "encode_demonstration",
            "episode_metrics"]
 
+log = logging.getLogger(__name__)
+
 EPISODE_COUNTS = ("turns", "turn_limit", "token_limit", "unfinished_turn", "env_failures")
-"""Counts the driver keeps per episode (then the environment's `Step.info` keys, in order of first appearance)."""
+"""Counts the driver keeps per episode; then `env.STEP_COUNTS` (tool use) and the names an environment class lists in
+its `counts` attribute, summed from `Step.info`. The columns are fixed per runner, so batches concatenate."""
 
 _DUMMY = "\x00gspo-content\x00"  # stands for an assistant message's content when locating the template's turn end
 
@@ -159,6 +163,9 @@ class EpisodeRunner:
         self.fmt = fmt or ChatFormat(tokenizer)
         self.pool = DeadlinePool(workers=limits.workers, timeout_s=limits.step_timeout_s)
         self.eos = {tokenizer.eos_token_id}
+        declared = [k for k in getattr(make_env(), "counts", ()) if k not in EPISODE_COUNTS + STEP_COUNTS]
+        self.keys = (*EPISODE_COUNTS, *STEP_COUNTS, *declared)
+        self._ignored: set[str] = set()
 
     def run(self, rows: list[dict], group_size: int, seeds: list[int],
             params: SamplingParams | None = None) -> Trajectory:
@@ -218,7 +225,11 @@ class EpisodeRunner:
                 continue
             e.rewards[-1] += float(step.reward)
             for key, value in step.info.items():
-                e.counts[key] = e.counts.get(key, 0.0) + float(value)
+                if key in self.keys:
+                    e.counts[key] = e.counts.get(key, 0.0) + float(value)
+                elif key not in self._ignored:
+                    self._ignored.add(key)
+                    log.warning("Step.info key %r is not counted: list it in the environment's `counts` attribute", key)
             if step.done:
                 e.stop(truncated=False)
                 continue
@@ -241,7 +252,7 @@ class EpisodeRunner:
                 out[i, :len(v)] = torch.tensor(v, dtype=dtype)
             return out
 
-        keys = list(EPISODE_COUNTS) + sorted({k for e in episodes for k in e.counts} - set(EPISODE_COUNTS))
+        keys = self.keys
         return Trajectory(
             prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=ids, completion_mask=mask,
             logprobs=right([e.logprobs for e in episodes], 0.0, torch.float32),
