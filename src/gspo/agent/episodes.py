@@ -161,6 +161,7 @@ class EpisodeRunner:
                  fmt: ChatFormat | None = None) -> None:
         self.engine, self.tokenizer, self.make_env, self.limits = engine, tokenizer, make_env, limits
         self.fmt = fmt or ChatFormat(tokenizer)
+        self.fmt.observation_text([{"role": "tool", "content": "x"}], after_eos=True)  # a template that cannot: now
         self.pool = DeadlinePool(workers=limits.workers, timeout_s=limits.step_timeout_s)
         self.eos = {tokenizer.eos_token_id}
         declared = [k for k in getattr(make_env(), "counts", ()) if k not in EPISODE_COUNTS + STEP_COUNTS]
@@ -236,7 +237,11 @@ class EpisodeRunner:
             if last:
                 e.stop("turn_limit")
                 continue
-            obs = self.fmt.encode(step.observation or "", after_eos=bool(e.ids) and e.ids[-1] in self.eos)
+            try:
+                obs = self.fmt.encode(step.observation or "", after_eos=bool(e.ids) and e.ids[-1] in self.eos)
+            except (ValueError, TypeError, KeyError):  # messages this template cannot render: this episode's fault
+                e.stop("env_failures")
+                continue
             if len(e.ids) + len(obs) >= self.limits.max_tokens:  # no room for the observation and a reply
                 e.stop("token_limit")
                 continue
