@@ -72,9 +72,22 @@ def test_split_of_holds_out_about_a_tenth() -> None:
 def test_rows_have_the_common_fields_in_the_tokenizer_vocab(name: str) -> None:
     for row in make_task(name, size=100):
         assert row["task"] == name
-        for key in ("prompt", "answer", "solution"):
-            assert isinstance(row[key], str) and row[key]
-            assert set(row[key]) <= set(VOCAB_CHARS), (key, row[key])
+        solution = row["solution"]  # a string, or a multi-turn demonstration (multiply: a tool-use episode)
+        texts = [m["content"] for m in solution] if isinstance(solution, list) else [solution]
+        for key, value in [("prompt", row["prompt"]), ("answer", row["answer"])] + [("solution", t) for t in texts]:
+            assert isinstance(value, str) and value
+            assert set(value) <= set(VOCAB_CHARS), (key, value)
+
+
+def test_multiply_rows_demonstrate_the_tool_on_their_share_and_are_correct() -> None:
+    rows = make_task("multiply", size=400, seed=2)
+    with_tool = [r for r in rows if isinstance(r["solution"], list)]
+    assert 0.4 < len(with_tool) / len(rows) < 0.6  # tool_share 50 by default
+    for r in rows:
+        assert r["answer"] == str(r["a"] * r["b"]) and r["prompt"] == f"{r['a']}*{r['b']}="
+    for r in with_tool:
+        assert [m["content"] for m in r["solution"]] == [f"calc({r['a']}*{r['b']})", r["answer"], r["answer"]]
+    assert all(isinstance(r["solution"], str) for r in make_task("multiply", size=50, tool_share=0))
 
 
 @pytest.mark.parametrize("digits", [1, 3, 6])

@@ -145,6 +145,17 @@ def test_guard_flags_each_watched_metric(key, value):
         {"clip_frac_tokens": "clip_frac"}.get(key, key.split("_")[0] if key == "entropy" else key)]
 
 
+def test_guard_ratio_rule_leaves_ratios_inside_the_clip_range_alone():
+    """A token-level objective (GRPO, ε_high 0.27) moves single tokens' ratios to 1.1 by design: with the floor
+    log(1 + ε_high) that is no anomaly (it was a false alarm on a healthy GRPO run); beyond it, it still is."""
+    rng = random.Random(3)
+    guard = CollapseGuard(GuardSettings(ratio_floor=math.log1p(0.27)))
+    for step in range(1, 21):
+        guard.observe(step, _healthy(step, rng))
+    assert guard.observe(21, {**_healthy(21, rng), "ratio_max": 1.1, "ratio_min": 0.9}).flags == {}
+    assert list(guard.observe(22, {**_healthy(22, rng), "ratio_max": 1.5}).flags) == ["ratio_max"]
+
+
 def test_guard_reports_non_finite_steps_and_leaves_them_to_max_bad_steps():
     guard = CollapseGuard(GuardSettings(patience=2))
     verdicts = [guard.observe(1, {"loss": math.nan, "reward_mean": 0.1}),

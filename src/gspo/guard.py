@@ -8,10 +8,12 @@ the median and the robust spread (1.4826 · median absolute deviation) of the la
     reward_mean        below   R − max(z·σ, reward_drop·|R|), R = max(M, the best M of the run so far)
     entropy            below   M − max(z·σ, (1 − 1/entropy_factor)·M)  or above  M + max(z·σ, (entropy_factor − 1)·M)
     clip_frac_tokens   above   M + max(z·σ, clip_jump)
-    |log ratio_max|    above   max(M + z·σ, ratio_jump·M)   (M, σ of |log ratio_max|; ratio_min likewise, mirrored)
+    |log ratio_max|    above   max(M + z·σ, ratio_jump·M, ratio_floor)   (M, σ of |log ratio_max|; ratio_min mirrored)
     non-finite         loss, grad_norm, reward_mean or entropy not finite, or an update skipped for it
 
-Both a statistical (z·σ) and a practical (relative) margin must be exceeded, so neither noise in a short window nor
+Both a statistical (z·σ) and a practical (relative) margin must be exceeded, and a ratio inside the objective's clip
+range (`ratio_floor` = log(1 + ε_high)) is never an anomaly (token-level objectives move single tokens that far by
+design: GRPO's ratio_max of 1.1 was a false alarm), so neither noise in a short window nor
 a tiny but stable spread raises an alarm. The relative rules start once `warmup` healthy steps are in the window; the
 non-finite rule from the first step. A non-finite step is reported but is neither a collapse step nor a baseline
 step: the trainer's `max_bad_steps` decides about steps whose updates were skipped for it. A step that breaks a rule
@@ -46,6 +48,7 @@ class GuardSettings:
     entropy_factor: float = 2.0
     clip_jump: float = 0.25
     ratio_jump: float = 10.0
+    ratio_floor: float = 0.0  # |log ratio| the objective reaches by design (the trainer: log(1 + ε_high))
 
 
 @dataclass
@@ -139,7 +142,7 @@ class CollapseGuard:
         for key, sign in (("ratio_max", 1), ("ratio_min", -1)):  # how far from 1, in log space
             if (b := baseline(key, log=True)) is not None:
                 m, sd = b
-                limit = max(m + s.z * sd, s.ratio_jump * m)
+                limit = max(m + s.z * sd, s.ratio_jump * m, s.ratio_floor)
                 if abs(math.log(metrics[key])) > limit:
                     flags[key] = (f"{key} {metrics[key]:.4g} {'>' if sign > 0 else '<'} "
                                   f"{math.exp(sign * limit):.4g} (baseline median {math.exp(sign * m):.4g})")
