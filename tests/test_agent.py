@@ -415,6 +415,8 @@ def test_env_settings_are_checked_before_any_compute(tmp_path):
         calc_config(tmp_path / "b", "rollout.mode=async")
     with pytest.raises(ConfigError, match=r"exceeds env\.max_tokens"):
         calc_config(tmp_path / "c", "rollout.max_new_tokens=64")
+    with pytest.raises(ConfigError, match=r"env\.options \(\['x'\]\) are for a custom environment"):
+        calc_config(tmp_path / "e", "env.options={x: 1}")
     with pytest.raises(ConfigError, match="unknown tool 'abacus'"):
         train(calc_config(tmp_path / "d", "env.tools=[abacus]"))
     assert not (tmp_path / "d" / "config.yaml").exists()  # nothing written: the start checks failed first
@@ -444,6 +446,12 @@ def test_episodes_combine_with_dynamic_sampling_and_the_overlong_filter(tmp_path
     assert summary["status"] == "completed"
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all("dynamic_rounds" in m and "overlong_filtered" in m and "tool_call_rate" in m for m in metrics)
+
+
+def test_tools_with_string_prompts_not_rendered_are_warned_about(tmp_path, caplog):
+    """Under data.chat: auto, string prompts are not rendered, so the template never describes the tools: said."""
+    train(calc_config(tmp_path, "data.chat=auto", "trainer.steps=1", "cold_start.steps=2"))
+    assert "renders only conversation rows" in caplog.text
 
 
 def test_gspo_eval_with_a_multi_turn_config_evaluates_episodes(tmp_path, capsys):

@@ -288,6 +288,9 @@ class EnvConfig(_Section):
             raise ValueError(f"env.name must be 'tools' or an import path 'package.module:factory', got {self.name!r}")
         if self.name == "tools" and not self.tools:
             raise ValueError("env.tools must name at least one tool for env.name=tools")
+        if self.name == "tools" and self.options:
+            raise ValueError(f"env.options ({sorted(self.options)}) are for a custom environment (env.name: "
+                             "package.module:factory); the tools environment takes the env.* settings")
         if self.name != "tools" and "tools" in self.model_fields_set:
             raise ValueError("env.tools are for env.name=tools; a custom environment takes its settings from "
                              "env.options")

@@ -46,11 +46,9 @@ def build_env(cfg: Config) -> tuple[Callable[[], Environment] | None, list[dict]
     if cfg.env is None:
         return None, None
     try:
-        factory = make_env_factory(cfg.env)
-        schemas = [resolve_tool(spec).schema for spec in cfg.env.tools] if cfg.env.name == "tools" else None
+        return make_env_factory(cfg.env)
     except ValueError as exc:
         raise ConfigError(f"env: {exc}") from None
-    return factory, schemas
 
 
 def run_chat_format(cfg: Config, tokenizer) -> ChatFormat:

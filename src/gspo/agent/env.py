@@ -88,10 +88,11 @@ class ToolEnv:
                     info={"tool_calls": float(len(results)), "tool_failures": float(failed)})
 
 
-def make_env_factory(env_cfg: Any) -> Callable[[], Environment]:
-    """A function making one fresh environment per episode, as the config's `env` section says: `name: tools` builds
-    a `ToolEnv` over `env.tools` with `env.parser`; any other name is an import path `package.module:factory` called
-    with `env.options` as keyword arguments (a class works). Raises ValueError naming the setting that is wrong."""
+def make_env_factory(env_cfg: Any) -> tuple[Callable[[], Environment], list[dict] | None]:
+    """(a function making one fresh environment per episode, the tools' JSON schemas) as the config's `env` section
+    says: `name: tools` builds a `ToolEnv` over `env.tools` with `env.parser` (and returns their schemas, for the
+    chat template); any other name is an import path `package.module:factory` called with `env.options` as keyword
+    arguments (a class works; no schemas). Raises ValueError naming the setting that is wrong."""
     from gspo.agent.tools import resolve_tool
     from gspo.rewards import resolve_reward
 
@@ -104,12 +105,13 @@ def make_env_factory(env_cfg: Any) -> Callable[[], Environment]:
             tools[tool.name] = tool
         pool = DeadlinePool(workers=env_cfg.workers, timeout_s=env_cfg.tool_timeout_s)
         parse = PARSERS[env_cfg.parser]
-        return lambda: ToolEnv(tools, parse, pool, invalid_call_reward=env_cfg.invalid_call_reward,
-                               tool_error_reward=env_cfg.tool_error_reward,
-                               max_calls_per_turn=env_cfg.max_calls_per_turn, max_chars=env_cfg.max_observation_chars)
+        return (lambda: ToolEnv(tools, parse, pool, invalid_call_reward=env_cfg.invalid_call_reward,
+                                tool_error_reward=env_cfg.tool_error_reward,
+                                max_calls_per_turn=env_cfg.max_calls_per_turn,
+                                max_chars=env_cfg.max_observation_chars)), [t.schema for t in tools.values()]
     try:
         factory = resolve_reward(env_cfg.name)  # the same import rules as rewards and tools
     except ValueError as exc:
         raise ValueError(str(exc).replace(f"reward {env_cfg.name!r}", f"env.name {env_cfg.name!r}", 1)) from None
     options = dict(env_cfg.options)
-    return lambda: factory(**options)
+    return (lambda: factory(**options)), None

@@ -122,6 +122,9 @@ def render_chat(data: Any, data_cfg: Any, tokenizer: Any, tools: list[dict] | No
     kwargs = dict(mode=data_cfg.chat, system_prompt=data_cfg.system_prompt, chat_template=data_cfg.chat_template,
                   template_kwargs={**data_cfg.chat_template_kwargs, **({"tools": tools} if tools else {})})
     template = getattr(data_cfg, "prompt_template", None)
+    if tools and data_cfg.chat == "auto" and not all(isinstance(r["prompt"], list) for r in data.train):
+        log.warning("the tools are described to the model by the chat template, which renders only conversation rows "
+                    "under data.chat: auto; string prompts are used as they are (data.chat: always renders them too)")
     try:
         train, heldout = (apply_prompt_template(rows, template, where) if template else rows
                           for rows, where in ((data.train, "training rows"), (data.heldout, "held-out rows")))

@@ -53,7 +53,6 @@ def encode_prompts(tokenizer, prompts: list[str | list[int]], group_size: int, s
         if isinstance(prompts[i], (list, tuple)) and not all(
                 isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
             raise ValueError(f"generate: prompt {i} is a list of token ids, but not all are ints in [0, {vocab})")
-    for i, ids in enumerate(encoded):
         if not ids:
             raise ValueError(f"generate: prompt {i} tokenizes to zero tokens: {prompts[i]!r}")
         if max_len is not None and len(ids) + max_new_tokens > max_len:
