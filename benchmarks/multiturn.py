@@ -1,7 +1,12 @@
 """Measure multi-turn tool use on the embedded calculator task (configs/calculator.yaml): GSPO vs GSPO-token vs GRPO,
-several seeds, held-out accuracy, tool-call rate and validity before and after RL, wall time.
+several seeds, held-out accuracy, tool-call rate and validity before and after RL, wall time; and synchronous against
+asynchronous rollouts (the workers play the episodes while the learner trains).
 
-    python benchmarks/multiturn.py --out runs/multiturn [--seeds 3] [--steps 60]
+    python benchmarks/multiturn.py --out runs/multiturn [--seeds 3] [--steps 60] [--objectives gspo,gspo_token,grpo]
+                                   [--modes sync] [--max-staleness 1]
+
+Time per RL step is the median of `time_rollout + time_update`: under async, the learner's wait for a batch plus its
+update (speedup = sync's / async's, per seed, same objective).
 
 Every run is `gspo.trainer.train` on configs/calculator.yaml with overrides. The cold start depends on the seed only,
 so it is trained once per seed and copied into the other objectives' run folders (the trainer reuses a complete
@@ -51,33 +56,50 @@ def main() -> int:
     p.add_argument("--out", default="runs/multiturn")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--objectives", default=",".join(OBJECTIVES))
+    p.add_argument("--modes", default="sync", help="rollout modes, comma-separated: sync, async")
+    p.add_argument("--max-staleness", type=int, default=1, help="rollout.max_staleness of the async arms")
     args = p.parse_args()
     out = Path(args.out)
+    objectives, modes = args.objectives.split(","), args.modes.split(",")
+    unknown = set(modes) - {"sync", "async"}
+    if unknown:
+        p.error(f"--modes: unknown {sorted(unknown)} (sync, async)")
+    arms = [(loss, mode) for loss in objectives for mode in modes]
     results: dict = {}
     for seed in range(args.seeds):
         first = None
-        for loss in OBJECTIVES:
-            name = f"{loss}_s{seed}"
+        for loss, mode in arms:
+            arm = loss if mode == "sync" else f"{loss}_{mode}"  # sync runs keep the names of earlier tables
+            name = f"{arm}_s{seed}"
             print(f"{name}", flush=True)
             folder = out / name
+            extra = ["rollout.mode=async", f"rollout.max_staleness={args.max_staleness}"] if mode == "async" else []
             results[name] = run(folder, [f"algorithm.loss={loss}", f"trainer.seed={seed}",
-                                         f"trainer.steps={args.steps}"], first)
+                                         f"trainer.steps={args.steps}", *extra], first)
             first = first or folder
 
     lines = [f"Calculator task (configs/calculator.yaml), {args.steps} RL steps, seeds 0-{args.seeds - 1}: held-out "
              "greedy episodes (200 problems), mean ± sd over seeds, in %.", "",
-             "| objective | accuracy before | accuracy after | tool-call rate before → after | validity after | "
-             "per seed (after) | s per RL step (median) |", "|---|---|---|---|---|---|---|"]
+             "| objective | rollouts | accuracy before | accuracy after | tool-call rate before → after | "
+             "validity after | per seed (after) | s per RL step (median) | speedup vs sync |",
+             "|---|---|---|---|---|---|---|---|---|"]
     table: dict = {}
-    for loss in OBJECTIVES:
-        runs = [results[f"{loss}_s{s}"] for s in range(args.seeds)]
+    for loss, mode in arms:
+        arm = loss if mode == "sync" else f"{loss}_{mode}"
+        runs = [results[f"{arm}_s{s}"] for s in range(args.seeds)]
         before = {k: [r["evals"][0][k] for r in runs] for k in KEYS}
         after = {k: [r["evals"][-1][k] for r in runs] for k in KEYS}
-        table[loss] = {"before": before, "after": after, "seconds": [r["seconds"] for r in runs]}
-        lines.append(f"| {loss} | {mean_sd(before[KEYS[0]])} | {mean_sd(after[KEYS[0]])} | "
+        table[arm] = {"before": before, "after": after, "seconds": [r["seconds"] for r in runs]}
+        speedup = "–"
+        if mode != "sync" and loss in table:
+            ratios = [a / b for a, b in zip(table[loss]["seconds"], table[arm]["seconds"], strict=True)]
+            table[arm]["speedup_vs_sync"] = ratios
+            speedup = f"{statistics.mean(ratios):.2f}× ({', '.join(f'{r:.2f}' for r in ratios)})"
+        lines.append(f"| {loss} | {mode} | {mean_sd(before[KEYS[0]])} | {mean_sd(after[KEYS[0]])} | "
                      f"{mean_sd(before[KEYS[1]])} → {mean_sd(after[KEYS[1]])} | {mean_sd(after[KEYS[2]])} | "
                      f"{', '.join(f'{100 * v:.1f}' for v in after[KEYS[0]])} | "
-                     f"{statistics.mean(table[loss]['seconds']):.2f} |")
+                     f"{statistics.mean(table[arm]['seconds']):.2f} | {speedup} |")
     text = "\n".join(lines)
     print(text)
     (out / "multiturn.md").write_text(text + "\n")

@@ -33,7 +33,7 @@ from gspo.models import VOCAB_CHARS, build_preset, build_tokenizer
 from gspo.objectives import OBJECTIVES
 from gspo.rewards import REWARDS
 from gspo.rewards.deadline import DeadlinePool
-from gspo.rollout import HFSampler, SamplingParams
+from gspo.rollout import HFSampler, SamplingParams, policy_weights
 from gspo.sft import encode_pairs, sft
 from gspo.trainer import train
 from gspo.trajectory import NO_VERSION
@@ -246,6 +246,27 @@ def test_episode_layout_masks_logprobs_versions_and_turn_rewards(policy):
     assert traj.extras["episode"][:, traj.extras["episode_keys"].index("echoes")].tolist() == [3.0] * 4
 
 
+def test_a_partial_rollout_inside_an_episode_keeps_each_tokens_version(policy):
+    """Weights that arrive in the middle of a policy turn (rollout.partial): the episode keeps the version of every
+    policy token as the engine reports it, not the turn's first; observation tokens have none."""
+    model, tok = policy
+    engine = HFSampler(model, tok, SamplingParams(max_new_tokens=6), own_copy=True)
+    calls = []
+
+    def arrive() -> None:  # after the 3rd token of the first turn, version 1 (the same weights: only the label)
+        calls.append(1)
+        if len(calls) == 3:
+            engine.update_weights(policy_weights(model), 1)
+
+    engine.between_tokens = arrive
+    traj = EpisodeRunner(engine, tok, lambda: Echo(3), EpisodeLimits(max_turns=3, max_tokens=60)).run(ROWS, 2, [1, 2])
+    loss = traj.loss_mask.bool()
+    for i in range(len(traj)):
+        versions = traj.versions[i][loss[i]].tolist()
+        assert versions[:3] == [0, 0, 0] and set(versions[3:]) == {1}  # the first turn has both
+    assert (traj.versions[~loss] == NO_VERSION).all()
+
+
 def test_episodes_are_reproducible_and_independent_of_the_batch(policy):
     run = runner(policy, lambda: Echo(2))
     both = run.run(ROWS, 2, [1, 2])
@@ -411,8 +432,6 @@ def calc_config(out, *extra):
 def test_env_settings_are_checked_before_any_compute(tmp_path):
     with pytest.raises(ConfigError, match=r"env\.name"):
         calc_config(tmp_path / "a", "env.name=nothing")
-    with pytest.raises(ConfigError, match=r"rollout\.mode=async"):
-        calc_config(tmp_path / "b", "rollout.mode=async")
     with pytest.raises(ConfigError, match=r"exceeds env\.max_tokens"):
         calc_config(tmp_path / "c", "rollout.max_new_tokens=64")
     with pytest.raises(ConfigError, match=r"env\.options \(\['x'\]\) are for a custom environment"):
@@ -446,6 +465,26 @@ def test_episodes_combine_with_dynamic_sampling_and_the_overlong_filter(tmp_path
     assert summary["status"] == "completed"
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all("dynamic_rounds" in m and "overlong_filtered" in m and "tool_call_rate" in m for m in metrics)
+
+
+def test_asynchronous_workers_play_episodes(tmp_path, monkeypatch):
+    """rollout.mode=async with an env: the rollout workers play the episodes (tools and all) while the learner
+    trains; the steps carry the episode metrics and the staleness bookkeeping of the async path. A reward registered
+    in this process reaches the worker processes; one that cannot be sent to them is refused with its name."""
+    monkeypatch.setitem(REWARDS, "varied", varied_reward)
+    summary = train(calc_config(tmp_path, "rollout.mode=async", "trainer.steps=3", "cold_start.steps=10",
+                                "rewards.functions={varied: 1.0}", "rewards.accuracy_reward=varied",
+                                "rewards.accuracy_threshold=0.5"))
+    assert summary["status"] == "completed"
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    for m in metrics:
+        assert 1 <= m["episode_turns"] <= 3 and 0 <= m["tool_call_rate"] <= 1
+        assert 0 <= m["staleness_max"] <= 1 and m["grad_norm"] > 0
+    monkeypatch.setitem(REWARDS, "varied", lambda prompt, completion, **_: varied_reward(prompt, completion))
+    with pytest.raises(ConfigError, match=r"reward 'varied' .* cannot be sent to the rollout worker processes"):
+        train(calc_config(tmp_path / "lambda", "rollout.mode=async", "rewards.functions={varied: 1.0}"))
+    assert not (tmp_path / "lambda" / "config.yaml").exists()  # refused before anything was built or written
 
 
 def test_tools_with_string_prompts_not_rendered_are_warned_about(tmp_path, caplog):

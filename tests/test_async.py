@@ -123,5 +123,18 @@ def test_async_settings_on_a_sync_run_are_refused_not_ignored(tmp_path):
         with pytest.raises(ConfigError, match=r"only apply to rollout\.mode=async"):
             load_config(DEMO, tiny_overrides(tmp_path, setting))
     assert load_config(DEMO, tiny_overrides(tmp_path, "rollout.mode=async", "rollout.workers=2")).rollout.workers == 2
-    with pytest.raises(ConfigError, match="not supported there yet"):
-        load_config(DEMO, tiny_overrides(tmp_path, "rollout.mode=async", "rollout.engine=vllm"))
+    assert load_config(DEMO, tiny_overrides(tmp_path, "rollout.mode=async", "rollout.engine=vllm")).rollout.engine \
+        == "vllm"  # workers run their own vLLM engines (tests/test_vllm.py runs them)
+    servers = ["rollout.mode=async", "rollout.engine=vllm_server", "rollout.workers=2", "rollout.partial=false"]
+    cfg = load_config(DEMO, tiny_overrides(tmp_path, *servers, "rollout.vllm.server_url=[http://a:1,http://b:2]"))
+    assert cfg.rollout.vllm.server_urls == ["http://a:1", "http://b:2"]
+    with pytest.raises(ConfigError, match=r"its own server: rollout\.vllm\.server_url lists 3"):
+        load_config(DEMO, tiny_overrides(tmp_path, *servers,
+                                         "rollout.vllm.server_url=[http://a:1,http://b:2,http://c:3]"))
+    with pytest.raises(ConfigError, match=r"a list is for rollout\.mode=async"):
+        load_config(DEMO, tiny_overrides(tmp_path, "rollout.engine=vllm_server",
+                                         "rollout.vllm.server_url=[http://a:1,http://b:2]"))
+    with pytest.raises(ConfigError, match=r"rollout\.partial .* needs an engine in the worker process"):
+        load_config(DEMO, tiny_overrides(tmp_path, *servers[:3], "rollout.vllm.server_url=[http://a:1,http://b:2]"))
+    with pytest.raises(ConfigError, match="must look like http"):
+        load_config(DEMO, tiny_overrides(tmp_path, *servers, "rollout.vllm.server_url=[http://a:1,b:2]"))

@@ -174,6 +174,66 @@ def test_colocated_logprobs_match_the_trainer_and_follow_pushed_weights(dense):
     check_update(engine, model, tokenizer, "colocated tiny-dense")
 
 
+def test_colocated_partial_rollout_labels_each_token_with_its_version(dense):
+    """Weights pushed between two decode steps (a partial rollout, `between_tokens`): the generation goes on under
+    them; each token keeps the version vLLM sampled it with (its weight-version spans), so in every row the versions
+    are the old one, then the new one. The next rollout samples from the new weights only, with no KV cache computed
+    under the old ones reused (the prefix-cache reset refused mid-generation is done before it)."""
+    engine, model, tokenizer = dense
+    old = engine.version
+    steps = []
+
+    def arrive() -> None:  # after the 3rd engine step, new weights
+        steps.append(1)
+        if len(steps) == 3:
+            perturb(model, seed=2)
+            engine.update_weights(policy_weights(model), old + 1)
+
+    engine.between_tokens = arrive
+    try:
+        batch = engine.generate(PROMPTS, GROUP, SEEDS)
+    finally:
+        engine.between_tokens = None
+    check_layout(batch, tokenizer)
+    live = batch.completion_mask.bool()
+    versions = batch.versions
+    assert set(versions[live].tolist()) == {old, old + 1}
+    for i in range(len(batch)):
+        row = versions[i][live[i]].tolist()
+        assert row == sorted(row)  # old, then new
+    assert (versions[:, 0] == old).all()  # every row's first token was sampled before the push
+    report("colocated partial rollout", tokens_old=int((versions[live] == old).sum()),
+           tokens_new=int((versions[live] == old + 1).sum()))
+    after = engine.generate(PROMPTS, GROUP, SEEDS)
+    assert (after.versions[after.completion_mask.bool()] == old + 1).all()
+    mean, worst = mismatch(model, after)
+    report("colocated after a partial rollout", mean_abs_diff=mean, max_abs_diff=worst)
+    assert worst < TOL
+
+
+def test_async_workers_run_vllm_engines(tmp_path):
+    """rollout.mode=async with rollout.engine=vllm: a worker process runs its own vLLM engine, takes the learner's
+    weights in memory (between decode steps: partial), and the learner trains on its batches within the staleness
+    bound; tokens carry the versions vLLM labelled them with."""
+    out = tmp_path / "run"
+    overrides = tiny_overrides(out, "cold_start=null", "trainer.steps=4", "rollout.engine=vllm",
+                               "rollout.mode=async", "rollout.max_staleness=1",
+                               "rollout.vllm.enforce_eager=true", "rollout.vllm.max_model_len=64",
+                               "data.max_prompt_tokens=32", "optim.lr=3e-3", "optim.warmup_steps=0",
+                               "rewards.functions={conftest.varied_reward: 1.0}")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "gspo", "train", str(DEMO), *overrides], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-6000:]
+    records = read_metrics(out / "metrics.jsonl")
+    report("async vllm workers", staleness_max=[r["staleness_max"] for r in records],
+           rollout_logprob_diff=[r["rollout_logprob_diff"] for r in records])
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert all(0 <= r["staleness_max"] <= 1 and r["grad_norm"] > 0 for r in records)
+    assert records[0]["staleness_max"] == 0  # the first batch can only have been sampled by the initial weights
+    assert records[0]["rollout_logprob_diff"] < 1e-5  # ... which the worker's vLLM holds exactly (pushed in memory)
+
+
 def test_trainer_runs_on_the_vllm_engine(tmp_path):
     """`gspo train` sampling with vLLM (the demo's tiny MoE, 3 steps): at every step the trainer's recomputed π_old
     equals vLLM's logprobs of the same tokens (so vLLM samples from the trained weights), updates are real, and
@@ -256,3 +316,25 @@ def test_server_that_corrupts_moe_reloads_is_refused(tmp_path_factory, server, t
     folder, _, tokenizer = saved(tmp_path_factory, "tiny-moe")
     with pytest.raises(ServerError, match="changes weights when reloading"):
         VLLMServerEngine(server(folder), tokenizer, params(), sync_dir=tmp_path / "sync")
+
+
+def test_async_worker_on_a_vllm_server(tmp_path_factory, server, tmp_path):
+    """rollout.mode=async with rollout.engine=vllm_server: the worker samples from its own server, which reloads the
+    weights the worker takes (written to weight_sync_dir/worker0) between batches."""
+    folder, _, _ = saved(tmp_path_factory, "tiny-dense")
+    url = server(folder)
+    out = tmp_path / "run"
+    overrides = tiny_overrides(out, "cold_start=null", "trainer.steps=3", f"model.name={folder}",
+                               "rollout.engine=vllm_server", f"rollout.vllm.server_url=[{url}]", "rollout.mode=async",
+                               "rollout.partial=false", "optim.lr=3e-3", "optim.warmup_steps=0",
+                               "rewards.functions={conftest.varied_reward: 1.0}")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "gspo", "train", str(DEMO), *overrides], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-6000:]
+    records = read_metrics(out / "metrics.jsonl")
+    report("async vllm server worker", staleness_max=[r["staleness_max"] for r in records],
+           rollout_logprob_diff=[r["rollout_logprob_diff"] for r in records])
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[0]["rollout_logprob_diff"] < 1e-4 and all(r["staleness_max"] <= 1 for r in records)
+    assert [p.name for p in (out / "weight_sync" / "worker0").iterdir()] != []  # the worker's own sync folder

@@ -203,10 +203,18 @@ class VLLMConfig(_Section):
     enable_prefix_caching: bool = True  # the G samples of a prompt share its prefill
     enforce_eager: bool = False  # True skips CUDA-graph capture / compilation: slower sampling, faster start
     engine_args: dict[str, Any] = Field(default_factory=dict)  # further `vllm.LLM(...)` keyword arguments, as is
-    server_url: str | None = None  # vllm_server: e.g. http://host:8000
+    # vllm_server: e.g. http://host:8000; with rollout.mode=async a list, one server per rollout worker
+    server_url: str | list[str] | None = None
     weight_sync_dir: str | None = None  # vllm_server: default OUT/weight_sync
     request_timeout: float = Field(600.0, gt=0)  # vllm_server: seconds per HTTP request
     max_concurrent_requests: int = Field(64, ge=1)  # vllm_server: completion requests in flight per process
+
+    @property
+    def server_urls(self) -> list[str]:
+        """`server_url` as a list (empty when unset)."""
+        if self.server_url is None:
+            return []
+        return [self.server_url] if isinstance(self.server_url, str) else list(self.server_url)
 
 
 class RolloutConfig(_Section):
@@ -251,9 +259,18 @@ class RolloutConfig(_Section):
         if self.mode == "sync" and changed:
             raise ValueError(f"rollout.{', rollout.'.join(changed)} only apply to rollout.mode=async (this run is "
                              "sync): set rollout.mode=async, or leave them out")
-        if self.mode == "async" and self.engine != "hf":
-            raise ValueError(f"rollout.mode=async runs built-in (hf) engines in worker processes; rollout.engine="
-                             f"{self.engine} is not supported there yet (use rollout.mode=sync)")
+        urls = self.vllm.server_urls
+        if self.engine == "vllm_server" and self.mode == "async" and len(urls) not in (0, self.workers):
+            raise ValueError(f"rollout.mode=async with rollout.engine=vllm_server gives each of the rollout.workers="
+                             f"{self.workers} workers its own server: rollout.vllm.server_url lists {len(urls)} "
+                             "(list one URL per worker)")
+        if self.mode == "async" and self.engine == "vllm_server" and self.partial:
+            raise ValueError("rollout.partial (new weights taken between decode steps) needs an engine in the worker "
+                             "process (hf or vllm); a vllm_server worker takes new weights between batches: set "
+                             "rollout.partial=false")
+        if self.mode == "sync" and len(urls) > 1:
+            raise ValueError(f"rollout.vllm.server_url lists {len(urls)} servers; a list is for rollout.mode=async "
+                             "(one server per rollout worker): give one URL")
         return self
 
 
@@ -493,13 +510,15 @@ class Config(_Section):
 def _check_scaling(cfg: Config) -> None:
     """Cross-field rules of the rollout engine and the parallel training settings."""
     ro, tr = cfg.rollout, cfg.trainer
-    if ro.engine == "vllm_server" and not ro.vllm.server_url:
+    urls = ro.vllm.server_urls
+    if ro.engine == "vllm_server" and not urls:
         raise ValueError("rollout.engine=vllm_server needs rollout.vllm.server_url (e.g. http://host:8000)")
-    if ro.engine != "vllm_server" and (ro.vllm.server_url or ro.vllm.weight_sync_dir):
+    if ro.engine != "vllm_server" and (urls or ro.vllm.weight_sync_dir):
         raise ValueError("rollout.vllm.server_url and weight_sync_dir are for rollout.engine=vllm_server, not "
                          f"{ro.engine}")
-    if ro.vllm.server_url and not re.match(r"^https?://[^/\s]+", ro.vllm.server_url):
-        raise ValueError(f"rollout.vllm.server_url must look like http://host:port, got {ro.vllm.server_url!r}")
+    for url in urls:
+        if not re.match(r"^https?://[^/\s]+", url):
+            raise ValueError(f"rollout.vllm.server_url must look like http://host:port, got {url!r}")
     if ro.engine == "vllm" and ro.vllm.max_model_len is not None:
         longest = max(ro.max_new_tokens, tr.eval_max_new_tokens or 0)
         prompt = cfg.data.max_prompt_tokens
@@ -514,9 +533,6 @@ def _check_scaling(cfg: Config) -> None:
         raise ValueError("rollout.dynamic_sampling runs in the synchronous collect; with rollout.mode=async the "
                          "workers' batches are trained as they come: use one of the two")
     if cfg.env is not None:
-        if ro.mode == "async":
-            raise ValueError("env (multi-turn episodes) runs in the synchronous collect; rollout.mode=async is not "
-                             "supported with it yet (use rollout.mode=sync)")
         if cfg.rewards.overlong_buffer is not None:
             raise ValueError("rewards.overlong_buffer shapes single-turn completions; with env, limit episodes with "
                              "env.max_tokens / env.max_turns (rollout.overlong_filter drops truncated episodes)")

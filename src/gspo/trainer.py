@@ -52,10 +52,9 @@ from gspo.objectives import OBJECTIVES
 from gspo.optim import check_update_precision, make_optimizer, scale_lr
 from gspo.parallel import ProcessGroup, init_distributed, wrap_frozen, wrap_policy
 from gspo.parallel.state import full_state, load_state, save_state
-from gspo.rewards import RewardRunner
-from gspo.rewards.shaping import add_overlong_penalty
+from gspo.rewards import RewardRunner, score_trajectory
 from gspo.rollout import RolloutEngine, make_engine, policy_weights
-from gspo.rollout.workers import AsyncRollouts, staleness_metrics
+from gspo.rollout.workers import AsyncRollouts, registered_rewards, staleness_metrics
 from gspo.runfolder import (
     check_output_dir,
     check_resume_config,
@@ -198,14 +197,7 @@ def _sample(rows: list[dict], seeds: list[int], ctx: RLStep) -> Collected:
     ctx.engine.release()  # e.g. an own-copy engine frees its copy until the sync
     seconds = time.perf_counter() - t0
 
-    total, stats = ctx.rewards.score_rollouts(rows[mine], traj.prompt_index, traj.completions,
-                                              cfg.rewards.accuracy_reward, cfg.rewards.accuracy_threshold)
-    if traj.token_rewards is not None:  # an episode: the final reply's reward on its last policy token, plus the turns'
-        last = traj.loss_mask.shape[1] - 1 - traj.loss_mask.flip(-1).argmax(-1)
-        traj.token_rewards[torch.arange(len(traj)), last] += total.to(traj.token_rewards)
-        total = traj.token_rewards.sum(-1)
-    total, stats = add_overlong_penalty(total, stats, traj.completion_mask.sum(-1), ro.max_new_tokens,
-                                        cfg.rewards.overlong_buffer, cfg.rewards.overlong_penalty)
+    total, stats = score_trajectory(ctx.rewards, rows[mine], traj, cfg.rewards, ro.max_new_tokens)
     if group.enabled:  # `solved` is a count: summed over processes
         ctx.rewards.sync_counts(group.all_sum)
     traj, rewards, stats = group.gather_trajectories(traj, total, stats, pad_id=ctx.engine.pad_id)
@@ -287,9 +279,10 @@ def rl_step(step: int, model: nn.Module, optimizer, scheduler, train_rows: list[
     learned = learn(model, optimizer, scheduler, traj, batch.advantages,
                     minibatches(step, len(traj), ctx, traj.loss_mask.device), learn_settings(ctx.cfg), ctx.group,
                     ctx.ref_model, ctx.hooks)
-    sync(ctx.engine, model, step + 1)
-    if ctx.rollouts is not None:
+    if ctx.rollouts is not None:  # the workers sample; the learner's own engine is synced when it evaluates
         ctx.rollouts.publish(policy_weights(model), step + 1)
+    else:
+        sync(ctx.engine, model, step + 1)
     t_total = time.perf_counter() - t0
 
     lengths = traj.completion_mask.sum(-1).float()
@@ -331,6 +324,11 @@ def _start_checks(cfg: Config, out: Path, cfg_dict: dict, resume: bool, overwrit
         check_trackers(wandb=cfg.log.wandb, mlflow=cfg.log.mlflow)
     except ImportError as e:
         raise ConfigError(f"log.{e.name}: {e}") from None
+    if cfg.rollout.mode == "async":
+        try:
+            registered_rewards(cfg)  # what the rollout worker processes will be sent
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     return changed
 
 
@@ -420,7 +418,10 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
     if cfg.cold_start is not None:
         cold = group.main_first(lambda: cold_start(cfg, out, model, tokenizer, train_rows))
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.algorithm.kl_beta > 0 else None
-    engine = make_engine(cfg, model, tokenizer, out=out, dist=group)  # before wrapping: it may copy the full model
+    # before wrapping: it may copy the full model. Async: the learner's engine only evaluates, and vLLM servers belong
+    # to the rollout workers (one each; a push from the learner would change what a worker samples from)
+    server_owned = ro.mode == "async" and ro.engine == "vllm_server"
+    engine = make_engine(cfg, model, tokenizer, out=out, dist=group, kind="hf" if server_owned else None)
     if cfg.model.lora is not None:  # after the engine: an own-copy engine is built from the plain model
         model = apply_lora(model, cfg.model.lora)  # only the adapters train; engines receive merged weights
     model = wrap_policy(group, model, cfg.trainer.mixed_precision)  # DDP / FSDP2; one process: as is
@@ -453,7 +454,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         return AsyncRollouts(cfg, model, tokenizer, train_rows, policy_weights(model), start,
                              start_index=state.get("rollout_index", start), device=str(group.device),
                              counts={k: state[k] for k in ("dropped_stale", "lost_batches", "worker_restarts")
-                                     if k in state})
+                                     if k in state}, out=str(out))
 
     rollouts = start_rollouts(start, state)
     episodes = make_episode_runner(cfg, engine, tokenizer, make_env) if make_env is not None else None
@@ -481,6 +482,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
 
     def run_eval(step: int) -> dict[str, float]:
         shown: list[dict] = []
+        if engine.version != step:  # async: the learner's engine took no weights since it last evaluated
+            sync(engine, model, step)
         scores = group.evaluate(lambda part: evaluate(
             model, tokenizer, part, rewards, eval_tokens, sampler=engine, episodes=episodes,
             accuracy_reward=cfg.rewards.accuracy_reward, accuracy_threshold=cfg.rewards.accuracy_threshold,

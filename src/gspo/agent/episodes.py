@@ -138,12 +138,14 @@ class _Episode:
     truncated: bool = False
     counts: dict[str, float] = field(default_factory=dict)
 
-    def add(self, ids: list[int], logprobs: list[float] | None = None, version: int = NO_VERSION) -> None:
+    def add(self, ids: list[int], logprobs: list[float] | None = None, versions: list[int] | None = None) -> None:
+        """Append tokens: the policy's (with their engine log-probs and the policy version each was sampled with,
+        which a partial rollout may change mid-turn) or, without log-probs, an observation's."""
         policy = logprobs is not None
         self.ids += ids
         self.loss += [int(policy)] * len(ids)
         self.logprobs += logprobs if policy else [0.0] * len(ids)
-        self.versions += [version if policy else NO_VERSION] * len(ids)
+        self.versions += versions if policy and versions is not None else [NO_VERSION] * len(ids)
         self.rewards += [0.0] * len(ids)
 
     def stop(self, reason: str | None = None, truncated: bool = True) -> None:
@@ -206,11 +208,11 @@ class EpisodeRunner:
             e.counts["turns"] = e.counts.get("turns", 0.0) + 1
             if n > left[i]:  # the episode's token budget ends inside this reply
                 ids = ids[:left[i]]
-                e.add(ids, traj.logprobs[i, :left[i]].tolist(), int(traj.versions[i, 0]))
+                e.add(ids, traj.logprobs[i, :left[i]].tolist(), traj.versions[i, :left[i]].tolist())
                 e.final = self.tokenizer.decode([t for t in ids if t not in self.eos], skip_special_tokens=True)
                 e.stop("token_limit")
                 continue
-            e.add(ids, traj.logprobs[i, :n].tolist(), int(traj.versions[i, 0]))
+            e.add(ids, traj.logprobs[i, :n].tolist(), traj.versions[i, :n].tolist())
             e.final = traj.completions[i]
             if bool(traj.truncated[i]):
                 e.stop("token_limit" if n == left[i] else "unfinished_turn")

@@ -36,6 +36,7 @@ from gspo.rewards.builtin import (
 )
 from gspo.rewards.code import code_reward
 from gspo.rewards.deadline import DeadlinePool, Outcome
+from gspo.rewards.shaping import add_overlong_penalty
 
 __all__ = [
     "REWARDS",
@@ -51,6 +52,7 @@ __all__ = [
     "math_reward",
     "parse_arithmetic",
     "resolve_reward",
+    "score_trajectory",
 ]
 
 logger = logging.getLogger(__name__)
@@ -384,3 +386,23 @@ class RewardScores:
     def rows_failed(self) -> torch.Tensor:
         """Completions on which at least one function failed [N]."""
         return torch.stack(list(self.failed.values())).any(0)
+
+
+def score_trajectory(runner: RewardRunner, rows: list[dict], traj, settings, max_new_tokens: int
+                     ) -> tuple[torch.Tensor, dict[str, float]]:
+    """The rewards a rollout batch trains on ([N], with `score_rollouts`' stats): the one place the synchronous
+    collect and the asynchronous rollout workers compute them, so both train on the same rewards.
+
+    Each completion is scored against its prompt's row. For a multi-turn episode (`traj.token_rewards` set) the final
+    reply's reward is added on the episode's last policy token, next to the per-turn rewards the environment gave, and
+    the episode's return is their sum (`token_rewards` is updated in place). Then DAPO's soft overlong shaping
+    (`gspo.rewards.shaping`) when `settings.overlong_buffer` is set. `settings` is the config's `rewards` section
+    (`gspo.config.RewardConfig`); `max_new_tokens` the rollout's budget per completion."""
+    total, stats = runner.score_rollouts(rows, traj.prompt_index, traj.completions, settings.accuracy_reward,
+                                         settings.accuracy_threshold)
+    if traj.token_rewards is not None:
+        last = traj.loss_mask.shape[1] - 1 - traj.loss_mask.flip(-1).argmax(-1)
+        traj.token_rewards[torch.arange(len(traj)), last] += total.to(traj.token_rewards)
+        total = traj.token_rewards.sum(-1)
+    return add_overlong_penalty(total, stats, traj.completion_mask.sum(-1), max_new_tokens,
+                                settings.overlong_buffer, settings.overlong_penalty)

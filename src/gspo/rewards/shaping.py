@@ -26,8 +26,8 @@ def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, pe
 def add_overlong_penalty(total: torch.Tensor, stats: dict[str, float], lengths: torch.Tensor, max_new_tokens: int,
                          buffer: int | None, penalty: float) -> tuple[torch.Tensor, dict[str, float]]:
     """`total` rewards [N] plus `overlong_penalty` of the completion `lengths` [N] when `buffer` is set (the config's
-    rewards.overlong_buffer), and `stats` with its mean as `reward/overlong`; unchanged when `buffer` is None. The one
-    place sync collection and async workers shape rewards, so both train on the same rewards."""
+    rewards.overlong_buffer), and `stats` with its mean as `reward/overlong`; unchanged when `buffer` is None
+    (applied by `gspo.rewards.score_trajectory`)."""
     if buffer is None:
         return total, stats
     shaped = overlong_penalty(lengths.cpu(), max_new_tokens, buffer, penalty).to(total.device)

@@ -25,10 +25,12 @@ __all__ = [
     "filter_scores",
     "make_engine",
     "policy_weights",
+    "prepare_worker_source",
     "row_seed",
     "sample_from_logits",
     "sampling_params",
     "unwrap_model",
+    "worker_engine",
 ]
 
 
@@ -53,8 +55,8 @@ def _vllm_model_source(cfg: Config, model: nn.Module, tokenizer, out: Path, dist
     return str(target)
 
 
-def make_engine(cfg: Config, model: nn.Module, tokenizer, *, out: str | Path,
-                dist: ProcessGroup | None = None) -> RolloutEngine:
+def make_engine(cfg: Config, model: nn.Module, tokenizer, *, out: str | Path, dist: ProcessGroup | None = None,
+                kind: str | None = None) -> RolloutEngine:
     """The rollout engine `cfg.rollout.engine` names, for the policy `model`.
 
     Call it with the unwrapped policy, before DDP/FSDP wrapping (the engines keep or copy what they need), then give it
@@ -62,28 +64,83 @@ def make_engine(cfg: Config, model: nn.Module, tokenizer, *, out: str | Path,
     (the trainer's first sync): vLLM starts from the files it loads, not from the trainer's memory.
     hf: `HFSampler` sharing the trainer's weights (or its own copy in `rollout.dtype`; under FSDP always its own full
     copy on this process's device). vllm: an in-process `VLLMEngine`. vllm_server: a `VLLMServerEngine` for the server
-    at `rollout.vllm.server_url`. With `algorithm.routing_replay=r3` the engine records its MoE routing."""
+    at `rollout.vllm.server_url`. With `algorithm.routing_replay=r3` the engine records its MoE routing. `kind`
+    overrides `rollout.engine`."""
     from gspo.parallel import ProcessGroup
 
     dist = dist or ProcessGroup()
     out = Path(out)
-    ro, params = cfg.rollout, sampling_params(cfg)
-    record_routing = cfg.algorithm.routing_replay == "r3"
-    if ro.engine == "hf":
-        return HFSampler(model, tokenizer, params, dtype=ro.dtype, record_routing=record_routing, own_copy=dist.fsdp,
+    ro = cfg.rollout
+    kind = kind or ro.engine
+    if kind == "hf":
+        return HFSampler(model, tokenizer, sampling_params(cfg), dtype=ro.dtype, own_copy=dist.fsdp,
+                         record_routing=cfg.algorithm.routing_replay == "r3",
                          device=dist.device if dist.fsdp else None, decode=ro.decode)
 
-    from gspo.rollout.vllm import VLLMEngine, VLLMServerEngine
+    if kind == "vllm":
+        return _vllm_engine(cfg, _vllm_model_source(cfg, model, tokenizer, out, dist), model, tokenizer,
+                            distributed=dist.enabled)
+    return _server_engine(cfg, ro.vllm.server_urls[0], _sync_dir(cfg, out), model, tokenizer, dist)
 
-    v = ro.vllm
-    if ro.engine == "vllm":
-        return VLLMEngine(
-            _vllm_model_source(cfg, model, tokenizer, out, dist), tokenizer, params,
-            dtype=ro.dtype or cfg.model.dtype, seed=cfg.trainer.seed, gpu_memory_utilization=v.gpu_memory_utilization,
-            max_model_len=v.max_model_len, enable_prefix_caching=v.enable_prefix_caching,
-            enforce_eager=v.enforce_eager, record_routing=record_routing, distributed=dist.enabled,
-            engine_args=v.engine_args, to_checkpoint=checkpoint_layout(model))
+
+def _sync_dir(cfg: Config, out: Path) -> Path:
+    """Where a vllm_server engine writes the weights its server reloads: rollout.vllm.weight_sync_dir, else
+    OUT/weight_sync."""
+    return Path(cfg.rollout.vllm.weight_sync_dir or out / "weight_sync")
+
+
+def _vllm_engine(cfg: Config, source: str, model: nn.Module, tokenizer, *, distributed: bool = False):
+    """An in-process `VLLMEngine` loading `source`, with the rollout section's settings."""
+    from gspo.rollout.vllm import VLLMEngine
+
+    ro, v = cfg.rollout, cfg.rollout.vllm
+    return VLLMEngine(
+        source, tokenizer, sampling_params(cfg), dtype=ro.dtype or cfg.model.dtype, seed=cfg.trainer.seed,
+        gpu_memory_utilization=v.gpu_memory_utilization, max_model_len=v.max_model_len,
+        enable_prefix_caching=v.enable_prefix_caching, enforce_eager=v.enforce_eager,
+        record_routing=cfg.algorithm.routing_replay == "r3", distributed=distributed, engine_args=v.engine_args,
+        to_checkpoint=checkpoint_layout(model))
+
+
+def _server_engine(cfg: Config, url: str, sync_dir: Path, model: nn.Module, tokenizer, dist: ProcessGroup):
+    """A `VLLMServerEngine` for the server at `url`, writing weights to `sync_dir`."""
+    from gspo.rollout.vllm import VLLMServerEngine
+
+    v = cfg.rollout.vllm
     return VLLMServerEngine(
-        v.server_url, tokenizer, params, sync_dir=v.weight_sync_dir or out / "weight_sync",
-        timeout=v.request_timeout, max_concurrent=v.max_concurrent_requests, is_main=dist.is_main,
-        barrier=dist.barrier, record_routing=record_routing, to_checkpoint=checkpoint_layout(model))
+        url, tokenizer, sampling_params(cfg), sync_dir=sync_dir, timeout=v.request_timeout,
+        max_concurrent=v.max_concurrent_requests, is_main=dist.is_main, barrier=dist.barrier,
+        record_routing=cfg.algorithm.routing_replay == "r3", to_checkpoint=checkpoint_layout(model))
+
+
+def worker_engine(cfg: Config, model: nn.Module, tokenizer, *, worker: int, out: str | Path,
+                  source: str | None = None) -> RolloutEngine:
+    """The engine of asynchronous rollout worker `worker` (`gspo.rollout.workers`), which takes every weight it samples
+    with from the learner through `update_weights`. `model` is the policy's architecture built in the worker (the hf
+    engine samples with it; the vLLM engines only read its checkpoint layout, so it may be on the meta device).
+    hf: an own-copy `HFSampler` on the model's device. vllm: an in-process `VLLMEngine` loading `source` (what
+    `prepare_worker_source` returned). vllm_server: a `VLLMServerEngine` for the worker's own server,
+    `rollout.vllm.server_url[worker]`, writing weights to its own folder (a server per worker: each reloads the
+    weights its worker has taken, when that worker takes them)."""
+    from gspo.parallel import ProcessGroup
+
+    ro = cfg.rollout
+    if ro.engine == "hf":
+        return HFSampler(model, tokenizer, sampling_params(cfg), dtype=ro.dtype, own_copy=True,
+                         record_routing=cfg.algorithm.routing_replay == "r3", decode=ro.decode)
+    if ro.engine == "vllm":
+        if source is None:
+            raise ValueError("worker_engine: rollout.engine=vllm needs the model source vLLM loads at start")
+        return _vllm_engine(cfg, source, model, tokenizer)
+    return _server_engine(cfg, ro.vllm.server_urls[worker], _sync_dir(cfg, Path(out)) / f"worker{worker}", model,
+                          tokenizer, ProcessGroup())
+
+
+def prepare_worker_source(cfg: Config, model: nn.Module, tokenizer, out: str | Path) -> str | None:
+    """What the asynchronous workers' vLLM engines load at start (`rollout.engine=vllm`; see `_vllm_model_source`),
+    prepared once by the learner; None for the other engines."""
+    from gspo.parallel import ProcessGroup
+
+    if cfg.rollout.engine != "vllm":
+        return None
+    return _vllm_model_source(cfg, model, tokenizer, Path(out), ProcessGroup())

@@ -115,6 +115,15 @@ def _same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> boo
     return a.keys() == b.keys() and all(a[k].shape == b[k].shape and torch.equal(a[k], b[k]) for k in a)
 
 
+def _token_versions(spans, n: int, default: int) -> list[int]:
+    """Per-token policy versions of a completion of `n` tokens from vLLM's weight-version spans (`[start, end)` runs
+    of output tokens sampled under one `set_weight_version` label); `default` for tokens no span covers."""
+    versions = [default] * n
+    for span in spans or ():
+        versions[span.start:span.end] = [int(span.version)] * (span.end - span.start)
+    return versions
+
+
 class VLLMEngine:
     """Rollout engine on an in-process `vllm.LLM` (implements `RolloutEngine`); see the module doc.
 
@@ -160,6 +169,9 @@ class VLLMEngine:
         self.dtype = self.llm.llm_engine.model_config.dtype
         self.to_checkpoint = to_checkpoint
         self.version = 0
+        self.llm.llm_engine.set_weight_version("0")
+        self.between_tokens: Callable[[], None] | None = None  # called between decode steps (partial rollouts)
+        self._stale_prefix_cache = False
         self._repack_moe = self._check_reload()
 
     def _reload(self, **kwargs) -> None:
@@ -200,16 +212,26 @@ class VLLMEngine:
         """Sample `group_size` completions per prompt with `params` (default the engine's); completion j of prompt i
         is seeded `row_seed(seeds[i], j)`."""
         p, encoded = _checked_request(self, prompts, group_size, seeds, params)
+        if self._stale_prefix_cache:  # weights changed while requests ran (partial rollout): no stale KV reused now
+            self._stale_prefix_cache = not self.llm.reset_prefix_cache()
         requests = [{"prompt_token_ids": ids} for ids in encoded for _ in range(group_size)]
         per_request = [self._sampling(p, row_seed(seed, j)) for seed in seeds for j in range(group_size)]
-        outputs = self.llm.generate(requests, per_request, use_tqdm=False)
+        self.llm.enqueue(requests, per_request, use_tqdm=False)
+        finished = []
+        while self.llm.llm_engine.has_unfinished_requests():  # vLLM's own offline loop, with the partial-rollout hook
+            finished += [out for out in self.llm.llm_engine.step() if out.finished]
+            if self.between_tokens is not None:
+                self.between_tokens()
+        if len(finished) != len(requests):
+            raise RuntimeError(f"vLLM finished {len(finished)} of the {len(requests)} requests of this generate")
         samples = []
-        for out in outputs:
+        for out in sorted(finished, key=lambda o: int(o.request_id)):  # request ids count up in submission order
             c = out.outputs[0]
             tokens = list(c.token_ids)
             logprobs = [c.logprobs[t][tok].logprob for t, tok in enumerate(tokens)]
             routing = getattr(c, "routed_experts", None) if self.record_routing else None
-            samples.append(Sample(list(out.prompt_token_ids), tokens, logprobs, c.finish_reason == "length", routing))
+            samples.append(Sample(list(out.prompt_token_ids), tokens, logprobs, c.finish_reason == "length", routing,
+                                  _token_versions(c.weight_versions, len(tokens), self.version)))
         return assemble(samples, group_size, self.tokenizer, self.pad_id, self.eos_ids, self.version,
                         self.record_routing)
 
@@ -219,8 +241,10 @@ class VLLMEngine:
         self._reload(weights_iterator=self.to_checkpoint(weights, self.dtype))
         if self._repack_moe:
             self.llm.apply_model(_repack_moe_experts)
-        self.llm.reset_prefix_cache()
+        # refused while requests run (a partial rollout's update between decode steps): done before the next generate
+        self._stale_prefix_cache = not self.llm.reset_prefix_cache()
         self.version = version
+        self.llm.llm_engine.set_weight_version(str(version))  # vLLM labels each output token with it
 
     def release(self) -> None:
         """Nothing to free: vLLM keeps its weights and KV cache (see the class doc)."""

@@ -36,7 +36,8 @@ import torch.multiprocessing as mp
 
 from gspo.trajectory import NO_VERSION, Trajectory
 
-__all__ = ["AsyncRollouts", "WorkerBatch", "WorkerError", "staleness_metrics", "token_staleness"]
+__all__ = ["AsyncRollouts", "WorkerBatch", "WorkerError", "registered_rewards", "staleness_metrics",
+           "token_staleness"]
 
 IDLE = -1  # a worker's in-flight index when it is not generating
 
@@ -125,25 +126,30 @@ class SharedWeights:
 
 
 def _worker_main(worker: int, model_config, tokenizer, cfg, train_rows: list[dict], shared: SharedWeights, channel,
-                 claim, in_flight, device: str) -> None:
-    """A rollout worker process: claim, wait for fresh-enough weights, generate, score, send; until the learner stops
-    it. Its engine is built from the policy's architecture and takes every weight from `shared`. Exceptions go to the
-    learner as ("error", worker, traceback)."""
+                 claim, in_flight, device: str, out: str, source: str | None, registered: dict) -> None:
+    """A rollout worker process: claim, wait for fresh-enough weights, generate (or play episodes), score, send; until
+    the learner stops it. Its engine (`gspo.rollout.worker_engine`: the built-in sampler or vLLM) is built for the
+    policy's architecture and takes every weight from `shared`. Exceptions go to the learner as ("error", worker,
+    traceback)."""
     from transformers import AutoModelForCausalLM
 
-    from gspo.rewards import RewardRunner
-    from gspo.rewards.shaping import add_overlong_penalty
-    from gspo.rollout import HFSampler, sampling_params
+    from gspo.agent import build_env, make_episode_runner
+    from gspo.rewards import REWARDS, RewardRunner, score_trajectory
+    from gspo.rollout import worker_engine
     from gspo.schedule import step_prompts
 
     try:
         torch.set_num_threads(cfg.rollout.worker_threads)
+        REWARDS.update(registered)  # rewards the learner's process registered by name
         ro = cfg.rollout
-        model = AutoModelForCausalLM.from_config(model_config).to(device)
-        engine = HFSampler(model, tokenizer, sampling_params(cfg), dtype=ro.dtype, own_copy=True,
-                           record_routing=cfg.algorithm.routing_replay == "r3", decode=ro.decode)
+        # the built-in sampler samples with this model; vLLM engines only read its layout (no memory on meta)
+        with torch.device(device if ro.engine == "hf" else "meta"):
+            model = AutoModelForCausalLM.from_config(model_config)
+        engine = worker_engine(cfg, model, tokenizer, worker=worker, out=out, source=source)
         del model
         engine.version = NO_VERSION  # nothing published taken yet
+        make_env, _ = build_env(cfg)
+        episodes = make_episode_runner(cfg, engine, tokenizer, make_env) if make_env is not None else None
         rewards = RewardRunner(cfg.rewards.functions, on_error=cfg.rewards.on_error,
                                timeout_s=cfg.rewards.timeout_s, workers=cfg.rewards.workers)
         if ro.partial:
@@ -159,11 +165,11 @@ def _worker_main(worker: int, model_config, tokenizer, cfg, train_rows: list[dic
             t0 = time.perf_counter()
             rows, seeds = step_prompts(i, train_rows, ro.prompts_per_step, cfg.trainer.seed)  # as sync step i
             before = rewards.state_dict()
-            traj = engine.generate([r["prompt"] for r in rows], ro.group_size, seeds).to("cpu")
-            total, stats = rewards.score_rollouts(rows, traj.prompt_index, traj.completions,
-                                                  cfg.rewards.accuracy_reward, cfg.rewards.accuracy_threshold)
-            total, stats = add_overlong_penalty(total, stats, traj.completion_mask.sum(-1), ro.max_new_tokens,
-                                                cfg.rewards.overlong_buffer, cfg.rewards.overlong_penalty)
+            if episodes is not None:
+                traj = episodes.run(rows, ro.group_size, seeds).to("cpu")
+            else:
+                traj = engine.generate([r["prompt"] for r in rows], ro.group_size, seeds).to("cpu")
+            total, stats = score_trajectory(rewards, rows, traj, cfg.rewards, ro.max_new_tokens)
             after = rewards.state_dict()
             failures = {kind: {name: n - before[kind][name] for name, n in counts.items()}
                         for kind, counts in after.items()}
@@ -176,13 +182,35 @@ def _worker_main(worker: int, model_config, tokenizer, cfg, train_rows: list[dic
         channel.send_bytes(pickle.dumps(("error", worker, traceback.format_exc())))
 
 
+def registered_rewards(cfg) -> dict:
+    """The run's reward functions that this process registered by name in `gspo.rewards.REWARDS` (a worker is a new
+    process: it sees only the built-in ones), checked to be picklable: sent by reference, so defined at module
+    level. Import-path rewards (`package.module:function`) are imported by the workers themselves."""
+    from gspo.rewards import REWARDS
+
+    registered = {name: REWARDS[name] for name in cfg.rewards.functions if name in REWARDS}
+    for name, fn in registered.items():
+        try:
+            pickle.dumps(fn)
+        except Exception as e:
+            raise ValueError(f"rollout.mode=async: reward {name!r} (registered in gspo.rewards.REWARDS) cannot be sent "
+                             f"to the rollout worker processes ({e}); define it as a module-level function, or name "
+                             "it by import path 'package.module:function'") from None
+    return registered
+
+
 class AsyncRollouts:
     """The learner's side of asynchronous rollouts: the worker processes, their pipes, the shared weights."""
 
     def __init__(self, cfg, model: torch.nn.Module, tokenizer, train_rows: list[dict], weights, version: int,
-                 start_index: int = 0, device: str = "cpu", counts: dict[str, int] | None = None) -> None:
+                 start_index: int = 0, device: str = "cpu", counts: dict[str, int] | None = None,
+                 out: str = ".") -> None:
+        from gspo.rollout import prepare_worker_source
+
         ro = cfg.rollout
-        self.cfg, self.tokenizer, self.train_rows, self.device = cfg, tokenizer, train_rows, device
+        self.cfg, self.tokenizer, self.train_rows, self.device, self.out = cfg, tokenizer, train_rows, device, out
+        self.source = prepare_worker_source(cfg, model, tokenizer, out)  # what workers' vLLM engines load at start
+        self.registered = registered_rewards(cfg)
         self.ctx = mp.get_context("spawn")  # fork would copy the learner's threads and locks
         self.shared = SharedWeights(weights, self.ctx)
         self.shared.publish((), version)
@@ -201,7 +229,7 @@ class AsyncRollouts:
         process = self.ctx.Process(
             target=_worker_main, daemon=True, name=f"gspo-rollout-{worker}",
             args=(worker, self.model_config, self.tokenizer, self.cfg, self.train_rows, self.shared, writer,
-                  self.claim, self.in_flight, self.device))
+                  self.claim, self.in_flight, self.device, str(self.out), self.source, self.registered))
         process.start()
         writer.close()  # the worker holds the only write end: its death reads as end-of-file here
         self.workers[worker], self.readers[worker] = process, reader
