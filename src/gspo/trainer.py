@@ -420,8 +420,10 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.algorithm.kl_beta > 0 else None
     # before wrapping: it may copy the full model. Async: the learner's engine only evaluates, and vLLM servers belong
     # to the rollout workers (one each; a push from the learner would change what a worker samples from)
-    server_owned = ro.mode == "async" and ro.engine == "vllm_server"
-    engine = make_engine(cfg, model, tokenizer, out=out, dist=group, kind="hf" if server_owned else None)
+    if ro.mode == "async" and ro.engine == "vllm_server":
+        engine = make_engine(cfg, model, tokenizer, out=out, dist=group, kind="hf")
+    else:
+        engine = make_engine(cfg, model, tokenizer, out=out, dist=group)
     if cfg.model.lora is not None:  # after the engine: an own-copy engine is built from the plain model
         model = apply_lora(model, cfg.model.lora)  # only the adapters train; engines receive merged weights
     model = wrap_policy(group, model, cfg.trainer.mixed_precision)  # DDP / FSDP2; one process: as is

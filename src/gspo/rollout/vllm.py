@@ -21,6 +21,14 @@ New weights (after every optimizer step, `update_weights`):
 
 The prefix cache is reset after each update, so no KV computed with old weights is reused.
 
+Partial rollouts (asynchronous workers, `gspo.rollout.workers`): `VLLMEngine.generate` runs vLLM's offline loop
+itself (`LLM.enqueue`, then `LLMEngine.step` until every request is finished) and calls `between_tokens`, when set,
+after every engine step, so new weights can arrive while requests are running. Each update labels the engine with
+the policy version (`set_weight_version`), vLLM records which output tokens were sampled under which label
+(`CompletionOutput.weight_versions`), and the trajectory gets those per-token versions. vLLM refuses to reset the
+prefix cache while requests run; the reset is then done before the next `generate`, so only the requests already in
+flight (whose KV is from the old weights, as with the built-in sampler) continue on it.
+
 Known vLLM defect handled here: on the CPU backend (vLLM 0.32), an in-place reload leaves fused-MoE expert weights
 in the checkpoint layout instead of re-packing them for the CPU kernel (`_setup_kernel` skips the experts'
 `process_weights_after_loading` on a weight update), which silently corrupts an MoE model. `VLLMEngine` detects this

@@ -2,8 +2,12 @@
 
     learner   step k: take a finished batch from a worker (dropping any older than `max_staleness` versions), train
               on it with policy version k, publish version k + 1 into the shared weights
-    worker    claim the next batch index i, wait until version >= i - max_staleness is published, generate and score
-              batch i with its own engine, send it to the learner through its own pipe
+    worker    claim the next batch index i, wait until version >= i - max_staleness is published, generate (or play
+              the episodes of an `env` run) and score batch i with its own engine, send it to the learner through its
+              own pipe
+
+A worker's engine is the one `rollout.engine` names (`gspo.rollout.worker_engine`): the built-in sampler on its own
+copy of the weights, an in-process vLLM engine, or a vLLM server of its own (`rollout.vllm.server_url[worker]`).
 
 The wait is the back-pressure: a worker is never more than max_staleness + 1 batches ahead of the learner, so what is
 in flight is bounded. Each worker has a pipe of its own (one writer: a worker killed mid-message cannot leave a shared
