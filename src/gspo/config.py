@@ -421,6 +421,9 @@ class GuardConfig(_Section):
     entropy_factor: float = Field(2.0, gt=1)  # entropy below M / f or above M · f
     clip_jump: float = Field(0.25, gt=0, le=1)  # absolute rise of the clipped-token fraction
     ratio_jump: float = Field(10.0, gt=1)  # factor on the baseline |log ratio_max| (and |log ratio_min|)
+    # a ratio_max below this (ratio_min above its inverse), or inside the objective's clip range, is never anomalous:
+    # GSPO's sequence ratio reached 1.15 on healthy off-policy steps (async calculator runs, 10x its 1.005 median)
+    ratio_floor: float = Field(1.25, gt=1)
     lr_factor: float = Field(0.5, gt=0, lt=1)
     max_rollbacks: int = Field(2, ge=0)
 

@@ -11,9 +11,10 @@ the median and the robust spread (1.4826 · median absolute deviation) of the la
     |log ratio_max|    above   max(M + z·σ, ratio_jump·M, ratio_floor)   (M, σ of |log ratio_max|; ratio_min mirrored)
     non-finite         loss, grad_norm, reward_mean or entropy not finite, or an update skipped for it
 
-Both a statistical (z·σ) and a practical (relative) margin must be exceeded, and a ratio inside the objective's clip
-range (`ratio_floor` = log(1 + ε_high)) is never an anomaly (token-level objectives move single tokens that far by
-design: GRPO's ratio_max of 1.1 was a false alarm), so neither noise in a short window nor
+Both a statistical (z·σ) and a practical (relative) margin must be exceeded, and a ratio within `ratio_floor` of 1
+is never an anomaly (the trainer: log(max(1 + ε_high, trainer.guard.ratio_floor)); token-level objectives move single
+tokens to the clip range by design, GRPO's ratio_max of 1.1 was a false alarm, and so was GSPO's sequence ratio of
+1.15 on healthy off-policy steps of an async run), so neither noise in a short window nor
 a tiny but stable spread raises an alarm. The relative rules start once `warmup` healthy steps are in the window; the
 non-finite rule from the first step. A non-finite step is reported but is neither a collapse step nor a baseline
 step: the trainer's `max_bad_steps` decides about steps whose updates were skipped for it. A step that breaks a rule
@@ -48,7 +49,7 @@ class GuardSettings:
     entropy_factor: float = 2.0
     clip_jump: float = 0.25
     ratio_jump: float = 10.0
-    ratio_floor: float = 0.0  # |log ratio| the objective reaches by design (the trainer: log(1 + ε_high))
+    ratio_floor: float = 0.0  # |log ratio| never anomalous (the trainer: log(max(1 + ε_high, guard.ratio_floor)))
 
 
 @dataclass

@@ -466,7 +466,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
                                         reward_drop=gc.reward_drop, entropy_factor=gc.entropy_factor,
                                         clip_jump=gc.clip_jump, ratio_jump=gc.ratio_jump,
                                         # token ratios inside the clip range are what token-level objectives do
-                                        ratio_floor=math.log1p(cfg.algorithm.eps_high))) if gc.enabled else None
+                                        ratio_floor=max(math.log1p(cfg.algorithm.eps_high),
+                                                        math.log(gc.ratio_floor)))) if gc.enabled else None
     guarded = state.get("guard", {})  # the guard's baseline, rollbacks and learning-rate scale at the checkpoint
     if guard is not None:
         guard.load_state_dict(guarded)

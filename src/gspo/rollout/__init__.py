@@ -138,9 +138,13 @@ def worker_engine(cfg: Config, model: nn.Module, tokenizer, *, worker: int, out:
 
 def prepare_worker_source(cfg: Config, model: nn.Module, tokenizer, out: str | Path) -> str | None:
     """What the asynchronous workers' vLLM engines load at start (`rollout.engine=vllm`; see `_vllm_model_source`),
-    prepared once by the learner; None for the other engines."""
+    prepared once by the learner; None for the other engines. A preset saved by the learner's own engine (before
+    LoRA wrapping) is reused."""
     from gspo.parallel import ProcessGroup
 
     if cfg.rollout.engine != "vllm":
         return None
-    return _vllm_model_source(cfg, model, tokenizer, Path(out), ProcessGroup())
+    saved = Path(out) / "vllm_init"
+    if (saved / "config.json").is_file():
+        return str(saved)
+    return _vllm_model_source(cfg, unwrap_model(model), tokenizer, Path(out), ProcessGroup())
