@@ -18,7 +18,7 @@ from gspo.rewards import REWARDS
 from gspo.rewards.shaping import add_overlong_penalty, overlong_penalty
 from gspo.schedule import refill_prompts
 from gspo.tracking import read_metrics
-from gspo.trainer import RunCollapsed, TrainingError, train
+from gspo.trainer import RunCollapsed, TrainingError, guard_settings, train
 from gspo.trajectory import Trajectory, concat
 
 # ------------------------------------------------------------------------------------------------ overlong shaping
@@ -154,6 +154,22 @@ def test_guard_ratio_rule_leaves_ratios_inside_the_clip_range_alone():
         guard.observe(step, _healthy(step, rng))
     assert guard.observe(21, {**_healthy(21, rng), "ratio_max": 1.1, "ratio_min": 0.9}).flags == {}
     assert list(guard.observe(22, {**_healthy(22, rng), "ratio_max": 1.5}).flags) == ["ratio_max"]
+
+
+def test_guard_ratio_floor_of_a_run_covers_healthy_off_policy_sequence_ratios(tmp_path):
+    """GSPO's sequence ratio (baseline ~1.005) reached 1.15 on healthy steps of an async calculator run: under the
+    run's floor (trainer.guard.ratio_floor 1.25, above GSPO's 1 + ε_high) that is no anomaly; 1.4 still is. GRPO's
+    floor is its clip range, 1 + 0.28."""
+    gspo = guard_settings(load_config(DEMO, tiny_overrides(tmp_path)))
+    assert gspo.ratio_floor == pytest.approx(math.log(1.25))
+    grpo = guard_settings(load_config(DEMO, tiny_overrides(tmp_path, "algorithm.loss=grpo")))
+    assert grpo.ratio_floor == pytest.approx(math.log1p(0.28))
+    rng = random.Random(3)
+    guard = CollapseGuard(gspo)
+    for step in range(1, 21):
+        guard.observe(step, {**_healthy(step, rng), "ratio_max": 1.005 + rng.uniform(0, 0.01)})
+    assert guard.observe(21, {**_healthy(21, rng), "ratio_max": 1.15, "ratio_min": 0.85}).flags == {}
+    assert list(guard.observe(22, {**_healthy(22, rng), "ratio_max": 1.4}).flags) == ["ratio_max"]
 
 
 def test_guard_reports_non_finite_steps_and_leaves_them_to_max_bad_steps():

@@ -151,6 +151,16 @@ def learn_settings(cfg: Config) -> LearnSettings:
                          mixed_precision=cfg.trainer.mixed_precision, mismatch=mismatch)
 
 
+def guard_settings(cfg: Config) -> GuardSettings:
+    """The collapse guard's settings from trainer.guard; a ratio within max(1 + ε_high, guard.ratio_floor) of 1 is
+    never anomalous (token ratios inside the clip range are what token-level objectives do; GSPO's off-policy
+    sequence ratios move that far on healthy steps)."""
+    gc = cfg.trainer.guard
+    return GuardSettings(window=gc.window, warmup=gc.warmup, patience=gc.patience, z=gc.z, reward_drop=gc.reward_drop,
+                         entropy_factor=gc.entropy_factor, clip_jump=gc.clip_jump, ratio_jump=gc.ratio_jump,
+                         ratio_floor=max(math.log1p(cfg.algorithm.eps_high), math.log(gc.ratio_floor)))
+
+
 def default_hooks(cfg: Config, model: nn.Module) -> list[LearnHook]:
     """The learner hooks of a run: MoE routing (capture, R2/R3 replay, volatility) for an MoE policy, and the §5.4
     precision diagnostics. `model` is the policy as the learner runs it (wrapped, under torchrun)."""
@@ -462,12 +472,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
     episodes = make_episode_runner(cfg, engine, tokenizer, make_env) if make_env is not None else None
     ctx = RLStep(cfg, engine, rewards, ref_model, default_hooks(cfg, model), group, rollouts, episodes)
     gc = cfg.trainer.guard
-    guard = CollapseGuard(GuardSettings(window=gc.window, warmup=gc.warmup, patience=gc.patience, z=gc.z,
-                                        reward_drop=gc.reward_drop, entropy_factor=gc.entropy_factor,
-                                        clip_jump=gc.clip_jump, ratio_jump=gc.ratio_jump,
-                                        # token ratios inside the clip range are what token-level objectives do
-                                        ratio_floor=max(math.log1p(cfg.algorithm.eps_high),
-                                                        math.log(gc.ratio_floor)))) if gc.enabled else None
+    guard = CollapseGuard(guard_settings(cfg)) if gc.enabled else None
     guarded = state.get("guard", {})  # the guard's baseline, rollbacks and learning-rate scale at the checkpoint
     if guard is not None:
         guard.load_state_dict(guarded)
