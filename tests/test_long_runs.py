@@ -159,11 +159,12 @@ def test_guard_ratio_rule_leaves_ratios_inside_the_clip_range_alone():
 def test_guard_ratio_floor_of_a_run_covers_healthy_off_policy_sequence_ratios(tmp_path):
     """GSPO's sequence ratio (baseline ~1.005) reached 1.15 on healthy steps of an async calculator run: under the
     run's floor (trainer.guard.ratio_floor 1.25, above GSPO's 1 + ε_high) that is no anomaly; 1.4 still is. GRPO's
-    floor is its clip range, 1 + 0.28."""
+    floor is its clip range, 1 + ε_high, where that is wider."""
     gspo = guard_settings(load_config(DEMO, tiny_overrides(tmp_path)))
     assert gspo.ratio_floor == pytest.approx(math.log(1.25))
-    grpo = guard_settings(load_config(DEMO, tiny_overrides(tmp_path, "algorithm.loss=grpo")))
-    assert grpo.ratio_floor == pytest.approx(math.log1p(0.28))
+    grpo = guard_settings(load_config(DEMO, tiny_overrides(tmp_path, "algorithm.loss=grpo",
+                                                           "algorithm.eps_high=0.4")))
+    assert grpo.ratio_floor == pytest.approx(math.log1p(0.4))
     rng = random.Random(3)
     guard = CollapseGuard(gspo)
     for step in range(1, 21):
