@@ -136,5 +136,7 @@ def test_async_settings_on_a_sync_run_are_refused_not_ignored(tmp_path):
                                          "rollout.vllm.server_url=[http://a:1,http://b:2]"))
     with pytest.raises(ConfigError, match=r"rollout\.partial .* needs an engine in the worker process"):
         load_config(DEMO, tiny_overrides(tmp_path, *servers[:3], "rollout.vllm.server_url=[http://a:1,http://b:2]"))
+    with pytest.raises(ConfigError, match="lists a server twice"):
+        load_config(DEMO, tiny_overrides(tmp_path, *servers, "rollout.vllm.server_url=[http://a:1,http://a:1]"))
     with pytest.raises(ConfigError, match="must look like http"):
         load_config(DEMO, tiny_overrides(tmp_path, *servers, "rollout.vllm.server_url=[http://a:1,b:2]"))

@@ -128,6 +128,16 @@ def check_update(engine, model, tokenizer, name: str) -> None:
     assert float((teacher_forced(model, before) - old)[mask].abs().max()) > 1e-2  # the perturbation is not tiny
 
 
+def gspo_train(cwd: Path, out: Path, overrides: list[str], timeout: int = 1200) -> list[dict]:
+    """`python -m gspo train DEMO OVERRIDES` in a new process (vLLM engines in this one would clash with the run's),
+    with the tests folder importable for `conftest.varied_reward`; the run's metrics records."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "gspo", "train", str(DEMO), *overrides], env=env, cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-6000:]
+    return read_metrics(out / "metrics.jsonl")
+
+
 # ------------------------------------------------------------------------------------------------- colocated
 
 
@@ -221,11 +231,7 @@ def test_async_workers_run_vllm_engines(tmp_path):
                                "rollout.vllm.enforce_eager=true", "rollout.vllm.max_model_len=64",
                                "data.max_prompt_tokens=32", "optim.lr=3e-3", "optim.warmup_steps=0",
                                "rewards.functions={conftest.varied_reward: 1.0}")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "gspo", "train", str(DEMO), *overrides], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=1200)
-    assert done.returncode == 0, done.stderr[-6000:]
-    records = read_metrics(out / "metrics.jsonl")
+    records = gspo_train(tmp_path, out, overrides)
     report("async vllm workers", staleness_max=[r["staleness_max"] for r in records],
            rollout_logprob_diff=[r["rollout_logprob_diff"] for r in records])
     assert [r["step"] for r in records] == [1, 2, 3, 4]
@@ -243,11 +249,7 @@ def test_trainer_runs_on_the_vllm_engine(tmp_path):
                                "rollout.vllm.enforce_eager=true", "rollout.vllm.max_model_len=64",
                                "data.max_prompt_tokens=32", "optim.lr=3e-3",
                                "optim.warmup_steps=0", "rewards.functions={conftest.varied_reward: 1.0}")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "gspo", "train", str(DEMO), *overrides], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-6000:]
-    records = read_metrics(out / "metrics.jsonl")
+    records = gspo_train(tmp_path, out, overrides, timeout=900)
     report("trainer on vllm (tiny-moe)", rollout_logprob_diff=[r["rollout_logprob_diff"] for r in records])
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["rollout_logprob_diff"] < 1e-5 for r in records)
@@ -328,11 +330,7 @@ def test_async_worker_on_a_vllm_server(tmp_path_factory, server, tmp_path):
                                "rollout.engine=vllm_server", f"rollout.vllm.server_url=[{url}]", "rollout.mode=async",
                                "rollout.partial=false", "optim.lr=3e-3", "optim.warmup_steps=0",
                                "rewards.functions={conftest.varied_reward: 1.0}")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "gspo", "train", str(DEMO), *overrides], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=1200)
-    assert done.returncode == 0, done.stderr[-6000:]
-    records = read_metrics(out / "metrics.jsonl")
+    records = gspo_train(tmp_path, out, overrides)
     report("async vllm server worker", staleness_max=[r["staleness_max"] for r in records],
            rollout_logprob_diff=[r["rollout_logprob_diff"] for r in records])
     assert [r["step"] for r in records] == [1, 2, 3]

@@ -264,6 +264,9 @@ class RolloutConfig(_Section):
             raise ValueError(f"rollout.mode=async with rollout.engine=vllm_server gives each of the rollout.workers="
                              f"{self.workers} workers its own server: rollout.vllm.server_url lists {len(urls)} "
                              "(list one URL per worker)")
+        if len(set(urls)) < len(urls):
+            raise ValueError(f"rollout.vllm.server_url lists a server twice ({urls}): each rollout worker reloads its "
+                             "own server with the weights it takes, so workers cannot share one")
         if self.mode == "async" and self.engine == "vllm_server" and self.partial:
             raise ValueError("rollout.partial (new weights taken between decode steps) needs an engine in the worker "
                              "process (hf or vllm); a vllm_server worker takes new weights between batches: set "

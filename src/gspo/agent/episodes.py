@@ -145,7 +145,7 @@ class _Episode:
         self.ids += ids
         self.loss += [int(policy)] * len(ids)
         self.logprobs += logprobs if policy else [0.0] * len(ids)
-        self.versions += versions if policy and versions is not None else [NO_VERSION] * len(ids)
+        self.versions += versions if policy else [NO_VERSION] * len(ids)
         self.rewards += [0.0] * len(ids)
 
     def stop(self, reason: str | None = None, truncated: bool = True) -> None:
