@@ -338,3 +338,36 @@ def test_default_chunk_is_a_budget_of_float32_logits_per_device():
     assert default_chunk_tokens(151_936, torch.device("cuda")) == (512 << 20) // (4 * 151_936) == 883
     assert default_chunk_tokens(52, "cpu") == (1 << 24) // 52
     assert default_chunk_tokens(10**9, "cuda") == 1
+
+
+def test_ddp_policy_takes_the_chunked_head_inside_one_ddp_forward(model, tmp_path, monkeypatch):
+    """Under DDP (`wrap_policy`), a training forward is one forward of the DDP module (whose reducer then all-reduces
+    the gradients) and runs the chunked, trimmed path inside it: the LM head module never runs (no N×T×V logits), and
+    values and gradients equal the bare model's."""
+    import torch.distributed as dist
+
+    from gspo.logprobs import LogprobForward
+    from gspo.parallel import ProcessGroup, wrap_policy
+
+    batch = make_batch(model.config.vocab_size, seed=5)
+    want, _, want_grads = _logprobs_and_grads(model, batch, trim_padding=True, with_entropy=True)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        group = ProcessGroup(rank=0, world_size=1)
+        monkeypatch.setattr(ProcessGroup, "enabled", property(lambda self: True))  # one process, wrapped as with two
+        ddp = wrap_policy(group, model)
+        assert isinstance(ddp, torch.nn.parallel.DistributedDataParallel) and isinstance(ddp.module, LogprobForward)
+        calls = {"ddp": 0, "head": 0}
+        ddp.register_forward_pre_hook(lambda *_: calls.__setitem__("ddp", calls["ddp"] + 1))
+        head = model.get_output_embeddings().register_forward_hook(
+            lambda *_: calls.__setitem__("head", calls["head"] + 1))
+        got, _, grads = _logprobs_and_grads(ddp, batch, trim_padding=True, with_entropy=True)
+        head.remove()
+    finally:
+        dist.destroy_process_group()
+    assert calls == {"ddp": 1, "head": 0}
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-5)
+    assert {n.removeprefix("module.module.") for n in grads} == set(want_grads)
+    for name, g in grads.items():
+        name = name.removeprefix("module.module.")
+        torch.testing.assert_close(g, want_grads[name], atol=1e-6 * float(want_grads[name].abs().max()), rtol=1e-5)

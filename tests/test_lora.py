@@ -274,9 +274,76 @@ def test_final_adapter_and_merged_model_load_back(tmp_path, kind):
     assert not (tmp_path / "plain" / "merged").exists()
 
 
+def _rows(vocab: int):
+    """Two groups' rows: left-padded prompts, right-padded completions (as a rollout gives them)."""
+    g = torch.Generator().manual_seed(7)
+    prompt_ids = torch.randint(3, vocab, (4, 5), generator=g)
+    completion_ids = torch.randint(3, vocab, (4, 6), generator=g)
+    prompt_mask, completion_mask = torch.ones_like(prompt_ids), torch.ones_like(completion_ids)
+    prompt_mask[2:, :2] = 0
+    completion_mask[1, 4:] = 0
+    completion_mask[3, 2:] = 0
+    return prompt_ids, prompt_mask, completion_ids, completion_mask
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_training_forward_of_a_lora_model_takes_the_chunked_head(kind):
+    """A LoRA model's training forward runs the base model's backbone (adapters active) and the chunked head: the LM
+    head module never runs (no N×T×V logits); values and the adapters' gradients equal peft's own forward's."""
+    from gspo.logprobs import _backbone_and_head
+
+    model, _ = lora_model(kind)
+    rows = _rows(model.config.vocab_size)
+    assert _backbone_and_head(model) is not None
+
+    def run(**kwargs):
+        logprobs, _ = completion_logprobs(model, *rows, **kwargs)
+        mask = rows[3].bool()  # padded positions: 0 on the chunked path, a value on the full one
+        (logprobs[mask] * torch.linspace(-1, 1, int(mask.sum()))).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        return logprobs.detach(), grads
+
+    want, want_grads = run(chunk_size=0)  # through PeftModel.forward and the full logits
+    calls = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda *_: calls.append(1))
+    got, grads = run(trim_padding=True)
+    hook.remove()
+    assert not calls
+    mask = rows[3].bool()
+    torch.testing.assert_close(got[mask], want[mask], atol=2e-5, rtol=1e-5)
+    assert grads.keys() == want_grads.keys() and all("lora_" in n for n in grads)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, want_grads[name], atol=1e-5 * float(want_grads[name].abs().max()), rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_kl_reference_is_the_base_with_the_adapters_off_not_a_copy(kind):
+    """`BaseReference`: the log-probs of the base model the adapters were put on (bit for bit), with no parameter of
+    its own; the policy's adapters and training mode are back afterwards."""
+    from gspo.lora import BaseReference
+
+    model, _ = lora_model(kind)  # adapters with non-zero B: the policy differs from its base
+    base, _ = load_model(kind, seed=0)
+    rows = _rows(model.config.vocab_size)
+    model.train()
+    with torch.no_grad():
+        policy_before = completion_logprobs(model, *rows)[0]
+        reference = BaseReference(model)
+        got = completion_logprobs(reference, *rows)[0]
+        want = completion_logprobs(base.eval(), *rows)[0]
+        policy_after = completion_logprobs(model, *rows)[0]
+    assert torch.equal(got, want)
+    assert not torch.allclose(policy_before, want, atol=1e-3)  # the adapters matter, and they were off
+    assert torch.equal(policy_after, policy_before) and model.training
+    own = {id(p) for p in model.parameters()}
+    assert all(id(p) in own for p in reference.parameters())  # nothing copied
+
+
 def test_trainer_runs_lora_and_writes_an_adapter_and_a_merged_model(tmp_path, monkeypatch):
-    """`model.lora` in a training run: only adapters train, final/ is a peft adapter folder with the merged model in
-    final/merged (loadable by gspo), and a resume continues from the adapter checkpoint."""
+    """`model.lora` in a training run (with a KL term to the base): only adapters train, final/ is a peft adapter
+    folder with the merged model in final/merged (loadable by gspo), and a resume continues from the adapter
+    checkpoint."""
     from conftest import DEMO, tiny_overrides, varied_reward
     from gspo.rewards import REWARDS
     from gspo.trainer import train
@@ -284,9 +351,12 @@ def test_trainer_runs_lora_and_writes_an_adapter_and_a_merged_model(tmp_path, mo
     monkeypatch.setitem(REWARDS, "varied", varied_reward)  # per test: the registry stays as the other tests expect
     out = tmp_path / "run"
     overrides = tiny_overrides(out, "model.lora={r: 4, alpha: 8, merged_final: true}", "trainer.checkpoint_every=1",
-                               "rewards.functions={addition: 1.0, varied: 0.5}", "trainer.steps=2", "optim.lr=1e-2")
+                               "rewards.functions={addition: 1.0, varied: 0.5}", "algorithm.kl_beta=0.1",
+                               "trainer.steps=2", "optim.lr=1e-2")
     summary = train(load_config(DEMO, overrides))
     assert summary["status"] == "completed"
+    kl = [json.loads(line)["kl_ref"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(kl) == 2 and all(k >= 0 for k in kl) and kl[-1] > 0  # KL to the base (adapters off) as they move
     assert (out / "final" / "adapter_config.json").is_file() and (out / "final" / "adapter_model.safetensors").is_file()
     merged, _ = load_model(str(out / "final" / "merged"))
     cold, _ = load_model(str(out / "cold_start"))

@@ -21,6 +21,7 @@ from gspo.optim import make_optimizer
 from gspo.parallel import ProcessGroup, wrap_policy
 from gspo.parallel import state as parallel_state
 from gspo.parallel.state import full_state, load_state, save_state
+from gspo.rollout.weights import unwrap_model
 
 WORLD = 2
 STATE = {"step": 1, "data_position": 8}
@@ -136,14 +137,14 @@ def worker(rank: int, tmp: str) -> None:
         ddp = ProcessGroup(rank=rank, world_size=WORLD, parallel="ddp")
         model4, _, optimizer4, scheduler4 = training(ddp, seed=3)
         assert load_state(ddp, checkpoint_path(out, 1), model4, optimizer4, scheduler4) == STATE
-        assert_same(gathered(model4.module, optimizer4), saved)
+        assert_same(gathered(unwrap_model(model4), optimizer4), saved)
         # DDP saves the one-process layout (rank 0 alone writes it) and loads it back
         save_state(ddp, tmp_path / "ddp", 1, model=model4, optimizer=optimizer4, scheduler=scheduler4,
                    tokenizer=tokenizer, state=STATE, keep_last=1)
         assert "layout" not in verify_checkpoint(checkpoint_path(tmp_path / "ddp", 1))
         model5, _, optimizer5, scheduler5 = training(ddp, seed=4)
         assert load_state(ddp, checkpoint_path(tmp_path / "ddp", 1), model5, optimizer5, scheduler5) == STATE
-        assert_same(gathered(model5.module, optimizer5), saved)
+        assert_same(gathered(unwrap_model(model5), optimizer5), saved)
     finally:
         dist.destroy_process_group()
 

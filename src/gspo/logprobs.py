@@ -20,8 +20,11 @@ stay float32; `chunked_token_logprobs` states the tolerance against float32.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from transformers import PreTrainedModel
 
 LOGPROB_CHUNK_MIB: dict[str, int] = {"cpu": 64, "cuda": 512}
@@ -173,10 +176,21 @@ def _is_fsdp_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
+def _lora_base(model: nn.Module) -> nn.Module:
+    """The model a peft LoRA `PeftModel` injected its layers into (`get_base_model()`): for LoRA, the wrapper's forward
+    is that model's, adapters included, so its backbone and head serve the hidden-state path. Any other module (and a
+    prompt-learning peft model, whose forward adds virtual tokens) is returned as is."""
+    if not hasattr(model, "get_base_model") or not hasattr(model, "peft_config"):
+        return model
+    active = getattr(model, "active_peft_config", None)
+    return model if active is None or getattr(active, "is_prompt_learning", True) else model.get_base_model()
+
+
 def _backbone_and_head(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
     """(decoder backbone, LM head) of a plain Hugging Face causal LM whose logits are exactly `head(last hidden
-    state)`; None when that cannot be relied on (wrappers such as DDP, soft-capped or scaled logits, custom heads),
-    in which case the caller takes the full-logits path."""
+    state)`, also inside a peft LoRA wrapper; None when that cannot be relied on (DDP without `LogprobForward`, FSDP,
+    soft-capped or scaled logits, custom heads), in which case the caller takes the full-logits path."""
+    model = _lora_base(model)
     prefix = getattr(model, "base_model_prefix", None)
     backbone = getattr(model, prefix, None) if isinstance(prefix, str) and prefix else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -248,6 +262,11 @@ def completion_logprobs(
     head_dtype: the chunked head's matmul dtype (`chunked_token_logprobs`); None = the autocast dtype under autocast
         on CUDA, else the head weights' dtype. The log-softmax is float32 either way.
     """
+    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    if isinstance(inner, LogprobForward):  # one forward through the wrapper (DDP's gradient sync), the fast path inside
+        return model(prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, with_entropy,
+                     chunk_size=chunk_size, trim_padding=trim_padding, share_prompts=share_prompts,
+                     head_dtype=head_dtype, completion_logprobs=True)
     split = _backbone_and_head(model) if chunk_size != 0 else None
     if split is not None:
         return _hidden_state_logprobs(split, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
@@ -269,6 +288,28 @@ def completion_logprobs(
         with torch.no_grad():
             entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logprobs, entropy
+
+
+class LogprobForward(nn.Module):
+    """`completion_logprobs` of `module` as this module's forward: what `gspo.parallel.wrap_policy` puts inside
+    DistributedDataParallel, so that a training forward is one DDP forward (DDP all-reduces the gradients only of
+    what ran inside its forward: calling the backbone and the head past it would silently skip the sync) and still
+    takes the chunked head, the length buckets and prompt sharing instead of DDP's full N×T×V logits. `module` stays
+    the attribute DDP-style unwrapping (`gspo.rollout.unwrap_model`) follows, so checkpoints and engines see the
+    bare model. Called without `completion_logprobs=True` it is `module` itself (`ddp(input_ids=..., labels=...)`)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, completion_logprobs: bool = False, **kwargs) -> Any:
+        if not completion_logprobs:
+            return self.module(*args, **kwargs)
+        return self.logprobs(*args, **kwargs)
+
+    def logprobs(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`completion_logprobs(module, ...)` (what a subclass changes)."""
+        return completion_logprobs(self.module, *args, **kwargs)
 
 
 def _hidden_state_logprobs(

@@ -9,6 +9,9 @@
   this branch for a peft model, so every engine (HF sampler copy, vLLM, async workers) is fed as for a full model.
   An HF sampler that shares the trainer's model simply runs it, adapters active.
 * Checkpoints (`gspo.checkpoint`) hold the adapter only; the base weights come from `model.name` on resume.
+* The KL reference is the base itself, adapters disabled (`BaseReference`): no copy of the model.
+* Training forwards take the chunked-head path through the wrapper (`gspo.logprobs`: a LoRA model's backbone and
+  head are the base model's, adapters injected), not N×T×V logits.
 * `save_lora_final` writes the final adapter folder, and optionally a merged full model next to it.
 
 peft is imported when a function here runs, so the rest of gspo works without it.
@@ -24,10 +27,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from gspo.logprobs import LogprobForward
+
 if TYPE_CHECKING:
     from gspo.config import LoraConfig
 
-__all__ = ["apply_lora", "is_peft_model", "merged_weights", "save_lora_final"]
+__all__ = ["BaseReference", "apply_lora", "is_peft_model", "merged_weights", "save_lora_final"]
 
 MERGED_DIRNAME = "merged"  # save_lora_final's merged full model, inside the adapter folder
 
@@ -196,6 +201,25 @@ def _base_name(key: str, tuners: dict[str, nn.Module]) -> str:
             out.append(part)
         module = f"{module}.{part}" if module else part
     return ".".join(out)
+
+
+# ----------------------------------------------------------------------------------------------- the KL reference
+
+
+class BaseReference(LogprobForward):
+    """The KL reference of a LoRA run (`algorithm.kl_beta > 0`): the peft `model` with its adapters disabled (peft's
+    `disable_adapter()`) and in eval mode, i.e. the frozen base weights the adapters start from, without the full copy
+    a reference model takes (a second 7B model in memory). `gspo.logprobs.completion_logprobs(reference, ...)` runs
+    it; the policy's training mode and adapters are restored afterwards."""
+
+    def logprobs(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            with self.module.disable_adapter():
+                return super().logprobs(*args, **kwargs)
+        finally:
+            self.module.train(was_training)
 
 
 # ------------------------------------------------------------------------------------------------------ final model

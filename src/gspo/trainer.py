@@ -45,7 +45,7 @@ from gspo.evaluation import evaluate, format_samples
 from gspo.guard import CollapseGuard, GuardSettings, Verdict, good_checkpoint
 from gspo.hooks import LearnHook, MoERouting, PrecisionMetrics
 from gspo.learner import LearnSettings, learn
-from gspo.lora import apply_lora, save_lora_final
+from gspo.lora import BaseReference, apply_lora, save_lora_final
 from gspo.models import enable_gradient_checkpointing, load_model, save_model
 from gspo.moe import is_moe, replay_support_error, require_replay_support
 from gspo.objectives import OBJECTIVES
@@ -427,7 +427,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
     cold = None  # rank 0 trains and saves it; the other processes then load it
     if cfg.cold_start is not None:
         cold = group.main_first(lambda: cold_start(cfg, out, model, tokenizer, train_rows))
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.algorithm.kl_beta > 0 else None
+    kl_copy = cfg.algorithm.kl_beta > 0 and cfg.model.lora is None  # LoRA: the base with its adapters off, no copy
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if kl_copy else None
     # before wrapping: it may copy the full model. Async: the learner's engine only evaluates, and vLLM servers belong
     # to the rollout workers (one each; a push from the learner would change what a worker samples from)
     if ro.mode == "async" and ro.engine == "vllm_server":
@@ -436,6 +437,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         engine = make_engine(cfg, model, tokenizer, out=out, dist=group)
     if cfg.model.lora is not None:  # after the engine: an own-copy engine is built from the plain model
         model = apply_lora(model, cfg.model.lora)  # only the adapters train; engines receive merged weights
+        ref_model = BaseReference(model) if cfg.algorithm.kl_beta > 0 else None
     model = wrap_policy(group, model, cfg.trainer.mixed_precision)  # DDP / FSDP2; one process: as is
     ref_model = wrap_frozen(group, ref_model, cfg.trainer.mixed_precision)
     optimizer, scheduler = make_optimizer(

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gspo.logprobs import LogprobForward
 from gspo.parallel.group import ProcessGroup
 
 __all__ = ["autocast", "wrap_frozen", "wrap_policy"]
@@ -21,9 +22,10 @@ log = logging.getLogger(__name__)
 
 
 def wrap_policy(group: ProcessGroup, model: nn.Module, mixed_precision: str | None = None) -> nn.Module:
-    """The training-time policy: `model` as is (one process), in `DistributedDataParallel`, or sharded in place with
-    FSDP2 (`group.parallel == "fsdp"`; with `mixed_precision`, parameters gathered in that dtype for compute and
-    gradients reduced in float32)."""
+    """The training-time policy: `model` as is (one process), in `DistributedDataParallel` (around
+    `gspo.logprobs.LogprobForward(model)`: its forward is `completion_logprobs`, chunked head included), or sharded
+    in place with FSDP2 (`group.parallel == "fsdp"`; with `mixed_precision`, parameters gathered in that dtype for
+    compute and gradients reduced in float32)."""
     if not group.enabled:
         return model
     if not group.fsdp:
@@ -33,7 +35,8 @@ def wrap_policy(group: ProcessGroup, model: nn.Module, mixed_precision: str | No
         # buffers (rotary tables) are constant and equal everywhere: no per-forward broadcast
         no_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(
             DistributedDataParallel).parameters else {"broadcast_buffers": False}
-        return DistributedDataParallel(model, device_ids=ids, **no_sync)
+        # DDP syncs the gradients of what runs inside its forward: the log-prob computation runs there whole
+        return DistributedDataParallel(LogprobForward(model), device_ids=ids, **no_sync)
     _fully_shard(model, group.device, group.world_size, mixed_precision)
     return model
 
