@@ -252,6 +252,34 @@ def test_recompute_makes_the_first_minibatch_exactly_on_policy(tmp_path, spy_obj
     assert all(r["rollout_logprob_diff"] < 1e-4 for r in records)
 
 
+@pytest.mark.parametrize("disable", [True, False])
+def test_a_model_with_dropout_trains_without_it(tmp_path, spy_objective, caplog, disable):
+    """A model folder whose config has dropout (attention_dropout 0.5): RL turns it off (trainer.disable_dropout), so
+    the on-policy minibatch's ratios are exactly 1; with disable_dropout=false they are noise, and a warning says so.
+    The model's config (and so the saved model's) keeps its dropout."""
+    from gspo.models import build_preset, save_model
+
+    model, tokenizer = build_preset("tiny-dense", seed=0)
+    model.config.attention_dropout = 0.5
+    save_model(model, tokenizer, tmp_path / "dropout-model")
+    out = tmp_path / "run"
+    with caplog.at_level("INFO", logger="gspo.trainer"):
+        train(cfg_for(out, "cold_start=null", f"model.name={tmp_path / 'dropout-model'}", "trainer.steps=1",
+                      "rewards.functions={varied: 1.0}", "algorithm.old_logprobs=recompute", "trainer.eval_every=0",
+                      "data.eval_size=1", f"trainer.disable_dropout={str(disable).lower()}"))
+    logprobs, old, mask = spy_objective[0]
+    assert torch.equal(logprobs[mask], old[mask]) == disable
+    said = " ".join(r.getMessage() for r in caplog.records if "dropout" in r.getMessage())
+    assert "attention_dropout: 0.5" in said and ("off for RL" in said) == disable
+    assert json.loads((out / "final" / "config.json").read_text())["attention_dropout"] == 0.5
+
+
+def test_lora_dropout_with_dropout_disabled_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"model.lora.dropout=0.1 with trainer.disable_dropout=true"):
+        cfg_for(tmp_path, "model.lora={r: 4, dropout: 0.1}")
+    assert cfg_for(tmp_path, "model.lora={r: 4, dropout: 0.1}", "trainer.disable_dropout=false").model.lora.dropout
+
+
 def test_rollout_logprobs_as_pi_old(tmp_path, spy_objective):
     train(cfg_for(tmp_path, "cold_start=null", "trainer.steps=2", "rewards.functions={varied: 1.0}",
                   "algorithm.old_logprobs=rollout", "trainer.eval_every=0", "data.eval_size=1"))

@@ -466,6 +466,9 @@ class TrainerConfig(_Section):
     # checkpointing, non-reentrant): less activation memory for ~1/3 more training compute. Sampling is unaffected (it
     # runs the model in eval mode, with its KV cache). Not with MoE routing replay (the recompute would not replay).
     gradient_checkpointing: bool = False
+    # Turn the model's dropout off for RL (after the cold start, which keeps it): with dropout π_θ is random, and the
+    # on-policy minibatch's ratios π_θ/π_old are dropout noise instead of 1 — larger than GSPO's clip range (3e-4).
+    disable_dropout: bool = True
     # Stop (TrainingError, summary.json with status "failed") after this many consecutive RL steps whose optimizer
     # updates were all skipped for a non-finite loss or gradient norm. None: never stop.
     max_bad_steps: int | None = Field(5, ge=1)
@@ -507,6 +510,11 @@ class Config(_Section):
         if replay != "none" and self.trainer.gradient_checkpointing:
             raise ValueError(f"algorithm.routing_replay={replay} replays the routing inside each forward, which "
                              "trainer.gradient_checkpointing would recompute in the backward without it: turn one off")
+        if self.model.lora is not None and self.model.lora.dropout > 0 and self.trainer.disable_dropout:
+            raise ValueError(f"model.lora.dropout={self.model.lora.dropout:g} with trainer.disable_dropout=true: the "
+                             "adapters' dropout would be turned off. Set model.lora.dropout=0 (dropout makes π_θ "
+                             "random: the on-policy ratios become noise larger than GSPO's clip range), or "
+                             "trainer.disable_dropout=false to train with it anyway")
         _check_scaling(self)
         # Whether the model supports routing replay is not checked here (validation builds no model): the trainer's
         # start checks call gspo.moe.replay_support_error, before anything is written or loaded.

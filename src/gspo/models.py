@@ -18,6 +18,7 @@ import torch
 import transformers
 from packaging import version
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from torch import nn
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -37,6 +38,7 @@ __all__ = [
     "VOCAB_CHARS",
     "build_preset",
     "build_tokenizer",
+    "disable_dropout",
     "enable_gradient_checkpointing",
     "load_model",
     "resolve_dtype",
@@ -360,6 +362,29 @@ def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def disable_dropout(model: nn.Module, *, dry_run: bool = False) -> list[str]:
+    """Turn every dropout of `model` off, in train mode too: each dropout module's p and each module's
+    `attention_dropout` (the rate transformers' attention passes to its kernel, e.g. Qwen3, Llama, Mistral) set to 0.
+    Returns what was on, as "module name: rate" (empty when nothing was); `dry_run` only lists it.
+
+    For RL (`trainer.disable_dropout`, as TRL does by default): with dropout the policy's training forwards are
+    random, so π_θ and the recomputed π_old of the on-policy first minibatch differ by the dropout noise instead of
+    being equal, and GSPO's clip range (3e-4 around a ratio of 1) clips that noise. The model's config keeps its
+    values (a saved model is unchanged)."""
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            found.append(f"{name}: {module.p:g}")
+            if not dry_run:
+                module.p = 0.0
+        rate = getattr(module, "attention_dropout", None)
+        if isinstance(rate, float) and rate > 0:
+            found.append(f"{name}.attention_dropout: {rate:g}")
+            if not dry_run:
+                module.attention_dropout = 0.0
+    return found
 
 
 def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: str | os.PathLike) -> Path:

@@ -46,7 +46,7 @@ from gspo.guard import CollapseGuard, GuardSettings, Verdict, good_checkpoint
 from gspo.hooks import LearnHook, MoERouting, PrecisionMetrics
 from gspo.learner import LearnSettings, learn
 from gspo.lora import BaseReference, apply_lora, save_lora_final
-from gspo.models import enable_gradient_checkpointing, load_model, save_model
+from gspo.models import disable_dropout, enable_gradient_checkpointing, load_model, save_model
 from gspo.moe import is_moe, replay_support_error, require_replay_support
 from gspo.objectives import OBJECTIVES
 from gspo.optim import check_update_precision, make_optimizer, scale_lr
@@ -427,6 +427,14 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
     cold = None  # rank 0 trains and saves it; the other processes then load it
     if cfg.cold_start is not None:
         cold = group.main_first(lambda: cold_start(cfg, out, model, tokenizer, train_rows))
+    dropout = disable_dropout(model, dry_run=not cfg.trainer.disable_dropout)  # for RL: π_θ deterministic
+    if dropout:
+        listed = ", ".join(dropout[:3]) + (f", ... ({len(dropout)} in all)" if len(dropout) > 3 else "")
+        if cfg.trainer.disable_dropout:
+            log.info("trainer.disable_dropout: the model's dropout is off for RL (%s)", listed)
+        else:
+            log.warning("trainer.disable_dropout=false and the model has dropout (%s): π_θ is random, so the "
+                        "on-policy minibatch's ratios are noise, not 1", listed)
     kl_copy = cfg.algorithm.kl_beta > 0 and cfg.model.lora is None  # LoRA: the base with its adapters off, no copy
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if kl_copy else None
     # before wrapping: it may copy the full model. Async: the learner's engine only evaluates, and vLLM servers belong
