@@ -166,6 +166,16 @@ def test_keep_last_prunes_older_checkpoints(tmp_path, training):
         save(tmp_path, 60, training, keep_last=0)
 
 
+def test_kept_steps_survive_pruning_and_do_not_count(tmp_path, training):
+    """`keep` (the collapse guard's best checkpoint) is never pruned; keep_last still keeps as many newer ones."""
+    for step in (10, 20, 30, 40):
+        save(tmp_path, step, training, keep_last=2, keep={10})
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "step_00000010", "step_00000030", "step_00000040"]
+    save(tmp_path, 50, training, keep_last=1)  # no longer kept: pruned like any other
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000050"]
+
+
 def test_find_latest_on_empty_run(tmp_path):
     assert find_latest_checkpoint(tmp_path) is None
     (tmp_path / "checkpoints").mkdir()

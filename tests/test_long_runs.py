@@ -12,7 +12,7 @@ import torch
 from conftest import DEMO, SimulatedCrash, crash_after, safetensors_of, tiny_overrides, varied_reward
 from gspo.checkpoint import checkpoint_path, list_checkpoints
 from gspo.config import ConfigError, load_config
-from gspo.guard import CollapseGuard, GuardSettings, good_checkpoint
+from gspo.guard import CollapseGuard, GuardSettings, best_checkpoint, good_checkpoint
 from gspo.optim import make_optimizer, scale_lr
 from gspo.rewards import REWARDS
 from gspo.rewards.shaping import add_overlong_penalty, overlong_penalty
@@ -189,6 +189,30 @@ def test_good_checkpoint_is_the_last_one_no_anomalous_step_saw():
     assert good_checkpoint([5], first_anomalous=6) is None
 
 
+def test_rollback_after_a_slow_slide_goes_back_to_a_checkpoint_near_the_best_reward():
+    """A reward that slides slowly drags the guard's baseline down with it: the latest clean checkpoint (14: recent
+    reward 0.575) is already the slide's; the rollback target is the latest one within reward_drop / 4 of the best."""
+    baselines = {2: None, 4: 0.8, 6: 0.8, 8: 0.8, 10: 0.775, 12: 0.675, 14: 0.575, 16: 0.475}
+    assert good_checkpoint(sorted(baselines), 17) == 14  # without baselines: the latest clean one
+    assert good_checkpoint(sorted(baselines), 17, baselines, tolerance=0.125) == 10  # 0.775 >= 0.8 - 0.1
+    assert good_checkpoint(sorted(baselines), 17, {**baselines, 10: 0.6}, tolerance=0.125) == 8
+    assert good_checkpoint([2, 4], 5, {2: None, 4: None}) == 2  # no baselines yet (warm-up): the latest clean one
+    assert good_checkpoint([2, 4], 3, {2: 0.5}) is None  # nothing clean
+    assert good_checkpoint([4, 6], 9, {4: -0.5, 6: -0.55}, tolerance=0.125) == 6  # negative rewards: |best|
+    assert best_checkpoint(baselines) == 8 and best_checkpoint({2: None}) is None  # the latest of the best
+
+
+def test_guard_reward_baseline_is_the_median_of_the_last_warmup_healthy_steps():
+    guard = CollapseGuard(GuardSettings(window=6, warmup=4))
+    rewards = [0.8, 0.8, 0.8, 0.8, 0.7, 0.6, 0.5]
+    seen = []
+    for step, r in enumerate(rewards, 1):
+        guard.observe(step, {"reward_mean": r})
+        seen.append(guard.reward_baseline())
+    assert seen[:3] == [None] * 3 and seen[3] == 0.8
+    assert seen[-1] == pytest.approx(0.65)  # median of 0.8, 0.7, 0.6, 0.5 (the window's median would be 0.75)
+
+
 def test_scale_lr_scales_the_schedule_from_now_on():
     layer = torch.nn.Linear(2, 2)
     opt, sched = make_optimizer(layer, 1e-3, total_steps=10, warmup_steps=4)
@@ -245,6 +269,28 @@ def test_guard_rolls_back_once_then_stops_with_status_collapsed(tmp_path, counte
     assert all(s <= summary["steps_done"] for s in list_checkpoints(out))
     lrs = {r["step"]: r["lr"] for r in read_metrics(out / "metrics.jsonl")}
     assert lrs[event["to_checkpoint"] + 1] < event["discarded"][0]["lr"]  # the replayed step runs at the lower lr
+
+
+def test_guard_rolls_back_a_slow_slide_to_the_best_checkpoint_kept_from_pruning(tmp_path, monkeypatch):
+    """The reward holds at 0.8 for about 8 steps, then loses 0.05 a step: the guard flags it at step 16 (below half
+    the best baseline), when the latest clean checkpoint (14) already scores about 0.5. The run rolls back to
+    checkpoint 8, the best, which keep_checkpoints=2 alone would have pruned at step 12; the old rule took 14."""
+    calls = {"n": 0}
+
+    def sliding(prompt: str, completion: str, **row) -> float:
+        calls["n"] += 1
+        step = (calls["n"] - 1) // 16 + 1  # 16 completions per step (and 4 held-out rows scored at step 0)
+        return 0.8 if step <= 8 else 0.8 - 0.05 * (step - 8)
+
+    monkeypatch.setitem(REWARDS, "sliding", sliding)
+    out = tmp_path / "run"
+    with pytest.raises(RunCollapsed):
+        train(load_config(DEMO, tiny_overrides(out, *GUARDED, "rewards.functions={sliding: 1.0}",
+                                               "trainer.keep_checkpoints=2")))
+    [event] = read_metrics(out / "guard.jsonl")
+    assert event["first_anomalous_step"] == 16 and event["to_checkpoint"] == 8
+    state = json.loads((checkpoint_path(out, 8) / "state.json").read_text())["state"]
+    assert state["guard"]["reward_baseline"] == pytest.approx(0.8)
 
 
 def test_guard_warn_only_logs(tmp_path, counted_reward):

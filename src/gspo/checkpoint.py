@@ -40,6 +40,7 @@ import pickle
 import random
 import re
 import shutil
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -85,13 +86,15 @@ def save_checkpoint(
     scheduler: Any | None,
     state: dict[str, Any],
     keep_last: int = 2,
+    keep: Collection[int] = (),
 ) -> Path:
     """Atomically write the full training state of `step` to ``OUT/checkpoints/step_{step:08d}`` and return that path.
 
     `model` is a Hugging Face ``PreTrainedModel``, `tokenizer` its tokenizer (or None), `scheduler` an LR scheduler
     (or None), `state` any JSON-serialisable dict (step, data position, ...) that :func:`load_checkpoint` returns.
     After the new checkpoint is in place, checkpoints of earlier steps beyond the newest `keep_last` (counting the
-    new one) are deleted. An existing checkpoint of the same step (re-saving after a resume) is replaced safely.
+    new one) are deleted, except those of the steps in `keep`. An existing checkpoint of the same step (re-saving
+    after a resume) is replaced safely.
 
     On any failure the temporary folder is removed, earlier checkpoints are left untouched and a
     :class:`CheckpointError` is raised whose ``__cause__`` is the original exception.
@@ -108,7 +111,7 @@ def save_checkpoint(
         if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: clean up, then let them through as they are
             raise
         raise _save_error(exc, step, final) from exc
-    _prune(final.parent, step, keep_last)
+    _prune(final.parent, step, keep_last, keep)
     return final
 
 
@@ -221,10 +224,11 @@ def _publish(tmp: Path, final: Path) -> None:
         shutil.rmtree(aside, ignore_errors=True)  # whatever is left is removed by the next save
 
 
-def _prune(root: Path, step: int, keep_last: int) -> None:
-    """Delete checkpoints of steps before `step` beyond the newest `keep_last` (the `step` one counts as one)."""
+def _prune(root: Path, step: int, keep_last: int, keep: Collection[int] = ()) -> None:
+    """Delete checkpoints of steps before `step` beyond the newest `keep_last` (the `step` one counts as one); those
+    of the steps in `keep` stay, and do not count."""
     steps = _step_dirs(root)
-    older = sorted((s for s in steps if s < step), reverse=True)
+    older = sorted((s for s in steps if s < step and s not in keep), reverse=True)
     for s in older[keep_last - 1 :]:
         trash = root / f"{_TRASH_PREFIX}{steps[s].name}-{os.getpid()}"
         os.rename(steps[s], trash)

@@ -20,7 +20,9 @@ non-finite rule from the first step. A non-finite step is reported but is neithe
 step: the trainer's `max_bad_steps` decides about steps whose updates were skipped for it. A step that breaks a rule
 is not added to the baseline. `patience` consecutive anomalous steps are a collapse, which began at the first
 anomalous step not followed by `patience` healthy ones: the trainer then rolls back to the last checkpoint that no
-step since then saw, with the learning rate × `lr_factor` (at most `max_rollbacks` times), or stops with status
+step since then saw and whose recent reward is within reward_drop / 4 of the best such checkpoint's (a slow slide
+leaves its own degraded checkpoints "clean"; the best checkpoint is kept from pruning), with the learning rate ×
+`lr_factor` (at most `max_rollbacks` times), or stops with status
 "collapsed" and the reason in summary.json. The guard's state is JSON and saved in every checkpoint (exact resume).
 """
 
@@ -31,7 +33,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CollapseGuard", "GuardSettings", "Verdict", "good_checkpoint"]
+__all__ = ["CollapseGuard", "GuardSettings", "Verdict", "best_checkpoint", "good_checkpoint"]
 
 WATCHED = ("reward_mean", "entropy", "clip_frac_tokens", "ratio_max", "ratio_min")
 FINITE = ("loss", "grad_norm", "reward_mean", "entropy")
@@ -149,6 +151,13 @@ class CollapseGuard:
                                   f"{math.exp(sign * limit):.4g} (baseline median {math.exp(sign * m):.4g})")
         return flags
 
+    def reward_baseline(self) -> float | None:
+        """The median reward_mean of the last `warmup` healthy steps (None before there are as many): what a
+        checkpoint taken now is worth to a rollback (`good_checkpoint`). Recent rather than the whole window, whose
+        median lags a slow slide by half its length; a median, so that one lucky step does not count."""
+        values = [h["reward_mean"] for h in self.history if "reward_mean" in h][-self.s.warmup:]
+        return statistics.median(values) if values and len(values) >= self.s.warmup else None
+
     def state_dict(self) -> dict[str, Any]:
         return {"history": [dict(h) for h in self.history], "streak": list(self.streak),
                 "reward_peak": self.reward_peak, "since": self.since, "healthy_run": self.healthy_run}
@@ -161,11 +170,29 @@ class CollapseGuard:
         self.healthy_run = state.get("healthy_run", 0)
 
 
-def good_checkpoint(steps: list[int], first_anomalous: int) -> int | None:
-    """The latest checkpoint step whose weights no anomalous step saw: the metrics of step d are measured on the
-    rollouts of the weights after d − 1 steps, so checkpoint c is clean when c + 1 < `first_anomalous`."""
+def good_checkpoint(steps: list[int], first_anomalous: int, baselines: dict[int, float | None] | None = None,
+                    tolerance: float = 0.125) -> int | None:
+    """The checkpoint step to roll back to: the latest clean one (no anomalous step saw its weights: the metrics of
+    step d are measured on the rollouts of the weights after d − 1 steps, so checkpoint c is clean when
+    c + 1 < `first_anomalous`) whose reward baseline (`baselines[c]`, `CollapseGuard.reward_baseline` when it was
+    saved) is within `tolerance`·|best| of the best clean checkpoint's.
+
+    A reward that slides for longer than the guard's window takes its baseline down with it, so the latest clean
+    checkpoint can already be the decline's: a rollback there restarts the run from its own slide. Checkpoints
+    without a baseline (before the warm-up) count when none has one."""
     clean = [c for c in steps if c + 1 < first_anomalous]
-    return max(clean) if clean else None
+    scored = {c: b for c in clean if (b := (baselines or {}).get(c)) is not None}
+    if not scored:
+        return max(clean) if clean else None
+    best = max(scored.values())
+    return max(c for c, b in scored.items() if b >= best - tolerance * abs(best))
+
+
+def best_checkpoint(baselines: dict[int, float | None]) -> int | None:
+    """The checkpoint step with the highest reward baseline (the latest of equals), None if none has one: kept from
+    pruning while the guard may roll back, so that a slow decline cannot push every good checkpoint out."""
+    scored = [(b, c) for c, b in baselines.items() if b is not None]
+    return max(scored)[1] if scored else None
 
 
 def _finite(value: Any) -> bool:

@@ -38,11 +38,11 @@ from torch import nn
 
 from gspo.advantages import group_advantages, turn_advantages, zero_variance_groups
 from gspo.agent import EpisodeRunner, build_env, episode_metrics, make_episode_runner
-from gspo.checkpoint import checkpoint_path, find_latest_checkpoint, list_checkpoints, set_seed
+from gspo.checkpoint import STATE_FILENAME, checkpoint_path, find_latest_checkpoint, list_checkpoints, set_seed
 from gspo.config import Config, ConfigError, config_to_dict
 from gspo.data import load_data, render_chat
 from gspo.evaluation import evaluate, format_samples
-from gspo.guard import CollapseGuard, GuardSettings, Verdict, good_checkpoint
+from gspo.guard import CollapseGuard, GuardSettings, Verdict, best_checkpoint, good_checkpoint
 from gspo.hooks import LearnHook, MoERouting, PrecisionMetrics
 from gspo.learner import LearnSettings, learn
 from gspo.lora import BaseReference, apply_lora, save_lora_final
@@ -523,11 +523,19 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         save_state(group, out, step, model=model, optimizer=optimizer, scheduler=scheduler, tokenizer=tokenizer,
                    state={"step": step, "data_position": step * ro.prompts_per_step, "bad_steps": bad_steps,
                           **(rollouts.state_dict() if rollouts is not None else {}),
-                          **({"guard": {**guard.state_dict(), "rollbacks": rollbacks, "lr_scale": lr_scale}}
+                          **({"guard": {**guard.state_dict(), "rollbacks": rollbacks, "lr_scale": lr_scale,
+                                        "reward_baseline": guard.reward_baseline()}}
                              if guard is not None else {}),
                           **{f"reward_{kind}": counts for kind, counts in rewards.state_dict().items()},
                           "wall_seconds": time.perf_counter() - wall0},
-                   keep_last=cfg.trainer.keep_checkpoints + doubted_checkpoints())
+                   keep_last=cfg.trainer.keep_checkpoints + doubted_checkpoints(), keep=best_kept())
+
+    def best_kept() -> set[int]:
+        """The checkpoint with the best reward baseline, kept from pruning while the guard may roll back to it."""
+        if guard is None or gc.action != "rollback" or not group.is_main:
+            return set()
+        best = best_checkpoint(_checkpoint_baselines(out))
+        return set() if best is None else {best}
 
     def doubted_checkpoints() -> int:
         """Checkpoints taken since the guard's current anomalies began (their weights may be the collapse's): kept on
@@ -537,13 +545,14 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         return sum(c + 1 >= guard.since for c in list_checkpoints(out))
 
     def roll_back(verdict: Verdict) -> int | None:
-        """The guard saw a collapse: restore the last checkpoint no anomalous step saw, with the learning rate ×
+        """The guard saw a collapse: restore the last checkpoint no anomalous step saw whose recent reward is within
+        trainer.guard.reward_drop / 4 of the best such one's (`good_checkpoint`), with the learning rate ×
         trainer.guard.lr_factor; returns its step (None: no rollback, the run stops). Later checkpoints, metrics and
         evaluations are discarded (OUT/guard.jsonl keeps the discarded metrics), and the restored checkpoint is saved
         again with the guard's new state, so that a crash from here resumes with the lower learning rate."""
         nonlocal rollbacks, lr_scale, bad_steps, rollouts
-        steps = group.main_first(lambda: list_checkpoints(out))
-        back = good_checkpoint(steps, verdict.first_step)
+        steps, baselines = group.main_first(lambda: (list_checkpoints(out), _checkpoint_baselines(out)))
+        back = good_checkpoint(steps, verdict.first_step, baselines, gc.reward_drop / 4)
         if gc.action != "rollback" or rollbacks >= gc.max_rollbacks or back is None:
             return None
         state = load_state(group, checkpoint_path(out, back), model, optimizer, scheduler)
@@ -711,6 +720,19 @@ def _model_checks(cfg: Config, model: nn.Module, group: ProcessGroup) -> None:
             raise ValueError("rollout.mode=async runs with one training process; under torchrun use rollout.mode=sync")
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def _checkpoint_baselines(out: Path) -> dict[int, float | None]:
+    """Each checkpoint's reward baseline when it was saved (`CollapseGuard.reward_baseline`, in its state.json; None
+    where it has none or cannot be read, e.g. a checkpoint of a run saved before baselines were recorded)."""
+    baselines: dict[int, float | None] = {}
+    for step in list_checkpoints(out):
+        try:
+            document = json.loads((checkpoint_path(out, step) / STATE_FILENAME).read_text(encoding="utf-8"))
+            baselines[step] = document["state"]["guard"]["reward_baseline"]
+        except (OSError, ValueError, KeyError, TypeError):
+            baselines[step] = None
+    return baselines
 
 
 def _skipped_updates(out: Path) -> int:

@@ -41,7 +41,7 @@ import inspect
 import logging
 import shutil
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,28 +66,28 @@ RNG_DIRNAME = "rng"
 
 
 def save_state(group: ProcessGroup, out, step: int, *, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
-               tokenizer, state: dict, keep_last: int) -> None:
+               tokenizer, state: dict, keep_last: int, keep: Collection[int] = ()) -> None:
     """Checkpoint the training state of `step` into OUT/checkpoints/step_{step:08d} (collective).
 
     One process and DDP: the one-process layout, written by rank 0. FSDP: the sharded layout (module docstring).
     `state` is the trainer's JSON state that `load_state` returns; checkpoints of earlier steps beyond the newest
-    `keep_last` are deleted. Raises CheckpointError on every process if the save failed anywhere (earlier
-    checkpoints are then untouched)."""
+    `keep_last` are deleted, except those of the steps in `keep`. Raises CheckpointError on every process if the
+    save failed anywhere (earlier checkpoints are then untouched)."""
     if group.fsdp:
         _save_sharded(group, out, step, model=model, optimizer=optimizer, scheduler=scheduler, tokenizer=tokenizer,
-                      state=state, keep_last=keep_last)
+                      state=state, keep_last=keep_last, keep=keep)
         return
 
     def save() -> None:
         if group.is_main:
             ckpt.save_checkpoint(out, step, model=unwrap_model(model), tokenizer=tokenizer, optimizer=optimizer,
-                                 scheduler=scheduler, state=state, keep_last=keep_last)
+                                 scheduler=scheduler, state=state, keep_last=keep_last, keep=keep)
 
     _on_all(group, save)
 
 
 def _save_sharded(group: ProcessGroup, out, step: int, *, model, optimizer, scheduler, tokenizer, state,
-                  keep_last) -> None:
+                  keep_last, keep=()) -> None:
     """The sharded save, in phases that every process ends together (`_on_all`)."""
     ckpt._check_save_args(step, keep_last, state)  # the same arguments everywhere: every process fails alike
     final = ckpt.checkpoint_path(out, step)
@@ -129,7 +129,7 @@ def _save_sharded(group: ProcessGroup, out, step: int, *, model, optimizer, sche
         if tmp is not None:  # rank 0 (a crash leaves it to the next save's cleanup)
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _on_all(group, lambda: ckpt._prune(final.parent, step, keep_last) if group.is_main else None)
+    _on_all(group, lambda: ckpt._prune(final.parent, step, keep_last, keep) if group.is_main else None)
 
 
 def _write_shards(group: ProcessGroup, folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
