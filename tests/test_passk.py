@@ -13,7 +13,7 @@ from conftest import varied_reward
 from gspo.cli import main
 from gspo.evaluation import evaluate, maj_at_k, mean_ci95, pass_at_k, vote_answer
 from gspo.models import build_preset, save_model
-from gspo.rewards import REWARDS, RewardRunner
+from gspo.rewards import REWARDS, RewardRunner, answer_extractor, with_answer
 
 # ------------------------------------------------------------------------------------------------ pass@k estimator
 
@@ -172,6 +172,48 @@ def test_evaluate_majority_votes_on_answer_of(tiny):
     no_votes = evaluate(model, tokenizer, rows, rewards, 2, samples_per_prompt=3, ks=(3,),
                         answer_of=lambda completion: None)
     assert no_votes["maj@3"] == 0.0 and no_votes["pass@3"] == 3 / 8
+
+
+def test_evaluate_votes_on_the_answer_the_accuracy_reward_extracts(tiny):
+    """Without answer_of, maj@k votes on the accuracy reward's `with_answer` extractor (here: one answer for all)."""
+    model, tokenizer = tiny
+    rows = [{"prompt": f"{i}+1=", "solved": i < 3} for i in range(8)]
+
+    @with_answer(lambda completion: "same")
+    def solved(prompt, completion, **row):
+        return float(row["solved"])
+
+    rewards = RewardRunner([(varied_reward, 0.5), (solved, 1.0)], timeout_s=None)
+    result = evaluate(model, tokenizer, rows, rewards, 2, samples_per_prompt=3, ks=(3,), accuracy_reward="solved")
+    assert result["maj@3"] == result["pass@3"] == 3 / 8
+    plain = RewardRunner([(lambda prompt, completion, **row: float(row["solved"]), 1.0)], timeout_s=None)
+    texts = evaluate(model, tokenizer, rows, plain, 2, samples_per_prompt=3, ks=(3,))  # no extractor: whole text
+    assert texts["maj@3"] == evaluate(model, tokenizer, rows, plain, 2, samples_per_prompt=3, ks=(3,),
+                                      answer_of=vote_answer)["maj@3"]
+
+
+@pytest.mark.parametrize(("name", "gold", "completions"), [
+    ("addition", "115", ["115", " 115 ok", "115\n", "1150", "-115", "", "abc", "0115"]),
+    ("last_number", "115", ["57 + 58 = 115", "115", "it is 1,150", "115 or 116", "none", "-115"]),
+])
+def test_built_in_answers_are_what_the_reward_checks(name, gold, completions):
+    """A completion is correct exactly when its extracted answer is the gold one: equal answers get equal verdicts,
+    so one vote is one verdict."""
+    fn = REWARDS[name]
+    extract = answer_extractor(fn)
+    assert extract is not None
+    for completion in completions:
+        answer = extract(completion)
+        assert (fn("", completion, answer=gold) == 1.0) == (answer is not None and str(answer) == gold), completion
+    assert extract("57 + 58 = 115" if name == "last_number" else "115 ok") == extract("115")
+
+
+def test_math_answer_is_math_verifys_parse():
+    pytest.importorskip("math_verify")
+    extract = answer_extractor(REWARDS["math"])
+    assert extract("so the answer is $\\boxed{\\frac{1}{2}}$") == extract("The answer: $\\frac{1}{2}$")
+    assert extract("no answer here") is None
+    assert answer_extractor(REWARDS["countdown"]) is None  # many expressions reach a target: no single answer
 
 
 def test_default_evaluate_stays_greedy(tiny):

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from gspo.config import resolve_accuracy_reward
-from gspo.rewards import RewardRunner
+from gspo.rewards import RewardRunner, answer_extractor
 from gspo.rollout import HFSampler, SamplingParams
 
 __all__ = ["evaluate", "format_samples", "maj_at_k", "mean_ci95", "pass_at_k", "vote_answer"]
@@ -42,10 +42,10 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def vote_answer(completion: str) -> str | None:
-    """The answer a completion votes for in maj@k, by default: its text stripped, with every run of whitespace made one
-    space; None (no vote) for an empty completion. No task-specific parsing: completions that a verifier would accept
-    as the same answer in different words ("579" and "579 ok" for addition) vote separately; pass `answer_of` to
-    `evaluate` (or the keys to `maj_at_k`) to vote on an extracted answer instead."""
+    """The answer a completion votes for in maj@k when the accuracy reward extracts none (`gspo.rewards.with_answer`):
+    its text stripped, with every run of whitespace made one space; None (no vote) for an empty completion. No
+    task-specific parsing: completions that a verifier would accept as the same answer in different words ("579" and
+    "579 ok" for addition) vote separately."""
     text = " ".join(completion.split())
     return text or None
 
@@ -91,7 +91,7 @@ def evaluate(model, tokenizer, rows: list[dict], rewards: RewardRunner, max_new_
              accuracy_threshold: float = 1.0, samples: list[dict] | None = None,
              n_samples: int = 0, *, samples_per_prompt: int = 1, temperature: float = 1.0, top_p: float = 1.0,
              ks: Sequence[int] = (1,), seed: int = 0,
-             answer_of: Callable[[str], Hashable | None] = vote_answer, episodes=None) -> dict[str, float]:
+             answer_of: Callable[[str], Hashable | None] | None = None, episodes=None) -> dict[str, float]:
     """Greedy decoding on `rows`, scored by `rewards`. Returns row means: `accuracy` (the fraction solved: the
     unweighted value of `accuracy_reward` (default: the only function, or the only built-in verifier) is at least
     `accuracy_threshold`, so other rewards' weights do not change it), `reward_mean` (the weighted sum),
@@ -107,9 +107,10 @@ def evaluate(model, tokenizer, rows: list[dict], rewards: RewardRunner, max_new_
     reward call), `samples` gets each row's first completion, and for every k in `ks` (1 <= k <= n) it adds
     `pass@{k}` (the mean over rows of `pass_at_k`), `pass@{k}_ci95_low` / `pass@{k}_ci95_high` (`mean_ci95` of the
     rows' estimates) and `maj@{k}` (the mean of `maj_at_k` over the rows' first k samples, voting on
-    `answer_of(completion)`; default `vote_answer`). With n = 1 (the default) `ks`, `seed` and `answer_of` are unused
-    and the result is the greedy one above, unchanged. Raises ValueError for n < 1, an empty `ks` or a k outside
-    [1, n], and (n > 1) a temperature or top_p that `SamplingParams` refuses.
+    `answer_of(completion)`; default: the answer the accuracy reward extracts (`gspo.rewards.with_answer`; the
+    built-in addition, last_number and math rewards have one), else `vote_answer`). With n = 1 (the default) `ks`,
+    `seed` and `answer_of` are unused and the result is the greedy one above, unchanged. Raises ValueError for n < 1,
+    an empty `ks` or a k outside [1, n], and (n > 1) a temperature or top_p that `SamplingParams` refuses.
 
     The interval keys are not row means: a caller that evaluates shards of the rows separately (several processes)
     must not average them; recompute them with `mean_ci95` from every row's `pass_at_k` instead. Such a caller also
@@ -131,6 +132,8 @@ def evaluate(model, tokenizer, rows: list[dict], rewards: RewardRunner, max_new_
         params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
     sampler = sampler or HFSampler(model, tokenizer, params)
     accuracy_reward = resolve_accuracy_reward(rewards.names, accuracy_reward, key="evaluate(accuracy_reward=...)")
+    if answer_of is None:
+        answer_of = answer_extractor(rewards.functions[rewards.names.index(accuracy_reward)]) or vote_answer
     per_call = batch_size if n == 1 else max(1, batch_size // n)
     scores, correct, failed, lengths, truncated, answers, counts = [], [], [], [], [], [], []
     for start in range(0, len(rows), per_call):

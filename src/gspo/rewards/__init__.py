@@ -29,10 +29,12 @@ import torch
 
 from gspo.rewards.builtin import (
     addition_reward,
+    answer_extractor,
     countdown_reward,
     last_number_reward,
     math_reward,
     parse_arithmetic,
+    with_answer,
 )
 from gspo.rewards.code import code_reward
 from gspo.rewards.deadline import DeadlinePool, Outcome
@@ -45,6 +47,7 @@ __all__ = [
     "RewardRunner",
     "RewardScores",
     "addition_reward",
+    "answer_extractor",
     "check_signature",
     "code_reward",
     "countdown_reward",
@@ -53,6 +56,7 @@ __all__ = [
     "parse_arithmetic",
     "resolve_reward",
     "score_trajectory",
+    "with_answer",
 ]
 
 logger = logging.getLogger(__name__)

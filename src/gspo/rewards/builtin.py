@@ -3,6 +3,9 @@
 A wrong or malformed completion scores 0.0; it is not an error. Errors (exceptions) are reserved for bad *data*, e.g. a
 row without the gold answer, so that `RewardRunner` reports them instead of silently training on zeros.
 Model output is never passed to `eval`: countdown expressions go through a small arithmetic parser.
+
+A reward that checks one final answer says which answer a completion gives (`with_answer`): maj@k votes on it
+(`gspo.evaluation.evaluate`), so that "115" and "57 + 58 = 115" are one vote, not two.
 """
 
 from __future__ import annotations
@@ -10,10 +13,33 @@ from __future__ import annotations
 import re
 import threading
 from collections import Counter
+from collections.abc import Callable, Hashable
 from fractions import Fraction
-from typing import Any
+from typing import Any, TypeVar
 
-__all__ = ["addition_reward", "countdown_reward", "math_reward", "parse_arithmetic"]
+__all__ = ["addition_reward", "answer_extractor", "countdown_reward", "math_reward", "parse_arithmetic", "with_answer"]
+
+F = TypeVar("F", bound=Callable[..., float])
+
+
+def with_answer(extract: Callable[[str], Hashable | None]) -> Callable[[F], F]:
+    """Mark a reward function with the answer a completion gives (`extract(completion)`, None: no answer), the key
+    maj@k votes on when this reward is the accuracy reward::
+
+        @with_answer(lambda completion: completion.strip().split()[-1] if completion.strip() else None)
+        def my_reward(prompt, completion, **row): ...
+
+    Without it maj@k votes on the whole whitespace-normalised completion (`gspo.evaluation.vote_answer`)."""
+    def mark(fn: F) -> F:
+        fn.answer = extract  # type: ignore[attr-defined]
+        return fn
+    return mark
+
+
+def answer_extractor(fn: Callable[..., Any]) -> Callable[[str], Hashable | None] | None:
+    """The answer extractor `with_answer` gave reward `fn`, or None."""
+    extract = getattr(fn, "answer", None)
+    return extract if callable(extract) else None
 
 _ANSWER_PREFIX = re.compile(r"-?[0-9]*")
 _INTEGER = re.compile(r"-?[0-9]+")
@@ -28,6 +54,19 @@ def _required(row: dict[str, Any], key: str, fn: str) -> Any:
     return row[key]
 
 
+def _answer_prefix(completion: str) -> str | None:
+    """What `addition_reward` compares: the stripped completion's leading integer characters (None if none)."""
+    prefix = _ANSWER_PREFIX.match(completion.strip())
+    return prefix.group(0) if prefix is not None and prefix.group(0) not in ("", "-") else None
+
+
+def _last_integer(completion: str) -> int | None:
+    """What `last_number_reward` compares: the completion's last integer (thousands commas dropped), None if none."""
+    numbers = _INTEGER.findall(completion.replace(",", ""))
+    return int(numbers[-1]) if numbers else None
+
+
+@with_answer(_answer_prefix)
 def addition_reward(prompt: str, completion: str, **row: Any) -> float:
     """1.0 if the completion starts with exactly the answer, else 0.0.
 
@@ -38,18 +77,17 @@ def addition_reward(prompt: str, completion: str, **row: Any) -> float:
     answer = str(_required(row, "answer", "addition_reward")).strip()
     if not _INTEGER.fullmatch(answer):
         raise ValueError(f"addition_reward needs an integer answer, got {answer!r}")
-    prefix = _ANSWER_PREFIX.match(completion.strip())
-    return 1.0 if prefix is not None and prefix.group(0) == answer else 0.0
+    return 1.0 if _answer_prefix(completion) == answer else 0.0
 
 
+@with_answer(_last_integer)
 def last_number_reward(prompt: str, completion: str, **row: Any) -> float:
     """1.0 if the last integer in the completion equals the integer `row["answer"]`, else 0.0: for chat models that
     answer in a sentence or an equation ("57 + 58 = 115" scores 1 for 115; "115 is wrong, it is 116" scores 0)."""
     answer = str(_required(row, "answer", "last_number_reward")).strip()
     if not _INTEGER.fullmatch(answer):
         raise ValueError(f"last_number_reward needs an integer answer, got {answer!r}")
-    numbers = _INTEGER.findall(completion.replace(",", ""))
-    return 1.0 if numbers and int(numbers[-1]) == int(answer) else 0.0
+    return 1.0 if _last_integer(completion) == int(answer) else 0.0
 
 
 class _Parser:
@@ -165,6 +203,17 @@ def countdown_reward(prompt: str, completion: str, **row: Any) -> float:
     return 1.0 if value == target else 0.0
 
 
+def _math_answer(completion: str) -> str | None:
+    """What `math_reward` verifies: Math-Verify's parse of the completion's final answer, as text (equal expressions
+    written differently, e.g. 1/2 and 0.5, are separate votes); None if nothing parses."""
+    from math_verify import parse
+
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    predicted = parse(completion, parsing_timeout=5 if in_main_thread else None)
+    return str(predicted[0]) if predicted else None
+
+
+@with_answer(_math_answer)
 def math_reward(prompt: str, completion: str, **row: Any) -> float:
     """1.0 if Math-Verify finds the completion's final answer equivalent to `row["answer"]`, else 0.0.
 
