@@ -350,3 +350,33 @@ def as_unprivileged():
         yield
     finally:
         os.seteuid(0)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt2"])
+def test_disable_dropout_makes_train_mode_forwards_deterministic(family) -> None:
+    """Mixtral with attention dropout and router jitter, GPT-2 with its dropout modules: two train-mode forwards
+    differ, and after `disable_dropout` (which lists what it turned off) they are equal, and equal to eval mode."""
+    import transformers
+
+    from gspo.models import disable_dropout
+
+    if family == "mixtral":
+        config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                            num_experts_per_tok=2, attention_dropout=0.3, router_jitter_noise=0.5)
+        expected = {"attention_dropout: 0.3", "jitter_noise: 0.5"}
+    else:
+        config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32)
+        expected = {": 0.1"}
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).train()
+    ids = torch.randint(0, 64, (2, 12))
+    assert not torch.equal(model(input_ids=ids).logits, model(input_ids=ids).logits)
+    assert disable_dropout(model, dry_run=True) and not torch.equal(model(input_ids=ids).logits,
+                                                                    model(input_ids=ids).logits)  # dry run: listed
+    found = disable_dropout(model)
+    assert all(any(f.endswith(e) for f in found) for e in expected), found
+    train = model(input_ids=ids).logits
+    assert torch.equal(train, model(input_ids=ids).logits)
+    torch.testing.assert_close(train, model.eval()(input_ids=ids).logits)
+    assert disable_dropout(model) == []

@@ -365,9 +365,9 @@ def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
 
 
 def disable_dropout(model: nn.Module, *, dry_run: bool = False) -> list[str]:
-    """Turn every dropout of `model` off, in train mode too: each dropout module's p and each module's
-    `attention_dropout` (the rate transformers' attention passes to its kernel, e.g. Qwen3, Llama, Mistral) set to 0.
-    Returns what was on, as "module name: rate" (empty when nothing was); `dry_run` only lists it.
+    """Make `model`'s train-mode forwards deterministic: each dropout module's p and each module's float dropout rate
+    or router jitter (`_RANDOM_IN_TRAINING`, e.g. the `attention_dropout` transformers' attention passes to its
+    kernel) set to 0. Returns what was on, as "module name: rate" (empty when nothing was); `dry_run` only lists it.
 
     For RL (`trainer.disable_dropout`, as TRL does by default): with dropout the policy's training forwards are
     random, so π_θ and the recomputed π_old of the on-policy first minibatch differ by the dropout noise instead of
@@ -375,16 +375,25 @@ def disable_dropout(model: nn.Module, *, dry_run: bool = False) -> list[str]:
     values (a saved model is unchanged)."""
     found = []
     for name, module in model.named_modules():
-        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
-            found.append(f"{name}: {module.p:g}")
-            if not dry_run:
-                module.p = 0.0
-        rate = getattr(module, "attention_dropout", None)
-        if isinstance(rate, float) and rate > 0:
-            found.append(f"{name}.attention_dropout: {rate:g}")
-            if not dry_run:
-                module.attention_dropout = 0.0
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            if module.p > 0:
+                found.append(f"{name}: {module.p:g}")
+                if not dry_run:
+                    module.p = 0.0
+            continue
+        for attr in _RANDOM_IN_TRAINING:
+            rate = getattr(module, attr, None)
+            if isinstance(rate, float) and rate > 0:
+                found.append(f"{name}.{attr}: {rate:g}")
+                if not dry_run:
+                    setattr(module, attr, 0.0)
     return found
+
+
+_RANDOM_IN_TRAINING = ("attention_dropout", "dropout", "hidden_dropout", "activation_dropout", "jitter_noise")
+"""Float attributes by which transformers' modules randomise train-mode forwards: dropout rates passed to functional
+dropout or the attention kernel, and MoE router jitter (Mixtral, PhiMoE: `router_jitter_noise` scales the router's
+input by uniform noise in train mode)."""
 
 
 def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: str | os.PathLike) -> Path:
