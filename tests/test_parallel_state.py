@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 
 from gspo import checkpoint as ckpt
 from gspo.checkpoint import CheckpointError, checkpoint_path, find_latest_checkpoint, verify_checkpoint
+from gspo.logprobs import completion_logprobs
 from gspo.models import build_preset
 from gspo.optim import make_optimizer
 from gspo.parallel import ProcessGroup, wrap_policy
@@ -54,6 +55,7 @@ def gathered(model, optimizer) -> dict:
     )
 
     options = StateDictOptions(full_state_dict=True)
+    model = unwrap_model(model)  # the HF model's names (an FSDP root is a LogprobForward around it)
     full = {"model": get_model_state_dict(model, options=options),
             "optimizer": get_optimizer_state_dict(model, optimizer, options=options)}
     return {"model": {k: v.detach().clone() for k, v in full["model"].items()},
@@ -145,8 +147,44 @@ def worker(rank: int, tmp: str) -> None:
         model5, _, optimizer5, scheduler5 = training(ddp, seed=4)
         assert load_state(ddp, checkpoint_path(tmp_path / "ddp", 1), model5, optimizer5, scheduler5) == STATE
         assert_same(gathered(unwrap_model(model5), optimizer5), saved)
+
+        fsdp_logprobs_match_one_process(fsdp)
     finally:
         dist.destroy_process_group()
+
+
+def logprob_rows(rank: int) -> tuple[torch.Tensor, ...]:
+    """Rank `rank`'s rows of a training forward: left-padded prompts, right-padded completions."""
+    g = torch.Generator().manual_seed(50 + rank)
+    prompt_ids, completion_ids = torch.randint(3, 40, (3, 5), generator=g), torch.randint(3, 40, (3, 6), generator=g)
+    prompt_mask, completion_mask = torch.ones_like(prompt_ids), torch.ones_like(completion_ids)
+    prompt_mask[1, :2] = 0
+    completion_mask[2, 3:] = 0
+    return prompt_ids, prompt_mask, completion_ids, completion_mask
+
+
+def fsdp_logprobs_match_one_process(fsdp: ProcessGroup) -> None:
+    """The FSDP root's training forward takes the chunked head inside it (the LM head module never runs: no N×T×V
+    logits) and gives each process the one-process log-probs of its rows; the reduced gradient is the mean of the
+    processes' one-process gradients."""
+    model, _, _, _ = training(fsdp, seed=7)
+    bare, _ = build_preset("tiny-dense", seed=7)
+    calls = []
+    hook = unwrap_model(model).get_output_embeddings().register_forward_hook(lambda *_: calls.append(1))
+    logprobs, _ = completion_logprobs(model, *logprob_rows(fsdp.rank))
+    (logprobs * logprob_rows(fsdp.rank)[3]).sum().backward()
+    hook.remove()
+    assert not calls
+    torch.testing.assert_close(logprobs, completion_logprobs(bare, *logprob_rows(fsdp.rank))[0] * (
+        logprob_rows(fsdp.rank)[3]), atol=1e-5, rtol=1e-5)
+    for rank in range(WORLD):
+        lp, _ = completion_logprobs(bare, *logprob_rows(rank))
+        (lp * logprob_rows(rank)[3] / WORLD).sum().backward()
+    want = dict(bare.named_parameters())
+    for name, p in unwrap_model(model).named_parameters():
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        scale = float(want[name].grad.abs().max())
+        torch.testing.assert_close(grad, want[name].grad, atol=1e-5 * scale + 1e-8, rtol=1e-4, msg=name)
 
 
 @pytest.fixture(scope="module")

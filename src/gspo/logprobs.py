@@ -308,7 +308,10 @@ class LogprobForward(nn.Module):
         return self.logprobs(*args, **kwargs)
 
     def logprobs(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`completion_logprobs(module, ...)` (what a subclass changes)."""
+        """`completion_logprobs(module, ...)` (what a subclass changes). As an FSDP2 root, over the full layout in
+        one backbone forward: length buckets would run each sharded layer several times before one backward."""
+        if _is_fsdp_sharded(self):
+            kwargs["trim_padding"] = False
         return completion_logprobs(self.module, *args, **kwargs)
 
 

@@ -138,6 +138,7 @@ def _write_shards(group: ProcessGroup, folder: Path, model: nn.Module, optimizer
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     rng = ckpt._get_rng_state()
+    model = unwrap_model(model)  # the HF model's own parameter names (the FSDP root is a LogprobForward around it)
     dcp.save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)},
              checkpoint_id=folder / SHARDED_DIRNAME)
     torch.save(rng, folder / RNG_DIRNAME / f"rank_{group.rank:05d}.pt")
@@ -213,7 +214,7 @@ def _load_sharded(group: ProcessGroup, path: Path, model: nn.Module, optimizer: 
         set_optimizer_state_dict,
     )
 
-    target = model if group.fsdp else unwrap_model(model)
+    target = unwrap_model(model)  # FSDP: its sharded parameters, under the HF model's names
     try:
         # the state dicts to read into: this process's shards under FSDP, full tensors otherwise
         state = {"model": get_model_state_dict(target), "optimizer": get_optimizer_state_dict(target, optimizer)}
@@ -244,6 +245,7 @@ def _load_full_into_fsdp(group: ProcessGroup, path: Path, model: nn.Module, opti
 
     _on_all(group, read, lambda exc: f"could not read {path}: {type(exc).__name__}: {exc}")
     weights, saved = files["weights"], files["saved"]
+    model = unwrap_model(model)  # the HF model's parameter names, its parameters sharded
     try:
         result = set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
     except RuntimeError as exc:
@@ -290,6 +292,7 @@ def full_state(group: ProcessGroup, model: nn.Module) -> Iterator[Any]:
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    model = unwrap_model(model)  # the HF model's parameter names, its parameters sharded
     weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     seen: set[int] = set()  # tied parameters (one object, several names): keep the first name, as HF saves
     for name, param in model.named_parameters(remove_duplicate=False):

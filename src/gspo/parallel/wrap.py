@@ -25,7 +25,7 @@ def wrap_policy(group: ProcessGroup, model: nn.Module, mixed_precision: str | No
     """The training-time policy: `model` as is (one process), in `DistributedDataParallel` (around
     `gspo.logprobs.LogprobForward(model)`: its forward is `completion_logprobs`, chunked head included), or sharded
     in place with FSDP2 (`group.parallel == "fsdp"`; with `mixed_precision`, parameters gathered in that dtype for
-    compute and gradients reduced in float32)."""
+    compute and gradients reduced in float32; the root is then a `LogprobForward(model)` too)."""
     if not group.enabled:
         return model
     if not group.fsdp:
@@ -37,14 +37,13 @@ def wrap_policy(group: ProcessGroup, model: nn.Module, mixed_precision: str | No
             DistributedDataParallel).parameters else {"broadcast_buffers": False}
         # DDP syncs the gradients of what runs inside its forward: the log-prob computation runs there whole
         return DistributedDataParallel(LogprobForward(model), device_ids=ids, **no_sync)
-    _fully_shard(model, group.device, group.world_size, mixed_precision)
-    return model
+    return _fully_shard(model, group.device, group.world_size, mixed_precision)
 
 
 def wrap_frozen(group: ProcessGroup, model: nn.Module | None, mixed_precision: str | None = None) -> nn.Module | None:
     """A no-gradient model used in the training forwards (the KL reference): sharded like the policy under FSDP."""
     if model is not None and group.fsdp:
-        _fully_shard(model, group.device, group.world_size, mixed_precision)
+        return _fully_shard(model, group.device, group.world_size, mixed_precision)
     return model
 
 
@@ -58,9 +57,12 @@ def autocast(group: ProcessGroup, mixed_precision: str | None) -> contextlib.Abs
     return torch.autocast(group.device.type, dtype=resolve_dtype(mixed_precision))
 
 
-def _fully_shard(model: nn.Module, device: torch.device, world_size: int, mixed_precision: str | None) -> None:
-    """FSDP2: shard every decoder layer (the model's `_no_split_modules` classes), then the root (embeddings, norm,
-    head). With `mixed_precision`, parameters are gathered in that dtype for compute and gradients reduced in fp32."""
+def _fully_shard(model: nn.Module, device: torch.device, world_size: int, mixed_precision: str | None) -> nn.Module:
+    """FSDP2: shard every decoder layer (the model's `_no_split_modules` classes) in place, then the root, a
+    `LogprobForward(model)` that holds the rest (embeddings, norm, head): its forward gathers them, so the training
+    forward takes the chunked head inside it (the HF model as the root gathers them only inside its own forward,
+    which computes N×T×V logits). With `mixed_precision`, parameters are gathered in that dtype for compute and
+    gradients reduced in fp32. Returns the root."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -78,6 +80,6 @@ def _fully_shard(model: nn.Module, device: torch.device, world_size: int, mixed_
                     type(model).__name__)
     for layer in layers:
         fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
+    return fully_shard(LogprobForward(model), **kwargs)
 
 
