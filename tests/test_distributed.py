@@ -89,6 +89,21 @@ def test_ddp_two_processes_match_one(one_process, tmp_path):
     assert_same_run(one_process, out)
 
 
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_async_rollouts_under_torchrun_match_the_one_process_run(one_process, tmp_path, parallel):
+    """rollout.mode=async under torchrun: rank 0's worker process samples every batch and each process trains its
+    share of it. With max_staleness 0 each batch is sampled by the policy of its step, with the step's prompts and
+    seeds, as the sync run does: the same rewards, and the weights of the one-process run. (The mismatch correction
+    is off: async turns it on by default, and the one-process run is sync.)"""
+    out = tmp_path / "async"
+    torchrun(tmp_path, "-m", "gspo", "train", str(DEMO),
+             *tiny_overrides(out, *RUN, "trainer.device=auto", f"trainer.parallel={parallel}", "rollout.mode=async",
+                             "rollout.max_staleness=0", "algorithm.mismatch=off"))
+    assert_same_run(one_process, out)
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["staleness_max"] for r in records] == [0, 0, 0] and records[-1]["rollout_dropped_stale"] == 0
+
+
 def test_fsdp_two_processes_interrupted_and_resumed_match_one(one_process, tmp_path):
     """FSDP2 over 2 processes, crashed after step 2 and resumed from its sharded checkpoint (every process writes its
     own shards: no gather on rank 0), trains the weights of the uninterrupted one-process run; the sharded checkpoint

@@ -54,7 +54,7 @@ from gspo.parallel import ProcessGroup, init_distributed, wrap_frozen, wrap_poli
 from gspo.parallel.state import full_state, load_state, save_state
 from gspo.rewards import RewardRunner, score_trajectory
 from gspo.rollout import RolloutEngine, make_engine, policy_weights
-from gspo.rollout.workers import AsyncRollouts, registered_rewards, staleness_metrics
+from gspo.rollout.workers import AsyncRollouts, SharedRollouts, registered_rewards, staleness_metrics
 from gspo.runfolder import (
     check_output_dir,
     check_resume_config,
@@ -114,7 +114,7 @@ class RLStep:
     ref_model: nn.Module | None = None  # the KL reference (algorithm.kl_beta > 0)
     hooks: Sequence[LearnHook] = ()  # `default_hooks`: MoE routing, precision diagnostics
     group: ProcessGroup = field(default_factory=ProcessGroup)  # the processes of a torchrun run (one: no-ops)
-    rollouts: AsyncRollouts | None = None  # rollout.mode async: the worker processes that generate the batches
+    rollouts: AsyncRollouts | SharedRollouts | None = None  # rollout.mode async: the workers that generate batches
     episodes: EpisodeRunner | None = None  # env: multi-turn episodes on `engine` instead of one completion per prompt
 
 
@@ -257,7 +257,8 @@ def _collect_async(step: int, ctx: RLStep) -> Collected:
     """rollout.mode async: the next finished batch of the workers, trained as policy version `step`; `seconds` is the
     time the learner waited for it (0 when rollouts keep ahead of the updates)."""
     batch, waited = ctx.rollouts.next(step)
-    for kind, counts in batch.failures.items():  # the workers' reward failures count as the run's
+    # the workers' reward failures count as the run's: once (on rank 0; the processes' counts are summed)
+    for kind, counts in batch.failures.items() if ctx.group.is_main else ():
         mine = ctx.rewards.failures if kind == "failures" else ctx.rewards.timeouts
         for name, n in counts.items():
             mine[name] = mine.get(name, 0) + n
@@ -386,7 +387,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
     make_env, tool_schemas = build_env(cfg)  # env: one environment per episode, the tools the template describes
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
-    elif cfg.rollout.mode == "async":  # the rollout workers' threads are taken from the learner's
+    elif cfg.rollout.mode == "async" and not group.enabled:  # the workers' threads are taken from the learner's
         torch.set_num_threads(max(1, (os.cpu_count() or 1) - cfg.rollout.workers * cfg.rollout.worker_threads))
     set_seed(cfg.trainer.seed)
 
@@ -468,15 +469,26 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         log.info("no checkpoint in %s yet: starting the run over", out)
     sync(engine, model, start)  # the policy as it is now (cold start, resume), not what the engine was built from
 
-    def start_rollouts(start: int, state: dict) -> AsyncRollouts | None:
+    def start_rollouts(start: int, state: dict) -> AsyncRollouts | SharedRollouts | None:
         """rollout.mode async: worker processes start generating now; a resume (or a rollback) continues after the
         last batch trained up to `start`."""
         if ro.mode != "async":
             return None
-        return AsyncRollouts(cfg, model, tokenizer, train_rows, policy_weights(model), start,
-                             start_index=state.get("rollout_index", start), device=str(group.device),
-                             counts={k: state[k] for k in ("dropped_stale", "lost_batches", "worker_restarts")
-                                     if k in state}, out=str(out))
+        index = state.get("rollout_index", start)
+        counts = {k: state[k] for k in ("dropped_stale", "lost_batches", "worker_restarts") if k in state}
+        weights = policy_weights(model)  # under FSDP gathered by every process
+        if not group.enabled:
+            return AsyncRollouts(cfg, model, tokenizer, train_rows, weights, start, start_index=index,
+                                 device=str(group.device), counts=counts, out=str(out))
+        inner = None  # torchrun: rank 0 runs the workers and hands every process each batch
+        if group.is_main:
+            inner = AsyncRollouts(cfg, model, tokenizer, train_rows, weights, start, start_index=index,
+                                  device=str(group.device), counts=counts, out=str(out))
+        else:
+            for _ in weights:
+                pass
+        return SharedRollouts(group, inner, index, {"dropped_stale": 0, "lost_batches": 0, "worker_restarts": 0,
+                                                    **counts})
 
     rollouts = start_rollouts(start, state)
     episodes = make_episode_runner(cfg, engine, tokenizer, make_env) if make_env is not None else None
@@ -716,8 +728,10 @@ def _model_checks(cfg: Config, model: nn.Module, group: ProcessGroup) -> None:
         if cfg.model.lora is not None and group.fsdp:
             raise ValueError("model.lora with trainer.parallel=fsdp is not supported (merging the adapters into "
                              "sharded weights for the rollout engine): use trainer.parallel=ddp")
-        if cfg.rollout.mode == "async" and group.enabled:
-            raise ValueError("rollout.mode=async runs with one training process; under torchrun use rollout.mode=sync")
+        if cfg.rollout.mode == "async" and group.fsdp and cfg.rollout.engine == "vllm":
+            raise ValueError("rollout.mode=async with rollout.engine=vllm under trainer.parallel=fsdp is not supported "
+                             "(the workers' vLLM engines start from a saved copy of the model, which FSDP shards): "
+                             "use trainer.parallel=ddp, or rollout.engine=hf or vllm_server")
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

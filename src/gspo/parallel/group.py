@@ -168,6 +168,14 @@ class ProcessGroup:
         dist.all_gather(parts, wire.contiguous())
         return torch.cat(parts).to(tensor.dtype)
 
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every process (pickled; what the others pass is ignored)."""
+        if not self.enabled:
+            return obj
+        box = [obj if self.is_main else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
     def all_gather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj)

@@ -38,6 +38,7 @@ from multiprocessing.connection import wait
 import torch
 import torch.multiprocessing as mp
 
+from gspo.rollout.weights import unwrap_model
 from gspo.trajectory import NO_VERSION, Trajectory
 
 __all__ = ["AsyncRollouts", "WorkerBatch", "WorkerError", "registered_rewards", "staleness_metrics",
@@ -186,6 +187,44 @@ def _worker_main(worker: int, model_config, tokenizer, cfg, train_rows: list[dic
         channel.send_bytes(pickle.dumps(("error", worker, traceback.format_exc())))
 
 
+class SharedRollouts:
+    """Asynchronous rollouts under torchrun: rank 0 runs the worker processes (`AsyncRollouts`, `inner`), and every
+    process trains on each batch it takes, which rank 0 broadcasts with its bookkeeping, so that the processes train
+    their shares of one batch, as in sync mode. The other processes take part in what is collective (gathering sharded
+    weights for a publish) and mirror the counts that checkpoints keep."""
+
+    def __init__(self, group, inner: AsyncRollouts | None, start_index: int, counts: dict[str, int]) -> None:
+        self.group, self.inner = group, inner
+        self.next_index, self.counts, self._ahead = start_index, dict(counts), 0
+
+    def next(self, version: int) -> tuple[WorkerBatch, float]:
+        """Rank 0's next batch (`AsyncRollouts.next`) on every process; the wait is rank 0's."""
+        payload = None
+        if self.inner is not None:
+            item, waited = self.inner.next(version)
+            payload = (item, waited, self.inner.ahead(), dict(self.inner.counts), self.inner.next_index)
+        item, waited, self._ahead, self.counts, self.next_index = self.group.broadcast_object(payload)
+        return item, waited
+
+    def publish(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Rank 0 publishes; every process iterates `weights` (under FSDP each tensor is gathered collectively)."""
+        if self.inner is not None:
+            self.inner.publish(weights, version)
+        else:
+            for _ in weights:
+                pass
+
+    def ahead(self) -> int:
+        return self._ahead
+
+    def state_dict(self) -> dict[str, int]:
+        return {"rollout_index": self.next_index, **self.counts}
+
+    def close(self) -> None:
+        if self.inner is not None:
+            self.inner.close()
+
+
 def registered_rewards(cfg) -> dict:
     """The run's reward functions that this process registered by name in `gspo.rewards.REWARDS` (a worker is a new
     process: it sees only the built-in ones), checked to be picklable: sent by reference, so defined at module
@@ -218,7 +257,8 @@ class AsyncRollouts:
         self.ctx = mp.get_context("spawn")  # fork would copy the learner's threads and locks
         self.shared = SharedWeights(weights, self.ctx)
         self.shared.publish((), version)
-        self.model_config = model.config  # a (re)started worker builds this architecture; weights come from `shared`
+        # a (re)started worker builds this architecture; weights come from `shared`
+        self.model_config = unwrap_model(model).config
         self.claim = self.ctx.Value("q", start_index)
         self.in_flight = self.ctx.Array("q", [IDLE] * ro.workers)
         self.next_index = start_index  # after the last trained batch: where a resume continues
