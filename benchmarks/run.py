@@ -36,7 +36,9 @@ Clocks are read after torch.cuda.synchronize(); generation / update split: gspo'
 torch.cuda.max_memory_allocated() of the worker (model, AdamW state and the steps). Each model is built once, saved in
 bf16 and loaded in float32 by every worker. The last line's JSON has speedup_{dense,moe}_gpu (TRL / gspo fast, per
 rollout batch), speedup_*_gpu_exact, and update_ratio_*_gpu (gspo exact update / TRL update: the same work on both).
-A full run of both models takes longer than 10 minutes: run `--models dense` and `--models moe` separately.
+A full run of both models takes longer than 10 minutes: run `--models dense` and `--models moe` separately, and
+where one model's sides do not fit one call, split them: `--sides trl --save trl.json --no-sampler`, then
+`--sides exact,fast --merge trl.json` (one table, the ratios across the calls).
 """
 
 from __future__ import annotations
@@ -474,6 +476,7 @@ GPU_SIDES: dict[str, tuple[str, dict]] = {
     "gspo fast": ("gspo", {**MIXED, "rollout": {"dtype": "bfloat16"}, "algorithm": {"old_logprobs": "rollout"}}),
 }
 GPU_HEADLINE, GPU_LIKE_FOR_LIKE = "gspo fast", "gspo exact"
+GPU_SIDE_NAMES = {"trl": "trl", "exact": "gspo exact", "fast": "gspo fast"}  # --sides
 
 
 def padded_tokenizer(vocab_size: int):
@@ -519,12 +522,12 @@ def build_gpu_models(root: Path, names: list[str], specs: dict[str, tuple[str, d
 
 def compare_gpu(paths: dict[str, Path], rounds: int, threads: int, batches: int, warmup: int,
                 shape: tuple[int, int, int] = GPU_SHAPE, device: str = "cuda",
-                decode: str = "auto") -> dict[str, dict[str, dict]]:
-    """For each model, `rounds` rounds of every GPU side, alternating (order reversed every other round), each a
-    fresh worker subprocess, gspo's engine decoding with `decode` (rollout.decode); returns {model: {side: {"times",
-    "rollout", "update", "peak_gpu"}}}."""
+                decode: str = "auto", sides: list[str] | None = None) -> dict[str, dict[str, dict]]:
+    """For each model, `rounds` rounds of every GPU side (or of `sides`), alternating (order reversed every other
+    round), each a fresh worker subprocess, gspo's engine decoding with `decode` (rollout.decode); returns {model:
+    {side: {"times", "rollout", "update", "peak_gpu"}}}."""
     results: dict[str, dict[str, dict]] = {}
-    sides = list(GPU_SIDES)
+    sides = sides or list(GPU_SIDES)
     for model, path in paths.items():
         results[model] = {side: {"times": [], "rollout": [], "update": [], "peak_gpu": 0} for side in sides}
         for r in range(rounds):
@@ -561,7 +564,7 @@ def print_gpu_report(results: dict[str, dict[str, dict]], shape: tuple[int, int,
     print(f"{'model':>5} | {'run':>10} | {'s / batch':>9} | {'TRL / this':>10} | {'tokens/s':>8} | "
           f"{'generation s':>12} | {'update s':>8} | {'update / TRL':>12} | {'peak GPU':>9}")
     for model, by_side in results.items():
-        trl = by_side["trl"]
+        trl = by_side.get("trl", {"times": [], "update": [], "peak_gpu": 0})  # absent: ratios are nan
         trl_time, trl_update = median(trl["times"]), median(trl["update"])
         for side, r in by_side.items():
             t, gen, update = median(r["times"]), median(r["rollout"]), median(r["update"])
@@ -576,7 +579,7 @@ def print_gpu_report(results: dict[str, dict[str, dict]], shape: tuple[int, int,
                 summary[f"speedup_{model}_gpu_exact"] = trl_time / t
                 summary[f"update_ratio_{model}_gpu"] = update / trl_update
                 summary[f"peak_gpu_ratio_{model}_exact"] = r["peak_gpu"] / trl["peak_gpu"] if trl["peak_gpu"] else None
-    return summary
+    return {k: None if isinstance(v, float) and v != v else v for k, v in summary.items()}  # nan: no TRL side
 
 
 def main_gpu(a: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -598,6 +601,9 @@ def main_gpu(a: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     unknown = [m for m in models if m not in GPU_MODELS]
     if unknown:
         parser.error(f"--device cuda: unknown model(s) {unknown}; GPU models: {', '.join(GPU_MODELS)}")
+    sides = [GPU_SIDE_NAMES.get(x, x) for x in a.sides.split(",")] if a.sides else list(GPU_SIDES)
+    if unknown := [x for x in sides if x not in GPU_SIDES]:
+        parser.error(f"--sides: unknown {unknown}; sides: {', '.join(GPU_SIDE_NAMES)}")
     rounds, batches, warmup = (1, 1, 1) if a.quick else (a.rounds, 3, 1)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__} (CUDA {torch.version.cuda}), transformers "
           f"{transformers.__version__}, trl {trl.__version__}, python {platform.python_version()}, "
@@ -609,12 +615,29 @@ def main_gpu(a: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         samplers = {} if a.no_sampler else {m: run_worker("gpu_sampler", p, batches, 1, a.threads, options)
                                              for m, p in paths.items()}
         print_gpu_samplers(samplers)
-        results = compare_gpu(paths, rounds, a.threads, batches, warmup, decode=a.decode)
+        results = compare_gpu(paths, rounds, a.threads, batches, warmup, decode=a.decode, sides=sides)
+    results = merge_gpu_results(results, a.save, a.merge)
     summary = {"device": torch.cuda.get_device_name(), "quick": a.quick, **print_gpu_report(results)}
     for model, by_decode in samplers.items():
         for decode, r in by_decode.items():
             summary[f"sampler_tokens_per_s_{model}_{decode}"] = r["tokens"] / median(r["sample"])
     print(json.dumps(summary))
+
+
+def merge_gpu_results(results: dict[str, dict[str, dict]], save: str | None, merge: str | None
+                      ) -> dict[str, dict[str, dict]]:
+    """`--save FILE` writes this call's raw results (JSON); `--merge FILE,...` adds the results of earlier calls
+    (e.g. `--sides trl` in one 10-minute call, `--sides exact,fast` in the next) before the table is printed, so
+    that the ratios compare sides measured on the same machine in separate calls."""
+    if save:
+        Path(save).write_text(json.dumps(results))
+    merged: dict[str, dict[str, dict]] = {}
+    for earlier in (merge.split(",") if merge else []):
+        for model, by_side in json.loads(Path(earlier).read_text()).items():
+            merged.setdefault(model, {}).update(by_side)
+    for model, by_side in results.items():
+        merged.setdefault(model, {}).update(by_side)
+    return merged
 
 
 def print_gpu_samplers(samplers: dict[str, dict[str, dict]]) -> None:
@@ -645,6 +668,10 @@ def main() -> None:
     p.add_argument("--decode", default="auto", choices=["auto", "dynamic", "static", "compiled"],
                    help="cuda: gspo's rollout.decode in the A/B (default auto: compiled on CUDA)")
     p.add_argument("--no-sampler", action="store_true", help="cuda: leave out the sampler rows")
+    p.add_argument("--sides", default=None, help="cuda: comma-separated subset of trl, exact, fast (default: all)")
+    p.add_argument("--save", default=None, help="cuda: write this call's raw results to this JSON file")
+    p.add_argument("--merge", default=None, help="cuda: comma-separated JSON files of earlier calls' --save, "
+                   "printed in one table with this call's")
     p.add_argument("--memory-lengths", default="1024,2048,4096,8192", help="completion lengths of the memory rows")
     p.add_argument("--quick", action="store_true", help="1 round, fewer batches, memory at 1k and 4k only (cuda: 1 "
                    "round of 1 warm-up + 1 measured batch per side)")
