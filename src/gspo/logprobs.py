@@ -309,7 +309,9 @@ class LogprobForward(nn.Module):
 
     def logprobs(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`completion_logprobs(module, ...)` (what a subclass changes). As an FSDP2 root, over the full layout in
-        one backbone forward: length buckets would run each sharded layer several times before one backward."""
+        one backbone forward: each forward of a sharded layer is a collective, and length buckets and prompt sharing
+        depend on each process's rows, so processes with different numbers of forwards would wait on each other
+        forever (an async FSDP run hung so)."""
         if _is_fsdp_sharded(self):
             kwargs["trim_padding"] = False
         return completion_logprobs(self.module, *args, **kwargs)
