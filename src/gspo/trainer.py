@@ -54,7 +54,14 @@ from gspo.parallel import ProcessGroup, init_distributed, wrap_frozen, wrap_poli
 from gspo.parallel.state import full_state, load_state, save_state
 from gspo.rewards import RewardRunner, score_trajectory
 from gspo.rollout import RolloutEngine, make_engine, policy_weights
-from gspo.rollout.workers import AsyncRollouts, SharedRollouts, registered_rewards, staleness_metrics
+from gspo.rollout.workers import (
+    ROLLOUT_COUNTS,
+    AsyncRollouts,
+    SharedRollouts,
+    drain,
+    registered_rewards,
+    staleness_metrics,
+)
 from gspo.runfolder import (
     check_output_dir,
     check_resume_config,
@@ -475,20 +482,15 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         if ro.mode != "async":
             return None
         index = state.get("rollout_index", start)
-        counts = {k: state[k] for k in ("dropped_stale", "lost_batches", "worker_restarts") if k in state}
+        counts = {k: state[k] for k in ROLLOUT_COUNTS if k in state}
         weights = policy_weights(model)  # under FSDP gathered by every process
-        if not group.enabled:
-            return AsyncRollouts(cfg, model, tokenizer, train_rows, weights, start, start_index=index,
-                                 device=str(group.device), counts=counts, out=str(out))
         inner = None  # torchrun: rank 0 runs the workers and hands every process each batch
         if group.is_main:
             inner = AsyncRollouts(cfg, model, tokenizer, train_rows, weights, start, start_index=index,
                                   device=str(group.device), counts=counts, out=str(out))
         else:
-            for _ in weights:
-                pass
-        return SharedRollouts(group, inner, index, {"dropped_stale": 0, "lost_batches": 0, "worker_restarts": 0,
-                                                    **counts})
+            drain(weights)
+        return SharedRollouts(group, inner, index, counts) if group.enabled else inner
 
     rollouts = start_rollouts(start, state)
     episodes = make_episode_runner(cfg, engine, tokenizer, make_env) if make_env is not None else None

@@ -73,6 +73,7 @@ def save_state(group: ProcessGroup, out, step: int, *, model: nn.Module, optimiz
     `state` is the trainer's JSON state that `load_state` returns; checkpoints of earlier steps beyond the newest
     `keep_last` are deleted, except those of the steps in `keep`. Raises CheckpointError on every process if the
     save failed anywhere (earlier checkpoints are then untouched)."""
+    model = unwrap_model(model)  # the HF model and its names (under FSDP its parameters are the sharded ones)
     if group.fsdp:
         _save_sharded(group, out, step, model=model, optimizer=optimizer, scheduler=scheduler, tokenizer=tokenizer,
                       state=state, keep_last=keep_last, keep=keep)
@@ -80,7 +81,7 @@ def save_state(group: ProcessGroup, out, step: int, *, model: nn.Module, optimiz
 
     def save() -> None:
         if group.is_main:
-            ckpt.save_checkpoint(out, step, model=unwrap_model(model), tokenizer=tokenizer, optimizer=optimizer,
+            ckpt.save_checkpoint(out, step, model=model, tokenizer=tokenizer, optimizer=optimizer,
                                  scheduler=scheduler, state=state, keep_last=keep_last, keep=keep)
 
     _on_all(group, save)
@@ -103,7 +104,7 @@ def _save_sharded(group: ProcessGroup, out, step: int, *, model, optimizer, sche
         tmp, _ = ckpt._begin_save(out, step)
         (tmp / ckpt.MODEL_DIRNAME).mkdir(parents=True)
         (tmp / RNG_DIRNAME).mkdir()
-        config = getattr(unwrap_model(model), "config", None)
+        config = getattr(model, "config", None)
         if config is not None:
             config.save_pretrained(tmp / ckpt.MODEL_DIRNAME)
         if tokenizer is not None:
@@ -138,7 +139,6 @@ def _write_shards(group: ProcessGroup, folder: Path, model: nn.Module, optimizer
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     rng = ckpt._get_rng_state()
-    model = unwrap_model(model)  # the HF model's own parameter names (the FSDP root is a LogprobForward around it)
     dcp.save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)},
              checkpoint_id=folder / SHARDED_DIRNAME)
     torch.save(rng, folder / RNG_DIRNAME / f"rank_{group.rank:05d}.pt")
@@ -179,13 +179,14 @@ def load_state(group: ProcessGroup, path, model: nn.Module, optimizer: torch.opt
     read whole by every process, which keeps its shards. Raises CheckpointError if the checkpoint is corrupt or does
     not fit the model / optimizer / scheduler."""
     path = Path(path)
+    model = unwrap_model(model)  # the HF model and its names (under FSDP its parameters are the sharded ones)
     document = _verify(group, path)
     if document.get("layout") == LAYOUT:
         _load_sharded(group, path, model, optimizer, document)
     elif group.fsdp:
         _load_full_into_fsdp(group, path, model, optimizer)
     else:
-        _on_all(group, lambda: ckpt._load_verified(path, unwrap_model(model), optimizer, scheduler))
+        _on_all(group, lambda: ckpt._load_verified(path, model, optimizer, scheduler))
         return document["state"]
     ckpt._load_scheduler(path, scheduler)
     ckpt._set_rng_state(ckpt._torch_load(_rng_file(group, path, document)))
@@ -214,15 +215,14 @@ def _load_sharded(group: ProcessGroup, path: Path, model: nn.Module, optimizer: 
         set_optimizer_state_dict,
     )
 
-    target = unwrap_model(model)  # FSDP: its sharded parameters, under the HF model's names
     try:
         # the state dicts to read into: this process's shards under FSDP, full tensors otherwise
-        state = {"model": get_model_state_dict(target), "optimizer": get_optimizer_state_dict(target, optimizer)}
+        state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
         with warnings.catch_warnings():  # one process reading a sharded checkpoint is what we mean to do
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state, checkpoint_id=path / SHARDED_DIRNAME)
-        set_model_state_dict(target, state["model"])
-        set_optimizer_state_dict(target, optimizer, state["optimizer"])
+        set_model_state_dict(model, state["model"])
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
     except Exception as exc:  # DCP raises on every process alike
         raise CheckpointError(f"the sharded checkpoint {path} (written by {document.get('world_size')} processes) "
                               f"does not fit the model and optimizer: {type(exc).__name__}: {exc}") from exc
@@ -245,18 +245,17 @@ def _load_full_into_fsdp(group: ProcessGroup, path: Path, model: nn.Module, opti
 
     _on_all(group, read, lambda exc: f"could not read {path}: {type(exc).__name__}: {exc}")
     weights, saved = files["weights"], files["saved"]
-    model = unwrap_model(model)  # the HF model's parameter names, its parameters sharded
     try:
         result = set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
     except RuntimeError as exc:
         raise CheckpointError(f"the weights in {path} do not fit the model: {exc}") from exc
-    params = dict(unwrap_model(model).named_parameters(remove_duplicate=False))
+    params = dict(model.named_parameters(remove_duplicate=False))
     untied = [key for key in result.missing_keys  # a tied copy (lm_head ~ embed_tokens) is absent from the files
               if not any(params.get(key) is not None and params.get(key) is params.get(name) for name in weights)]
     if result.unexpected_keys or untied:
         raise CheckpointError(f"the weights in {path} do not fit the model: unexpected {result.unexpected_keys}, "
                               f"missing {untied}")
-    names = [name for name, p in unwrap_model(model).named_parameters() if p.requires_grad]
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
     try:
         by_name = {"state": {names[i]: s for i, s in saved["state"].items()},
                    "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in saved["param_groups"]]}
@@ -287,19 +286,19 @@ def full_state(group: ProcessGroup, model: nn.Module) -> Iterator[Any]:
 
     One process / DDP: the bare model. FSDP (collective: every process enters): a view holding the full weights,
     gathered once onto rank 0's CPU."""
+    model = unwrap_model(model)  # the HF model and its names (under FSDP its parameters are the sharded ones)
     if not group.fsdp:
-        yield unwrap_model(model) if group.is_main else None
+        yield model if group.is_main else None
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    model = unwrap_model(model)  # the HF model's parameter names, its parameters sharded
     weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     seen: set[int] = set()  # tied parameters (one object, several names): keep the first name, as HF saves
     for name, param in model.named_parameters(remove_duplicate=False):
         if id(param) in seen:
             weights.pop(name, None)
         seen.add(id(param))
-    yield _FullModelView(unwrap_model(model), weights) if group.is_main else None
+    yield _FullModelView(model, weights) if group.is_main else None
 
 
 class _FullModelView:

@@ -41,10 +41,18 @@ import torch.multiprocessing as mp
 from gspo.rollout.weights import unwrap_model
 from gspo.trajectory import NO_VERSION, Trajectory
 
-__all__ = ["AsyncRollouts", "WorkerBatch", "WorkerError", "registered_rewards", "staleness_metrics",
-           "token_staleness"]
+__all__ = ["ROLLOUT_COUNTS", "AsyncRollouts", "SharedRollouts", "WorkerBatch", "WorkerError", "drain",
+           "registered_rewards", "staleness_metrics", "token_staleness"]
 
 IDLE = -1  # a worker's in-flight index when it is not generating
+ROLLOUT_COUNTS = ("dropped_stale", "lost_batches", "worker_restarts")  # what checkpoints keep of the rollouts
+
+
+def drain(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Iterate a weight stream without keeping it: a process that does not publish still takes part in gathering
+    FSDP-sharded tensors, a collective (`gspo.rollout.policy_weights`)."""
+    for _ in weights:
+        pass
 
 
 class WorkerError(RuntimeError):
@@ -195,7 +203,7 @@ class SharedRollouts:
 
     def __init__(self, group, inner: AsyncRollouts | None, start_index: int, counts: dict[str, int]) -> None:
         self.group, self.inner = group, inner
-        self.next_index, self.counts, self._ahead = start_index, dict(counts), 0
+        self.next_index, self.counts, self._ahead = start_index, {**dict.fromkeys(ROLLOUT_COUNTS, 0), **counts}, 0
 
     def next(self, version: int) -> tuple[WorkerBatch, float]:
         """Rank 0's next batch (`AsyncRollouts.next`) on every process; the wait is rank 0's."""
@@ -211,8 +219,7 @@ class SharedRollouts:
         if self.inner is not None:
             self.inner.publish(weights, version)
         else:
-            for _ in weights:
-                pass
+            drain(weights)
 
     def ahead(self) -> int:
         return self._ahead
@@ -262,7 +269,7 @@ class AsyncRollouts:
         self.claim = self.ctx.Value("q", start_index)
         self.in_flight = self.ctx.Array("q", [IDLE] * ro.workers)
         self.next_index = start_index  # after the last trained batch: where a resume continues
-        self.counts = {"dropped_stale": 0, "lost_batches": 0, "worker_restarts": 0, **(counts or {})}
+        self.counts = {**dict.fromkeys(ROLLOUT_COUNTS, 0), **(counts or {})}
         self.workers: list = [None] * ro.workers
         self.readers: list = [None] * ro.workers
         for w in range(ro.workers):
