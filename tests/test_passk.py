@@ -192,6 +192,15 @@ def test_evaluate_votes_on_the_answer_the_accuracy_reward_extracts(tiny):
                                       answer_of=vote_answer)["maj@3"]
 
 
+@pytest.mark.parametrize("extract", [lambda completion: 1 / 0, lambda completion: [completion]])
+def test_a_failing_answer_extractor_is_a_clear_error(tiny, extract):
+    """An extractor that raises, or returns an unhashable answer, stops the evaluation naming it and the completion."""
+    model, tokenizer = tiny
+    rewards = RewardRunner([(with_answer(extract)(lambda prompt, completion, **row: 1.0), 1.0)], timeout_s=None)
+    with pytest.raises(ValueError, match=r"maj@k: the answer extractor .*<lambda> failed on the completion"):
+        evaluate(model, tokenizer, ROWS, rewards, 2, samples_per_prompt=2, ks=(2,))
+
+
 @pytest.mark.parametrize(("name", "gold", "completions"), [
     ("addition", "115", ["115", " 115 ok", "115\n", "1150", "-115", "", "abc", "0115"]),
     ("last_number", "115", ["57 + 58 = 115", "115", "it is 1,150", "115 or 116", "none", "-115"]),

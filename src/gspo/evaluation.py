@@ -155,7 +155,7 @@ def evaluate(model, tokenizer, rows: list[dict], rewards: RewardRunner, max_new_
         lengths.append(batch.completion_mask.sum(-1).float().cpu())
         truncated.append(batch.truncated.float().cpu())
         if n > 1:
-            answers.extend(answer_of(c) for c in batch.completions)
+            answers.extend(_vote(answer_of, c) for c in batch.completions)
         if samples is not None and len(samples) < n_samples:
             for i in range(min(n_samples - len(samples), len(chunk))):
                 samples.append({"prompt": prompts[i], "completion": batch.completions[i * n],
@@ -176,6 +176,19 @@ def evaluate(model, tokenizer, rows: list[dict], rewards: RewardRunner, max_new_
     if n > 1:
         result.update(_pass_and_majority(torch.cat(correct).view(-1, n).tolist(), answers, ks))
     return result
+
+
+def _vote(answer_of: Callable[[str], Hashable | None], completion: str) -> Hashable | None:
+    """`answer_of(completion)`, or a ValueError naming the extractor and the completion when it raises or returns
+    something maj@k cannot count (unhashable)."""
+    name = getattr(answer_of, "__qualname__", repr(answer_of))
+    try:
+        answer = answer_of(completion)
+        hash(answer)
+    except Exception as exc:
+        raise ValueError(f"maj@k: the answer extractor {name} failed on the completion {completion[:60]!r}: "
+                         f"{type(exc).__name__}: {exc} (it must return a hashable answer, or None: no vote)") from exc
+    return answer
 
 
 def _transcript(tokenizer, batch, i: int) -> str:
