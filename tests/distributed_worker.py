@@ -12,16 +12,14 @@ from gspo.trainer import train
 if __name__ == "__main__":
     config, stop_after, *overrides = sys.argv[1:]
     cfg = load_config(config, overrides)
-    try:
-        if int(stop_after):
-            try:
-                train(cfg, callbacks=[crash_after(int(stop_after))])
-            except SimulatedCrash:
-                pass
-            else:
-                raise AssertionError("the run was not stopped")
-            train(cfg, resume=True)
+    if int(stop_after):
+        try:
+            train(cfg, callbacks=[crash_after(int(stop_after))])
+        except SimulatedCrash:
+            pass
         else:
-            train(cfg)
-    finally:
-        shutdown()
+            raise AssertionError("the run was not stopped")
+        train(cfg, resume=True)
+    else:
+        train(cfg)
+    shutdown()  # after success only, as `gspo train` does

@@ -41,7 +41,7 @@ FALLBACK_WARNING = "every process trains on the CPU (gloo)"
 def torchrun(tmp: Path, *args: str) -> str:
     """Run `torchrun --standalone --nproc_per_node=2 ARGS` (gloo, one thread per process); returns its stderr."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
+           "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}  # a C++ crash prints the Python stacks
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
     done = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"torchrun failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"

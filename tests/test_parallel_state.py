@@ -5,6 +5,7 @@ checkpoint loads into FSDP, a failed save fails on every process, and corrupt sh
 from __future__ import annotations
 
 import errno
+import faulthandler
 import shutil
 from pathlib import Path
 from unittest import mock
@@ -76,6 +77,21 @@ def assert_same(a: dict, b: dict) -> None:
     assert a["lrs"] == b["lrs"]
 
 
+def _traced(rank: int, fn, *args) -> None:
+    """Run `fn(rank, *args)` in a spawned process with faulthandler on: a crash in C++ prints every thread's Python
+    stack instead of only "terminate called ..."."""
+    faulthandler.enable(all_threads=True)
+    fn(rank, *args)
+
+
+def spawn(fn, *args, nprocs: int) -> None:
+    """Run `fn(rank, *args)` on `nprocs` processes (gloo). The workers destroy their process group after success
+    only: on a failure the exception propagates with the group alive, so that multiprocessing records its traceback
+    before the process exits. (Destroying the group while another process still waits in a collective could abort
+    the process first; CI saw such a SIGABRT with no traceback.)"""
+    mp.spawn(_traced, args=(fn, *args), nprocs=nprocs, join=True)
+
+
 def worker(rank: int, tmp: str) -> None:
     """One of the two processes: every multi-process scenario, in one process group (starting one costs seconds)."""
     torch.set_num_threads(1)
@@ -83,74 +99,72 @@ def worker(rank: int, tmp: str) -> None:
     tmp_path = Path(tmp)
     out = tmp_path / "run"
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=rank, world_size=WORLD)
-    try:
-        fsdp = ProcessGroup(rank=rank, world_size=WORLD, parallel="fsdp")
-        # save after one step; the RNG draw after the save is what a resumed process must draw next
-        model, tokenizer, optimizer, scheduler = training(fsdp, seed=0)
-        train_step(fsdp, model, optimizer, scheduler, seed=1)
-        save_state(fsdp, out, 1, model=model, optimizer=optimizer, scheduler=scheduler, tokenizer=tokenizer,
-                   state=STATE, keep_last=3)
-        saved = {**gathered(model, optimizer), "draw": torch.rand(4)}
-        torch.save(saved, tmp_path / f"saved_rank{rank}.pt")
+    fsdp = ProcessGroup(rank=rank, world_size=WORLD, parallel="fsdp")
+    # save after one step; the RNG draw after the save is what a resumed process must draw next
+    model, tokenizer, optimizer, scheduler = training(fsdp, seed=0)
+    train_step(fsdp, model, optimizer, scheduler, seed=1)
+    save_state(fsdp, out, 1, model=model, optimizer=optimizer, scheduler=scheduler, tokenizer=tokenizer,
+               state=STATE, keep_last=3)
+    saved = {**gathered(model, optimizer), "draw": torch.rand(4)}
+    torch.save(saved, tmp_path / f"saved_rank{rank}.pt")
 
-        # FSDP -> FSDP: a fresh model (other weights) and optimizer get exactly the saved state and RNG
-        model2, _, optimizer2, scheduler2 = training(fsdp, seed=1)
-        assert load_state(fsdp, checkpoint_path(out, 1), model2, optimizer2, scheduler2) == STATE
-        assert torch.equal(torch.rand(4), saved["draw"])
-        assert_same(gathered(model2, optimizer2), saved)
-        assert scheduler2.state_dict() == scheduler.state_dict()
-        # ... and the next step is the same step
-        train_step(fsdp, model, optimizer, scheduler, seed=2)
-        train_step(fsdp, model2, optimizer2, scheduler2, seed=2)
-        stepped = gathered(model, optimizer)
-        assert_same(gathered(model2, optimizer2), stepped)
-        torch.save(stepped, tmp_path / f"stepped_rank{rank}.pt")
-        save_state(fsdp, out, 2, model=model, optimizer=optimizer, scheduler=scheduler, tokenizer=tokenizer,
-                   state={"step": 2}, keep_last=3)
+    # FSDP -> FSDP: a fresh model (other weights) and optimizer get exactly the saved state and RNG
+    model2, _, optimizer2, scheduler2 = training(fsdp, seed=1)
+    assert load_state(fsdp, checkpoint_path(out, 1), model2, optimizer2, scheduler2) == STATE
+    assert torch.equal(torch.rand(4), saved["draw"])
+    assert_same(gathered(model2, optimizer2), saved)
+    assert scheduler2.state_dict() == scheduler.state_dict()
+    # ... and the next step is the same step
+    train_step(fsdp, model, optimizer, scheduler, seed=2)
+    train_step(fsdp, model2, optimizer2, scheduler2, seed=2)
+    stepped = gathered(model, optimizer)
+    assert_same(gathered(model2, optimizer2), stepped)
+    torch.save(stepped, tmp_path / f"stepped_rank{rank}.pt")
+    save_state(fsdp, out, 2, model=model, optimizer=optimizer, scheduler=scheduler, tokenizer=tokenizer,
+               state={"step": 2}, keep_last=3)
 
-        # a save that fails on one process only fails on both, and leaves the earlier checkpoints as they were
-        real_save = torch.save
+    # a save that fails on one process only fails on both, and leaves the earlier checkpoints as they were
+    real_save = torch.save
 
-        def full_disk(obj, file, *args, **kwargs):
-            if rank == 1 and parallel_state.RNG_DIRNAME in Path(str(file)).parts:
-                raise OSError(errno.ENOSPC, "No space left on device")
-            return real_save(obj, file, *args, **kwargs)
+    def full_disk(obj, file, *args, **kwargs):
+        if rank == 1 and parallel_state.RNG_DIRNAME in Path(str(file)).parts:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, file, *args, **kwargs)
 
-        failing = pytest.raises(CheckpointError, match=r"^rank 1: could not write .* \(the disk is full")
-        with mock.patch.object(torch, "save", full_disk), failing:
-            save_state(fsdp, out, 3, model=model, optimizer=optimizer, scheduler=scheduler, tokenizer=tokenizer,
-                       state={"step": 3}, keep_last=3)
-        fsdp.barrier()
-        assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000001", "step_00000002"]
+    failing = pytest.raises(CheckpointError, match=r"^rank 1: could not write .* \(the disk is full")
+    with mock.patch.object(torch, "save", full_disk), failing:
+        save_state(fsdp, out, 3, model=model, optimizer=optimizer, scheduler=scheduler, tokenizer=tokenizer,
+                   state={"step": 3}, keep_last=3)
+    fsdp.barrier()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000001", "step_00000002"]
 
-        # the final model: one gathered HF directory on rank 0
-        with full_state(fsdp, model) as final:
-            assert (final is None) == (rank != 0)
-            if final is not None:
-                final.save_pretrained(tmp_path / "final")
+    # the final model: one gathered HF directory on rank 0
+    with full_state(fsdp, model) as final:
+        assert (final is None) == (rank != 0)
+        if final is not None:
+            final.save_pretrained(tmp_path / "final")
 
-        # a one-process checkpoint (written by the test, in the one-process layout) -> FSDP
-        model3, _, optimizer3, scheduler3 = training(fsdp, seed=2)
-        assert load_state(fsdp, tmp_path / "one" / "checkpoints" / "step_00000001", model3, optimizer3,
-                          scheduler3) == STATE
-        torch.save(gathered(model3, optimizer3), tmp_path / f"from_one_rank{rank}.pt")
+    # a one-process checkpoint (written by the test, in the one-process layout) -> FSDP
+    model3, _, optimizer3, scheduler3 = training(fsdp, seed=2)
+    assert load_state(fsdp, tmp_path / "one" / "checkpoints" / "step_00000001", model3, optimizer3,
+                      scheduler3) == STATE
+    torch.save(gathered(model3, optimizer3), tmp_path / f"from_one_rank{rank}.pt")
 
-        # the sharded checkpoint -> DDP (every process reads the whole state)
-        ddp = ProcessGroup(rank=rank, world_size=WORLD, parallel="ddp")
-        model4, _, optimizer4, scheduler4 = training(ddp, seed=3)
-        assert load_state(ddp, checkpoint_path(out, 1), model4, optimizer4, scheduler4) == STATE
-        assert_same(gathered(unwrap_model(model4), optimizer4), saved)
-        # DDP saves the one-process layout (rank 0 alone writes it) and loads it back
-        save_state(ddp, tmp_path / "ddp", 1, model=model4, optimizer=optimizer4, scheduler=scheduler4,
-                   tokenizer=tokenizer, state=STATE, keep_last=1)
-        assert "layout" not in verify_checkpoint(checkpoint_path(tmp_path / "ddp", 1))
-        model5, _, optimizer5, scheduler5 = training(ddp, seed=4)
-        assert load_state(ddp, checkpoint_path(tmp_path / "ddp", 1), model5, optimizer5, scheduler5) == STATE
-        assert_same(gathered(unwrap_model(model5), optimizer5), saved)
+    # the sharded checkpoint -> DDP (every process reads the whole state)
+    ddp = ProcessGroup(rank=rank, world_size=WORLD, parallel="ddp")
+    model4, _, optimizer4, scheduler4 = training(ddp, seed=3)
+    assert load_state(ddp, checkpoint_path(out, 1), model4, optimizer4, scheduler4) == STATE
+    assert_same(gathered(unwrap_model(model4), optimizer4), saved)
+    # DDP saves the one-process layout (rank 0 alone writes it) and loads it back
+    save_state(ddp, tmp_path / "ddp", 1, model=model4, optimizer=optimizer4, scheduler=scheduler4,
+               tokenizer=tokenizer, state=STATE, keep_last=1)
+    assert "layout" not in verify_checkpoint(checkpoint_path(tmp_path / "ddp", 1))
+    model5, _, optimizer5, scheduler5 = training(ddp, seed=4)
+    assert load_state(ddp, checkpoint_path(tmp_path / "ddp", 1), model5, optimizer5, scheduler5) == STATE
+    assert_same(gathered(unwrap_model(model5), optimizer5), saved)
 
-        fsdp_logprobs_match_one_process(fsdp)
-    finally:
-        dist.destroy_process_group()
+    fsdp_logprobs_match_one_process(fsdp)
+    dist.destroy_process_group()  # after success only: see `spawn`
 
 
 def logprob_rows(rank: int) -> tuple[torch.Tensor, ...]:
@@ -198,7 +212,7 @@ def two_processes(tmp_path_factory):
         save_state(one, tmp / "one", 1, model=model, optimizer=optimizer, scheduler=scheduler, tokenizer=tokenizer,
                    state=STATE, keep_last=1)
     torch.save(gathered(model, optimizer), tmp / "one.pt")
-    mp.spawn(worker, args=(str(tmp),), nprocs=WORLD, join=True)
+    spawn(worker, str(tmp), nprocs=WORLD)
     return tmp
 
 
@@ -232,20 +246,18 @@ def reshard_worker(rank: int, tmp: str, world: int) -> None:
     tmp_path = Path(tmp)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / f'rendezvous{world}'}", rank=rank,
                             world_size=world)
-    try:
-        fsdp = ProcessGroup(rank=rank, world_size=world, parallel="fsdp")
-        model, _, optimizer, scheduler = training(fsdp, seed=6)
-        with torch.random.fork_rng():
-            assert load_state(fsdp, checkpoint_path(tmp_path / "run", 1), model, optimizer, scheduler) == STATE
-            saved = torch.load(tmp_path / "saved_rank0.pt")
-            assert torch.equal(torch.rand(4), saved["draw"])  # another number of processes: rank 0's RNG everywhere
-        assert_same(gathered(model, optimizer), saved)
-    finally:
-        dist.destroy_process_group()
+    fsdp = ProcessGroup(rank=rank, world_size=world, parallel="fsdp")
+    model, _, optimizer, scheduler = training(fsdp, seed=6)
+    with torch.random.fork_rng():
+        assert load_state(fsdp, checkpoint_path(tmp_path / "run", 1), model, optimizer, scheduler) == STATE
+        saved = torch.load(tmp_path / "saved_rank0.pt")
+        assert torch.equal(torch.rand(4), saved["draw"])  # another number of processes: rank 0's RNG everywhere
+    assert_same(gathered(model, optimizer), saved)
+    dist.destroy_process_group()  # after success only: see `spawn`
 
 
 def test_sharded_checkpoint_loads_into_another_number_of_processes(two_processes):
-    mp.spawn(reshard_worker, args=(str(two_processes), 3), nprocs=3, join=True)
+    spawn(reshard_worker, str(two_processes), 3, nprocs=3)
 
 
 def test_one_process_round_trip(two_processes, tmp_path):

@@ -25,10 +25,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from gspo.trainer import train
 
     cfg = load_config(args.config, args.overrides)
-    try:
-        summary = train(cfg, resume=args.resume, overwrite=args.overwrite)
-    finally:
-        shutdown()  # under torchrun: leave the process group cleanly
+    summary = train(cfg, resume=args.resume, overwrite=args.overwrite)
+    # under torchrun: leave the process group cleanly, after success only. On a failure the error propagates with the
+    # group alive, so that it is reported first: tearing the group down while another process waits in a collective
+    # can abort this one (SIGABRT) before its traceback is printed.
+    shutdown()
     if int(os.environ.get("RANK", "0")) == 0:  # one summary, not one per process
         print(json.dumps(summary, indent=2))
     return 0
