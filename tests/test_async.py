@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import signal
 import time
+import zlib
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from conftest import DEMO, SimulatedCrash, crash_after, tiny_overrides
 from gspo.checkpoint import find_latest_checkpoint
 from gspo.config import ConfigError, load_config
 from gspo.models import build_preset
+from gspo.rewards import REWARDS
 from gspo.rollout import HFSampler, SamplingParams, policy_weights
 from gspo.rollout.workers import staleness_metrics, token_staleness
 from gspo.tracking import read_metrics
@@ -90,6 +92,28 @@ def test_back_pressure_bounds_how_far_workers_run_ahead(tmp_path):
     for r in read_metrics(tmp_path / "metrics.jsonl"):
         assert r["rollout_ahead"] <= 2 + 1 + 1  # the bound, the queue slot, the one being generated
         assert r["staleness_max"] <= 2
+
+
+def half_constant(prompt: str, completion: str, **row) -> float:
+    """A reward (module level: the workers import it) constant for about half the prompts (by checksum), so that
+    those groups carry no signal, and a checksum of the completion (varied within a group) for the others."""
+    return 0.5 if zlib.crc32(prompt.encode()) % 2 else zlib.crc32(completion.encode()) % 1000 / 1000
+
+
+def test_async_workers_fill_their_batches_with_informative_groups(tmp_path, monkeypatch):
+    """rollout.dynamic_sampling with async rollouts: each worker refills its batch until P groups have varied rewards,
+    so every trained batch is informative, the staleness bound still holds, and the learner never waits on a batch
+    index that the bound keeps the workers from sampling (one batch per step, as without the filter)."""
+    monkeypatch.setitem(REWARDS, "half_constant", half_constant)
+    summary = train(async_cfg(tmp_path, "rewards.functions={half_constant: 1.0}", "rollout.dynamic_sampling=true",
+                              "rollout.max_staleness=1"))
+    assert summary["status"] == "completed"
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    assert all(r["staleness_max"] <= 1 and r["dynamic_filled_groups"] == 0 for r in records)
+    assert sum(r["dynamic_sampled_prompts"] for r in records) > 5 * 4  # refill rounds ran (P = 4)
+    assert any(r["zero_variance_groups"] > 0 for r in records)  # over what was sampled: constant groups were there
+    assert not multiprocessing.active_children()
 
 
 def test_a_killed_worker_is_restarted_and_the_run_goes_on(tmp_path):

@@ -320,11 +320,6 @@ def test_dynamic_sampling_on_a_constant_reward_stops_with_a_clear_error(tmp_path
                                                "rollout.dynamic_sampling=true", "rollout.dynamic_max_rounds=2")))
 
 
-def test_dynamic_sampling_is_refused_with_async_rollouts():
-    with pytest.raises(ConfigError, match="dynamic_sampling"):
-        load_config(DEMO, ["rollout.dynamic_sampling=true", "rollout.mode=async"])
-
-
 def test_dynamic_sampling_resumes_exactly(tmp_path, monkeypatch):
     """A run with dynamic sampling killed after step 3 and resumed from its step-2 checkpoint ends with the same
     weights and metrics as an uninterrupted one: the extra rounds' prompts and seeds are functions of the step."""

@@ -242,7 +242,8 @@ class RolloutConfig(_Section):
     worker_threads: int = Field(1, ge=1)
     partial: bool = True
     # DAPO's dynamic sampling: groups whose G rewards are all equal carry no signal (advantage 0); sample more prompts,
-    # at most `dynamic_max_rounds` rounds per step, and train on P groups with varied rewards (gspo.trainer.collect).
+    # at most `dynamic_max_rounds` rounds per step, and train on P groups with varied rewards (gspo.rollout.dynamic;
+    # with rollout.mode=async each worker fills its batch so).
     dynamic_sampling: bool = False
     dynamic_max_rounds: int = Field(4, ge=2)
     # Leave completions cut at max_new_tokens out of the loss (TRL's mask_truncated_completions, DAPO's overlong
@@ -543,9 +544,6 @@ def _check_scaling(cfg: Config) -> None:
     if cfg.rewards.overlong_buffer is not None and cfg.rewards.overlong_buffer > ro.max_new_tokens:
         raise ValueError(f"rewards.overlong_buffer={cfg.rewards.overlong_buffer} is longer than rollout.max_new_tokens="
                          f"{ro.max_new_tokens}: the penalty starts max_new_tokens − overlong_buffer tokens in")
-    if ro.dynamic_sampling and ro.mode == "async":
-        raise ValueError("rollout.dynamic_sampling runs in the synchronous collect; with rollout.mode=async the "
-                         "workers' batches are trained as they come: use one of the two")
     if cfg.env is not None:
         if cfg.rewards.overlong_buffer is not None:
             raise ValueError("rewards.overlong_buffer shapes single-turn completions; with env, limit episodes with "

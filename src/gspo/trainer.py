@@ -54,6 +54,7 @@ from gspo.parallel import ProcessGroup, init_distributed, wrap_frozen, wrap_poli
 from gspo.parallel.state import full_state, load_state, save_state
 from gspo.rewards import RewardRunner, score_trajectory
 from gspo.rollout import RolloutEngine, make_engine, policy_weights
+from gspo.rollout.dynamic import NoSignal, Scored, keep_informative
 from gspo.rollout.workers import (
     ROLLOUT_COUNTS,
     AsyncRollouts,
@@ -75,13 +76,12 @@ from gspo.schedule import (
     derive_seed,
     drop_long_prompts,
     prompt_token_limit,
-    refill_prompts,
     step_prompts,
     unknown_character_rows,
 )
 from gspo.sft import cold_start
 from gspo.tracking import MetricsLogger, Progress, check_trackers, plot_curves, read_metrics
-from gspo.trajectory import Trajectory, concat
+from gspo.trajectory import Trajectory
 
 __all__ = ["Collected", "RLStep", "RunCollapsed", "RunInterrupted", "TrainingError", "collect", "default_hooks",
            "learn_settings", "rl_step", "sync", "train"]
@@ -179,15 +179,24 @@ def collect(step: int, train_rows: list[dict], ctx: RLStep) -> Collected:
     """Prompts → trajectories → rewards → group advantages. P prompts × G completions, each prompt's sampling seeded by
     (run seed, step, prompt position); each process generates and scores its share of the prompts, then all of them
     hold the whole batch. With rollout.dynamic_sampling, groups without reward variance are replaced by groups from
-    further prompts (`_keep_informative`); with rollout.overlong_filter, truncated completions leave the loss."""
+    further prompts (`gspo.rollout.dynamic`; async workers fill their batches the same way); with
+    rollout.overlong_filter, truncated completions leave the loss."""
     cfg, ro = ctx.cfg, ctx.cfg.rollout
     if ctx.rollouts is not None:
         batch = _collect_async(step, ctx)
     else:
         rows, seeds = step_prompts(step, train_rows, ro.prompts_per_step, cfg.trainer.seed)
-        batch = _sample(rows, seeds, ctx)
+        scored = _sample(rows, seeds, ctx)
+        every = scored.rewards
         if ro.dynamic_sampling:
-            batch = _keep_informative(step, train_rows, batch, ctx)
+            try:
+                scored, every = keep_informative(step, train_rows, scored, lambda r, s: _sample(r, s, ctx), ro,
+                                                 cfg.trainer.seed, pad_id=ctx.engine.pad_id,
+                                                 world_size=ctx.group.world_size)
+            except NoSignal as e:
+                raise TrainingError(str(e)) from None
+        batch = Collected(scored.traj, scored.rewards, torch.zeros_like(scored.rewards), scored.stats, scored.seconds,
+                          sampled_rewards=every)
     scale, traj = cfg.algorithm.advantage_scale, batch.traj
     if cfg.env is not None and cfg.env.turn_credit and OBJECTIVES[cfg.algorithm.loss].token_advantages:
         batch.advantages = turn_advantages(traj.token_rewards, traj.loss_mask, ro.group_size, scale=scale)
@@ -200,9 +209,8 @@ def collect(step: int, train_rows: list[dict], ctx: RLStep) -> Collected:
     return batch
 
 
-def _sample(rows: list[dict], seeds: list[int], ctx: RLStep) -> Collected:
-    """`rows` × G completions (this process's share of the prompts), scored, shaped, gathered on every process;
-    advantages are left to `collect`."""
+def _sample(rows: list[dict], seeds: list[int], ctx: RLStep) -> Scored:
+    """`rows` × G completions (this process's share of the prompts), scored, shaped, gathered on every process."""
     cfg, ro, group = ctx.cfg, ctx.cfg.rollout, ctx.group
     t0 = time.perf_counter()
     mine = group.shard(len(rows))  # this process's prompts (whole groups; all of them in a one-process run)
@@ -218,46 +226,7 @@ def _sample(rows: list[dict], seeds: list[int], ctx: RLStep) -> Collected:
     if group.enabled:  # `solved` is a count: summed over processes
         ctx.rewards.sync_counts(group.all_sum)
     traj, rewards, stats = group.gather_trajectories(traj, total, stats, pad_id=ctx.engine.pad_id)
-    return Collected(traj, rewards, torch.zeros_like(rewards), stats, seconds)
-
-
-def _keep_informative(step: int, train_rows: list[dict], first: Collected, ctx: RLStep) -> Collected:
-    """DAPO's dynamic sampling: while fewer than P of the groups sampled so far have varied rewards, sample another
-    round of prompts (`schedule.refill_prompts`; as many as the informative rate so far says are needed, at most
-    4P), up to rollout.dynamic_max_rounds rounds; then train on the first P informative groups, topped up with
-    constant ones (counted: `dynamic_filled_groups`) if the rounds ran out. None informative at all is an error."""
-    cfg, ro, group = ctx.cfg, ctx.cfg.rollout, ctx.group
-    p, g = ro.prompts_per_step, ro.group_size
-    parts = [first]
-    informative = [~zero_variance_groups(first.rewards, g)]
-    kept, sampled = int(informative[0].sum()), p
-    while kept < p and len(parts) < ro.dynamic_max_rounds:
-        n = min(math.ceil((p - kept) * sampled / max(kept, sampled / 8)), 4 * p)
-        n = math.ceil(n / group.world_size) * group.world_size  # whole groups on every process
-        rows, seeds = refill_prompts(step, len(parts), train_rows, n, cfg.trainer.seed)
-        parts.append(_sample(rows, seeds, ctx))
-        informative.append(~zero_variance_groups(parts[-1].rewards, g))
-        kept, sampled = kept + int(informative[-1].sum()), sampled + n
-    flags = torch.cat(informative).cpu()
-    if kept == 0:
-        raise TrainingError(
-            f"step {step + 1}: every one of the {sampled} groups sampled in {len(parts)} rounds (rollout."
-            f"dynamic_max_rounds) had equal rewards for all its {g} completions (the first: all "
-            f"{float(first.rewards[0]):g}), "
-            "so dynamic sampling has nothing to train on: the task is too hard or too easy for the policy, or the "
-            "reward does not depend on the completion. Check the rewards, or set rollout.dynamic_sampling=false")
-    chosen = torch.cat([flags.nonzero().flatten(), (~flags).nonzero().flatten()])[:p]  # informative first, in order
-    rows = (chosen[:, None] * g + torch.arange(g)).flatten()
-    every = torch.cat([c.rewards for c in parts])
-    stats: dict[str, float] = {}
-    for c in parts:  # counts add up; per-function means are weighted by the completions behind them
-        for k, v in c.reward_stats.items():
-            stats[k] = stats.get(k, 0.0) + (v * len(c.rewards) / len(every) if k.startswith("reward/") else v)
-    stats.update(dynamic_rounds=float(len(parts)), dynamic_sampled_prompts=float(sampled),
-                 dynamic_filled_groups=float(max(p - kept, 0)))
-    traj = concat([c.traj for c in parts], pad_id=ctx.engine.pad_id).take(rows.to(every.device))
-    return Collected(traj, every[rows.to(every.device)], first.advantages, stats, sum(c.seconds for c in parts),
-                     sampled_rewards=every)
+    return Scored(traj, rewards, stats, seconds)
 
 
 def _collect_async(step: int, ctx: RLStep) -> Collected:
@@ -274,7 +243,8 @@ def _collect_async(step: int, ctx: RLStep) -> Collected:
     stats = {**batch.stats, **staleness_metrics(traj, step), "rollout_worker_seconds": batch.seconds,
              "rollout_ahead": float(ctx.rollouts.ahead()),
              **{f"rollout_{k}": float(v) for k, v in ctx.rollouts.counts.items()}}
-    return Collected(traj, rewards, torch.zeros_like(rewards), stats, waited)  # advantages: `collect`
+    every = rewards if batch.sampled_rewards is None else batch.sampled_rewards.to(ctx.group.device)
+    return Collected(traj, rewards, torch.zeros_like(rewards), stats, waited, sampled_rewards=every)
 
 
 def minibatches(step: int, n: int, ctx: RLStep, device: torch.device) -> list[torch.Tensor]:

@@ -69,6 +69,7 @@ class WorkerBatch:
     stats: dict[str, float]
     seconds: float  # the worker's generation + scoring time
     failures: dict[str, dict[str, int]]  # reward failures / timeouts counted while scoring this batch
+    sampled_rewards: torch.Tensor | None = None  # every completion sampled for it (dynamic sampling: more than kept)
 
 
 def token_staleness(traj: Trajectory, version: int) -> torch.Tensor:
@@ -149,6 +150,7 @@ def _worker_main(worker: int, model_config, tokenizer, cfg, train_rows: list[dic
     from gspo.agent import build_env, make_episode_runner
     from gspo.rewards import REWARDS, RewardRunner, score_trajectory
     from gspo.rollout import worker_engine
+    from gspo.rollout.dynamic import Scored, keep_informative
     from gspo.schedule import step_prompts
 
     try:
@@ -167,6 +169,15 @@ def _worker_main(worker: int, model_config, tokenizer, cfg, train_rows: list[dic
                                timeout_s=cfg.rewards.timeout_s, workers=cfg.rewards.workers)
         if ro.partial:
             engine.between_tokens = lambda: shared.pull(engine)
+
+        def sample(rows: list[dict], seeds: list[int]) -> Scored:
+            if episodes is not None:
+                traj = episodes.run(rows, ro.group_size, seeds).to("cpu")
+            else:
+                traj = engine.generate([r["prompt"] for r in rows], ro.group_size, seeds).to("cpu")
+            total, stats = score_trajectory(rewards, rows, traj, cfg.rewards, ro.max_new_tokens)
+            return Scored(traj, total.cpu(), stats, 0.0)
+
         while True:
             with claim.get_lock():
                 i = claim.value
@@ -178,15 +189,16 @@ def _worker_main(worker: int, model_config, tokenizer, cfg, train_rows: list[dic
             t0 = time.perf_counter()
             rows, seeds = step_prompts(i, train_rows, ro.prompts_per_step, cfg.trainer.seed)  # as sync step i
             before = rewards.state_dict()
-            if episodes is not None:
-                traj = episodes.run(rows, ro.group_size, seeds).to("cpu")
-            else:
-                traj = engine.generate([r["prompt"] for r in rows], ro.group_size, seeds).to("cpu")
-            total, stats = score_trajectory(rewards, rows, traj, cfg.rewards, ro.max_new_tokens)
+            scored = sample(rows, seeds)
+            every = scored.rewards
+            if ro.dynamic_sampling:  # as the sync collect of step i: refill rounds until P informative groups
+                scored, every = keep_informative(i, train_rows, scored, sample, ro, cfg.trainer.seed,
+                                                 pad_id=engine.pad_id)
             after = rewards.state_dict()
             failures = {kind: {name: n - before[kind][name] for name, n in counts.items()}
                         for kind, counts in after.items()}
-            batch = WorkerBatch(i, traj, total.cpu(), stats, time.perf_counter() - t0, failures)
+            batch = WorkerBatch(i, scored.traj, scored.rewards, scored.stats, time.perf_counter() - t0, failures,
+                                sampled_rewards=every)
             # plain pickle bytes: tensors sent through torch's shared-memory reductions live in the sender's file
             # descriptors, which a worker killed right after sending takes with it
             channel.send_bytes(pickle.dumps(batch))  # killed before it returns: the batch is lost

@@ -1,0 +1,81 @@
+"""DAPO's dynamic sampling (`rollout.dynamic_sampling`): a group whose G rewards are all equal has advantage 0 and
+teaches nothing, so further prompts are sampled until P groups with varied rewards are at hand.
+
+One function serves both collection paths: the synchronous `gspo.trainer.collect` (its `sample` generates on every
+process and gathers) and each asynchronous rollout worker (`gspo.rollout.workers`), which fills its batch the same
+way before sending it. Round r ≥ 1 of step (or batch) i samples `schedule.refill_prompts(i, r, ...)`: a pure function
+of the run seed, i and r, so a resumed run samples what an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from gspo.advantages import zero_variance_groups
+from gspo.schedule import refill_prompts
+from gspo.trajectory import Trajectory, concat
+
+if TYPE_CHECKING:
+    from gspo.config import RolloutConfig
+
+
+class NoSignal(RuntimeError):
+    """Every group sampled in every round had equal rewards: there is nothing to train on."""
+
+
+@dataclass
+class Scored:
+    """One round of sampling: P' prompts × G completions, their rewards and reward statistics."""
+
+    traj: Trajectory
+    rewards: torch.Tensor  # [P'·G] weighted reward sums
+    stats: dict[str, float]  # per-function means (`reward/...`) and counts (failures, `solved`)
+    seconds: float
+
+
+def keep_informative(step: int, train_rows: list[dict], first: Scored,
+                     sample: Callable[[list[dict], list[int]], Scored], ro: RolloutConfig, seed: int, *, pad_id: int,
+                     world_size: int = 1) -> tuple[Scored, torch.Tensor]:
+    """While fewer than P (`ro.prompts_per_step`) of the groups sampled so far have varied rewards, `sample` another
+    round (as many prompts as the informative rate so far says are needed, at most 4P, a multiple of `world_size` so
+    that every process gets whole groups), up to `ro.dynamic_max_rounds` rounds in all; then keep the first P
+    informative groups, topped up with constant ones (counted: `dynamic_filled_groups`) if the rounds ran out.
+
+    Returns the kept batch (its stats: the rounds' counts summed, per-function means weighted by completions, and
+    `dynamic_rounds` / `dynamic_sampled_prompts` / `dynamic_filled_groups`) and every sampled reward (the step's
+    reward metrics describe what was sampled, not what was kept). Raises NoSignal when no group was informative."""
+    p, g = ro.prompts_per_step, ro.group_size
+    parts = [first]
+    informative = [~zero_variance_groups(first.rewards, g)]
+    kept, sampled = int(informative[0].sum()), len(first.rewards) // g
+    while kept < p and len(parts) < ro.dynamic_max_rounds:
+        n = min(math.ceil((p - kept) * sampled / max(kept, sampled / 8)), 4 * p)
+        n = math.ceil(n / world_size) * world_size
+        rows, seeds = refill_prompts(step, len(parts), train_rows, n, seed)
+        parts.append(sample(rows, seeds))
+        informative.append(~zero_variance_groups(parts[-1].rewards, g))
+        kept, sampled = kept + int(informative[-1].sum()), sampled + n
+    if kept == 0:
+        raise NoSignal(
+            f"step {step + 1}: every one of the {sampled} groups sampled in {len(parts)} rounds (rollout."
+            f"dynamic_max_rounds) had equal rewards for all its {g} completions (the first: all "
+            f"{float(first.rewards[0]):g}), so dynamic sampling has nothing to train on: the task is too hard or too "
+            "easy for the policy, or the reward does not depend on the completion. Check the rewards, or set "
+            "rollout.dynamic_sampling=false")
+    flags = torch.cat(informative).cpu()
+    chosen = torch.cat([flags.nonzero().flatten(), (~flags).nonzero().flatten()])[:p]  # informative first, in order
+    every = torch.cat([part.rewards for part in parts])
+    rows = (chosen[:, None] * g + torch.arange(g)).flatten().to(every.device)
+    stats: dict[str, float] = {}
+    for part in parts:  # counts add up; per-function means are weighted by the completions behind them
+        for k, v in part.stats.items():
+            stats[k] = stats.get(k, 0.0) + (v * len(part.rewards) / len(every) if k.startswith("reward/") else v)
+    stats.update(dynamic_rounds=float(len(parts)), dynamic_sampled_prompts=float(sampled),
+                 dynamic_filled_groups=float(max(p - kept, 0)))
+    traj = concat([part.traj for part in parts], pad_id=pad_id).take(rows)
+    return Scored(traj, every[rows], stats, sum(part.seconds for part in parts)), every
