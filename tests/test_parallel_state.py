@@ -20,7 +20,7 @@ from gspo.checkpoint import CheckpointError, checkpoint_path, find_latest_checkp
 from gspo.logprobs import completion_logprobs
 from gspo.models import build_preset
 from gspo.optim import make_optimizer
-from gspo.parallel import ProcessGroup, wrap_policy
+from gspo.parallel import ProcessGroup, shutdown, wrap_policy
 from gspo.parallel import state as parallel_state
 from gspo.parallel.state import full_state, load_state, save_state
 from gspo.rollout.weights import unwrap_model
@@ -78,17 +78,18 @@ def assert_same(a: dict, b: dict) -> None:
 
 
 def _traced(rank: int, fn, *args) -> None:
-    """Run `fn(rank, *args)` in a spawned process with faulthandler on: a crash in C++ prints every thread's Python
-    stack instead of only "terminate called ..."."""
+    """Run `fn(rank, *args)` in a spawned process with faulthandler on (a crash in C++ prints every thread's Python
+    stack), then tear the process group down as `gspo train` does (`shutdown`: without it, a gloo thread could abort
+    the process at exit; CI saw that SIGABRT)."""
     faulthandler.enable(all_threads=True)
     fn(rank, *args)
+    shutdown()
 
 
 def spawn(fn, *args, nprocs: int) -> None:
-    """Run `fn(rank, *args)` on `nprocs` processes (gloo). The workers destroy their process group after success
-    only: on a failure the exception propagates with the group alive, so that multiprocessing records its traceback
-    before the process exits. (Destroying the group while another process still waits in a collective could abort
-    the process first; CI saw such a SIGABRT with no traceback.)"""
+    """Run `fn(rank, *args)` on `nprocs` processes (gloo; `fn` initialises the process group). The group is torn down
+    after success only: on a failure the exception propagates with the group alive, so that multiprocessing records
+    its traceback before the process exits."""
     mp.spawn(_traced, args=(fn, *args), nprocs=nprocs, join=True)
 
 
@@ -164,7 +165,6 @@ def worker(rank: int, tmp: str) -> None:
     assert_same(gathered(unwrap_model(model5), optimizer5), saved)
 
     fsdp_logprobs_match_one_process(fsdp)
-    dist.destroy_process_group()  # after success only: see `spawn`
 
 
 def logprob_rows(rank: int) -> tuple[torch.Tensor, ...]:
@@ -253,7 +253,6 @@ def reshard_worker(rank: int, tmp: str, world: int) -> None:
         saved = torch.load(tmp_path / "saved_rank0.pt")
         assert torch.equal(torch.rand(4), saved["draw"])  # another number of processes: rank 0's RNG everywhere
     assert_same(gathered(model, optimizer), saved)
-    dist.destroy_process_group()  # after success only: see `spawn`
 
 
 def test_sharded_checkpoint_loads_into_another_number_of_processes(two_processes):
