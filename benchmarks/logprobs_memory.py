@@ -10,6 +10,13 @@ warm-up call already resident). The full-logits path
 (`chunk_size=0`) holds the [T, V] float32 logits, their log-softmax and their gradients (~3 × 4·T·V bytes); the
 chunked path holds one chunk of logits at a time. The naive path is skipped where its projected peak would not fit in
 the machine's free memory. Prints a table, then one JSON line.
+
+    .venv/bin/python benchmarks/logprobs_memory.py --wrap ddp,fsdp [--lengths 1024,2048]
+
+measures the policy as the trainer wraps it under torchrun (`gspo.parallel.wrap_policy`: DDP, or FSDP2), on 2
+processes (gloo, one thread each) that each run the step on their own sequence; the peak is the larger of the two.
+The full-logits column is what a wrapped policy computed before its training forward took the chunked head
+(`gspo.logprobs.LogprobForward`).
 """
 
 from __future__ import annotations
@@ -23,10 +30,12 @@ import time
 from pathlib import Path
 
 VOCAB = 151_936
+PROCESSES = 2  # of a wrapped (DDP / FSDP) measurement
 
 
-def measure(length: int, hidden: int, chunked: bool) -> dict:
-    """In this process: RSS growth and time of one forward + backward of completion_logprobs."""
+def measure(length: int, hidden: int, chunked: bool, wrap: str = "none") -> dict:
+    """In this process: RSS growth and time of one forward + backward of completion_logprobs. `wrap` ddp / fsdp: the
+    policy wrapped as under torchrun (this process is one of torchrun's); the result is the processes' largest."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -37,6 +46,13 @@ def measure(length: int, hidden: int, chunked: bool) -> dict:
                          num_attention_heads=2, num_key_value_heads=1, head_dim=hidden // 2,
                          max_position_embeddings=length + 16, tie_word_embeddings=True)
     model = Qwen3ForCausalLM._from_config(config, attn_implementation="sdpa")
+    group = None
+    if wrap != "none":
+        from gspo.parallel import init_distributed, wrap_policy
+
+        group = init_distributed(parallel=wrap, device="cpu")
+        model = wrap_policy(group, model)
+        torch.manual_seed(1 + group.rank)  # each process its own sequence
     prompt = torch.randint(0, VOCAB, (1, 8))
     completion = torch.randint(0, VOCAB, (1, length))
     masks = torch.ones_like(prompt), torch.ones_like(completion)
@@ -51,18 +67,30 @@ def measure(length: int, hidden: int, chunked: bool) -> dict:
     seconds = time.perf_counter() - t0
     with open("/proc/self/status") as f:  # VmHWM: ru_maxrss would include the parent's peak (kept across exec)
         peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-    return {"length": length, "chunked": chunked, "peak_bytes": peak - before, "seconds": seconds}
+    result = {"length": length, "chunked": chunked, "peak_bytes": peak - before, "seconds": seconds}
+    if group is not None:
+        from gspo.parallel import shutdown
+
+        every = group.all_gather_object(result)
+        result = {**result, "peak_bytes": max(r["peak_bytes"] for r in every),
+                  "seconds": max(r["seconds"] for r in every)}
+        del model, logprobs
+        shutdown()
+    return result
 
 
-def run(length: int, hidden: int, chunked: bool) -> dict:
-    """`measure` in a fresh subprocess (peak RSS is per process and never goes down)."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--measure", str(length), "--hidden", str(hidden)]
+def run(length: int, hidden: int, chunked: bool, wrap: str = "none") -> dict:
+    """`measure` in a fresh subprocess (peak RSS is per process and never goes down); 2 under torchrun for `wrap`."""
+    script = [str(Path(__file__).resolve()), "--measure", str(length), "--hidden", str(hidden), "--wrap", wrap]
     if chunked:
-        cmd.append("--chunked")
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+        script.append("--chunked")
+    cmd = [sys.executable, *script] if wrap == "none" else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={PROCESSES}", *script]
+    threads = os.environ.get("OMP_NUM_THREADS", "2") if wrap == "none" else "1"
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": threads},
+                          check=False)
     if proc.returncode != 0:
-        raise RuntimeError(f"measurement failed ({length}, chunked={chunked}):\n{proc.stderr[-4000:]}")
+        raise RuntimeError(f"measurement failed ({length}, chunked={chunked}, wrap={wrap}):\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -72,14 +100,15 @@ def available_bytes() -> int:
     return int(info["MemAvailable"].split()[0]) * 1024
 
 
-def table(lengths: list[int], hidden: int) -> tuple[list[dict], dict[int, float]]:
+def table(lengths: list[int], hidden: int, wrap: str = "none") -> tuple[list[dict], dict[int, float]]:
     """Rows for every length (naive where it fits), and chunked/naive peak ratios by length."""
     rows, ratios = [], {}
+    processes = 1 if wrap == "none" else PROCESSES
     for length in lengths:
-        chunked = run(length, hidden, True)
+        chunked = run(length, hidden, True, wrap)
         projected = 4 * 4 * length * VOCAB  # logits, log-softmax, their gradients: ~4 [T, V] float32 buffers
-        naive = run(length, hidden, False) if projected < 0.7 * available_bytes() else None
-        rows.append({"length": length, "naive": naive, "chunked": chunked})
+        naive = run(length, hidden, False, wrap) if processes * projected < 0.7 * available_bytes() else None
+        rows.append({"length": length, "naive": naive, "chunked": chunked, "wrap": wrap})
         if naive is not None:
             ratios[length] = chunked["peak_bytes"] / naive["peak_bytes"]
     return rows, ratios
@@ -87,7 +116,9 @@ def table(lengths: list[int], hidden: int) -> tuple[list[dict], dict[int, float]
 
 def print_table(rows: list[dict], ratios: dict[int, float]) -> None:
     mib = 2**20
-    print(f"log-prob peak memory, vocab {VOCAB:,}, forward + backward, one sequence (fresh process per cell)")
+    wrap = rows[0].get("wrap", "none") if rows else "none"
+    where = "fresh process per cell" if wrap == "none" else f"{wrap.upper()}, {PROCESSES} fresh processes per cell"
+    print(f"log-prob peak memory, vocab {VOCAB:,}, forward + backward, one sequence ({where})")
     print(f"{'completion tokens':>18} | {'full logits':>12} | {'chunked':>10} | {'ratio':>7} | {'time full':>9} | "
           f"{'time chunked':>12}")
     for r in rows:
@@ -103,6 +134,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", default="1024,2048,4096,8192")
     p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--wrap", default="none", help="none, or a comma list of ddp / fsdp: the policy wrapped as under "
+                   f"torchrun, {PROCESSES} processes")
     p.add_argument("--measure", type=int, help=argparse.SUPPRESS)
     p.add_argument("--chunked", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -110,12 +143,21 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
-        print(json.dumps(measure(a.measure, a.hidden, a.chunked)))
+        result = measure(a.measure, a.hidden, a.chunked, a.wrap)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(json.dumps(result))
         return
-    rows, ratios = table([int(x) for x in a.lengths.split(",")], a.hidden)
-    print_table(rows, ratios)
-    print(json.dumps({"logprob_peak_memory_ratio": ratios.get(4096),
-                      "ratios": {str(k): v for k, v in ratios.items()}}))
+    lengths = [int(x) for x in a.lengths.split(",")]
+    summary: dict = {}
+    for wrap in a.wrap.split(","):
+        if wrap not in ("none", "ddp", "fsdp"):
+            p.error(f"--wrap {wrap!r}: use none, ddp or fsdp")
+        rows, ratios = table(lengths, a.hidden, wrap)
+        print_table(rows, ratios)
+        key = "logprob_peak_memory_ratio" + ("" if wrap == "none" else f"_{wrap}")
+        summary.update({key: ratios.get(4096 if wrap == "none" else max(ratios, default=0)),
+                        f"ratios{'' if wrap == 'none' else '_' + wrap}": {str(k): v for k, v in ratios.items()}})
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":
