@@ -222,6 +222,13 @@ def test_math_answer_is_math_verifys_parse():
     extract = answer_extractor(REWARDS["math"])
     assert extract("so the answer is $\\boxed{\\frac{1}{2}}$") == extract("The answer: $\\frac{1}{2}$")
     assert extract("no answer here") is None
+    # equal numbers written differently are one vote; different ones are not
+    assert {extract(c) for c in ("0.5", "1/2", "$\\frac{2}{4}$", "the answer is 50%")} == {"1/2"}
+    assert extract("3.0") == extract("3") == "3" != extract("3.5")
+    assert extract("$\\sqrt{8}$") == extract("$2\\sqrt{2}$") != extract("$\\sqrt{2}$")
+    # ... as the verifier judges them
+    assert [REWARDS["math"]("", c, answer="1/2") for c in ("0.5", "$\\frac{2}{4}$", "50%", "3.0")] == [1, 1, 1, 0]
+    assert [REWARDS["math"]("", c, answer="3") for c in ("3.0", "3", "3.5")] == [1, 1, 0]
     assert answer_extractor(REWARDS["countdown"]) is None  # many expressions reach a target: no single answer
 
 

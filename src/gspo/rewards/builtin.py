@@ -10,6 +10,7 @@ A reward that checks one final answer says which answer a completion gives (`wit
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 from collections import Counter
@@ -204,13 +205,21 @@ def countdown_reward(prompt: str, completion: str, **row: Any) -> float:
 
 
 def _math_answer(completion: str) -> str | None:
-    """What `math_reward` verifies: Math-Verify's parse of the completion's final answer, as text (equal expressions
-    written differently, e.g. 1/2 and 0.5, are separate votes); None if nothing parses."""
+    """What `math_reward` verifies: Math-Verify's parse of the completion's final answer, as text; None if nothing
+    parses. A number is written as its exact value (`sympy.nsimplify`), so that "3", "3.0", "0.5", "1/2", "2/4" and
+    "50%" each vote with their equals ("3", "1/2"); other expressions vote as sympy prints them (x**2 + 1)."""
+    import sympy
     from math_verify import parse
 
     in_main_thread = threading.current_thread() is threading.main_thread()
     predicted = parse(completion, parsing_timeout=5 if in_main_thread else None)
-    return str(predicted[0]) if predicted else None
+    if not predicted:
+        return None
+    answer = predicted[0]
+    if isinstance(answer, sympy.Basic) and answer.is_number:
+        with contextlib.suppress(TypeError, ValueError, ArithmeticError, RecursionError):  # else: as parsed
+            answer = sympy.nsimplify(answer.doit(), rational=True)
+    return str(answer)
 
 
 @with_answer(_math_answer)
