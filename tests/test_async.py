@@ -20,7 +20,7 @@ from gspo.rewards import REWARDS
 from gspo.rollout import HFSampler, SamplingParams, policy_weights
 from gspo.rollout.workers import staleness_metrics, token_staleness
 from gspo.tracking import read_metrics
-from gspo.trainer import train
+from gspo.trainer import TrainingError, train
 from gspo.trajectory import NO_VERSION, Trajectory
 
 ASYNC = ["rollout.mode=async", "trainer.steps=5", "cold_start.steps=2", "trainer.eval_every=0", "data.eval_size=8"]
@@ -113,6 +113,18 @@ def test_async_workers_fill_their_batches_with_informative_groups(tmp_path, monk
     assert all(r["staleness_max"] <= 1 and r["dynamic_filled_groups"] == 0 for r in records)
     assert sum(r["dynamic_sampled_prompts"] for r in records) > 5 * 4  # refill rounds ran (P = 4)
     assert any(r["zero_variance_groups"] > 0 for r in records)  # over what was sampled: constant groups were there
+    assert not multiprocessing.active_children()
+
+
+def constant(prompt: str, completion: str, **row) -> float:
+    return 0.5
+
+
+def test_async_dynamic_sampling_on_a_constant_reward_stops_with_the_sync_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(REWARDS, "constant", constant)
+    with pytest.raises(TrainingError, match=r"equal rewards.*dynamic_sampling"):
+        train(async_cfg(tmp_path, "rewards.functions={constant: 1.0}", "rollout.dynamic_sampling=true",
+                        "rollout.dynamic_max_rounds=2"))
     assert not multiprocessing.active_children()
 
 

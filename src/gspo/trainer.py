@@ -182,21 +182,10 @@ def collect(step: int, train_rows: list[dict], ctx: RLStep) -> Collected:
     further prompts (`gspo.rollout.dynamic`; async workers fill their batches the same way); with
     rollout.overlong_filter, truncated completions leave the loss."""
     cfg, ro = ctx.cfg, ctx.cfg.rollout
-    if ctx.rollouts is not None:
-        batch = _collect_async(step, ctx)
-    else:
-        rows, seeds = step_prompts(step, train_rows, ro.prompts_per_step, cfg.trainer.seed)
-        scored = _sample(rows, seeds, ctx)
-        every = scored.rewards
-        if ro.dynamic_sampling:
-            try:
-                scored, every = keep_informative(step, train_rows, scored, lambda r, s: _sample(r, s, ctx), ro,
-                                                 cfg.trainer.seed, pad_id=ctx.engine.pad_id,
-                                                 world_size=ctx.group.world_size)
-            except NoSignal as e:
-                raise TrainingError(str(e)) from None
-        batch = Collected(scored.traj, scored.rewards, torch.zeros_like(scored.rewards), scored.stats, scored.seconds,
-                          sampled_rewards=every)
+    try:
+        batch = _collect_async(step, ctx) if ctx.rollouts is not None else _collect_sync(step, train_rows, ctx)
+    except NoSignal as e:  # dynamic sampling: every group constant after every round (here or in a worker)
+        raise TrainingError(str(e)) from None
     scale, traj = cfg.algorithm.advantage_scale, batch.traj
     if cfg.env is not None and cfg.env.turn_credit and OBJECTIVES[cfg.algorithm.loss].token_advantages:
         batch.advantages = turn_advantages(traj.token_rewards, traj.loss_mask, ro.group_size, scale=scale)
@@ -207,6 +196,20 @@ def collect(step: int, train_rows: list[dict], ctx: RLStep) -> Collected:
         batch.traj = replace(traj, loss_mask=traj.loss_mask * ~traj.truncated[:, None].to(traj.loss_mask.device))
         batch.reward_stats["overlong_filtered"] = float(traj.truncated.float().mean())
     return batch
+
+
+def _collect_sync(step: int, train_rows: list[dict], ctx: RLStep) -> Collected:
+    """Step `step`'s prompts sampled by the learner's engine (every process its share), with dynamic sampling's
+    refill rounds when configured; advantages are left to `collect`."""
+    cfg, ro = ctx.cfg, ctx.cfg.rollout
+    rows, seeds = step_prompts(step, train_rows, ro.prompts_per_step, cfg.trainer.seed)
+    scored = _sample(rows, seeds, ctx)
+    every = scored.rewards
+    if ro.dynamic_sampling:
+        scored, every = keep_informative(step, train_rows, scored, lambda r, s: _sample(r, s, ctx), ro,
+                                         cfg.trainer.seed, pad_id=ctx.engine.pad_id, world_size=ctx.group.world_size)
+    return Collected(scored.traj, scored.rewards, torch.zeros_like(scored.rewards), scored.stats, scored.seconds,
+                     sampled_rewards=every)
 
 
 def _sample(rows: list[dict], seeds: list[int], ctx: RLStep) -> Scored:

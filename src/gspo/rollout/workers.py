@@ -38,6 +38,7 @@ from multiprocessing.connection import wait
 import torch
 import torch.multiprocessing as mp
 
+from gspo.rollout.dynamic import NoSignal
 from gspo.rollout.weights import unwrap_model
 from gspo.trajectory import NO_VERSION, Trajectory
 
@@ -203,6 +204,8 @@ def _worker_main(worker: int, model_config, tokenizer, cfg, train_rows: list[dic
             # descriptors, which a worker killed right after sending takes with it
             channel.send_bytes(pickle.dumps(batch))  # killed before it returns: the batch is lost
             in_flight[worker] = IDLE
+    except NoSignal as e:  # dynamic sampling found no informative group: the learner stops as a sync run does
+        channel.send_bytes(pickle.dumps(("no_signal", worker, str(e))))
     except Exception:  # everything goes to the learner, which raises it
         channel.send_bytes(pickle.dumps(("error", worker, traceback.format_exc())))
 
@@ -316,6 +319,8 @@ class AsyncRollouts:
                 self._restart(w)
                 continue
             if isinstance(item, tuple):
+                if item[0] == "no_signal":
+                    raise NoSignal(item[2])
                 raise WorkerError(f"rollout worker {item[1]} failed:\n{item[2]}")
             sampled = item.traj.versions[item.traj.versions != NO_VERSION]
             oldest = int(sampled.min()) if sampled.numel() else version
