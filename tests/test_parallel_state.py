@@ -168,27 +168,34 @@ def worker(rank: int, tmp: str) -> None:
 
 
 def logprob_rows(rank: int) -> tuple[torch.Tensor, ...]:
-    """Rank `rank`'s rows of a training forward: left-padded prompts, right-padded completions."""
+    """Rank `rank`'s rows of a training forward: left-padded prompts, right-padded completions. Rank 1 has one
+    150-token completion among 6-token ones: two length buckets, where rank 0 has one."""
     g = torch.Generator().manual_seed(50 + rank)
-    prompt_ids, completion_ids = torch.randint(3, 40, (3, 5), generator=g), torch.randint(3, 40, (3, 6), generator=g)
+    width = 150 if rank == 1 else 6
+    prompt_ids = torch.randint(3, 40, (3, 5), generator=g)
+    completion_ids = torch.randint(3, 40, (3, width), generator=g)
     prompt_mask, completion_mask = torch.ones_like(prompt_ids), torch.ones_like(completion_ids)
     prompt_mask[1, :2] = 0
     completion_mask[2, 3:] = 0
+    completion_mask[1, 6:] = 0
     return prompt_ids, prompt_mask, completion_ids, completion_mask
 
 
 def fsdp_logprobs_match_one_process(fsdp: ProcessGroup) -> None:
-    """The FSDP root's training forward takes the chunked head inside it (the LM head module never runs: no N×T×V
-    logits) and gives each process the one-process log-probs of its rows; the reduced gradient is the mean of the
-    processes' one-process gradients."""
+    """The FSDP root's training forward takes the chunked head and the length buckets inside it (the LM head module
+    never runs: no N×T×V logits; every process runs as many backbone forwards as the one with the most buckets) and
+    gives each process the one-process log-probs of its rows; the reduced gradient is the mean of the processes'
+    one-process gradients."""
     model, _, _, _ = training(fsdp, seed=7)
     bare, _ = build_preset("tiny-dense", seed=7)
-    calls = []
+    calls, backbone_calls = [], []
     hook = unwrap_model(model).get_output_embeddings().register_forward_hook(lambda *_: calls.append(1))
+    counter = unwrap_model(model).model.register_forward_hook(lambda *_: backbone_calls.append(1))
     logprobs, _ = completion_logprobs(model, *logprob_rows(fsdp.rank), trim_padding=True)  # as the learner asks
     (logprobs * logprob_rows(fsdp.rank)[3]).sum().backward()
     hook.remove()
-    assert not calls
+    counter.remove()
+    assert not calls and len(backbone_calls) == 2  # rank 0: its one bucket and one padding forward
     torch.testing.assert_close(logprobs, completion_logprobs(bare, *logprob_rows(fsdp.rank))[0] * (
         logprob_rows(fsdp.rank)[3]), atol=1e-5, rtol=1e-5)
     for rank in range(WORLD):

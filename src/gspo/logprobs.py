@@ -20,6 +20,7 @@ stay float32; `chunked_token_logprobs` states the tolerance against float32.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -242,6 +243,7 @@ def completion_logprobs(
     trim_padding: bool = False,
     share_prompts: bool | None = None,
     head_dtype: torch.dtype | None = None,
+    equal_forwards: Callable[[int], int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log π(y_t | x, y_<t) / temperature-scaled, for every completion token: returns (logprobs [N, T] float32,
     entropy [N, T] float32 or None). Prompts are left-padded, completions right-padded; position ids count real
@@ -261,6 +263,10 @@ def completion_logprobs(
         while the model trains with gradient checkpointing (its checkpointed layers drop the KV cache in train mode).
     head_dtype: the chunked head's matmul dtype (`chunked_token_logprobs`); None = the autocast dtype under autocast
         on CUDA, else the head weights' dtype. The log-softmax is float32 either way.
+    equal_forwards: with `trim_padding`, for processes whose every backbone forward is a collective (FSDP2: see
+        `LogprobForward.logprobs`): maps this process's number of bucket forwards to the number all of them run
+        (their maximum); a process with fewer runs one-token forwards that add 0 to the result. Prompt sharing is
+        then off (one forward per bucket).
     """
     inner = model.module if isinstance(model, DistributedDataParallel) else model
     if isinstance(inner, LogprobForward):  # one forward through the wrapper (DDP's gradient sync), the fast path inside
@@ -270,7 +276,10 @@ def completion_logprobs(
     split = _backbone_and_head(model) if chunk_size != 0 else None
     if split is not None:
         return _hidden_state_logprobs(split, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
-                                      with_entropy, chunk_size, trim_padding, share_prompts, head_dtype)
+                                      with_entropy, chunk_size, trim_padding, share_prompts, head_dtype,
+                                      equal_forwards)
+    if equal_forwards is not None and trim_padding:  # the others may count buckets: the full-logits path is one
+        equal_forwards(1)
     input_ids = torch.cat([prompt_ids, completion_ids], 1)
     attention_mask = torch.cat([prompt_mask, completion_mask], 1).long()
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -308,13 +317,23 @@ class LogprobForward(nn.Module):
         return self.logprobs(*args, **kwargs)
 
     def logprobs(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`completion_logprobs(module, ...)` (what a subclass changes). As an FSDP2 root, over the full layout in
-        one backbone forward: each forward of a sharded layer is a collective, and length buckets and prompt sharing
-        depend on each process's rows, so processes with different numbers of forwards would wait on each other
-        forever (an async FSDP run hung so)."""
+        """`completion_logprobs(module, ...)` (what a subclass changes). As an FSDP2 root, every process runs the
+        same number of backbone forwards (`equal_forwards`, their maximum): each forward of a sharded layer is a
+        collective, and the length buckets depend on each process's rows, so processes with different numbers of
+        forwards would wait on each other forever (an async FSDP run hung so before)."""
         if _is_fsdp_sharded(self):
-            kwargs["trim_padding"] = False
+            kwargs["equal_forwards"] = _most_over_processes
         return completion_logprobs(self.module, *args, **kwargs)
+
+
+def _most_over_processes(count: int) -> int:
+    """The largest `count` over the default process group (an all-reduce on its device: CUDA for NCCL)."""
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    most = torch.tensor([count], device=device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return int(most.item())
 
 
 def _hidden_state_logprobs(
@@ -329,6 +348,7 @@ def _hidden_state_logprobs(
     trim_padding: bool,
     share_prompts: bool | None,
     head_dtype: torch.dtype | None = None,
+    equal_forwards: Callable[[int], int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`completion_logprobs` through the backbone's last hidden states and `chunked_token_logprobs`: one backbone
     forward per length bucket (one over the full layout without `trim_padding`), then one chunked head call over the
@@ -337,15 +357,21 @@ def _hidden_state_logprobs(
     n, s = prompt_ids.shape
     t = completion_ids.shape[1]
     c_mask = completion_mask.bool()
-    buckets = _length_buckets(prompt_mask.sum(-1), completion_mask.sum(-1)) if trim_padding else [torch.arange(n)]
+    if trim_padding:  # buckets without a completion token need no forward
+        buckets = [idx for idx in _length_buckets(prompt_mask.sum(-1), completion_mask.sum(-1))
+                   if bool(c_mask[idx.to(c_mask.device)].any())]
+    else:
+        buckets = [torch.arange(n)]
+    padding_forwards = 0
+    if equal_forwards is not None and trim_padding:  # (without it: one forward everywhere)
+        share_prompts = False  # one forward per bucket, so that the count is the buckets'
+        padding_forwards = equal_forwards(len(buckets)) - len(buckets)
     hidden, rows, cols = [], [], []
     for idx in buckets:
         idx = idx.to(prompt_ids.device)
         p_ids, p_mask, c_ids, cm = prompt_ids[idx], prompt_mask[idx], completion_ids[idx], c_mask[idx]
         if trim_padding:  # cut to this bucket's longest prompt and completion; the last completion token is not fed
             p_len, c_len = int(p_mask.sum(-1).max()), int(cm.sum(-1).max())
-            if c_len == 0:
-                continue
             p_ids, p_mask, c_ids, cm = p_ids[:, s - p_len:], p_mask[:, s - p_len:], c_ids[:, :c_len], cm[:, :c_len]
             predicting = _trimmed_bucket_hidden(backbone, p_ids, p_mask, c_ids, cm, share_prompts)
         else:
@@ -358,6 +384,10 @@ def _hidden_state_logprobs(
         rows.append(idx[r])
         cols.append(c)
     logprobs = torch.zeros((n, t), dtype=torch.float32, device=prompt_ids.device)
+    for _ in range(padding_forwards):  # as many collective forwards as the other processes; adds 0 (and 0 gradient)
+        one = torch.ones((1, 1), dtype=prompt_mask.dtype, device=prompt_ids.device)
+        out = backbone(input_ids=prompt_ids[:1, -1:], attention_mask=one, position_ids=one - 1, use_cache=False)
+        logprobs = logprobs + 0.0 * out.last_hidden_state.float().sum()
     entropy = torch.zeros((n, t), dtype=torch.float32, device=prompt_ids.device) if with_entropy else None
     if not hidden:
         return logprobs + 0.0 * sum(p.sum() for p in head.parameters()), entropy
