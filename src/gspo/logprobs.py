@@ -385,7 +385,7 @@ def _hidden_state_logprobs(
         cols.append(c)
     logprobs = torch.zeros((n, t), dtype=torch.float32, device=prompt_ids.device)
     for _ in range(padding_forwards):  # as many collective forwards as the other processes; adds 0 (and 0 gradient)
-        one = torch.ones((1, 1), dtype=prompt_mask.dtype, device=prompt_ids.device)
+        one = torch.ones((1, 1), dtype=torch.long, device=prompt_ids.device)
         out = backbone(input_ids=prompt_ids[:1, -1:], attention_mask=one, position_ids=one - 1, use_cache=False)
         logprobs = logprobs + 0.0 * out.last_hidden_state.float().sum()
     entropy = torch.zeros((n, t), dtype=torch.float32, device=prompt_ids.device) if with_entropy else None

@@ -96,8 +96,8 @@ def shutdown() -> None:
     reference cycles that only the garbage collector frees) and every process passes a barrier (no collective left in
     flight); then the group is destroyed while Python still runs. Otherwise the group lives on until the interpreter
     shuts down, and a gloo thread that releases a finished collective's tensors then cannot take the GIL: the process
-    aborts ("terminate called without an active exception", SIGABRT) after a successful run; seen once in 20 two-process
-    runs here."""
+    aborts ("terminate called without an active exception", SIGABRT) after a successful run (3 of 77 runs of the
+    2-process FSDP checkpoint test's workers before, 0 of 70 after)."""
     if dist.is_available() and dist.is_initialized():
         gc.collect()
         dist.barrier()
