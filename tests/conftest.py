@@ -47,6 +47,11 @@ def varied_reward(prompt: str, completion: str, **row) -> float:
     return sum(ch.isdigit() for ch in completion) / max(1, len(completion))
 
 
+def constant_reward(prompt: str, completion: str, **row) -> float:
+    """The same for every completion: no group carries a signal (dynamic sampling's error case)."""
+    return 0.5
+
+
 def boom_reward(prompt: str, completion: str, **row) -> float:
     raise RuntimeError("boom")
 

@@ -38,13 +38,15 @@ TWO_PROCESS_DEVICE = "cuda" if torch.cuda.device_count() >= 2 else "cpu"
 FALLBACK_WARNING = "every process trains on the CPU (gloo)"
 
 
-def torchrun(tmp: Path, *args: str) -> str:
-    """Run `torchrun --standalone --nproc_per_node=2 ARGS` (gloo, one thread per process); returns its stderr."""
+def torchrun(tmp: Path, *args: str, fail: bool = False) -> str:
+    """Run `torchrun --standalone --nproc_per_node=2 ARGS` (gloo, one thread per process); returns its stderr.
+    Asserts that it succeeded (`fail`: that it failed)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}  # a C++ crash prints the Python stacks
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
     done = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"torchrun failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    assert (done.returncode != 0) == fail, f"torchrun exit {done.returncode}:\n{done.stdout[-3000:]}\n" \
+                                           f"{done.stderr[-6000:]}"
     if torch.cuda.device_count() == 1:  # two processes, one GPU: trainer.device=auto falls back to the CPU, and says so
         assert FALLBACK_WARNING in done.stderr, done.stderr[-3000:]
     return done.stderr
@@ -102,6 +104,16 @@ def test_async_rollouts_under_torchrun_match_the_one_process_run(one_process, tm
     assert_same_run(one_process, out)
     records = read_metrics(out / "metrics.jsonl")
     assert [r["staleness_max"] for r in records] == [0, 0, 0] and records[-1]["rollout_dropped_stale"] == 0
+
+
+def test_async_dynamic_sampling_without_signal_stops_every_process_with_the_error(tmp_path):
+    """Under torchrun, rank 0's rollout workers find no informative group: every process raises the TrainingError
+    (rank 0 broadcasts it instead of a batch), none waits for a batch until torchrun kills it."""
+    stderr = torchrun(tmp_path, "-m", "gspo", "train", str(DEMO),
+                      *tiny_overrides(tmp_path / "run", "trainer.device=auto", "rollout.mode=async",
+                                      "rewards.functions={conftest.constant_reward: 1.0}",
+                                      "rollout.dynamic_sampling=true", "rollout.dynamic_max_rounds=2"), fail=True)
+    assert stderr.count("equal rewards for all its") == 2, stderr[-4000:]
 
 
 def test_fsdp_two_processes_interrupted_and_resumed_match_one(one_process, tmp_path):

@@ -34,6 +34,7 @@ import traceback
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import wait
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
@@ -222,11 +223,17 @@ class SharedRollouts:
 
     def next(self, version: int) -> tuple[WorkerBatch, float]:
         """Rank 0's next batch (`AsyncRollouts.next`) on every process; the wait is rank 0's."""
-        payload = None
+        payload: Any = None
         if self.inner is not None:
-            item, waited = self.inner.next(version)
-            payload = (item, waited, self.inner.ahead(), dict(self.inner.counts), self.inner.next_index)
-        item, waited, self._ahead, self.counts, self.next_index = self.group.broadcast_object(payload)
+            try:
+                item, waited = self.inner.next(version)
+                payload = (item, waited, self.inner.ahead(), dict(self.inner.counts), self.inner.next_index)
+            except (NoSignal, WorkerError) as e:  # every process raises it, none waits for a batch that never comes
+                payload = e
+        payload = self.group.broadcast_object(payload)
+        if isinstance(payload, Exception):
+            raise payload
+        item, waited, self._ahead, self.counts, self.next_index = payload
         return item, waited
 
     def publish(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
