@@ -305,11 +305,15 @@ class LogprobForward(nn.Module):
     what ran inside its forward: calling the backbone and the head past it would silently skip the sync) and still
     takes the chunked head, the length buckets and prompt sharing instead of DDP's full N×T×V logits. `module` stays
     the attribute DDP-style unwrapping (`gspo.rollout.unwrap_model`) follows, so checkpoints and engines see the
-    bare model. Called without `completion_logprobs=True` it is `module` itself (`ddp(input_ids=..., labels=...)`)."""
+    bare model. Called without `completion_logprobs=True` it is `module` itself (`ddp(input_ids=..., labels=...)`).
 
-    def __init__(self, module: nn.Module) -> None:
+    `group` (a `gspo.parallel.ProcessGroup`): given for an FSDP2 root, whose every backbone forward is a collective
+    (`gspo.parallel.wrap`)."""
+
+    def __init__(self, module: nn.Module, group: Any = None) -> None:
         super().__init__()
         self.module = module
+        self.group = group
 
     def forward(self, *args, completion_logprobs: bool = False, **kwargs) -> Any:
         if not completion_logprobs:
@@ -317,23 +321,13 @@ class LogprobForward(nn.Module):
         return self.logprobs(*args, **kwargs)
 
     def logprobs(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`completion_logprobs(module, ...)` (what a subclass changes). As an FSDP2 root, every process runs the
-        same number of backbone forwards (`equal_forwards`, their maximum): each forward of a sharded layer is a
-        collective, and the length buckets depend on each process's rows, so processes with different numbers of
-        forwards would wait on each other forever (an async FSDP run hung so before)."""
-        if _is_fsdp_sharded(self):
-            kwargs["equal_forwards"] = _most_over_processes
+        """`completion_logprobs(module, ...)` (what a subclass changes). With a `group` (an FSDP2 root), every
+        process runs the same number of backbone forwards (`equal_forwards`: their maximum): each forward of a
+        sharded layer is a collective, and the length buckets depend on each process's rows, so processes with
+        different numbers of forwards would wait on each other forever (an async FSDP run hung so before)."""
+        if self.group is not None:
+            kwargs["equal_forwards"] = lambda count: self.group.all_max([count])[0]
         return completion_logprobs(self.module, *args, **kwargs)
-
-
-def _most_over_processes(count: int) -> int:
-    """The largest `count` over the default process group (an all-reduce on its device: CUDA for NCCL)."""
-    import torch.distributed as dist
-
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    most = torch.tensor([count], device=device)
-    dist.all_reduce(most, op=dist.ReduceOp.MAX)
-    return int(most.item())
 
 
 def _hidden_state_logprobs(

@@ -199,6 +199,14 @@ class ProcessGroup:
         dist.all_reduce(t)
         return t.tolist()
 
+    def all_max(self, values: list[int]) -> list[int]:
+        """Each value's maximum over processes."""
+        if not self.enabled:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+
     def all_finite(self, *values: torch.Tensor) -> bool:
         """Whether all `values` are finite on every process (so all processes skip or apply an update together)."""
         ok = all(bool(torch.isfinite(v).all()) for v in values)
@@ -227,9 +235,8 @@ class ProcessGroup:
         rewards = rewards.to(self.device)
         if not self.enabled:
             return traj, rewards, stats
-        widths = torch.tensor([traj.prompt_ids.shape[1], traj.completion_ids.shape[1]], device=self.device)
-        dist.all_reduce(widths, op=dist.ReduceOp.MAX)
-        local = traj.padded(int(widths[0]), int(widths[1]), pad_id)
+        prompt_width, completion_width = self.all_max([traj.prompt_ids.shape[1], traj.completion_ids.shape[1]])
+        local = traj.padded(prompt_width, completion_width, pad_id)
         n_prompts = int(traj.prompt_index.max()) + 1
         extras = {k: self.all_gather(v) if isinstance(v, torch.Tensor) else v for k, v in local.extras.items()}
         tensors = {name: self.all_gather(getattr(local, name)) for name in (

@@ -37,13 +37,13 @@ def wrap_policy(group: ProcessGroup, model: nn.Module, mixed_precision: str | No
             DistributedDataParallel).parameters else {"broadcast_buffers": False}
         # DDP syncs the gradients of what runs inside its forward: the log-prob computation runs there whole
         return DistributedDataParallel(LogprobForward(model), device_ids=ids, **no_sync)
-    return _fully_shard(model, group.device, group.world_size, mixed_precision)
+    return _fully_shard(model, group, mixed_precision)
 
 
 def wrap_frozen(group: ProcessGroup, model: nn.Module | None, mixed_precision: str | None = None) -> nn.Module | None:
     """A no-gradient model used in the training forwards (the KL reference): sharded like the policy under FSDP."""
     if model is not None and group.fsdp:
-        return _fully_shard(model, group.device, group.world_size, mixed_precision)
+        return _fully_shard(model, group, mixed_precision)
     return model
 
 
@@ -57,18 +57,19 @@ def autocast(group: ProcessGroup, mixed_precision: str | None) -> contextlib.Abs
     return torch.autocast(group.device.type, dtype=resolve_dtype(mixed_precision))
 
 
-def _fully_shard(model: nn.Module, device: torch.device, world_size: int, mixed_precision: str | None) -> nn.Module:
+def _fully_shard(model: nn.Module, group: ProcessGroup, mixed_precision: str | None) -> nn.Module:
     """FSDP2: shard every decoder layer (the model's `_no_split_modules` classes) in place, then the root, a
-    `LogprobForward(model)` that holds the rest (embeddings, norm, head): its forward gathers them, so the training
-    forward takes the chunked head inside it (the HF model as the root gathers them only inside its own forward,
-    which computes N×T×V logits). With `mixed_precision`, parameters are gathered in that dtype for compute and
-    gradients reduced in fp32. Returns the root."""
+    `LogprobForward(model, group)` that holds the rest (embeddings, norm, head): its forward gathers them, so the
+    training forward takes the chunked head inside it (the HF model as the root gathers them only inside its own
+    forward, which computes N×T×V logits), and the processes run equally many bucket forwards. With
+    `mixed_precision`, parameters are gathered in that dtype for compute and gradients reduced in fp32. Returns the
+    root."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from gspo.models import resolve_dtype
 
-    mesh = init_device_mesh(device.type, (world_size,))
+    mesh = init_device_mesh(group.device.type, (group.world_size,))
     kwargs: dict[str, Any] = {"mesh": mesh}
     if mixed_precision is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=resolve_dtype(mixed_precision),
@@ -80,6 +81,6 @@ def _fully_shard(model: nn.Module, device: torch.device, world_size: int, mixed_
                     type(model).__name__)
     for layer in layers:
         fully_shard(layer, **kwargs)
-    return fully_shard(LogprobForward(model), **kwargs)
+    return fully_shard(LogprobForward(model, group), **kwargs)
 
 
