@@ -148,10 +148,11 @@ def main() -> None:
             print(json.dumps(result))
         return
     lengths = [int(x) for x in a.lengths.split(",")]
+    wraps = a.wrap.split(",")
+    if bad := [w for w in wraps if w not in ("none", "ddp", "fsdp")]:  # before any measurement
+        p.error(f"--wrap {','.join(bad)}: use none, ddp or fsdp")
     summary: dict = {}
-    for wrap in a.wrap.split(","):
-        if wrap not in ("none", "ddp", "fsdp"):
-            p.error(f"--wrap {wrap!r}: use none, ddp or fsdp")
+    for wrap in wraps:
         rows, ratios = table(lengths, a.hidden, wrap)
         print_table(rows, ratios)
         key = "logprob_peak_memory_ratio" + ("" if wrap == "none" else f"_{wrap}")
