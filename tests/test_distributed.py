@@ -31,6 +31,8 @@ TESTS = Path(__file__).parent
 # model, named by import path so that the torchrun processes find it too.
 RUN = ["trainer.steps=3", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=5", "optim.lr=3e-3",
        "optim.warmup_steps=0", "rewards.functions={conftest.varied_reward: 1.0}", "algorithm.kl_beta=0.05"]
+# Rows of the tiny task are 8-11 tokens: two short rows share a micro-batch, a long one runs alone.
+MICRO = "trainer.micro_batch_tokens=18"
 REL_TOL = 1e-3  # per tensor: ‖W₂ − W₁‖ / ‖W₁‖ (Frobenius) after 3 steps; measured ≈ 2e-4
 # The two processes run with trainer.device=auto: on one GPU each with two or more GPUs (NCCL), else on the CPU (gloo;
 # on a one-GPU machine with a warning). The one-process reference trains on the same kind of device.
@@ -85,9 +87,10 @@ def assert_same_run(one: Path, two: Path) -> None:
 
 
 def test_ddp_two_processes_match_one(one_process, tmp_path):
-    """`torchrun --nproc_per_node=2 -m gspo train ...` (DDP) trains the weights of the one-process run."""
+    """`torchrun --nproc_per_node=2 -m gspo train ...` (DDP) trains the weights of the one-process run, here with
+    micro-batches of at most MICRO tokens (gradients accumulated without sync, then one all-reduce)."""
     out = tmp_path / "ddp"
-    torchrun(tmp_path, "-m", "gspo", "train", str(DEMO), *tiny_overrides(out, *RUN, "trainer.device=auto"))
+    torchrun(tmp_path, "-m", "gspo", "train", str(DEMO), *tiny_overrides(out, *RUN, "trainer.device=auto", MICRO))
     assert_same_run(one_process, out)
 
 
@@ -119,10 +122,11 @@ def test_async_dynamic_sampling_without_signal_stops_every_process_with_the_erro
 def test_fsdp_two_processes_interrupted_and_resumed_match_one(one_process, tmp_path):
     """FSDP2 over 2 processes, crashed after step 2 and resumed from its sharded checkpoint (every process writes its
     own shards: no gather on rank 0), trains the weights of the uninterrupted one-process run; the sharded checkpoint
-    also loads into one process, with the one-process run's weights."""
+    also loads into one process, with the one-process run's weights. With micro-batches of at most MICRO tokens,
+    whose count differs between the processes' shares (each forward is a collective: they run the largest count)."""
     out = tmp_path / "fsdp"
     torchrun(tmp_path, str(TESTS / "distributed_worker.py"), str(DEMO), "2",
-             *tiny_overrides(out, *RUN, "trainer.parallel=fsdp", "trainer.device=auto"))
+             *tiny_overrides(out, *RUN, "trainer.parallel=fsdp", "trainer.device=auto", MICRO))
     assert_same_run(one_process, out)
     step3 = checkpoint_path(out, 3)
     assert verify_checkpoint(step3)["layout"] == "sharded" and not list(step3.rglob("*.safetensors"))

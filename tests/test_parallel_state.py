@@ -17,13 +17,16 @@ import torch.multiprocessing as mp
 
 from gspo import checkpoint as ckpt
 from gspo.checkpoint import CheckpointError, checkpoint_path, find_latest_checkpoint, verify_checkpoint
+from gspo.learner import LearnSettings, learn
 from gspo.logprobs import completion_logprobs
 from gspo.models import build_preset
+from gspo.objectives import OBJECTIVES
 from gspo.optim import make_optimizer
 from gspo.parallel import ProcessGroup, shutdown, wrap_policy
 from gspo.parallel import state as parallel_state
 from gspo.parallel.state import full_state, load_state, save_state
 from gspo.rollout.weights import unwrap_model
+from gspo.trajectory import Trajectory
 
 WORLD = 2
 STATE = {"step": 1, "data_position": 8}
@@ -165,6 +168,7 @@ def worker(rank: int, tmp: str) -> None:
     assert_same(gathered(unwrap_model(model5), optimizer5), saved)
 
     fsdp_logprobs_match_one_process(fsdp)
+    fsdp_micro_batches_match_one_process(fsdp)
 
 
 def logprob_rows(rank: int) -> tuple[torch.Tensor, ...]:
@@ -206,6 +210,47 @@ def fsdp_logprobs_match_one_process(fsdp: ProcessGroup) -> None:
         grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
         scale = float(want[name].grad.abs().max())
         torch.testing.assert_close(grad, want[name].grad, atol=1e-5 * scale + 1e-8, rtol=1e-4, msg=name)
+
+
+def micro_trajectory() -> Trajectory:
+    """4 rows: two of 5 + 4 tokens, two of 5 + 150 (the same on every process)."""
+    g = torch.Generator().manual_seed(9)
+    prompt_ids, completion_ids = torch.randint(3, 40, (4, 5), generator=g), torch.randint(3, 40, (4, 150), generator=g)
+    completion_mask = torch.ones_like(completion_ids)
+    completion_mask[:2, 4:] = 0
+    return Trajectory(prompt_ids=prompt_ids, prompt_mask=torch.ones_like(prompt_ids), completion_ids=completion_ids,
+                      completion_mask=completion_mask, logprobs=torch.zeros(4, 150),
+                      truncated=torch.zeros(4, dtype=torch.bool), completions=[""] * 4, prompt_index=torch.arange(4))
+
+
+def fsdp_micro_batches_match_one_process(fsdp: ProcessGroup) -> None:
+    """`learn` under FSDP2 with `micro_batch_tokens` = 40: rank 0's share (the two short rows) fits one micro-batch,
+    rank 1's (the long rows) needs one per row, so rank 0 splits its share too (every forward is a collective: 2 π_old
+    and 2 update forwards on each process), and the weights after the update are those of one process learning the
+    whole minibatch in one forward."""
+    spec = OBJECTIVES["gspo"]
+    updated = {}
+    for group, share, budget in ((fsdp, [2 * fsdp.rank, 2 * fsdp.rank + 1], 40), (ProcessGroup(), [0, 1, 2, 3], None)):
+        model, _ = build_preset("tiny-dense", seed=7)
+        model = wrap_policy(group, model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+        forwards = []
+        counter = unwrap_model(model).model.register_forward_hook(lambda *_, f=forwards: f.append(1))
+        settings = LearnSettings(objective=spec, eps_low=spec.eps_low, eps_high=spec.eps_high, max_new_tokens=150,
+                                 micro_batch_tokens=budget)
+        learn(model, optimizer, scheduler, micro_trajectory(), torch.tensor([1.0, -1.0, 0.5, -0.5]),
+              [torch.tensor(share)], settings, group=group)
+        counter.remove()
+        if group.enabled:
+            assert len(forwards) == 4, forwards
+        updated[group.enabled] = {k: v.detach().clone() for k, v in gathered(model, optimizer)["model"].items()}
+    start = dict(build_preset("tiny-dense", seed=7)[0].named_parameters())
+    scale = max(float((updated[False][k] - start[k]).abs().max()) for k in start)
+    assert scale > 1e-4
+    for k, v in updated[True].items():
+        gap = float((v - updated[False][k]).abs().max())
+        assert gap <= 1e-5 * scale, f"{k}: {gap:.2e} against updates of {scale:.2e}"
 
 
 @pytest.fixture(scope="module")

@@ -119,7 +119,7 @@ class MoERouting(LearnHook):
         self.token_mask = traj.token_mask
         self.n_rows = len(traj)
         self.old_routing: torch.Tensor | None = None
-        self.metrics: dict[str, float] = {}
+        self.new_routing: torch.Tensor | None = None
 
     @property
     def replay(self) -> torch.Tensor | None:
@@ -144,16 +144,20 @@ class MoERouting(LearnHook):
         if not self.keeps_layout("update"):
             return contextlib.nullcontext()
         measure = self.old_routing is not None and last and k > 0
-        return self._capture(self.replay, rows, self._volatility if measure else None)
+        return self._capture(self.replay, rows, self._store_new if measure else None)
 
-    def _volatility(self, rows: torch.Tensor, chosen: torch.Tensor) -> None:
-        chosen = chosen.view(self.old_routing[rows].shape)
-        self.metrics["expert_volatility"] = routing_change(self.old_routing[rows], chosen, self.token_mask[rows])
+    def _store_new(self, rows: torch.Tensor, chosen: torch.Tensor) -> None:
+        """π_θ's routing of `rows` on the last update (one call per micro-batch of its minibatch)."""
+        if self.new_routing is None:
+            self.new_routing = torch.full_like(self.old_routing, -1)
+        self.new_routing[rows] = chosen.view(self.old_routing[rows].shape)
 
     def update_metrics(self, k: int, rows: torch.Tensor, logprobs: torch.Tensor,
                        old_logprobs: torch.Tensor) -> dict[str, float]:
-        out, self.metrics = self.metrics, {}
-        return out
+        if self.new_routing is None:
+            return {}
+        new, self.new_routing = self.new_routing[rows], None
+        return {"expert_volatility": routing_change(self.old_routing[rows], new, self.token_mask[rows])}
 
     def batch_metrics(self, traj: Trajectory, old_logprobs: torch.Tensor) -> dict[str, float]:
         if self.engine_routing is None or self.old_routing is None:

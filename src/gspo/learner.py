@@ -8,6 +8,12 @@
         loss          the objective (e.g. GSPO, Eq. 5 with the sequence ratio of Eq. 7), normalised by its global count
         step          backward, grad-norm clip, AdamW; skipped on every process if anything is non-finite
 
+A minibatch larger than `micro_batch_tokens` runs as micro-batches, each a forward and a backward whose gradients add
+up to the minibatch's: every objective is a sum over rows divided by a normaliser counted on the whole minibatch
+(what lets processes split a minibatch too), so only the activations of one micro-batch are alive at a time. π_old,
+the reference model and every update of a minibatch use the same micro-batches (a row's logits depend in the last
+bits on the rows that share its forward: the on-policy minibatch's ratios stay exactly 1).
+
 Everything else (MoE routing capture and replay, precision diagnostics) is a hook (`gspo.hooks`).
 """
 
@@ -27,10 +33,10 @@ from gspo.correction import Correction, apply_correction, mismatch_metrics
 from gspo.hooks import LearnHook
 from gspo.logprobs import completion_logprobs
 from gspo.objectives import Objective, kl_to_reference, process_normaliser
-from gspo.parallel import ProcessGroup, autocast
+from gspo.parallel import ProcessGroup, autocast, gradient_sync
 from gspo.trajectory import Trajectory
 
-__all__ = ["LearnSettings", "learn"]
+__all__ = ["LearnSettings", "learn", "micro_batches"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,42 @@ class LearnSettings:
     grad_clip: float | None = 1.0
     mixed_precision: str | None = None
     mismatch: Correction | None = None  # the train–inference mismatch correction (None: none), for recomputed π_old
+    micro_batch_tokens: int | None = None  # padded tokens per forward/backward (None: a minibatch share at once)
+
+
+def micro_batches(rows: torch.Tensor, lengths: torch.Tensor, budget: int | None) -> list[torch.Tensor]:
+    """`rows` (row indices of a minibatch share) split into micro-batches of at most `budget` padded tokens: B rows
+    cost B × their longest `lengths[row]`. Rows are taken longest first, so rows of similar length share a forward; a
+    row longer than the budget is a micro-batch of its own. `budget` None: one micro-batch, `rows` as given."""
+    if budget is None or len(rows) == 0:
+        return [rows]
+    lengths = lengths.to(rows.device)[rows]
+    order = torch.argsort(lengths, descending=True, stable=True)
+    micros, current, width = [], [], 0
+    for row, length in zip(rows[order].tolist(), lengths[order].tolist(), strict=True):
+        if current and (len(current) + 1) * width > budget:
+            micros.append(current)
+            current = []
+        if not current:  # a micro-batch's first row is its longest: its width
+            width = length
+        current.append(row)
+    micros.append(current)
+    return [torch.tensor(m, dtype=rows.dtype, device=rows.device) for m in micros]
+
+
+def _equalise(micros: list[torch.Tensor], count: int) -> list[torch.Tensor]:
+    """`micros` made `count` long (the most any process runs for this minibatch: under FSDP every forward is a
+    collective) by halving the micro-batch with the most rows. The processes' shares have equal row counts (the
+    trainer's split), so `count` never exceeds this share's rows."""
+    micros = list(micros)
+    while len(micros) < count:
+        i = max(range(len(micros)), key=lambda j: len(micros[j]))
+        if len(micros[i]) < 2:
+            raise ValueError(f"a minibatch share of {sum(map(len, micros))} rows cannot run as {count} micro-batches: "
+                             "every process needs a share of as many rows")
+        half = (len(micros[i]) + 1) // 2
+        micros[i:i + 1] = [micros[i][:half], micros[i][half:]]
+    return micros
 
 
 def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: Trajectory, advantages: torch.Tensor,
@@ -73,6 +115,15 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
         stack.enter_context(amp())
         return stack
 
+    # The micro-batches of each minibatch share, the same for π_old, the reference and every update; as many on every
+    # process (under FSDP each forward is a collective). Costed on the layout the forwards will see.
+    padded = any(h.keeps_layout("old") or h.keeps_layout("update") for h in hooks)
+    lengths = (torch.full((len(traj),), traj.prompt_ids.shape[1] + traj.completion_ids.shape[1]) if padded
+               else traj.prompt_mask.sum(-1) + traj.completion_mask.sum(-1))
+    split = [micro_batches(mb, lengths, s.micro_batch_tokens) for mb in minibatches]
+    counts = group.all_max([len(m) for m in split]) if s.micro_batch_tokens is not None else [1] * len(split)
+    micros_of = [_equalise(m, c) for m, c in zip(split, counts, strict=True)]
+
     # π_old. The forward runs on the same row groups as the updates: a row's logits depend in the last bits on which
     # rows share its batch (matmul blocking, MoE expert grouping), and with other groups the on-policy first minibatch
     # would see ratios of 1 ± 1e-7 instead of exactly 1.
@@ -82,10 +133,10 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
         old_logprobs = torch.zeros_like(traj.logprobs)
         trim = not any(h.keeps_layout("old") for h in hooks)
         with torch.no_grad():
-            for mb in minibatches:
-                with forwards(lambda h, mb=mb: h.old_forward(mb)):
-                    old_logprobs[mb] = completion_logprobs(model, *traj.rows(mb), temperature=s.temperature,
-                                                           trim_padding=trim)[0]
+            for r in (r for micros in micros_of for r in micros):
+                with forwards(lambda h, r=r: h.old_forward(r)):
+                    old_logprobs[r] = completion_logprobs(model, *traj.rows(r), temperature=s.temperature,
+                                                          trim_padding=trim)[0]
         old_logprobs = group.merge_rows(old_logprobs, minibatches)
     for hook in hooks:
         hook.old_done(group, minibatches)
@@ -105,31 +156,51 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
 
     sums: dict[str, float] = {}
     grad_norms, skipped, n = [], 0, len(minibatches)
-    for k, mb in enumerate(minibatches):
+    logprobs = torch.zeros_like(old_logprobs)  # π_θ of this process's rows, filled micro-batch by micro-batch
+    entropy = torch.zeros_like(old_logprobs)
+    ref_logprobs = torch.zeros_like(old_logprobs)
+    with_ref = ref_model is not None and s.kl_beta > 0
+    for k, (mb, micros) in enumerate(zip(minibatches, micros_of, strict=True)):
         trim = not any(h.keeps_layout("update") for h in hooks)
-        with forwards(lambda h, k=k, mb=mb: h.update_forward(k, mb, k == n - 1)):
-            logprobs, entropy = completion_logprobs(model, *traj.rows(mb), temperature=s.temperature,
-                                                    with_entropy=k == 0, trim_padding=trim)
-        for hook in hooks:
-            sums.update(hook.update_metrics(k, mb, logprobs, old_logprobs))
         # normalised by the count over every process's share: N processes' averaged gradients = one process's
         count_mask = mask[mb] if kept is None else loss_mask[mb][kept[mb]]
         count, rows = group.all_sum([s.objective.count(count_mask, s.max_new_tokens), float(len(mb))])
-        loss, m = s.objective.loss(logprobs, old_logprobs[mb], loss_adv[mb], loss_mask[mb], eps_low=s.eps_low,
-                                   eps_high=s.eps_high, normaliser=process_normaliser(count, group.world_size))
-        if ref_model is not None and s.kl_beta > 0:
-            with torch.no_grad(), amp():
-                ref_logprobs, _ = completion_logprobs(ref_model, *traj.rows(mb), temperature=s.temperature,
-                                                      trim_padding=True)
-            kl = kl_to_reference(logprobs, ref_logprobs, mask[mb],
+        normaliser = process_normaliser(count, group.world_size)
+        for j, r in enumerate(micros):
+            with gradient_sync(model, j == len(micros) - 1):  # one gradient all-reduce, after the last backward
+                with forwards(lambda h, k=k, r=r: h.update_forward(k, r, k == n - 1)):
+                    lp, ent = completion_logprobs(model, *traj.rows(r), temperature=s.temperature,
+                                                  with_entropy=k == 0, trim_padding=trim)
+                loss, m = s.objective.loss(lp, old_logprobs[r], loss_adv[r], loss_mask[r], eps_low=s.eps_low,
+                                           eps_high=s.eps_high, normaliser=normaliser)
+                total = loss
+                if with_ref:
+                    with torch.no_grad(), amp():
+                        ref_lp, _ = completion_logprobs(ref_model, *traj.rows(r), temperature=s.temperature,
+                                                        trim_padding=True)
+                    total = total + s.kl_beta * kl_to_reference(
+                        lp, ref_lp, mask[r], normaliser=process_normaliser(rows, group.world_size))
+                total.backward()
+            logprobs[r] = lp.detach()
+            if ent is not None:
+                entropy[r] = ent
+            if with_ref:
+                ref_logprobs[r] = ref_lp
+        if len(micros) > 1:  # the minibatch's metrics and loss value, as one forward would have computed them
+            with torch.no_grad():
+                loss, m = s.objective.loss(logprobs[mb], old_logprobs[mb], loss_adv[mb], loss_mask[mb],
+                                           eps_low=s.eps_low, eps_high=s.eps_high, normaliser=normaliser)
+        if with_ref:
+            kl = kl_to_reference(logprobs[mb], ref_logprobs[mb], mask[mb],
                                  normaliser=process_normaliser(rows, group.world_size))
-            loss = loss + s.kl_beta * kl
-            m["kl_ref"] = float(kl.detach())
-        if entropy is not None:
-            m["entropy"] = float(entropy[mask[mb]].mean())
-        loss.backward()
+            loss = loss.detach() + s.kl_beta * kl
+            m["kl_ref"] = float(kl)
+        for hook in hooks:
+            sums.update(hook.update_metrics(k, mb, logprobs[mb], old_logprobs))
+        if k == 0:
+            m["entropy"] = float(entropy[mb][mask[mb]].mean())
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip if s.grad_clip else float("inf"))
-        if group.all_finite(loss, grad_norm):  # every process steps, or none does
+        if group.all_finite(loss.detach(), grad_norm):  # every process steps, or none does
             optimizer.step()
             grad_norms.append(float(grad_norm))
         else:  # never let a non-finite update touch the weights

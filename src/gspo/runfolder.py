@@ -11,7 +11,8 @@ replaced with `--overwrite` (which deletes only the files gspo writes, never any
 
 A resume continues the saved run, so its config must be the saved one, except for settings that do not change the
 training math (`RESUMABLE`): extending `trainer.steps`, threads, logging, evaluation and checkpoint cadence, reward
-timeouts, the device, and the folder's own location (a moved folder resumes).
+timeouts, the device, the micro-batch budget (a run that ran out of memory resumes with a smaller one), and the
+folder's own location (a moved folder resumes).
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ RUN_FILES = ("config.yaml", "metrics.jsonl", "eval.jsonl", "samples.jsonl", "sum
              CHECKPOINTS_DIRNAME, "cold_start", "cold_start.tmp", "final", "weight_sync", "guard.jsonl")
 # Config keys (fnmatch patterns) a resume may change: none of them changes what the optimizer computes.
 RESUMABLE = ("trainer.steps", "trainer.threads", "trainer.out", "trainer.eval_every", "trainer.checkpoint_every",
-             "trainer.keep_checkpoints", "trainer.max_bad_steps", "trainer.device", "trainer.guard.*", "log.*",
+             "trainer.keep_checkpoints", "trainer.max_bad_steps", "trainer.device",
+             "trainer.micro_batch_tokens", "trainer.guard.*", "log.*",
              "rewards.timeout_s", "rewards.workers", "rollout.vllm.server_url", "rollout.vllm.weight_sync_dir",
              "rollout.vllm.request_timeout", "rollout.vllm.max_concurrent_requests")
 

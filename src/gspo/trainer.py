@@ -155,7 +155,8 @@ def learn_settings(cfg: Config) -> LearnSettings:
                          old_logprobs=algo.old_logprobs, temperature=cfg.rollout.temperature,
                          max_new_tokens=cfg.env.max_tokens if cfg.env else cfg.rollout.max_new_tokens,
                          kl_beta=algo.kl_beta, grad_clip=cfg.optim.grad_clip,
-                         mixed_precision=cfg.trainer.mixed_precision, mismatch=mismatch)
+                         mixed_precision=cfg.trainer.mixed_precision, mismatch=mismatch,
+                         micro_batch_tokens=cfg.trainer.micro_batch_tokens)
 
 
 def guard_settings(cfg: Config) -> GuardSettings:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ from torch import nn
 from gspo.logprobs import LogprobForward
 from gspo.parallel.group import ProcessGroup
 
-__all__ = ["autocast", "wrap_frozen", "wrap_policy"]
+__all__ = ["autocast", "gradient_sync", "wrap_frozen", "wrap_policy"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,27 @@ def autocast(group: ProcessGroup, mixed_precision: str | None) -> contextlib.Abs
     from gspo.models import resolve_dtype
 
     return torch.autocast(group.device.type, dtype=resolve_dtype(mixed_precision))
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
+    """Around a backward of the wrapped policy: `sync` False keeps its gradients local (DDP's `no_sync`, FSDP2's
+    `set_requires_gradient_sync(False)`), so that micro-batches accumulate gradients and only the last one's backward
+    communicates; True, or an unwrapped model: as is."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    if sync or not isinstance(model, DistributedDataParallel | FSDPModule):
+        yield
+    elif isinstance(model, DistributedDataParallel):
+        with model.no_sync():
+            yield
+    else:
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
 
 
 def _fully_shard(model: nn.Module, group: ProcessGroup, mixed_precision: str | None) -> nn.Module:

@@ -1,0 +1,116 @@
+"""Peak memory and time of one learner step with `trainer.micro_batch_tokens`: none (a minibatch share per forward)
+against token budgets, measured in the same run.
+
+    .venv/bin/python benchmarks/micro_batch_memory.py [--budgets none,2048,1024,512] [--rows 32] [--length 512]
+
+Each measurement is one `gspo.learner.learn` call (π_old recomputed, then 4 minibatch updates, GSPO) on the same
+rollout batch of `--rows` rows (16-token prompts, completions of 64 to `--length` tokens) through an 8-layer Qwen3
+(hidden 128, vocab 8,192), in a fresh subprocess: peak = the subprocess's peak RSS (VmHWM) minus its RSS just before
+the call (model, gradients and a warm-up step already resident), so what it shows is the step's activations. The
+update is the same whatever the budget: the table shows the largest weight difference against the unbudgeted step,
+relative to the largest weight change. The optimizer is plain SGD, so that this compares the gradients (AdamW's
+first steps move every weight by about ±lr whatever its gradient's size, and GSPO's narrow clip turns a rounding
+difference into a clipped or kept sequence, which would show float rounding as 1e-3 differences). Prints a table,
+then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+
+def measure(budget: int | None, rows: int, length: int) -> dict:
+    """In this process: RSS growth and time of one learn() step; also the weights' change, for the comparison."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from gspo.learner import LearnSettings, learn
+    from gspo.objectives import OBJECTIVES
+    from gspo.trajectory import Trajectory
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=8192, hidden_size=128, intermediate_size=512, num_hidden_layers=8,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                         max_position_embeddings=length + 32, tie_word_embeddings=False)
+    model = Qwen3ForCausalLM._from_config(config, attn_implementation="sdpa")
+    g = torch.Generator().manual_seed(1)
+    c_len = torch.randint(64, length + 1, (rows,), generator=g)
+    completion_mask = (torch.arange(length) < c_len[:, None]).long()
+    traj = Trajectory(prompt_ids=torch.randint(3, 8192, (rows, 16), generator=g),
+                      prompt_mask=torch.ones(rows, 16, dtype=torch.long),
+                      completion_ids=torch.randint(3, 8192, (rows, length), generator=g) * completion_mask,
+                      completion_mask=completion_mask, logprobs=torch.zeros(rows, length),
+                      truncated=torch.zeros(rows, dtype=torch.bool), completions=[""] * rows,
+                      prompt_index=torch.arange(rows) // 8)
+    advantages = torch.randn(rows, generator=g)
+    spec = OBJECTIVES["gspo"]
+    settings = LearnSettings(objective=spec, eps_low=spec.eps_low, eps_high=spec.eps_high, max_new_tokens=length,
+                             micro_batch_tokens=budget)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    minibatches = list(torch.randperm(rows, generator=g).chunk(4))
+    # a 2-row step first: the optimizer state and the allocator's pools exist before the measured step
+    learn(model, optimizer, scheduler, traj.take(torch.arange(2)), torch.zeros(2), [torch.arange(2)], settings)
+    start = {k: v.detach().clone() for k, v in model.named_parameters()}
+    with open("/proc/self/status") as f:
+        before = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    t0 = time.perf_counter()
+    learn(model, optimizer, scheduler, traj, advantages, minibatches, settings)
+    seconds = time.perf_counter() - t0
+    with open("/proc/self/status") as f:  # VmHWM: ru_maxrss would include the parent's peak (kept across exec)
+        peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    delta = {k: (v.detach() - start[k]).tolist() for k, v in model.named_parameters() if k.endswith("q_proj.weight")}
+    return {"budget": budget, "peak_bytes": peak - before, "seconds": seconds, "delta": delta}
+
+
+def run(budget: int | None, rows: int, length: int) -> dict:
+    """`measure` in a fresh subprocess (peak RSS is per process and never goes down)."""
+    code = f"import json, sys; sys.path.insert(0, {str(__file__.rsplit('/', 1)[0])!r}); " \
+           f"from micro_batch_memory import measure; print(json.dumps(measure({budget!r}, {rows}, {length})))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def max_gap(a: dict, b: dict) -> tuple[float, float]:
+    """(largest |a − b|, largest |a|) over the compared weight changes."""
+    import torch
+
+    gap = max(float((torch.tensor(a[k]) - torch.tensor(b[k])).abs().max()) for k in a)
+    return gap, max(float(torch.tensor(v).abs().max()) for v in a.values())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--budgets", default="none,2048,1024,512")
+    parser.add_argument("--rows", type=int, default=32)
+    parser.add_argument("--length", type=int, default=512)
+    args = parser.parse_args()
+    budgets = []
+    for value in args.budgets.split(","):
+        if value != "none" and not (value.isdigit() and int(value) > 0):
+            parser.error(f"--budgets: {value!r} is neither 'none' nor a positive token count")
+        budgets.append(None if value == "none" else int(value))
+    if budgets[0] is not None:
+        parser.error("--budgets: the first must be 'none' (the baseline the others are compared with)")
+    results = [run(b, args.rows, args.length) for b in budgets]
+    base, mib = results[0], 2**20
+    print(f"learner step peak memory: {args.rows} rows × (16 + ≤{args.length} tokens), 4 minibatches, "
+          "8-layer Qwen3 hidden 128")
+    print(f"{'micro_batch_tokens':>18} | {'peak':>9} | {'vs none':>7} | {'time':>7} | {'vs none':>7} | update gap")
+    for r in results:
+        gap, scale = max_gap(base["delta"], r["delta"])
+        peak, seconds = r["peak_bytes"], r["seconds"]
+        print(f"{r['budget']!s:>18} | {peak / mib:>5,.0f} MiB | {peak / base['peak_bytes']:>7.2f} | {seconds:>6.2f}s | "
+              f"{seconds / base['seconds']:>7.2f} | {gap / scale:.1e}")
+    print(json.dumps({"micro_batch_peak_ratio": {str(r["budget"]): round(r["peak_bytes"] / base["peak_bytes"], 3)
+                                                 for r in results[1:]},
+                      "micro_batch_time_ratio": {str(r["budget"]): round(r["seconds"] / base["seconds"], 3)
+                                                 for r in results[1:]}}))
+
+
+if __name__ == "__main__":
+    main()

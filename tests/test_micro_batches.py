@@ -1,0 +1,180 @@
+"""Micro-batches (`trainer.micro_batch_tokens`): a minibatch share run as several forwards and backwards bounded by a
+token budget gives the update of one forward (every objective, the KL term, MoE), keeps the on-policy minibatch
+exactly on-policy and never runs a forward over the budget. (Processes whose shares split into different counts:
+`tests/test_parallel_state.py`.)"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import DEMO, tiny_overrides
+from gspo import learner as learner_module
+from gspo.config import load_config
+from gspo.learner import LearnSettings, _equalise, learn, micro_batches
+from gspo.logprobs import completion_logprobs
+from gspo.models import build_preset
+from gspo.objectives import OBJECTIVES
+from gspo.tracking import read_metrics
+from gspo.trainer import train
+from gspo.trajectory import Trajectory
+
+# ------------------------------------------------------------------------------------------------ the split
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=24), st.integers(1, 120))
+def test_micro_batches_partition_the_rows_within_the_budget(lengths, budget):
+    rows = torch.arange(len(lengths)) * 3  # row indices of a share: not 0..n-1
+    length_of = torch.zeros(3 * len(lengths), dtype=torch.long)
+    length_of[rows] = torch.tensor(lengths)
+    micros = micro_batches(rows, length_of, budget)
+    assert sorted(torch.cat(micros).tolist()) == rows.tolist()  # every row once
+    for m in micros:
+        assert len(m) == 1 or len(m) * int(length_of[m].max()) <= budget
+    assert [t.tolist() for t in micro_batches(rows, length_of, None)] == [rows.tolist()]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 5), min_size=1, max_size=6), st.integers(0, 12))
+def test_equalise_splits_to_the_count_keeping_every_row_once(sizes, extra):
+    start, micros = 0, []
+    for size in sizes:
+        micros.append(torch.arange(start, start + size))
+        start += size
+    count = len(sizes) + extra
+    if count > start:  # more micro-batches than rows: a share smaller than another process's
+        with pytest.raises(ValueError, match="as many rows"):
+            _equalise(micros, count)
+        return
+    out = _equalise(micros, count)
+    assert len(out) == count and all(len(m) for m in out)
+    assert torch.cat(out).sort().values.tolist() == list(range(start))
+
+
+# ------------------------------------------------------------------------------------------------ learn()
+
+
+def ragged_trajectory(model, n: int = 8, seed: int = 0) -> Trajectory:
+    """`n` rows of random tokens with prompts of 2-9 tokens (left-padded) and completions of 1-12 (right-padded); the
+    engine's log-probabilities are the model's plus noise, so the mismatch metrics are not 0."""
+    g = torch.Generator().manual_seed(seed)
+    vocab, s, t = model.config.vocab_size, 9, 12
+    p_len = torch.randint(2, s + 1, (n,), generator=g)
+    c_len = torch.randint(1, t + 1, (n,), generator=g)
+    prompt_mask = (torch.arange(s) >= s - p_len[:, None]).long()
+    completion_mask = (torch.arange(t) < c_len[:, None]).long()
+    prompt_ids = torch.randint(3, vocab, (n, s), generator=g) * prompt_mask
+    completion_ids = torch.randint(3, vocab, (n, t), generator=g) * completion_mask
+    with torch.no_grad():
+        lp, _ = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    lp = (lp + 0.01 * torch.randn(lp.shape, generator=g)) * completion_mask
+    return Trajectory(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
+                      completion_mask=completion_mask, logprobs=lp, truncated=torch.zeros(n, dtype=torch.bool),
+                      completions=[""] * n, prompt_index=torch.arange(n) // 4)
+
+
+def run_learn(preset: str, loss: str, budget: int | None, *, kl_beta: float = 0.0, forwards: list | None = None):
+    """One `learn` call (2 minibatches, SGD so that a gradient difference shows 1:1 in the weights); returns (the
+    weights' change, metrics)."""
+    model, _ = build_preset(preset, seed=1)
+    ref = copy.deepcopy(model).eval() if kl_beta else None
+    traj = ragged_trajectory(model)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    spec = OBJECTIVES[loss]
+    settings_ = LearnSettings(objective=spec, eps_low=spec.eps_low, eps_high=spec.eps_high, max_new_tokens=12,
+                              kl_beta=kl_beta, micro_batch_tokens=budget)
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.25, -0.25])
+    with pytest.MonkeyPatch.context() as mp:
+        if forwards is not None:
+            def spy(m, p_ids, p_mask, c_ids, c_mask, *a, **k):
+                if m is model:
+                    forwards.append(len(p_ids) * int((p_mask.sum(-1) + c_mask.sum(-1)).max()))
+                return completion_logprobs(m, p_ids, p_mask, c_ids, c_mask, *a, **k)
+            mp.setattr(learner_module, "completion_logprobs", spy)
+        metrics = learn(model, optimizer, scheduler, traj, advantages, [torch.tensor([0, 2, 4, 6, 1]),
+                                                                        torch.tensor([3, 5, 7])],
+                        settings_, ref_model=ref)
+    delta = {k: v - start[k] for k, v in model.state_dict().items()}
+    return delta, metrics
+
+
+def assert_same_update(a: tuple, b: tuple) -> None:
+    (delta_a, m_a), (delta_b, m_b) = a, b
+    scale = max(float(d.abs().max()) for d in delta_a.values())
+    assert scale > 1e-4  # the update is not vacuous
+    gap = max(float((delta_a[k] - delta_b[k]).abs().max()) for k in delta_a)
+    assert gap <= 1e-5 * scale, f"weights differ by {gap:.2e} against updates of {scale:.2e}"
+    assert m_a.keys() == m_b.keys()
+    for key in m_a:
+        assert m_b[key] == pytest.approx(m_a[key], rel=1e-4, abs=1e-6, nan_ok=True), key
+
+
+@pytest.mark.parametrize("loss", sorted(OBJECTIVES))
+def test_micro_batches_give_the_update_of_one_forward(loss):
+    forwards: list[int] = []
+    one = run_learn("tiny-dense", loss, None)
+    micro = run_learn("tiny-dense", loss, 24, forwards=forwards)
+    assert_same_update(one, micro)
+    assert len(forwards) > 4  # π_old and 2 updates ran as more than one forward per minibatch
+    assert max(forwards) <= 24 or min(forwards) == max(forwards)
+
+
+def test_micro_batches_with_the_kl_term_and_an_moe_model():
+    for preset in ("tiny-dense", "tiny-moe"):
+        assert_same_update(run_learn(preset, "gspo", None, kl_beta=0.1), run_learn(preset, "gspo", 30, kl_beta=0.1))
+
+
+# ------------------------------------------------------------------------------------------------ the trainer
+
+
+@pytest.fixture
+def spy_gspo(monkeypatch):
+    """Record (logprobs, old_logprobs, mask) of every call of the gspo objective."""
+    calls = []
+    inner = OBJECTIVES["gspo"]
+
+    def spy(logprobs, old_logprobs, advantages, mask, **kw):
+        calls.append((logprobs.detach().clone(), old_logprobs.clone(), mask.bool().clone()))
+        return inner.loss(logprobs, old_logprobs, advantages, mask, **kw)
+
+    monkeypatch.setitem(OBJECTIVES, "gspo", dataclasses.replace(inner, loss=spy))
+    return calls
+
+
+@pytest.mark.parametrize("moe", ["none", "r2"])
+def test_a_run_with_micro_batches_stays_exactly_on_policy(tmp_path, spy_gspo, test_rewards, moe, monkeypatch):
+    """The demo's tiny MoE with a budget of about two rows: π_old and the first update use the same micro-batches, so
+    the on-policy minibatch's ratios are exactly 1 in every micro-batch (with routing replay too)."""
+    counts: list[int] = []  # micro-batches of each minibatch, in order
+
+    def equalise(micros, count):
+        out = _equalise(micros, count)
+        counts.append(len(out))
+        return out
+
+    monkeypatch.setattr(learner_module, "_equalise", equalise)
+    cfg = load_config(DEMO, tiny_overrides(tmp_path, "cold_start=null", "trainer.steps=2", "trainer.eval_every=0",
+                                           "rewards.functions={varied: 1.0}", "trainer.micro_batch_tokens=24",
+                                           f"algorithm.routing_replay={moe}", "data.eval_size=1"))
+    train(cfg)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["clip_frac_tokens_first_mb"] for r in records] == [0.0, 0.0]
+    assert len(counts) == 2 * 4 and max(counts) > 1  # micro-batches ran
+    calls, moved = iter(spy_gspo), []
+    for k, count in enumerate(counts):  # each micro-batch's loss, then the minibatch's metrics when split
+        for lp, old, mask in [next(calls) for _ in range(count + (count > 1))]:
+            if k % 4 == 0:  # a step's first minibatch: π_θ = π_old bit for bit
+                assert torch.equal(lp[mask], old[mask]), f"step {k // 4 + 1}: ratio ≠ 1 on-policy"
+            else:
+                moved.append(not torch.equal(lp[mask], old[mask]))
+    assert any(moved) and next(calls, None) is None  # the later minibatches moved: the check is not vacuous
+    if moe == "r2":
+        assert all(0 <= r["expert_volatility"] <= 1 for r in records)
