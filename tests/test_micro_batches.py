@@ -150,7 +150,7 @@ def spy_gspo(monkeypatch):
 
 
 @pytest.mark.parametrize("moe", ["none", "r2"])
-def test_a_run_with_micro_batches_stays_exactly_on_policy(tmp_path, spy_gspo, test_rewards, moe, monkeypatch):
+def test_a_run_with_micro_batches_stays_exactly_on_policy(tmp_path, spy_gspo, moe, monkeypatch):
     """The demo's tiny MoE with a budget of about two rows: π_old and the first update use the same micro-batches, so
     the on-policy minibatch's ratios are exactly 1 in every micro-batch (with routing replay too)."""
     counts: list[int] = []  # micro-batches of each minibatch, in order
@@ -162,8 +162,9 @@ def test_a_run_with_micro_batches_stays_exactly_on_policy(tmp_path, spy_gspo, te
 
     monkeypatch.setattr(learner_module, "_equalise", equalise)
     cfg = load_config(DEMO, tiny_overrides(tmp_path, "cold_start=null", "trainer.steps=2", "trainer.eval_every=0",
-                                           "rewards.functions={varied: 1.0}", "trainer.micro_batch_tokens=24",
-                                           f"algorithm.routing_replay={moe}", "data.eval_size=1"))
+                                           "rewards.functions={conftest.varied_reward: 1.0}",
+                                           "trainer.micro_batch_tokens=24", f"algorithm.routing_replay={moe}",
+                                           "data.eval_size=1"))
     train(cfg)
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["clip_frac_tokens_first_mb"] for r in records] == [0.0, 0.0]
@@ -178,3 +179,33 @@ def test_a_run_with_micro_batches_stays_exactly_on_policy(tmp_path, spy_gspo, te
     assert any(moved) and next(calls, None) is None  # the later minibatches moved: the check is not vacuous
     if moe == "r2":
         assert all(0 <= r["expert_volatility"] <= 1 for r in records)
+
+
+def test_out_of_memory_in_the_update_advises_a_budget_and_the_run_resumes_with_it(tmp_path, monkeypatch):
+    """An update that runs out of GPU memory stops with the setting to change (a budget below what the forward held),
+    and the run continues from its checkpoint with that budget (a key a resume may change)."""
+    import re
+
+    from gspo import trainer as trainer_module
+    from gspo.trainer import TrainingError
+
+    overrides = tiny_overrides(tmp_path, "cold_start=null", "trainer.steps=2", "trainer.eval_every=0",
+                               "trainer.checkpoint_every=1", "data.eval_size=1")
+    real_learn, calls = trainer_module.learn, []
+
+    def learn_out_of_memory_on_step_2(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real_learn(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "learn", learn_out_of_memory_on_step_2)
+    with pytest.raises(TrainingError, match="out of memory in the update of step 2") as info:
+        train(load_config(DEMO, overrides))
+    advice = re.search(r"trainer\.micro_batch_tokens=(\d+)", str(info.value))
+    assert advice and "--resume" in str(info.value), str(info.value)
+    held = int(re.search(r"held up to ([\d,]+) tokens", str(info.value)).group(1).replace(",", ""))
+    assert int(advice.group(1)) < held
+    monkeypatch.setattr(trainer_module, "learn", real_learn)
+    train(load_config(DEMO, [*overrides, advice.group(0)]), resume=True)
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]

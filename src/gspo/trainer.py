@@ -263,14 +263,39 @@ def sync(engine: RolloutEngine, model: nn.Module, version: int) -> None:
     engine.update_weights(policy_weights(model), version)
 
 
+def _update_memory_advice(cfg: Config, step: int, traj: Trajectory, world_size: int) -> str:
+    """What to change when the update of `step` ran out of memory: the tokens one forward held, and the settings
+    that bound them (both may change on --resume)."""
+    rows = max(1, len(traj) // (cfg.algorithm.minibatches * world_size))  # a minibatch share
+    longest = int((traj.prompt_mask.sum(-1) + traj.completion_mask.sum(-1)).max())
+    held = min(cfg.trainer.micro_batch_tokens or rows * longest, rows * longest)
+    if held > longest:
+        fix = (f"set trainer.micro_batch_tokens={max(longest, held // 4)} (each forward holds at most that many "
+               f"tokens; the update is the same)")
+    else:
+        fix = ("one row per forward already: set trainer.gradient_checkpointing=true, or lower "
+               "rollout.max_new_tokens")
+    return (f"out of memory in the update of step {step + 1}: a forward held up to {held:,} tokens ({rows} rows of a "
+            f"minibatch share, the longest {longest:,} tokens); {fix}, then continue with --resume")
+
+
 def rl_step(step: int, model: nn.Module, optimizer, scheduler, train_rows: list[dict], ctx: RLStep) -> dict[str, float]:
     """One step of the paper's loop, collect → learn → sync; returns its metrics."""
     t0 = time.perf_counter()
-    batch = collect(step, train_rows, ctx)
+    try:
+        batch = collect(step, train_rows, ctx)
+    except torch.OutOfMemoryError as e:
+        raise TrainingError(f"out of memory while sampling step {step + 1}'s rollouts "
+                            f"({ctx.cfg.rollout.prompts_per_step} prompts × {ctx.cfg.rollout.group_size} completions "
+                            f"of up to {ctx.cfg.rollout.max_new_tokens} tokens at once): lower them, or sample with "
+                            "rollout.engine=vllm (paged KV cache)") from e
     traj = batch.traj
-    learned = learn(model, optimizer, scheduler, traj, batch.advantages,
-                    minibatches(step, len(traj), ctx, traj.loss_mask.device), learn_settings(ctx.cfg), ctx.group,
-                    ctx.ref_model, ctx.hooks)
+    try:
+        learned = learn(model, optimizer, scheduler, traj, batch.advantages,
+                        minibatches(step, len(traj), ctx, traj.loss_mask.device), learn_settings(ctx.cfg), ctx.group,
+                        ctx.ref_model, ctx.hooks)
+    except torch.OutOfMemoryError as e:
+        raise TrainingError(_update_memory_advice(ctx.cfg, step, traj, ctx.group.world_size)) from e
     if ctx.rollouts is not None:  # the workers sample; the learner's own engine is synced when it evaluates
         ctx.rollouts.publish(policy_weights(model), step + 1)
     else:
