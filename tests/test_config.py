@@ -118,6 +118,8 @@ def test_unknown_key_in_the_yaml_file_is_an_error(tmp_path):
         ("rollout.stop=abc", "rollout.stop"),  # a string for a list
         ("model=3", "model"),  # a number for a section
         ("optim.betas=[0.9]", "optim.betas"),  # a tuple of the wrong length
+        ("trainer.micro_batch_tokens=0", "trainer.micro_batch_tokens"),
+        ("rollout.max_batch_rows=0", "rollout.max_batch_rows"),
     ],
 )
 def test_bad_value_is_an_error_naming_the_key(override, key):
@@ -143,6 +145,8 @@ def test_all_errors_are_reported_at_once():
         (["data.path=train.jsonl"], ["data.task", "data.path"]),  # both (the demo sets data.task)
         (["data.task=null"], ["data.task", "data.path"]),  # neither
         (["data.task=null", "data.path=train.jsonl"], ["cold_start", "solution"]),  # SFT without demonstrations
+        (["rollout.max_batch_rows=7", "rollout.group_size=8"], ["max_batch_rows=7", "one group"]),
+        (["rollout.max_batch_rows=64", "rollout.engine=vllm"], ["max_batch_rows", "max_num_seqs"]),
     ],
 )
 def test_incompatible_options_raise(overrides, names):
@@ -156,6 +160,7 @@ def test_compatible_variants_of_those_options_validate():
     load_config(DEMO, ["algorithm.loss=dr_grpo", "algorithm.advantage_scale=none"])
     load_config(DEMO, ["algorithm.old_logprobs=recompute", "rollout.top_p=0.9"])
     load_config(DEMO, ["rollout.prompts_per_step=3", "rollout.group_size=4", "algorithm.minibatches=3"])
+    load_config(DEMO, ["rollout.max_batch_rows=8", "rollout.group_size=8", "trainer.micro_batch_tokens=4096"])
     cfg = load_config(DEMO, ["data.task=null", "data.path=train.jsonl", "data.fields={solution: answer}"])
     assert cfg.data.fields == {"solution": "answer"}
 

@@ -209,3 +209,28 @@ def test_out_of_memory_in_the_update_advises_a_budget_and_the_run_resumes_with_i
     monkeypatch.setattr(trainer_module, "learn", real_learn)
     train(load_config(DEMO, [*overrides, advice.group(0)]), resume=True)
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
+
+
+def test_out_of_memory_while_sampling_advises_a_row_cap_and_the_run_resumes_with_it(tmp_path, monkeypatch):
+    """Sampling that runs out of memory names rollout.max_batch_rows (below the rows it sampled at once); the run
+    continues from its checkpoint with the cap, sampling in batches of whole groups."""
+    from gspo import trainer as trainer_module
+    from gspo.trainer import TrainingError
+
+    overrides = tiny_overrides(tmp_path, "cold_start=null", "trainer.steps=2", "trainer.eval_every=0",
+                               "trainer.checkpoint_every=1", "data.eval_size=1")
+    real_collect, calls = trainer_module.collect, []
+
+    def collect_out_of_memory_on_step_2(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+        return real_collect(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "collect", collect_out_of_memory_on_step_2)
+    with pytest.raises(TrainingError, match=r"sampling step 2's rollouts \(16 completions.*rollout.max_batch_rows below"
+                                            r" 16 \(then --resume\)"):
+        train(load_config(DEMO, overrides))
+    monkeypatch.setattr(trainer_module, "collect", real_collect)
+    train(load_config(DEMO, [*overrides, "rollout.max_batch_rows=8"]), resume=True)
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]

@@ -462,6 +462,26 @@ def test_dropping_finished_rows_does_not_change_results(tok, tiny, kind):
     torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("kind", ["moe", "dense"])
+def test_a_row_cap_samples_in_batches_of_whole_groups_with_the_same_result(tok, tiny, kind, monkeypatch):
+    """`max_rows` (rollout.max_batch_rows): 4 prompts × 4 rows under a cap of 13 rows run as batches of 3 and 1
+    groups; the trajectory is the one batch's (same layout, tokens, prompt indices, R3 routing; log-probs to 1e-5)."""
+    params = SamplingParams(temperature=0.8, top_p=0.95, max_new_tokens=24, stop=("3.",))
+    routing = kind == "moe"
+    whole = HFSampler(tiny[kind], tok, params, record_routing=routing).generate(PROMPTS, 4, SEEDS)
+    capped = HFSampler(tiny[kind], tok, params, record_routing=routing, max_rows=13)
+    rows: list[int] = []
+    decode = capped._decode
+    monkeypatch.setattr(capped, "_decode", lambda ids, *a: rows.append(4 * len(ids)) or decode(ids, *a))
+    parts = capped.generate(PROMPTS, 4, SEEDS)
+    assert rows == [12, 4]
+    assert_same_samples(whole, parts)
+    for name in ("prompt_ids", "prompt_mask", "prompt_index", "versions"):
+        assert torch.equal(getattr(whole, name), getattr(parts, name)), name
+    if routing:
+        assert torch.equal(whole.extras["routing"], parts.extras["routing"])
+
+
 # ---------------------------------------------------------------------------------------------- 9. static KV cache
 
 

@@ -233,6 +233,9 @@ class RolloutConfig(_Section):
     # The built-in engine's decode loop (gspo.rollout.sampler.DECODE_MODES): auto = compiled (static KV cache, CUDA
     # graphs) on CUDA for models that support it, dynamic (growing cache, finished rows dropped) elsewhere.
     decode: Literal["auto", "dynamic", "static", "compiled"] = "auto"
+    # The built-in engine samples at most this many rows (completions) at once: a step's P × G rows run as batches of
+    # whole groups (KV-cache memory follows this, not the rollout batch). None: all at once. vLLM schedules its own.
+    max_batch_rows: int | None = Field(None, ge=1)
     # sync: generate, then train on it, alternately (deterministic). async: rollout worker processes generate while
     # the learner trains (gspo.rollout.workers): a batch may have been sampled by a policy up to `max_staleness`
     # versions older than the one it trains; with `partial`, a generation in flight takes new weights as they come.
@@ -255,6 +258,12 @@ class RolloutConfig(_Section):
         if self.engine != "hf" and self.decode != "auto":
             raise ValueError(f"rollout.decode={self.decode} sets the built-in engine's decode loop; rollout.engine="
                              f"{self.engine} decodes on its own (leave rollout.decode at auto)")
+        if self.engine != "hf" and self.max_batch_rows is not None:
+            raise ValueError(f"rollout.max_batch_rows caps the built-in engine's batch; rollout.engine={self.engine} "
+                             "schedules its own (vLLM: rollout.vllm.engine_args.max_num_seqs)")
+        if self.max_batch_rows is not None and self.max_batch_rows < self.group_size:
+            raise ValueError(f"rollout.max_batch_rows={self.max_batch_rows} is less than one group "
+                             f"(rollout.group_size={self.group_size}): a batch holds whole groups")
         async_only = {"max_staleness": 1, "workers": 1, "worker_threads": 1, "partial": True}  # their defaults
         changed = [k for k, default in async_only.items() if getattr(self, k) != default]
         if self.mode == "sync" and changed:

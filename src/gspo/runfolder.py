@@ -11,8 +11,8 @@ replaced with `--overwrite` (which deletes only the files gspo writes, never any
 
 A resume continues the saved run, so its config must be the saved one, except for settings that do not change the
 training math (`RESUMABLE`): extending `trainer.steps`, threads, logging, evaluation and checkpoint cadence, reward
-timeouts, the device, the micro-batch budget and gradient checkpointing (a run that ran out of memory resumes with
-them), and the folder's own location (a moved folder resumes).
+timeouts, the device, the micro-batch budget, gradient checkpointing and the sampler's batch cap (a run that ran out
+of memory resumes with them), and the folder's own location (a moved folder resumes).
 """
 
 from __future__ import annotations
@@ -57,7 +57,8 @@ RUN_FILES = ("config.yaml", "metrics.jsonl", "eval.jsonl", "samples.jsonl", "sum
 # Config keys (fnmatch patterns) a resume may change: none of them changes what the optimizer computes.
 RESUMABLE = ("trainer.steps", "trainer.threads", "trainer.out", "trainer.eval_every", "trainer.checkpoint_every",
              "trainer.keep_checkpoints", "trainer.max_bad_steps", "trainer.device",
-             "trainer.micro_batch_tokens", "trainer.gradient_checkpointing", "trainer.guard.*", "log.*",
+             "trainer.micro_batch_tokens", "trainer.gradient_checkpointing", "rollout.max_batch_rows",
+             "trainer.guard.*", "log.*",
              "rewards.timeout_s", "rewards.workers", "rollout.vllm.server_url", "rollout.vllm.weight_sync_dir",
              "rollout.vllm.request_timeout", "rollout.vllm.max_concurrent_requests")
 

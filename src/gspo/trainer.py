@@ -285,10 +285,13 @@ def rl_step(step: int, model: nn.Module, optimizer, scheduler, train_rows: list[
     try:
         batch = collect(step, train_rows, ctx)
     except torch.OutOfMemoryError as e:
-        raise TrainingError(f"out of memory while sampling step {step + 1}'s rollouts "
-                            f"({ctx.cfg.rollout.prompts_per_step} prompts × {ctx.cfg.rollout.group_size} completions "
-                            f"of up to {ctx.cfg.rollout.max_new_tokens} tokens at once): lower them, or sample with "
-                            "rollout.engine=vllm (paged KV cache)") from e
+        ro = ctx.cfg.rollout
+        if ro.engine != "hf":
+            raise
+        rows = min(ro.prompts_per_step * ro.group_size, ro.max_batch_rows or ro.prompts_per_step * ro.group_size)
+        raise TrainingError(f"out of memory while sampling step {step + 1}'s rollouts ({rows} completions of up to "
+                            f"{ro.max_new_tokens} tokens at once): set rollout.max_batch_rows below {rows} (then "
+                            "--resume), or sample with rollout.engine=vllm (paged KV cache)") from e
     traj = batch.traj
     try:
         learned = learn(model, optimizer, scheduler, traj, batch.advantages,

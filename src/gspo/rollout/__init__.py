@@ -75,7 +75,7 @@ def make_engine(cfg: Config, model: nn.Module, tokenizer, *, out: str | Path, di
     if kind == "hf":
         return HFSampler(model, tokenizer, sampling_params(cfg), dtype=ro.dtype, own_copy=dist.fsdp,
                          record_routing=cfg.algorithm.routing_replay == "r3",
-                         device=dist.device if dist.fsdp else None, decode=ro.decode)
+                         device=dist.device if dist.fsdp else None, decode=ro.decode, max_rows=ro.max_batch_rows)
 
     if kind == "vllm":
         return _vllm_engine(cfg, _vllm_model_source(cfg, model, tokenizer, out, dist), model, tokenizer,
@@ -127,7 +127,8 @@ def worker_engine(cfg: Config, model: nn.Module, tokenizer, *, worker: int, out:
     ro = cfg.rollout
     if ro.engine == "hf":
         return HFSampler(model, tokenizer, sampling_params(cfg), dtype=ro.dtype, own_copy=True,
-                         record_routing=cfg.algorithm.routing_replay == "r3", decode=ro.decode)
+                         record_routing=cfg.algorithm.routing_replay == "r3", decode=ro.decode,
+                         max_rows=ro.max_batch_rows)
     if ro.engine == "vllm":
         if source is None:
             raise ValueError("worker_engine: rollout.engine=vllm needs the model source vLLM loads at start")

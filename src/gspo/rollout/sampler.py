@@ -21,7 +21,7 @@ from gspo.moe import RolloutRoutingRecorder, config_has_experts, require_replay_
 from gspo.rollout.assemble import encode_prompts, eos_ids, pad_id
 from gspo.rollout.base import SamplingParams
 from gspo.rollout.weights import unwrap_model
-from gspo.trajectory import NO_VERSION, Trajectory, pad_left
+from gspo.trajectory import NO_VERSION, Trajectory, concat, pad_left
 
 __all__ = ["DECODE_MODES", "HFSampler", "filter_scores", "resolve_decode", "row_seed", "sample_from_logits"]
 
@@ -139,7 +139,9 @@ class HFSampler:
     Generation: prompts are tokenized without special tokens and left-padded; one prefill, then one cached decode
     step per token. Rows that finish (EOS or a stop string) are dropped from the batch and the KV cache, so they stop
     costing compute; the loop ends when every row is finished or `max_new_tokens` is reached. Set
-    `drop_finished_rows = False` to keep finished rows in the batch instead (same results; for testing). `decode`
+    `drop_finished_rows = False` to keep finished rows in the batch instead (same results; for testing). `max_rows`
+    caps the rows (completions) of one batch: a larger request runs as batches of whole groups, one after another
+    (each row draws from its own seeded generator, so the samples are the same up to float rounding). `decode`
     ("static", "compiled") runs the loop over a fixed-shape KV cache instead (see DECODE_MODES), which a compiled
     decode step needs ("compiled" keeps that cache and its weights between calls: `_static_cache`, `release`).
 
@@ -166,7 +168,11 @@ class HFSampler:
         own_copy: bool = False,
         device: torch.device | str | None = None,
         decode: str = "dynamic",
+        max_rows: int | None = None,
     ) -> None:
+        if max_rows is not None and max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1 or None, got {max_rows}")
+        self.max_rows = max_rows
         model = unwrap_model(model)
         if record_routing:
             require_replay_support(model, "r3")
@@ -280,6 +286,10 @@ class HFSampler:
             raise RuntimeError("generate: this engine's weights were released (release()); give it weights with "
                                "update_weights() first")
         params = params or self.params
+        if self.max_rows is not None and len(prompts) * group_size > self.max_rows:  # whole groups per batch
+            per = max(1, self.max_rows // group_size)
+            return concat([self.generate(prompts[i:i + per], group_size, seeds[i:i + per], params)
+                           for i in range(0, len(prompts), per)], self.pad_id)
         unique_ids, unique_mask = self._encode(prompts, group_size, seeds, params)
         max_new = params.max_new_tokens
         uniforms = torch.stack(
