@@ -117,12 +117,14 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
 
     # The micro-batches of each minibatch share, the same for π_old, the reference and every update; as many on every
     # process (under FSDP each forward is a collective). Costed on the layout the forwards will see.
-    padded = any(h.keeps_layout("old") or h.keeps_layout("update") for h in hooks)
-    lengths = (torch.full((len(traj),), traj.prompt_ids.shape[1] + traj.completion_ids.shape[1]) if padded
-               else traj.prompt_mask.sum(-1) + traj.completion_mask.sum(-1))
-    split = [micro_batches(mb, lengths, s.micro_batch_tokens) for mb in minibatches]
-    counts = group.all_max([len(m) for m in split]) if s.micro_batch_tokens is not None else [1] * len(split)
-    micros_of = [_equalise(m, c) for m, c in zip(split, counts, strict=True)]
+    micros_of = [[mb] for mb in minibatches]
+    if s.micro_batch_tokens is not None:
+        padded = any(h.keeps_layout("old") or h.keeps_layout("update") for h in hooks)
+        lengths = (torch.full((len(traj),), traj.prompt_ids.shape[1] + traj.completion_ids.shape[1]) if padded
+                   else traj.prompt_mask.sum(-1) + traj.completion_mask.sum(-1))
+        split = [micro_batches(mb, lengths, s.micro_batch_tokens) for mb in minibatches]
+        counts = group.all_max([len(m) for m in split])
+        micros_of = [_equalise(m, c) for m, c in zip(split, counts, strict=True)]
 
     # π_old. The forward runs on the same row groups as the updates: a row's logits depend in the last bits on which
     # rows share its batch (matmul blocking, MoE expert grouping), and with other groups the on-policy first minibatch
@@ -158,8 +160,8 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
     grad_norms, skipped, n = [], 0, len(minibatches)
     logprobs = torch.zeros_like(old_logprobs)  # π_θ of this process's rows, filled micro-batch by micro-batch
     entropy = torch.zeros_like(old_logprobs)
-    ref_logprobs = torch.zeros_like(old_logprobs)
     with_ref = ref_model is not None and s.kl_beta > 0
+    ref_logprobs = torch.zeros_like(old_logprobs) if with_ref else None
     for k, (mb, micros) in enumerate(zip(minibatches, micros_of, strict=True)):
         trim = not any(h.keeps_layout("update") for h in hooks)
         # normalised by the count over every process's share: N processes' averaged gradients = one process's

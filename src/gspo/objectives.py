@@ -31,7 +31,9 @@ Process p's gradient is then W · ∇S_p / N_global and their average Σ_p ∇S_
 the whole minibatch (tested for every registered objective, token-mean ones with unequal token counts included). With
 one process, normaliser = N and the loss is bit-identical to normaliser=None (same operations, same order: a Python
 number divides where the local count was a Python int, a 0-dim tensor on the loss's device where it was the
-`mask.sum()` tensor, since CUDA divides by a CPU scalar as a multiplication by its reciprocal).
+`mask.sum()` tensor, since CUDA divides by a CPU scalar as a multiplication by its reciprocal). The learner's
+micro-batches (`trainer.micro_batch_tokens`) rest on the same property within a process: a share's micro-batches, each
+divided by the same normaliser, have gradients that add up to the share's.
 
 Numerical contract (tested):
 - Values at masked positions, including ±inf and NaN, change nothing: masked entries are *selected away* with
