@@ -169,7 +169,7 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
         count, rows = group.all_sum([s.objective.count(count_mask, s.max_new_tokens), float(len(mb))])
         normaliser = process_normaliser(count, group.world_size)
         for j, r in enumerate(micros):
-            with gradient_sync(model, j == len(micros) - 1):  # one gradient all-reduce, after the last backward
+            with gradient_sync(model, j == len(micros) - 1):  # DDP: one all-reduce, after the last backward
                 with forwards(lambda h, k=k, r=r: h.update_forward(k, r, k == n - 1)):
                     lp, ent = completion_logprobs(model, *traj.rows(r), temperature=s.temperature,
                                                   with_entropy=k == 0, trim_padding=trim)

@@ -60,23 +60,17 @@ def autocast(group: ProcessGroup, mixed_precision: str | None) -> contextlib.Abs
 
 @contextlib.contextmanager
 def gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
-    """Around a backward of the wrapped policy: `sync` False keeps its gradients local (DDP's `no_sync`, FSDP2's
-    `set_requires_gradient_sync(False)`), so that micro-batches accumulate gradients and only the last one's backward
-    communicates; True, or an unwrapped model: as is."""
-    from torch.distributed.fsdp import FSDPModule
+    """Around a forward and backward of the wrapped policy: under DDP, `sync` False keeps the gradients local
+    (`no_sync`), so that micro-batches accumulate them and only the last one's backward all-reduces. FSDP2 reduces
+    each backward's gradients into its shards as they come: accumulating without that would hold the whole unsharded
+    gradient on every process, which sharding exists to avoid. One process: nothing to sync."""
     from torch.nn.parallel import DistributedDataParallel
 
-    if sync or not isinstance(model, DistributedDataParallel | FSDPModule):
+    if sync or not isinstance(model, DistributedDataParallel):
         yield
-    elif isinstance(model, DistributedDataParallel):
+    else:
         with model.no_sync():
             yield
-    else:
-        model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            model.set_requires_gradient_sync(True)
 
 
 def _fully_shard(model: nn.Module, group: ProcessGroup, mixed_precision: str | None) -> nn.Module:
