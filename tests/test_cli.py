@@ -79,17 +79,19 @@ def test_sft_writes_a_loadable_model_dir(sft_dir, capsys):
     assert model.config.vocab_size == len(tokenizer)
 
 
-def test_sft_prints_its_loss(tmp_path, capsys):
+@pytest.mark.parametrize("micro", [[], ["--micro-batch-tokens", "20"]], ids=["one-forward", "micro-batches"])
+def test_sft_prints_its_loss(tmp_path, capsys, micro):
     out = tmp_path / "m"
     assert main(["sft", "--out", str(out), "--steps", "2", "--batch-size", "4", "--size", "16",
-                 "--model", "tiny-dense"]) == 0
+                 "--model", "tiny-dense", *micro]) == 0
     result = last_json(capsys.readouterr().out)
     assert result["out"] == str(out) and math.isfinite(result["final_loss"]) and result["final_loss"] > 0
 
 
-def test_sft_rejects_bad_arguments(tmp_path, capsys):
-    assert main(["sft", "--out", str(tmp_path / "m"), "--steps", "0"]) == 2
-    assert "--steps" in capsys.readouterr().err
+@pytest.mark.parametrize(("flag", "value"), [("--steps", "0"), ("--micro-batch-tokens", "0")])
+def test_sft_rejects_bad_arguments(tmp_path, capsys, flag, value):
+    assert main(["sft", "--out", str(tmp_path / "m"), flag, value]) == 2
+    assert flag in capsys.readouterr().err
     assert not (tmp_path / "m").exists()
 
 

@@ -234,3 +234,37 @@ def test_out_of_memory_while_sampling_advises_a_row_cap_and_the_run_resumes_with
     monkeypatch.setattr(trainer_module, "collect", real_collect)
     train(load_config(DEMO, [*overrides, "rollout.max_batch_rows=8"]), resume=True)
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
+
+
+def test_cold_start_sft_with_micro_batches_takes_the_same_steps(monkeypatch):
+    """`sft(micro_batch_tokens=...)` (the cold start under trainer.micro_batch_tokens, `gspo sft --micro-batch-tokens`):
+    each forward within the budget, the same losses and (plain SGD, so that gradients show 1:1) the same weights."""
+    from gspo import sft as sft_module
+    from gspo.data import make_task
+
+    def sgd(model, lr, steps, **kwargs):
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+        return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+
+    monkeypatch.setattr(sft_module, "make_optimizer", sgd)
+    rows = make_task("addition", split="train", size=64, seed=0)
+    results = []
+    for budget in (None, 40):
+        forwards: list[int] = []
+        model, tokenizer = build_preset("tiny-moe", seed=3)
+
+        def spy(m, p_ids, p_mask, c_ids, c_mask, *a, forwards=forwards, **k):
+            forwards.append(len(p_ids) * int((p_mask.sum(-1) + c_mask.sum(-1)).max()))
+            return completion_logprobs(m, p_ids, p_mask, c_ids, c_mask, *a, **k)
+
+        monkeypatch.setattr(sft_module, "completion_logprobs", spy)
+        losses = sft_module.sft(model, tokenizer, rows, steps=3, batch_size=16, lr=0.5, progress=False,
+                                micro_batch_tokens=budget)
+        results.append((losses, {k: v.detach().clone() for k, v in model.named_parameters()}, forwards))
+    (losses_a, weights_a, forwards_a), (losses_b, weights_b, forwards_b) = results
+    assert len(forwards_a) == 3 and len(forwards_b) > 3 and max(forwards_b) <= 40
+    assert losses_b == pytest.approx(losses_a, rel=1e-5)
+    start = {k: v.detach() for k, v in build_preset("tiny-moe", seed=3)[0].named_parameters()}
+    scale = max(float((weights_a[k] - start[k]).abs().max()) for k in start)
+    gap = max(float((weights_a[k] - weights_b[k]).abs().max()) for k in start)
+    assert scale > 1e-3 and gap <= 1e-5 * scale, (gap, scale)

@@ -68,6 +68,8 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 
     if args.steps < 1 or args.batch_size < 1 or not args.lr > 0:
         raise ConfigError("sft: --steps and --batch-size must be >= 1 and --lr > 0")
+    if args.micro_batch_tokens is not None and args.micro_batch_tokens < 1:
+        raise ConfigError(f"sft: --micro-batch-tokens must be >= 1, got {args.micro_batch_tokens}")
     if args.data is not None:
         rows = load_rows(args.data, split=args.split or "train", fields=_fields(args), limit=args.size)
     else:
@@ -77,7 +79,8 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     model = model.to(resolve_device(args.device))
     rows = render_chat(DataSplits(train=rows, heldout=[]), DataConfig(), tokenizer).train  # message prompts
     t0 = time.perf_counter()
-    losses = sft(model, tokenizer, rows, steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
+    losses = sft(model, tokenizer, rows, steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+                 micro_batch_tokens=args.micro_batch_tokens)
     save_model(model, tokenizer, args.out)
     print(json.dumps({"out": args.out, "final_loss": losses[-1], "seconds": time.perf_counter() - t0}))
     return 0
@@ -292,6 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--micro-batch-tokens", type=int, default=None,
+                   help="at most this many padded tokens per forward/backward (gradients accumulated: the same step)")
     data_args(p, 20000)
     p.set_defaults(func=_cmd_sft)
 

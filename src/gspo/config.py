@@ -476,10 +476,10 @@ class TrainerConfig(_Section):
     # checkpointing, non-reentrant): less activation memory for ~1/3 more training compute. Sampling is unaffected (it
     # runs the model in eval mode, with its KV cache). Not with MoE routing replay (the recompute would not replay).
     gradient_checkpointing: bool = False
-    # Padded tokens (rows × their longest prompt + completion) one training forward/backward may hold: a minibatch
-    # share with more runs as micro-batches whose gradients add up to its own (one optimizer step either way, the
-    # same update up to float rounding), so activation memory is bounded by the budget, not by the rollout batch.
-    # None: a minibatch share in one forward. A row longer than the budget runs alone.
+    # Padded tokens (rows × their longest prompt + completion) one training forward/backward may hold (RL's, and the
+    # cold start's SFT batches): a minibatch share with more runs as micro-batches whose gradients add up to its own
+    # (one optimizer step either way, the same update up to float rounding), so activation memory is bounded by the
+    # budget, not by the rollout batch. None: a minibatch share in one forward. A row longer than the budget runs alone.
     micro_batch_tokens: int | None = Field(None, ge=1)
     # Turn the model's dropout off for RL (after the cold start, which keeps it): with dropout π_θ is random, and the
     # on-policy minibatch's ratios π_θ/π_old are dropout noise instead of 1 — larger than GSPO's clip range (3e-4).

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 from gspo.agent import run_chat_format
 from gspo.agent.episodes import ChatFormat, encode_demonstration
+from gspo.learner import micro_batches
 from gspo.logprobs import completion_logprobs
 from gspo.models import load_model, resolve_dtype, save_model
 from gspo.optim import make_optimizer
@@ -70,6 +71,7 @@ def sft(
     progress: bool = True,
     mixed_precision: str | None = None,
     chat_format: ChatFormat | None = None,
+    micro_batch_tokens: int | None = None,
 ) -> list[float]:
     """Minimise the token-mean negative log-likelihood of `row[solution_field]` + EOS given `row["prompt"]`, for
     `steps` AdamW steps on random batches, or until a running mean of the loss reaches `target_loss` (after
@@ -83,7 +85,9 @@ def sft(
     `chat_format` (default: the tokenizer's chat template), of which only the assistant turns are trained.
 
     `mixed_precision` ("bfloat16"): forwards and backwards under torch.autocast over the float32 weights.
-    Runs on the model's device (CPU or a GPU)."""
+    `micro_batch_tokens`: a batch with more padded tokens runs as forwards and backwards of at most that many (as the
+    learner's, `gspo.learner.micro_batches`), each summed over its tokens and divided by the batch's token count, so
+    the gradients add up to the batch's. Runs on the model's device (CPU or a GPU)."""
     missing = [i for i, r in enumerate(rows) if not isinstance(r.get(solution_field), (str, list))]
     if missing:
         raise ValueError(f"cold-start SFT needs a {solution_field!r} in every row (a string, or a list of messages "
@@ -112,11 +116,16 @@ def sft(
         batch = [rows[rng.randrange(len(rows))] for _ in range(batch_size)]
         *enc, mask = (t.to(device) for t in encode_pairs(tokenizer, [r["prompt"] for r in batch],
                                                           [r[solution_field] for r in batch], chat_format))
-        with amp():
-            logprobs, _ = completion_logprobs(model, *enc, trim_padding=True)  # no routing capture: skip padding
         mask = mask.bool()
-        loss = -logprobs[mask].mean()
-        loss.backward()
+        tokens = mask.sum()  # the token-mean's denominator, over the whole batch
+        lengths = enc[1].sum(-1) + enc[3].sum(-1)
+        loss = torch.zeros((), device=device)
+        for micro in micro_batches(torch.arange(len(batch), device=device), lengths, micro_batch_tokens):
+            with amp():  # no routing capture: skip padding
+                logprobs, _ = completion_logprobs(model, *(t[micro] for t in enc), trim_padding=True)
+            part = -logprobs[mask[micro]].sum() / tokens
+            part.backward()
+            loss += part.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         scheduler.step()
@@ -143,7 +152,7 @@ def cold_start(cfg: Config, out: Path, model: nn.Module, tokenizer, train_rows: 
     losses = sft(model, tokenizer, train_rows, steps=cs.steps, batch_size=cs.batch_size, lr=cs.lr,
                  warmup_steps=cs.warmup_steps, seed=derive_seed(cfg.trainer.seed, "sft"),
                  target_loss=cs.target_loss, progress=cfg.log.progress, mixed_precision=cfg.trainer.mixed_precision,
-                 chat_format=run_chat_format(cfg, tokenizer))
+                 chat_format=run_chat_format(cfg, tokenizer), micro_batch_tokens=cfg.trainer.micro_batch_tokens)
     info = {"steps": len(losses), "final_loss": sum(losses[-20:]) / len(losses[-20:])}
     log.info("cold-start SFT: %d steps, final loss %.3f", info["steps"], info["final_loss"])
     tmp = out / "cold_start.tmp"
