@@ -237,7 +237,7 @@ def test_out_of_memory_while_sampling_advises_a_row_cap_and_the_run_resumes_with
 
 
 def test_cold_start_sft_with_micro_batches_takes_the_same_steps(monkeypatch):
-    """`sft(micro_batch_tokens=...)` (the cold start under trainer.micro_batch_tokens, `gspo sft --micro-batch-tokens`):
+    """`sft(micro_batch_tokens=...)` (cold_start.micro_batch_tokens, `gspo sft --micro-batch-tokens`):
     each forward within the budget, the same losses and (plain SGD, so that gradients show 1:1) the same weights."""
     from gspo import sft as sft_module
     from gspo.data import make_task
@@ -268,3 +268,15 @@ def test_cold_start_sft_with_micro_batches_takes_the_same_steps(monkeypatch):
     scale = max(float((weights_a[k] - start[k]).abs().max()) for k in start)
     gap = max(float((weights_a[k] - weights_b[k]).abs().max()) for k in start)
     assert scale > 1e-3 and gap <= 1e-5 * scale, (gap, scale)
+
+
+def test_the_cold_start_section_passes_its_budget_to_sft(tmp_path, monkeypatch):
+    from gspo import sft as sft_module
+
+    seen = {}
+    monkeypatch.setattr(sft_module, "sft", lambda *a, **k: seen.update(k) or [1.0])
+    cfg = load_config(DEMO, tiny_overrides(tmp_path, "cold_start.micro_batch_tokens=64",
+                                           "trainer.micro_batch_tokens=16"))
+    model, tokenizer = build_preset("tiny-dense")
+    sft_module.cold_start(cfg, tmp_path, model, tokenizer, [])
+    assert seen["micro_batch_tokens"] == 64

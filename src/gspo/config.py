@@ -76,6 +76,8 @@ class ColdStartConfig(_Section):
     batch_size: int = Field(64, ge=1)
     lr: float = Field(3e-3, gt=0)
     warmup_steps: int = Field(10, ge=0)
+    # padded tokens per forward/backward: a batch with more runs in pieces whose gradients add up to its own
+    micro_batch_tokens: int | None = Field(None, ge=1)
 
 
 class DataConfig(_Section):
@@ -476,10 +478,11 @@ class TrainerConfig(_Section):
     # checkpointing, non-reentrant): less activation memory for ~1/3 more training compute. Sampling is unaffected (it
     # runs the model in eval mode, with its KV cache). Not with MoE routing replay (the recompute would not replay).
     gradient_checkpointing: bool = False
-    # Padded tokens (rows × their longest prompt + completion) one training forward/backward may hold (RL's, and the
-    # cold start's SFT batches): a minibatch share with more runs as micro-batches whose gradients add up to its own
-    # (one optimizer step either way, the same update up to float rounding), so activation memory is bounded by the
-    # budget, not by the rollout batch. None: a minibatch share in one forward. A row longer than the budget runs alone.
+    # Padded tokens (rows × their longest prompt + completion) one RL training forward/backward may hold (the cold
+    # start has its own, cold_start.micro_batch_tokens): a minibatch share with more runs as micro-batches whose
+    # gradients add up to its own (one optimizer step either way, the same update up to float rounding), so activation
+    # memory is bounded by the budget, not by the rollout batch. None: a minibatch share in one forward. A row longer
+    # than the budget runs alone.
     micro_batch_tokens: int | None = Field(None, ge=1)
     # Turn the model's dropout off for RL (after the cold start, which keeps it): with dropout π_θ is random, and the
     # on-policy minibatch's ratios π_θ/π_old are dropout noise instead of 1 — larger than GSPO's clip range (3e-4).

@@ -56,8 +56,8 @@ RUN_FILES = ("config.yaml", "metrics.jsonl", "eval.jsonl", "samples.jsonl", "sum
              CHECKPOINTS_DIRNAME, "cold_start", "cold_start.tmp", "final", "weight_sync", "guard.jsonl")
 # Config keys (fnmatch patterns) a resume may change: none of them changes what the optimizer computes.
 RESUMABLE = ("trainer.steps", "trainer.threads", "trainer.out", "trainer.eval_every", "trainer.checkpoint_every",
-             "trainer.keep_checkpoints", "trainer.max_bad_steps", "trainer.device",
-             "trainer.micro_batch_tokens", "trainer.gradient_checkpointing", "rollout.max_batch_rows",
+             "trainer.keep_checkpoints", "trainer.max_bad_steps", "trainer.device", "trainer.micro_batch_tokens",
+             "cold_start.micro_batch_tokens", "trainer.gradient_checkpointing", "rollout.max_batch_rows",
              "trainer.guard.*", "log.*",
              "rewards.timeout_s", "rewards.workers", "rollout.vllm.server_url", "rollout.vllm.weight_sync_dir",
              "rollout.vllm.request_timeout", "rollout.vllm.max_concurrent_requests")

@@ -152,7 +152,7 @@ def cold_start(cfg: Config, out: Path, model: nn.Module, tokenizer, train_rows: 
     losses = sft(model, tokenizer, train_rows, steps=cs.steps, batch_size=cs.batch_size, lr=cs.lr,
                  warmup_steps=cs.warmup_steps, seed=derive_seed(cfg.trainer.seed, "sft"),
                  target_loss=cs.target_loss, progress=cfg.log.progress, mixed_precision=cfg.trainer.mixed_precision,
-                 chat_format=run_chat_format(cfg, tokenizer), micro_batch_tokens=cfg.trainer.micro_batch_tokens)
+                 chat_format=run_chat_format(cfg, tokenizer), micro_batch_tokens=cs.micro_batch_tokens)
     info = {"steps": len(losses), "final_loss": sum(losses[-20:]) / len(losses[-20:])}
     log.info("cold-start SFT: %d steps, final loss %.3f", info["steps"], info["final_loss"])
     tmp = out / "cold_start.tmp"
