@@ -20,11 +20,12 @@ import yaml
 
 from conftest import DEMO, tiny_overrides
 from gspo.cli import main
-from gspo.config import ConfigError, load_config
+from gspo.config import ConfigError, config_to_dict, load_config
 from gspo.data import load_data, load_rows, split_by_fraction
 from gspo.evaluation import evaluate
 from gspo.models import build_preset
 from gspo.rewards import RewardRunner
+from gspo.runfolder import check_resume_config
 from gspo.tracking import read_metrics
 from gspo.trainer import train
 
@@ -192,9 +193,11 @@ def test_resume_accepts_what_does_not_change_the_math_and_names_what_it_refuses(
     base = [*QUICK, "trainer.checkpoint_every=1", "trainer.device=cpu"]
     train(load_config(DEMO, tiny_overrides(tmp_path / "run", *base, "trainer.steps=2")))
     moved = tmp_path / "moved"
-    (tmp_path / "run").rename(moved)  # a moved folder, more steps, other threads and logging: all accepted
+    (tmp_path / "run").rename(moved)  # a moved folder, more steps, other threads, logging, memory settings: accepted
+    memory = ["trainer.micro_batch_tokens=32", "trainer.gradient_checkpointing=true", "rollout.max_batch_rows=8"]
     summary = train(load_config(DEMO, tiny_overrides(moved, *base, "trainer.steps=3", "trainer.threads=2",
-                                                     "log.progress=true", "trainer.eval_every=1")), resume=True)
+                                                     "log.progress=true", "trainer.eval_every=1", *memory)),
+                    resume=True)
     assert summary["status"] == "completed" and summary["steps"] == 3
     assert [r["step"] for r in read_metrics(moved / "metrics.jsonl")] == [1, 2, 3]
     assert yaml.safe_load((moved / "config.yaml").read_text())["trainer"]["steps"] == 3
@@ -204,6 +207,17 @@ def test_resume_accepts_what_does_not_change_the_math_and_names_what_it_refuses(
                                                "rollout.group_size=2")), resume=True)
     with pytest.raises(ConfigError, match="can extend a run, not shorten it"):
         train(load_config(DEMO, tiny_overrides(moved, *base, "trainer.steps=2")), resume=True)
+
+
+def test_a_resume_may_change_the_cold_starts_micro_batch_budget_not_its_batch(tmp_path):
+    """The saved config of a run with a cold start against a new one (`check_resume_config`, what `--resume` runs)."""
+    saved = load_config(DEMO, tiny_overrides(tmp_path))
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config_to_dict(saved)))
+    budget = load_config(DEMO, tiny_overrides(tmp_path, "cold_start.micro_batch_tokens=64"))
+    assert check_resume_config(tmp_path, config_to_dict(budget)) == ["cold_start.micro_batch_tokens"]
+    batch = load_config(DEMO, tiny_overrides(tmp_path, "cold_start.batch_size=8"))
+    with pytest.raises(ConfigError, match=r"differs in cold_start\.batch_size"):
+        check_resume_config(tmp_path, config_to_dict(batch))
 
 
 # ------------------------------------------------------------------------------------------------ 5. start-up checks

@@ -181,9 +181,14 @@ def test_a_run_with_micro_batches_stays_exactly_on_policy(tmp_path, spy_gspo, mo
         assert all(0 <= r["expert_volatility"] <= 1 for r in records)
 
 
-def test_out_of_memory_in_the_update_advises_a_budget_and_the_run_resumes_with_it(tmp_path, monkeypatch):
-    """An update that runs out of GPU memory stops with the setting to change (a budget below what the forward held),
-    and the run continues from its checkpoint with that budget (a key a resume may change)."""
+@pytest.mark.parametrize("error", [
+    torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+    RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried "
+                 "to allocate 80000000000 bytes. Error code 12 (Cannot allocate memory)"),
+], ids=["cuda", "cpu"])
+def test_out_of_memory_in_the_update_advises_a_budget_and_the_run_resumes_with_it(tmp_path, monkeypatch, error):
+    """An update that runs out of memory (GPU or CPU allocator) stops with the setting to change (a budget below what
+    the forward held), and the run continues from its checkpoint with that budget (a key a resume may change)."""
     import re
 
     from gspo import trainer as trainer_module
@@ -196,7 +201,7 @@ def test_out_of_memory_in_the_update_advises_a_budget_and_the_run_resumes_with_i
     def learn_out_of_memory_on_step_2(*args, **kwargs):
         calls.append(1)
         if len(calls) == 2:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            raise error
         return real_learn(*args, **kwargs)
 
     monkeypatch.setattr(trainer_module, "learn", learn_out_of_memory_on_step_2)
@@ -280,3 +285,16 @@ def test_the_cold_start_section_passes_its_budget_to_sft(tmp_path, monkeypatch):
     model, tokenizer = build_preset("tiny-dense")
     sft_module.cold_start(cfg, tmp_path, model, tokenizer, [])
     assert seen["micro_batch_tokens"] == 64
+
+
+def test_other_runtime_errors_in_the_update_are_not_called_out_of_memory(tmp_path, monkeypatch):
+    from gspo import trainer as trainer_module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 16x8)")
+
+    monkeypatch.setattr(trainer_module, "learn", broken)
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied") as info:
+        train(load_config(DEMO, tiny_overrides(tmp_path, "cold_start=null", "trainer.eval_every=0",
+                                               "data.eval_size=1")))
+    assert "memory" not in str(info.value)

@@ -263,6 +263,12 @@ def sync(engine: RolloutEngine, model: nn.Module, version: int) -> None:
     engine.update_weights(policy_weights(model), version)
 
 
+def _out_of_memory(error: RuntimeError) -> bool:
+    """Whether `error` is an allocator's failure: CUDA's `torch.OutOfMemoryError`, or the CPU allocator's
+    RuntimeError (a single allocation larger than the machine can give)."""
+    return isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in str(error)
+
+
 def _update_memory_advice(cfg: Config, step: int, traj: Trajectory, world_size: int) -> str:
     """What to change when the update of `step` ran out of memory: the tokens one forward held, and the settings
     that bound them (both may change on --resume)."""
@@ -284,9 +290,9 @@ def rl_step(step: int, model: nn.Module, optimizer, scheduler, train_rows: list[
     t0 = time.perf_counter()
     try:
         batch = collect(step, train_rows, ctx)
-    except torch.OutOfMemoryError as e:
+    except RuntimeError as e:
         ro = ctx.cfg.rollout
-        if ro.engine != "hf":
+        if ro.engine != "hf" or not _out_of_memory(e):
             raise
         rows = min(ro.prompts_per_step * ro.group_size, ro.max_batch_rows or ro.prompts_per_step * ro.group_size)
         raise TrainingError(f"out of memory while sampling step {step + 1}'s rollouts ({rows} completions of up to "
@@ -297,7 +303,9 @@ def rl_step(step: int, model: nn.Module, optimizer, scheduler, train_rows: list[
         learned = learn(model, optimizer, scheduler, traj, batch.advantages,
                         minibatches(step, len(traj), ctx, traj.loss_mask.device), learn_settings(ctx.cfg), ctx.group,
                         ctx.ref_model, ctx.hooks)
-    except torch.OutOfMemoryError as e:
+    except RuntimeError as e:
+        if not _out_of_memory(e):
+            raise
         raise TrainingError(_update_memory_advice(ctx.cfg, step, traj, ctx.group.world_size)) from e
     if ctx.rollouts is not None:  # the workers sample; the learner's own engine is synced when it evaluates
         ctx.rollouts.publish(policy_weights(model), step + 1)
