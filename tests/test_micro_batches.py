@@ -169,6 +169,7 @@ def test_a_run_with_micro_batches_stays_exactly_on_policy(tmp_path, spy_gspo, mo
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["clip_frac_tokens_first_mb"] for r in records] == [0.0, 0.0]
     assert len(counts) == 2 * 4 and max(counts) > 1  # micro-batches ran
+    assert [r["micro_batches"] for r in records] == [sum(counts[:4]) / 4, sum(counts[4:]) / 4]
     calls, moved = iter(spy_gspo), []
     for k, count in enumerate(counts):  # each micro-batch's loss, then the minibatch's metrics when split
         for lp, old, mask in [next(calls) for _ in range(count + (count > 1))]:

@@ -96,7 +96,8 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
           ref_model: nn.Module | None = None, hooks: Sequence[LearnHook] = ()) -> dict[str, float]:
     """One update per minibatch of `traj` (each process: its share of each minibatch's row indices); returns the
     step's metrics: the objective's metrics averaged over the updates (and the processes), `loss`, `entropy` (first
-    update), `clip_frac_tokens_first_mb`, `grad_norm`, `skipped_updates`, `lr`, the hooks' metrics; with π_old
+    update), `clip_frac_tokens_first_mb`, `grad_norm`, `skipped_updates`, `lr`, `micro_batches` (forwards per update,
+    1 without a budget), the hooks' metrics; with π_old
     recomputed, the train–inference mismatch (`gspo.correction.mismatch_metrics`) and what its correction masked and
     truncated (0 when off)."""
     s, group = settings, group or ProcessGroup()
@@ -220,7 +221,8 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
         sums["entropy"] *= n  # logged from the first minibatch only
     metrics = group.mean_metrics(sums)
     metrics.update(grad_norm=sum(grad_norms) / len(grad_norms) if grad_norms else math.nan,
-                   skipped_updates=float(skipped), lr=scheduler.get_last_lr()[0], **batch_metrics)
+                   skipped_updates=float(skipped), lr=scheduler.get_last_lr()[0],
+                   micro_batches=sum(map(len, micros_of)) / n, **batch_metrics)
     for hook in hooks:
         metrics.update(hook.batch_metrics(traj, old_logprobs))
     return metrics
