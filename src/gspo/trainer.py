@@ -294,10 +294,14 @@ def rl_step(step: int, model: nn.Module, optimizer, scheduler, train_rows: list[
         ro = ctx.cfg.rollout
         if ro.engine != "hf" or not _out_of_memory(e):
             raise
-        rows = min(ro.prompts_per_step * ro.group_size, ro.max_batch_rows or ro.prompts_per_step * ro.group_size)
+        groups = ro.prompts_per_step if ro.max_batch_rows is None else min(ro.prompts_per_step,
+                                                                          ro.max_batch_rows // ro.group_size)
+        rows = groups * ro.group_size  # what the engine samples at once (whole groups)
+        fix = (f"set rollout.max_batch_rows below {rows} (then --resume)" if rows >= 2 * ro.group_size else
+               "one group per batch already: lower rollout.max_new_tokens")
         raise TrainingError(f"out of memory while sampling step {step + 1}'s rollouts ({rows} completions of up to "
-                            f"{ro.max_new_tokens} tokens at once): set rollout.max_batch_rows below {rows} (then "
-                            "--resume), or sample with rollout.engine=vllm (paged KV cache)") from e
+                            f"{ro.max_new_tokens} tokens at once): {fix}, or sample with rollout.engine=vllm (paged "
+                            "KV cache)") from e
     traj = batch.traj
     try:
         learned = learn(model, optimizer, scheduler, traj, batch.advantages,
