@@ -299,3 +299,23 @@ def test_other_runtime_errors_in_the_update_are_not_called_out_of_memory(tmp_pat
         train(load_config(DEMO, tiny_overrides(tmp_path, "cold_start=null", "trainer.eval_every=0",
                                                "data.eval_size=1")))
     assert "memory" not in str(info.value)
+
+
+def test_out_of_memory_in_the_cold_start_advises_its_budget_and_the_same_command_then_runs(tmp_path, monkeypatch):
+    from gspo import sft as sft_module
+    from gspo.trainer import TrainingError
+
+    overrides = tiny_overrides(tmp_path, "trainer.steps=1", "trainer.eval_every=0", "data.eval_size=1")
+    real_sft = sft_module.sft
+
+    def sft_out_of_memory(*args, **kwargs):
+        if kwargs["micro_batch_tokens"] is None:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB")
+        return real_sft(*args, **kwargs)
+
+    monkeypatch.setattr(sft_module, "sft", sft_out_of_memory)
+    with pytest.raises(TrainingError, match=r"cold start's SFT \(16 rows per step\): set cold_start\.micro_batch_"
+                                            r"tokens .*run the command again"):
+        train(load_config(DEMO, overrides))
+    summary = train(load_config(DEMO, [*overrides, "cold_start.micro_batch_tokens=64"]))  # no --resume, no --overwrite
+    assert summary["status"] == "completed" and (tmp_path / "cold_start" / "sft.json").is_file()

@@ -448,7 +448,17 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
     # on a resume the checkpoint's weights replace the cold-start ones, but the KL reference is the cold-start model
     cold = None  # rank 0 trains and saves it; the other processes then load it
     if cfg.cold_start is not None:
-        cold = group.main_first(lambda: cold_start(cfg, out, model, tokenizer, train_rows))
+        try:
+            cold = group.main_first(lambda: cold_start(cfg, out, model, tokenizer, train_rows))
+        except RuntimeError as e:
+            if not _out_of_memory(e):
+                raise
+            cs = cfg.cold_start
+            budget = "" if cs.micro_batch_tokens is None else f" below {cs.micro_batch_tokens}"
+            raise TrainingError(f"out of memory in the cold start's SFT ({cs.batch_size} rows per step): set "
+                                f"cold_start.micro_batch_tokens{budget} (forwards of at most that many tokens, the "
+                                "same step) or lower cold_start.batch_size, and run the command again (the cold "
+                                "start saves nothing until it is done)") from e
     dropout = disable_dropout(model, dry_run=not cfg.trainer.disable_dropout)  # for RL: π_θ deterministic
     if dropout:
         listed = ", ".join(dropout[:3]) + (f", ... ({len(dropout)} in all)" if len(dropout) > 3 else "")
