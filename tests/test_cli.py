@@ -103,6 +103,27 @@ def test_eval_prints_accuracy(sft_dir, capsys):
     assert 0 <= result["truncation_rate"] <= 1 and result["response_length"] >= 1
 
 
+def test_eval_decodes_at_most_max_batch_rows_at_once_with_the_same_result(sft_dir, capsys, monkeypatch):
+    from gspo.rollout import HFSampler
+
+    results, batches = [], []
+    generate = HFSampler.generate
+
+    def counting(self, prompts, group_size, *args, **kwargs):
+        batches.append(len(prompts) * group_size)
+        return generate(self, prompts, group_size, *args, **kwargs)
+
+    monkeypatch.setattr(HFSampler, "generate", counting)
+    for cap in ([], ["--max-batch-rows", "3"]):
+        batches.clear()
+        assert main(["eval", str(sft_dir), "--size", "8", "--max-new-tokens", "4", *cap]) == 0
+        results.append(last_json(capsys.readouterr().out))
+    assert batches == [3, 3, 2]
+    assert results[0]["accuracy"] == results[1]["accuracy"]
+    assert main(["eval", str(sft_dir), "--max-batch-rows", "0"]) == 2
+    assert "--max-batch-rows" in capsys.readouterr().err
+
+
 def test_eval_of_a_missing_model_dir_exits_2(tmp_path, capsys):
     missing = tmp_path / "no_model"
     assert main(["eval", str(missing), "--size", "2"]) == 2

@@ -186,7 +186,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from gspo.rollout import HFSampler, SamplingParams
 
     n, temperature, top_p, ks = _eval_sampling(args)
+    if args.max_batch_rows is not None and args.max_batch_rows < 1:
+        raise ConfigError(f"--max-batch-rows must be >= 1, got {args.max_batch_rows}")
     data, rewards, accuracy_reward, threshold, new_tokens, data_cfg, cfg = _eval_setup(args)
+    batch = args.max_batch_rows or (cfg.rollout.max_batch_rows if cfg is not None else None) or 256
     rewards.check_rows(data.heldout)
     make_env, tools = build_env(cfg) if cfg is not None else (None, None)  # env: the rows are episodes
     model, tokenizer = load_model(args.model)
@@ -199,7 +202,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if make_env is not None:
         engine = HFSampler(model, tokenizer, SamplingParams(max_new_tokens=new_tokens))
         episodes = make_episode_runner(cfg, engine, tokenizer, make_env)
-    result = evaluate(model, tokenizer, rows, rewards, new_tokens, accuracy_reward=accuracy_reward,
+    result = evaluate(model, tokenizer, rows, rewards, new_tokens, batch_size=batch, accuracy_reward=accuracy_reward,
                       accuracy_threshold=threshold, sampler=engine, episodes=episodes, **sampling)
     # one [low, high] pair per k (in the place of its two scalars) instead of pass@k_ci95_low / _high
     result = {key.removesuffix("_low"): [value, result[key.replace("_low", "_high")]] if key.endswith("_ci95_low")
@@ -319,6 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=None, help="with --samples N > 1: nucleus in (0, 1] (default 1)")
     p.add_argument("--k", default=None,
                    help="with --samples N: the k of pass@k / maj@k, comma-separated, each <= N (default 1,2,4,...,N)")
+    p.add_argument("--max-batch-rows", type=int, default=None,
+                   help="completions decoded at once (KV-cache memory; default: the --config's rollout.max_batch_rows, "
+                        "else 256); the results do not depend on it")
     data_args(p, None)  # rows: 500, or with --config its data.eval_size
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides of --config")
     p.set_defaults(func=_cmd_eval)
