@@ -2,6 +2,8 @@
 against token budgets, measured in the same run.
 
     .venv/bin/python benchmarks/micro_batch_memory.py [--budgets none,2048,1024,512] [--rows 32] [--length 512]
+    python benchmarks/micro_batch_memory.py --device cuda --layers 28 --hidden 1024 --rows 256 --length 1024 \
+        --budgets none,65536,16384,4096        # on a GPU: torch.cuda.max_memory_allocated instead of RSS
 
 Each measurement is one `gspo.learner.learn` call (π_old recomputed, then 4 minibatch updates, GSPO) on the same
 rollout batch of `--rows` rows (16-token prompts, completions of 64 to `--length` tokens) through an 8-layer Qwen3
@@ -23,8 +25,10 @@ import sys
 import time
 
 
-def measure(budget: int | None, rows: int, length: int) -> dict:
-    """In this process: RSS growth and time of one learn() step; also the weights' change, for the comparison."""
+def measure(budget: int | None, rows: int, length: int, device: str = "cpu", layers: int = 8,
+            hidden: int = 128) -> dict:
+    """In this process: the memory growth (CPU: RSS; CUDA: allocated) and time of one learn() step; also the weights'
+    change, for the comparison."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -33,10 +37,10 @@ def measure(budget: int | None, rows: int, length: int) -> dict:
     from gspo.trajectory import Trajectory
 
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=8192, hidden_size=128, intermediate_size=512, num_hidden_layers=8,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    config = Qwen3Config(vocab_size=8192, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
                          max_position_embeddings=length + 32, tie_word_embeddings=False)
-    model = Qwen3ForCausalLM._from_config(config, attn_implementation="sdpa")
+    model = Qwen3ForCausalLM._from_config(config, attn_implementation="sdpa").to(device)
     g = torch.Generator().manual_seed(1)
     c_len = torch.randint(64, length + 1, (rows,), generator=g)
     completion_mask = (torch.arange(length) < c_len[:, None]).long()
@@ -46,31 +50,51 @@ def measure(budget: int | None, rows: int, length: int) -> dict:
                       completion_mask=completion_mask, logprobs=torch.zeros(rows, length),
                       truncated=torch.zeros(rows, dtype=torch.bool), completions=[""] * rows,
                       prompt_index=torch.arange(rows) // 8)
-    advantages = torch.randn(rows, generator=g)
+    traj = traj.to(device)
+    advantages = torch.randn(rows, generator=g).to(device)
     spec = OBJECTIVES["gspo"]
     settings = LearnSettings(objective=spec, eps_low=spec.eps_low, eps_high=spec.eps_high, max_new_tokens=length,
                              micro_batch_tokens=budget)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    minibatches = list(torch.randperm(rows, generator=g).chunk(4))
+    minibatches = [mb.to(device) for mb in torch.randperm(rows, generator=g).chunk(4)]
     # a 2-row step first: the optimizer state and the allocator's pools exist before the measured step
-    learn(model, optimizer, scheduler, traj.take(torch.arange(2)), torch.zeros(2), [torch.arange(2)], settings)
+    two = torch.arange(2, device=device)
+    learn(model, optimizer, scheduler, traj.take(two), torch.zeros(2, device=device), [two], settings)
     start = {k: v.detach().clone() for k, v in model.named_parameters()}
-    with open("/proc/self/status") as f:
-        before = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    before = memory(device, peak=False)
     t0 = time.perf_counter()
     learn(model, optimizer, scheduler, traj, advantages, minibatches, settings)
+    if device == "cuda":
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    with open("/proc/self/status") as f:  # VmHWM: ru_maxrss would include the parent's peak (kept across exec)
-        peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-    delta = {k: (v.detach() - start[k]).tolist() for k, v in model.named_parameters() if k.endswith("q_proj.weight")}
+    peak = memory(device, peak=True)
+    delta = {k: (v.detach() - start[k])[:64].cpu().tolist() for k, v in model.named_parameters()
+             if k.endswith("layers.0.self_attn.q_proj.weight")}
     return {"budget": budget, "peak_bytes": peak - before, "seconds": seconds, "delta": delta}
 
 
-def run(budget: int | None, rows: int, length: int) -> dict:
+def memory(device: str, peak: bool) -> int:
+    """Bytes in use (`peak` False; on CUDA also resets the peak) or the peak since (`peak` True): the process's RSS and
+    VmHWM on the CPU (ru_maxrss would include the parent's peak, kept across exec), allocated tensors on CUDA."""
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+        if peak:
+            return torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    with open("/proc/self/status") as f:
+        key = "VmHWM:" if peak else "VmRSS:"
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+
+def run(budget: int | None, rows: int, length: int, device: str, layers: int, hidden: int) -> dict:
     """`measure` in a fresh subprocess (peak RSS is per process and never goes down)."""
+    args = f"{budget!r}, {rows}, {length}, {device!r}, {layers}, {hidden}"
     code = f"import json, sys; sys.path.insert(0, {str(__file__.rsplit('/', 1)[0])!r}); " \
-           f"from micro_batch_memory import measure; print(json.dumps(measure({budget!r}, {rows}, {length})))"
+           f"from micro_batch_memory import measure; print(json.dumps(measure({args})))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -88,7 +112,12 @@ def main() -> None:
     parser.add_argument("--budgets", default="none,2048,1024,512")
     parser.add_argument("--rows", type=int, default=32)
     parser.add_argument("--length", type=int, default=512)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=128, help="a multiple of 4 (4 attention heads)")
     args = parser.parse_args()
+    if args.rows < 8 or args.length < 64 or args.layers < 1 or args.hidden < 4 or args.hidden % 4:
+        parser.error("need --rows >= 8, --length >= 64, --layers >= 1 and --hidden a positive multiple of 4")
     budgets = []
     for value in args.budgets.split(","):
         if value != "none" and not (value.isdigit() and int(value) > 0):
@@ -96,10 +125,10 @@ def main() -> None:
         budgets.append(None if value == "none" else int(value))
     if budgets[0] is not None:
         parser.error("--budgets: the first must be 'none' (the baseline the others are compared with)")
-    results = [run(b, args.rows, args.length) for b in budgets]
+    results = [run(b, args.rows, args.length, args.device, args.layers, args.hidden) for b in budgets]
     base, mib = results[0], 2**20
-    print(f"learner step peak memory: {args.rows} rows × (16 + ≤{args.length} tokens), 4 minibatches, "
-          "8-layer Qwen3 hidden 128")
+    print(f"learner step peak memory ({args.device}): {args.rows} rows × (16 + ≤{args.length} tokens), 4 minibatches,"
+          f" {args.layers}-layer Qwen3 hidden {args.hidden}")
     print(f"{'micro_batch_tokens':>18} | {'peak':>9} | {'vs none':>7} | {'time':>7} | {'vs none':>7} | update gap")
     for r in results:
         gap, scale = max_gap(base["delta"], r["delta"])
