@@ -2,13 +2,15 @@
 against token budgets, measured in the same run.
 
     .venv/bin/python benchmarks/micro_batch_memory.py [--budgets none,2048,1024,512] [--rows 32] [--length 512]
-    python benchmarks/micro_batch_memory.py --device cuda --layers 28 --hidden 1024 --rows 256 --length 1024 \
-        --budgets none,65536,16384,4096        # on a GPU: torch.cuda.max_memory_allocated instead of RSS
+    python benchmarks/micro_batch_memory.py --device cuda --layers 28 --hidden 1024 --rows 64 --length 1024 \
+        --budgets none,8192,4096,2048          # on a GPU: torch.cuda.max_memory_allocated instead of RSS
 
 Each measurement is one `gspo.learner.learn` call (π_old recomputed, then 4 minibatch updates, GSPO) on the same
-rollout batch of `--rows` rows (16-token prompts, completions of 64 to `--length` tokens) through an 8-layer Qwen3
-(hidden 128, vocab 8,192), in a fresh subprocess: peak = the subprocess's peak RSS (VmHWM) minus its RSS just before
-the call (model, gradients and a warm-up step already resident), so what it shows is the step's activations. The
+rollout batch of `--rows` rows (16-token prompts, completions of 64 to `--length` tokens) through a Qwen3 of
+`--layers` layers and `--hidden` width (default 8 and 128; vocab 8,192), in a fresh subprocess: peak = the
+subprocess's peak RSS (VmHWM; on CUDA the peak of allocated memory) minus what was in use just before the call
+(model, gradients and a warm-up step already resident), so what it shows is the step's activations. A step that
+runs out of memory is a row "out of memory" (the baseline's too: then no ratios). The
 update is the same whatever the budget: the table shows the largest weight difference against the unbudgeted step,
 relative to the largest weight change. The optimizer is plain SGD, so that this compares the gradients (AdamW's
 first steps move every weight by about ±lr whatever its gradient's size, and GSPO's narrow clip turns a rounding
@@ -64,7 +66,10 @@ def measure(budget: int | None, rows: int, length: int, device: str = "cpu", lay
     start = {k: v.detach().clone() for k, v in model.named_parameters()}
     before = memory(device, peak=False)
     t0 = time.perf_counter()
-    learn(model, optimizer, scheduler, traj, advantages, minibatches, settings)
+    try:
+        learn(model, optimizer, scheduler, traj, advantages, minibatches, settings)
+    except torch.OutOfMemoryError:  # what the budget is for: a row of the table, not a failed benchmark
+        return {"budget": budget, "out_of_memory": True}
     if device == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
@@ -130,15 +135,27 @@ def main() -> None:
     print(f"learner step peak memory ({args.device}): {args.rows} rows × (16 + ≤{args.length} tokens), 4 minibatches,"
           f" {args.layers}-layer Qwen3 hidden {args.hidden}")
     print(f"{'micro_batch_tokens':>18} | {'peak':>9} | {'vs none':>7} | {'time':>7} | {'vs none':>7} | update gap")
+    fitted = "out_of_memory" not in base
     for r in results:
-        gap, scale = max_gap(base["delta"], r["delta"])
+        if "out_of_memory" in r:
+            print(f"{r['budget']!s:>18} | out of memory")
+            continue
         peak, seconds = r["peak_bytes"], r["seconds"]
-        print(f"{r['budget']!s:>18} | {peak / mib:>5,.0f} MiB | {peak / base['peak_bytes']:>7.2f} | {seconds:>6.2f}s | "
-              f"{seconds / base['seconds']:>7.2f} | {gap / scale:.1e}")
-    print(json.dumps({"micro_batch_peak_ratio": {str(r["budget"]): round(r["peak_bytes"] / base["peak_bytes"], 3)
-                                                 for r in results[1:]},
-                      "micro_batch_time_ratio": {str(r["budget"]): round(r["seconds"] / base["seconds"], 3)
-                                                 for r in results[1:]}}))
+        ratios = f"      – | {seconds:>6.2f}s |       – |       –"
+        if fitted:
+            gap, scale = max_gap(base["delta"], r["delta"])
+            ratios = (f"{peak / base['peak_bytes']:>7.2f} | {seconds:>6.2f}s | {seconds / base['seconds']:>7.2f} | "
+                      f"{gap / scale:.1e}")
+        print(f"{r['budget']!s:>18} | {peak / mib:>5,.0f} MiB | {ratios}")
+    measured = [r for r in results[1:] if "out_of_memory" not in r]
+    line = {"baseline_out_of_memory": not fitted,
+            "micro_batch_peak_mib": {str(r["budget"]): round(r["peak_bytes"] / mib) for r in measured}}
+    if fitted:
+        line["micro_batch_peak_ratio"] = {str(r["budget"]): round(r["peak_bytes"] / base["peak_bytes"], 3)
+                                          for r in measured}
+        line["micro_batch_time_ratio"] = {str(r["budget"]): round(r["seconds"] / base["seconds"], 3)
+                                          for r in measured}
+    print(json.dumps(line))
 
 
 if __name__ == "__main__":
