@@ -124,7 +124,7 @@ def test_micro_batches_give_the_update_of_one_forward(loss):
     micro = run_learn("tiny-dense", loss, 24, forwards=forwards)
     assert_same_update(one, micro)
     assert len(forwards) > 4  # π_old and 2 updates ran as more than one forward per minibatch
-    assert max(forwards) <= 24 or min(forwards) == max(forwards)
+    assert max(forwards) <= 24  # every row fits the budget (≤ 9 + 12 tokens), so every forward does
 
 
 def test_micro_batches_with_the_kl_term_and_an_moe_model():
