@@ -76,6 +76,24 @@ def tiny_overrides(out: Path | str, *extra: str) -> list[str]:
     return [*TINY, f"trainer.device={DEVICE}", f"trainer.out={out}", *extra]
 
 
+def record_objective(monkeypatch: pytest.MonkeyPatch, name: str) -> list[tuple[torch.Tensor, ...]]:
+    """Wrap the registered objective `name` (for this test) so that every call records (logprobs, old_logprobs, mask);
+    returns the list of records."""
+    import dataclasses
+
+    from gspo.objectives import OBJECTIVES
+
+    calls = []
+    inner = OBJECTIVES[name]
+
+    def spy(logprobs, old_logprobs, advantages, mask, **kw):
+        calls.append((logprobs.detach().clone(), old_logprobs.clone(), mask.bool().clone()))
+        return inner.loss(logprobs, old_logprobs, advantages, mask, **kw)
+
+    monkeypatch.setitem(OBJECTIVES, name, dataclasses.replace(inner, loss=spy))
+    return calls
+
+
 def safetensors_of(folder: Path) -> dict[str, torch.Tensor]:
     """Every tensor of the safetensors files in a saved model folder (final/, a checkpoint's model/)."""
     tensors: dict[str, torch.Tensor] = {}

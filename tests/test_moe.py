@@ -7,7 +7,6 @@ is decisive and generations end on EOS at varied steps."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import pytest
 import torch
@@ -26,7 +25,7 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-from conftest import DEMO, tiny_overrides, varied_reward
+from conftest import DEMO, record_objective, tiny_overrides, varied_reward
 from gspo.config import ConfigError, load_config
 from gspo.logprobs import completion_logprobs
 from gspo.models import build_tokenizer
@@ -38,7 +37,6 @@ from gspo.moe import (
     require_replay_support,
     routing_change,
 )
-from gspo.objectives import OBJECTIVES
 from gspo.rewards import REWARDS
 from gspo.rollout import HFSampler, SamplingParams
 from gspo.tracking import read_metrics
@@ -321,16 +319,8 @@ def varied(monkeypatch):
 
 @pytest.fixture
 def spy_grpo(monkeypatch):
-    """Record (logprobs, old_logprobs, mask) of every minibatch the grpo objective sees."""
-    calls = []
-    inner = OBJECTIVES["grpo"]
-
-    def spy(logprobs, old_logprobs, advantages, mask, **kw):
-        calls.append((logprobs.detach().clone(), old_logprobs.clone(), mask.bool().clone()))
-        return inner.loss(logprobs, old_logprobs, advantages, mask, **kw)
-
-    monkeypatch.setitem(OBJECTIVES, "grpo", dataclasses.replace(inner, loss=spy))
-    return calls
+    """(logprobs, old_logprobs, mask) of every call of the grpo objective."""
+    return record_objective(monkeypatch, "grpo")
 
 
 RL = ("cold_start=null", "trainer.steps=2", "rewards.functions={varied: 1.0}", "algorithm.loss=grpo",

@@ -3,7 +3,6 @@ interruption, run-folder safety, π_old modes, every objective, reward failures 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import time
@@ -12,12 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import DEMO, SimulatedCrash, crash_after, safetensors_of, tiny_overrides
+from conftest import DEMO, SimulatedCrash, crash_after, record_objective, safetensors_of, tiny_overrides
 from gspo.checkpoint import checkpoint_path, find_latest_checkpoint
 from gspo.config import ConfigError, load_config
 from gspo.data import make_task
 from gspo.models import load_model
-from gspo.objectives import OBJECTIVES
 from gspo.rewards import RewardFailure
 from gspo.sft import sft
 from gspo.tracking import read_metrics
@@ -225,16 +223,8 @@ def test_last_step_is_evaluated_even_without_eval_every(tmp_path):
 
 @pytest.fixture
 def spy_objective(monkeypatch):
-    """Wrap the gspo objective to record (logprobs, old_logprobs, mask) of every minibatch."""
-    calls = []
-    inner = OBJECTIVES["gspo"]
-
-    def spy(logprobs, old_logprobs, advantages, mask, **kw):
-        calls.append((logprobs.detach().clone(), old_logprobs.clone(), mask.bool().clone()))
-        return inner.loss(logprobs, old_logprobs, advantages, mask, **kw)
-
-    monkeypatch.setitem(OBJECTIVES, "gspo", dataclasses.replace(inner, loss=spy))
-    return calls
+    """(logprobs, old_logprobs, mask) of every call of the gspo objective."""
+    return record_objective(monkeypatch, "gspo")
 
 
 def test_recompute_makes_the_first_minibatch_exactly_on_policy(tmp_path, spy_objective):
