@@ -6,14 +6,13 @@ exactly on-policy and never runs a forward over the budget. (Processes whose sha
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import DEMO, tiny_overrides
+from conftest import DEMO, record_objective, tiny_overrides
 from gspo import learner as learner_module
 from gspo.config import load_config
 from gspo.learner import LearnSettings, _equalise, learn, micro_batches
@@ -38,6 +37,13 @@ def test_micro_batches_partition_the_rows_within_the_budget(lengths, budget):
     for m in micros:
         assert len(m) == 1 or len(m) * int(length_of[m].max()) <= budget
     assert [t.tolist() for t in micro_batches(rows, length_of, None)] == [rows.tolist()]
+
+
+@pytest.mark.parametrize("budget", [0, -5, 2.5, True])
+def test_a_budget_that_is_not_a_positive_int_is_refused(budget):
+    """What the config refuses for trainer.micro_batch_tokens, the library refuses too (sft and learn call this)."""
+    with pytest.raises(ValueError, match="micro_batch_tokens must be an int >= 1"):
+        micro_batches(torch.arange(4), torch.full((4,), 10), budget)
 
 
 @settings(max_examples=60, deadline=None)
@@ -137,16 +143,8 @@ def test_micro_batches_with_the_kl_term_and_an_moe_model():
 
 @pytest.fixture
 def spy_gspo(monkeypatch):
-    """Record (logprobs, old_logprobs, mask) of every call of the gspo objective."""
-    calls = []
-    inner = OBJECTIVES["gspo"]
-
-    def spy(logprobs, old_logprobs, advantages, mask, **kw):
-        calls.append((logprobs.detach().clone(), old_logprobs.clone(), mask.bool().clone()))
-        return inner.loss(logprobs, old_logprobs, advantages, mask, **kw)
-
-    monkeypatch.setitem(OBJECTIVES, "gspo", dataclasses.replace(inner, loss=spy))
-    return calls
+    """(logprobs, old_logprobs, mask) of every call of the gspo objective."""
+    return record_objective(monkeypatch, "gspo")
 
 
 @pytest.mark.parametrize("moe", ["none", "r2"])
@@ -182,6 +180,23 @@ def test_a_run_with_micro_batches_stays_exactly_on_policy(tmp_path, spy_gspo, mo
         assert all(0 <= r["expert_volatility"] <= 1 for r in records)
 
 
+TWO_STEPS = ("cold_start=null", "trainer.steps=2", "trainer.eval_every=0", "trainer.checkpoint_every=1",
+             "data.eval_size=1")  # a checkpoint after step 1, to resume from
+
+
+def failing_on_call(real, call: int, error: Exception):
+    """`real`, except that its `call`-th call (from 1) raises `error`: step `call` of a run fails there."""
+    calls = []
+
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == call:
+            raise error
+        return real(*args, **kwargs)
+
+    return wrapper
+
+
 @pytest.mark.parametrize("error", [
     torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
     RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried "
@@ -195,17 +210,9 @@ def test_out_of_memory_in_the_update_advises_a_budget_and_the_run_resumes_with_i
     from gspo import trainer as trainer_module
     from gspo.trainer import TrainingError
 
-    overrides = tiny_overrides(tmp_path, "cold_start=null", "trainer.steps=2", "trainer.eval_every=0",
-                               "trainer.checkpoint_every=1", "data.eval_size=1")
-    real_learn, calls = trainer_module.learn, []
-
-    def learn_out_of_memory_on_step_2(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise error
-        return real_learn(*args, **kwargs)
-
-    monkeypatch.setattr(trainer_module, "learn", learn_out_of_memory_on_step_2)
+    overrides = tiny_overrides(tmp_path, *TWO_STEPS)
+    real_learn = trainer_module.learn
+    monkeypatch.setattr(trainer_module, "learn", failing_on_call(real_learn, 2, error))
     with pytest.raises(TrainingError, match="out of memory in the update of step 2") as info:
         train(load_config(DEMO, overrides))
     advice = re.search(r"trainer\.micro_batch_tokens=(\d+)", str(info.value))
@@ -223,17 +230,10 @@ def test_out_of_memory_while_sampling_advises_a_row_cap_and_the_run_resumes_with
     from gspo import trainer as trainer_module
     from gspo.trainer import TrainingError
 
-    overrides = tiny_overrides(tmp_path, "cold_start=null", "trainer.steps=2", "trainer.eval_every=0",
-                               "trainer.checkpoint_every=1", "data.eval_size=1")
-    real_collect, calls = trainer_module.collect, []
-
-    def collect_out_of_memory_on_step_2(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
-        return real_collect(*args, **kwargs)
-
-    monkeypatch.setattr(trainer_module, "collect", collect_out_of_memory_on_step_2)
+    overrides = tiny_overrides(tmp_path, *TWO_STEPS)
+    real_collect = trainer_module.collect
+    monkeypatch.setattr(trainer_module, "collect", failing_on_call(
+        real_collect, 2, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")))
     with pytest.raises(TrainingError, match=r"sampling step 2's rollouts \(16 completions.*rollout.max_batch_rows below"
                                             r" 16 \(then --resume\)"):
         train(load_config(DEMO, overrides))

@@ -60,6 +60,8 @@ def micro_batches(rows: torch.Tensor, lengths: torch.Tensor, budget: int | None)
     """`rows` (row indices of a minibatch share) split into micro-batches of at most `budget` padded tokens: B rows
     cost B × their longest `lengths[row]`. Rows are taken longest first, so rows of similar length share a forward; a
     row longer than the budget is a micro-batch of its own. `budget` None: one micro-batch, `rows` as given."""
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+        raise ValueError(f"micro_batch_tokens must be an int >= 1 or None, got {budget!r}")
     if budget is None or len(rows) == 0:
         return [rows]
     lengths = lengths.to(rows.device)[rows]
