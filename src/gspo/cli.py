@@ -105,7 +105,8 @@ def _eval_setup(args: argparse.Namespace):
     (message prompts rendered with the model's chat template) and no config."""
     from gspo.config import DataConfig, resolve_accuracy_reward
     from gspo.data import DataSplits, load_data, load_rows, make_task
-    from gspo.rewards import RewardRunner
+    from gspo.parallel import resolve_device
+    from gspo.rewards import RewardRunner, reward_model_options
 
     if args.config is not None:
         if args.data is not None or args.task is not None or args.reward or args.split or args.fields:
@@ -118,7 +119,9 @@ def _eval_setup(args: argparse.Namespace):
             raise ConfigError(f"{args.config} holds out no rows (data.eval_split is null and no data.eval_path / "
                               "data.eval_fraction): set one with an override, e.g. data.eval_path=FILE")
         r = cfg.rewards
-        runner = RewardRunner(r.functions, on_error="zero", timeout_s=r.timeout_s, workers=r.workers)
+        runner = RewardRunner(r.functions, on_error="zero", timeout_s=r.timeout_s, workers=r.workers,
+                              model_options=reward_model_options(r.reward_model.model_dump(),
+                                                                 resolve_device(args.device)))
         tokens = args.max_new_tokens or cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens
         heldout = DataSplits(train=[], heldout=data.heldout, heldout_source=data.heldout_source)
         return heldout, runner, r.accuracy_reward, r.accuracy_threshold, tokens, cfg.data, cfg
@@ -140,7 +143,8 @@ def _eval_setup(args: argparse.Namespace):
         source = {"kind": "task_split", "task": task, "split": args.split or "test"}
     data = DataSplits(train=[], heldout=rows, heldout_source=source)
     names = args.reward or [args.task or "addition"]
-    runner = RewardRunner({name: 1.0 for name in names}, on_error="zero", timeout_s=args.timeout)
+    runner = RewardRunner({name: 1.0 for name in names}, on_error="zero", timeout_s=args.timeout,
+                          model_options={"device": resolve_device(args.device)})
     accuracy = resolve_accuracy_reward(names, args.accuracy_reward, key="--accuracy-reward")
     return data, runner, accuracy, args.accuracy_threshold, args.max_new_tokens or 16, DataConfig(), None
 
@@ -309,7 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None,
                    help="a training config (e.g. RUN/config.yaml): its held-out rows, fields, rewards and accuracy")
     p.add_argument("--reward", action="append", default=None,
-                   help="reward function (repeatable; default: the --task's; required with --data)")
+                   help="reward function: a registered name, module:function, file.py:function, or model:PATH "
+                        "(a reward model) (repeatable; default: the --task's; required with --data)")
     p.add_argument("--accuracy-reward", default=None,
                    help="with several --reward: the one whose value >= --accuracy-threshold means solved")
     p.add_argument("--accuracy-threshold", type=float, default=1.0)

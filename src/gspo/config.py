@@ -141,6 +141,16 @@ class DataConfig(_Section):
         return self
 
 
+class RewardModelConfig(_Section):
+    """How every `model:PATH` reward in `rewards.functions` runs (gspo.rewards.model.RewardModel)."""
+
+    batch_size: int = Field(16, ge=1)  # conversations per forward
+    max_length: int | None = Field(None, ge=2)  # tokens per conversation; None: the model's position limit
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: the trainer's device (each process's own GPU)
+    trust_remote_code: bool = False
+
+
 class RewardConfig(_Section):
     """Reward functions by registry name or import path, with weights; what to do when one fails.
 
@@ -162,11 +172,16 @@ class RewardConfig(_Section):
     # −overlong_penalty · (excess / overlong_buffer) added to its reward, −overlong_penalty at the budget.
     overlong_buffer: int | None = Field(None, ge=1)
     overlong_penalty: float = Field(1.0, gt=0, allow_inf_nan=False)
+    reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig)  # options of `model:PATH` rewards
 
     @model_validator(mode="after")
     def _nonempty(self) -> RewardConfig:
         if not self.functions:
             raise ValueError("rewards.functions must name at least one reward function")
+        for spec in self.functions:
+            if spec.startswith("model:") and not spec[len("model:"):].strip():
+                raise ValueError(f"rewards.functions: {spec!r} names no reward model; write model:PATH (a folder "
+                                 "holding a one-output sequence classifier, or a hub id)")
         self.accuracy_reward = resolve_accuracy_reward(list(self.functions), self.accuracy_reward,
                                                        key="rewards.accuracy_reward")
         return self

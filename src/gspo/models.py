@@ -41,6 +41,7 @@ __all__ = [
     "disable_dropout",
     "enable_gradient_checkpointing",
     "load_model",
+    "load_pretrained",
     "resolve_dtype",
     "save_model",
 ]
@@ -316,10 +317,24 @@ def load_model(
         return build_preset(name_or_path, seed=seed, dtype=torch_dtype)
 
     path = Path(name_or_path).expanduser()
+    if (path.exists() or _looks_like_local_path(name_or_path)) and _is_adapter_folder(path):
+        return _load_adapter_folder(path, dtype=dtype, trust_remote_code=trust_remote_code, seed=seed)
+    model, tokenizer, _ = load_pretrained(name_or_path, AutoModelForCausalLM, dtype=torch_dtype,
+                                          trust_remote_code=trust_remote_code)
+    return model, tokenizer
+
+
+def load_pretrained(
+    name_or_path: str, auto_class: type, *, dtype: torch.dtype, trust_remote_code: bool = False
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, dict[str, list[str]]]:
+    """`auto_class.from_pretrained` (e.g. AutoModelForCausalLM, AutoModelForSequenceClassification) for a local
+    directory or a hub id, with its tokenizer and transformers' loading info (`missing_keys`: weights the checkpoint
+    did not have, which transformers initialised at random). The one loader of pretrained folders, so every model
+    gspo loads gets the same checks: safetensors only, a short error naming the path and what is missing for a bad
+    local directory, and a tokenizer without a pad token gets its EOS token as pad."""
+    path = Path(name_or_path).expanduser()
     is_local = path.exists() or _looks_like_local_path(name_or_path)
     source = str(path) if is_local else name_or_path
-    if is_local and _is_adapter_folder(path):
-        return _load_adapter_folder(path, dtype=dtype, trust_remote_code=trust_remote_code, seed=seed)
     if is_local:
         _check_local_model_dir(path, name_or_path)
         try:
@@ -330,8 +345,9 @@ def load_model(
     else:
         where = f"{source!r} (not a preset {sorted(PRESETS)} nor a local directory, so tried as a Hugging Face Hub id)"
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            source, trust_remote_code=trust_remote_code, use_safetensors=True, **{_DTYPE_KWARG: torch_dtype}
+        model, info = auto_class.from_pretrained(
+            source, trust_remote_code=trust_remote_code, use_safetensors=True, output_loading_info=True,
+            **{_DTYPE_KWARG: dtype},
         )
     except Exception as exc:
         raise ValueError(f"could not load model weights from {where}: {exc}") from exc
@@ -343,7 +359,7 @@ def load_model(
         if tokenizer.eos_token is None:
             raise ValueError(f"tokenizer of {where} has neither a pad nor an eos token")
         tokenizer.pad_token = tokenizer.eos_token
-    return model, tokenizer
+    return model, tokenizer, info
 
 
 def enable_gradient_checkpointing(model: PreTrainedModel) -> None:

@@ -59,7 +59,8 @@ RESUMABLE = ("trainer.steps", "trainer.threads", "trainer.out", "trainer.eval_ev
              "trainer.keep_checkpoints", "trainer.max_bad_steps", "trainer.device", "trainer.micro_batch_tokens",
              "cold_start.micro_batch_tokens", "trainer.gradient_checkpointing", "rollout.max_batch_rows",
              "trainer.guard.*", "log.*",
-             "rewards.timeout_s", "rewards.workers", "rollout.vllm.server_url", "rollout.vllm.weight_sync_dir",
+             "rewards.timeout_s", "rewards.workers", "rewards.reward_model.batch_size", "rewards.reward_model.device",
+             "rollout.vllm.server_url", "rollout.vllm.weight_sync_dir",
              "rollout.vllm.request_timeout", "rollout.vllm.max_concurrent_requests")
 
 

@@ -6,12 +6,18 @@ row's other fields (e.g. `answer`). It is named either by a registry name (`REWA
 file (`"path/to/rewards.py:function"`), so user rewards need no registration. `check_signature` tells, before any
 compute, whether a function can be called that way with a given row.
 
+A *batched* reward (`batched`, TRL's reward-function signature) is called once per batch as
+`fn(prompts: list[str], completions: list[str], **columns) -> list[float]`, each column a row field's N values: for
+rewards that pay per call (an LLM judge behind an API, a model). A learned reward model is named `model:PATH` (a local
+folder or hub id of a one-output sequence classifier, `gspo.rewards.model.RewardModel`).
+
 A batch's calls share one wall-clock deadline (`timeout_s`, see `gspo.rewards.deadline` for how and at what cost),
 and the `code` reward runs model-written programs in a sandboxed child process (`gspo.rewards.code` on `gspo.sandbox`).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -38,23 +44,28 @@ from gspo.rewards.builtin import (
 )
 from gspo.rewards.code import code_reward
 from gspo.rewards.deadline import DeadlinePool, Outcome
+from gspo.rewards.model import RewardModel, reward_model_options
 from gspo.rewards.shaping import add_overlong_penalty
 
 __all__ = [
     "REWARDS",
     "RewardFailure",
     "RewardFn",
+    "RewardModel",
     "RewardRunner",
     "RewardScores",
     "addition_reward",
     "answer_extractor",
+    "batched",
     "check_signature",
     "code_reward",
     "countdown_reward",
+    "is_batched",
     "last_number_reward",
     "math_reward",
     "parse_arithmetic",
     "resolve_reward",
+    "reward_model_options",
     "score_trajectory",
     "with_answer",
 ]
@@ -78,21 +89,57 @@ _PREFIX_CHARS = 60  # how much of a completion a failure message shows
 MAX_STUCK_CALLS = 16
 
 
+MODEL_PREFIX = "model:"  # `model:PATH` names a reward model (RewardModel) rather than a function
+
+
 class RewardFailure(RuntimeError):
     """A reward function raised, timed out, or returned something that is not a finite number."""
 
 
-def resolve_reward(spec: str) -> RewardFn:
-    """The reward function named by `spec`: a `REWARDS` name, `"package.module:function"` or
-    `"package.module.function"` (a `:` path may name a nested attribute, e.g. `"pkg.mod:Class.method"`).
+def batched(fn: Callable[..., Any]) -> RewardFn:
+    """Mark `fn` as a batched reward: called once per batch as `fn(prompts, completions, **columns)`, where `prompts`
+    and `completions` are the batch's N strings and each column is a row field's N values (e.g. `answer=[...]`);
+    it returns N numbers (a list, tuple, numpy array or tensor). This is TRL's reward-function signature, so a TRL
+    reward function works as `batched(fn)` (with string prompts; a None value is a failure here, see RewardRunner).
+
+    Failures are per row: a None / NaN / non-number value fails that row; raising, timing out or returning the wrong
+    count fails every row of the batch. Use it for rewards that pay per call (an API judge, a model)."""
+    if not callable(fn):
+        raise ValueError(f"batched: {fn!r} is not callable")
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    call.batched = True
+    return call
+
+
+def is_batched(fn: RewardFn) -> bool:
+    """Whether `fn` is called once per batch (`batched`, RewardModel) rather than once per row."""
+    return getattr(fn, "batched", False) is True
+
+
+def resolve_reward(spec: str, model_options: Mapping[str, Any] | None = None) -> RewardFn:
+    """The reward function named by `spec`: a `REWARDS` name, `"package.module:function"`,
+    `"package.module.function"` (a `:` path may name a nested attribute, e.g. `"pkg.mod:Class.method"`), or
+    `"model:PATH"`, a reward model loaded from a folder or hub id with `RewardModel(PATH, **model_options)`.
 
     Raises ValueError naming the spec: an unknown name (listing the registry), an import that fails (with the
-    import error), a missing attribute, or an object that is not callable.
+    import error), a missing attribute, an object that is not callable, or a folder that is not a reward model.
     """
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"reward spec must be a non-empty string, got {spec!r}")
     if spec in REWARDS:
         return REWARDS[spec]
+    if spec.startswith(MODEL_PREFIX):
+        path = spec[len(MODEL_PREFIX):].strip()
+        if not path:
+            raise ValueError(f"reward spec {spec!r} names no reward model: write model:PATH (a folder or hub id)")
+        try:
+            return RewardModel(path, **dict(model_options or {}))
+        except (OSError, ValueError, TypeError) as exc:
+            raise ValueError(f"reward {spec!r}: {exc}") from exc
     if ":" in spec:
         module_name, _, attr_path = spec.partition(":")
     elif "." in spec:
@@ -157,6 +204,12 @@ def check_signature(fn: RewardFn, name: str, row: Mapping[str, Any]) -> None:
     try:
         signature.bind("prompt", "completion", **fields)
     except TypeError as exc:
+        if is_batched(fn):
+            raise ValueError(
+                f"batched reward {name!r} cannot be called with a batch's columns (fields {sorted(fields)}): {exc}. "
+                "A batched reward must accept `def reward(prompts: list[str], completions: list[str], **columns) -> "
+                "list[float]` (each column is a field's values, e.g. answer=[...])"
+            ) from None
         raise ValueError(
             f"reward {name!r} cannot be called with a data row (fields {sorted(fields)}): {exc}. A reward function "
             "must accept `def reward(prompt: str, completion: str, **row) -> float` (the row's other fields, e.g. "
@@ -189,6 +242,11 @@ class RewardRunner:
     per function, and `reward_failures` in each call's stats) and a warning is logged once per function and kind of
     failure. Timeouts are also counted in `self.timeouts` (and `reward_timeouts` in the stats).
 
+    A batched function (`batched`) is one call per batch whose values are then judged row by row; a reward model
+    (`model:PATH`, built with `model_options`, see `RewardModel`) is one too, run in the calling thread before the
+    deadline starts. `model_options` are `RewardModel`'s keyword arguments (`reward_model_options` makes them from
+    the config's `rewards.reward_model` section).
+
     Calls run in `workers` daemon threads (`DeadlinePool`) when there is a deadline or more than one worker, else
     inline; all the calls of one batch share one deadline, `timeout_s` after the batch starts. A timed-out call
     cannot be stopped and keeps running in its abandoned thread; once more than `MAX_STUCK_CALLS` of them are still
@@ -201,6 +259,7 @@ class RewardRunner:
         on_error: Literal["fail", "zero"] = "fail",
         timeout_s: float | None = 30.0,
         workers: int = 1,
+        model_options: Mapping[str, Any] | None = None,
     ) -> None:
         if on_error not in ("fail", "zero"):
             raise ValueError(f"RewardRunner: on_error must be 'fail' or 'zero', got {on_error!r}")
@@ -223,7 +282,7 @@ class RewardRunner:
             if callable(spec):
                 name, fn = getattr(spec, "__name__", repr(spec)), spec
             else:
-                name, fn = spec, resolve_reward(spec)
+                name, fn = spec, resolve_reward(spec, model_options)
             if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight):
                 raise ValueError(f"RewardRunner: weight of reward {name!r} must be a finite number, got {weight!r}")
             if name in self.names:
@@ -260,16 +319,22 @@ class RewardRunner:
         self._agreed = self.state_dict()
 
     def _invoke(self, calls: list[tuple[RewardFn, tuple, dict]]) -> list[Outcome]:
-        """Run the calls (inline, or in the pool with the deadline); outcomes in call order."""
-        if self._pool is None:
-            outcomes = []
-            for fn, args, kwargs in calls:
-                try:
-                    outcomes.append(Outcome(value=fn(*args, **kwargs)))
-                except Exception as exc:
-                    outcomes.append(Outcome(error=exc))
+        """Run the calls, outcomes in call order: in this thread without a pool or for an `inline` function (a reward
+        model: a forward pass, run before the deadline starts), else in the pool under the batch's deadline."""
+        outcomes: list[Outcome | None] = [None] * len(calls)
+        pooled = []
+        for j, (fn, args, kwargs) in enumerate(calls):
+            if self._pool is not None and getattr(fn, "inline", False) is not True:
+                pooled.append(j)
+                continue
+            try:
+                outcomes[j] = Outcome(value=fn(*args, **kwargs))
+            except Exception as exc:
+                outcomes[j] = Outcome(error=exc)
+        if not pooled:
             return outcomes
-        outcomes = self._pool.map(calls)
+        for j, outcome in zip(pooled, self._pool.map([calls[j] for j in pooled]), strict=True):
+            outcomes[j] = outcome
         stuck = self._pool.stuck
         if stuck > MAX_STUCK_CALLS:
             raise RewardFailure(
@@ -350,9 +415,20 @@ class RewardRunner:
                     f"{type(prompt).__name__}, {type(completion).__name__}, {type(row).__name__}"
                 )
         kwargs = [{k: v for k, v in row.items() if k not in _POSITIONAL_FIELDS} for row in rows]
-        outcomes = self._invoke(
-            [(fn, (prompts[i], completions[i]), kwargs[i]) for fn in self.functions for i in range(n)]
-        )
+        calls, spans = [], []  # spans[k]: function k's calls, calls[a:b] (one for a batched function, else n)
+        for fn in self.functions:
+            start = len(calls)
+            if is_batched(fn):
+                fields = dict.fromkeys(key for kw in kwargs for key in kw)  # every row's fields, in order
+                calls.append((fn, (list(prompts), list(completions)), {f: [kw.get(f) for kw in kwargs]
+                                                                     for f in fields}))
+            else:
+                calls.extend((fn, (prompts[i], completions[i]), kwargs[i]) for i in range(n))
+            spans.append((start, len(calls)))
+        invoked = self._invoke(calls)
+        outcomes = []
+        for fn, (a, b) in zip(self.functions, spans, strict=True):
+            outcomes.extend(_per_row(invoked[a], n) if is_batched(fn) else invoked[a:b])
         totals = [0.0] * n
         stats: dict[str, float] = {}
         values: dict[str, torch.Tensor] = {}
@@ -368,6 +444,21 @@ class RewardRunner:
         stats["reward_failures"] = float(sum(int(f.sum()) for f in failed.values()))
         stats["reward_timeouts"] = float(sum(self.timeouts.values()) - timeouts_before)
         return RewardScores(torch.tensor(totals, dtype=torch.float32), values, failed, stats)
+
+
+def _per_row(outcome: Outcome, n: int) -> list[Outcome]:
+    """A batched call's outcome as n per-row outcomes: its values one by one; its error or timeout, or a return
+    that is not n numbers in a sequence, for every row."""
+    if outcome.timed_out or outcome.error is not None:
+        return [outcome] * n
+    values = outcome.value
+    values = values.tolist() if hasattr(values, "tolist") else values  # a tensor or numpy array
+    if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Sequence):
+        error = ValueError(f"a batched reward must return a sequence of {n} numbers, got {type(values).__name__}")
+        return [Outcome(error=error)] * n
+    if len(values) != n:
+        return [Outcome(error=ValueError(f"returned {len(values)} values for {n} completions"))] * n
+    return [Outcome(value=v) for v in values]
 
 
 @dataclass
