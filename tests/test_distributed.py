@@ -83,6 +83,8 @@ def assert_same_run(one: Path, two: Path) -> None:
     e1, e2 = read_metrics(one / "eval.jsonl"), read_metrics(two / "eval.jsonl")
     assert [e["step"] for e in e2] == [0, 2, 3]
     assert [e["heldout_accuracy"] for e in e2] == [e["heldout_accuracy"] for e in e1]
+    for key in ("heldout_accuracy_ci95_low", "heldout_accuracy_change", "heldout_accuracy_change_ci95_high"):
+        assert [e.get(key) for e in e2] == pytest.approx([e.get(key) for e in e1])  # from every process's rows
     assert (two / "summary.json").is_file()
 
 

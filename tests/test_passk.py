@@ -236,7 +236,8 @@ def test_default_evaluate_stays_greedy(tiny):
     model, tokenizer = tiny
     rewards = RewardRunner([(varied_reward, 1.0)], timeout_s=None)
     greedy = evaluate(model, tokenizer, ROWS, rewards, 4, accuracy_threshold=0.5)
-    assert sorted(greedy) == ["accuracy", "response_length", "reward_failure_rate", "reward_mean", "truncation_rate"]
+    assert sorted(greedy) == ["accuracy", "accuracy_ci95_high", "accuracy_ci95_low", "response_length",
+                              "reward_failure_rate", "reward_mean", "truncation_rate"]
     assert evaluate(model, tokenizer, ROWS, rewards, 4, accuracy_threshold=0.5, samples_per_prompt=1,
                     temperature=0.5, seed=3) == greedy
 

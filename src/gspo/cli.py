@@ -52,8 +52,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     out = Path(args.out)
     before, after = summary["heldout_accuracy_before_rl"], summary["heldout_accuracy_after_rl"]
     if before is not None and after is not None:  # None without held-out data (data.eval_split=null)
+        ci = summary["heldout_accuracy_ci95"] or {}
+        change = ci.get("change")
+        interval = f"; 95% CI {change[0] * 100:+.1f} to {change[1] * 100:+.1f}" if change else ""
         print(f"held-out accuracy: {before:.1%} after cold-start SFT → {after:.1%} after GSPO "
-              f"({(after - before) * 100:+.1f} points) in {summary['wall_seconds']:.0f} s")
+              f"({(after - before) * 100:+.1f} points{interval} on the same rows) in {summary['wall_seconds']:.0f} s")
     print(f"wrote {out / 'metrics.jsonl'}, {out / 'summary.json'}, {out / 'curves.png'}, model in {out / 'final'}")
     return 0
 

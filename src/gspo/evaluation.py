@@ -3,7 +3,11 @@ explicit (`rewards.accuracy_reward` >= `rewards.accuracy_threshold`, see `gspo.c
 
 With `samples_per_prompt=n > 1`, n completions per row are sampled instead, and `evaluate` also reports pass@k
 (`pass_at_k`, the unbiased estimator of Chen et al. 2021), its 95% interval across problems (`mean_ci95`) and maj@k
-(`maj_at_k`, majority vote over `vote_answer` keys)."""
+(`maj_at_k`, majority vote over `vote_answer` keys).
+
+Every accuracy comes with its 95% interval (`accuracy_ci95`: Wilson's for greedy verdicts, `mean_ci95` for sampled
+rows), and a change of accuracy on the same rows with the interval of the paired difference (`paired_change_ci95`):
+on 200 held-out rows an accuracy near 50% is known to about ±7 points, which decides whether a difference is one."""
 
 from __future__ import annotations
 
@@ -18,7 +22,8 @@ from gspo.config import resolve_accuracy_reward
 from gspo.rewards import RewardRunner, answer_extractor
 from gspo.rollout import HFSampler, SamplingParams
 
-__all__ = ["evaluate", "format_samples", "maj_at_k", "mean_ci95", "pass_at_k", "vote_answer"]
+__all__ = ["accuracy_ci95", "evaluate", "format_samples", "maj_at_k", "mean_ci95", "paired_change_ci95", "pass_at_k",
+           "vote_answer", "wilson_ci95"]
 
 _Z95 = 1.959963984540054  # the standard normal's 97.5% quantile: a two-sided 95% interval is mean ± _Z95 · s.e.
 _SEED_MIX = 2_654_435_761  # a sampled row's prompt seed is seed · _SEED_MIX + its position. Not seed << 32: torch's
@@ -86,16 +91,69 @@ def mean_ci95(values: Sequence[float]) -> tuple[float, float]:
     return max(0.0, mean - half), min(1.0, mean + half)
 
 
+def wilson_ci95(successes: int, total: int) -> tuple[float, float]:
+    """The Wilson score 95% interval of a proportion (Wilson 1927): unlike mean ± 1.96·s.e. it never has zero width
+    and stays inside [0, 1], so 64 of 64 solved is [0.943, 1], not [1, 1]. (0, 1) for no trials."""
+    if total <= 0:
+        return 0.0, 1.0
+    p, z2 = successes / total, _Z95 ** 2
+    centre = (p + z2 / (2 * total)) / (1 + z2 / total)
+    half = _Z95 * math.sqrt(p * (1 - p) / total + z2 / (4 * total ** 2)) / (1 + z2 / total)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def accuracy_ci95(row_values: Sequence[float]) -> tuple[float, float]:
+    """The 95% interval of an accuracy from each row's solved fraction: Wilson's (`wilson_ci95`) when every value is
+    0 or 1 (greedy verdicts), else `mean_ci95` of the rows' fractions (sampled evaluation: pass@1's interval)."""
+    if all(v in (0.0, 1.0) for v in row_values):
+        return wilson_ci95(round(sum(row_values)), len(row_values))
+    return mean_ci95(row_values)
+
+
+def paired_change_ci95(before: Sequence[float], after: Sequence[float]) -> tuple[float, float, float]:
+    """(after − before, 95% low, 95% high) for two accuracies of the same rows, from each row's solved fraction at
+    both times: the rows are paired, so the interval is that of the mean per-row difference, much narrower than two
+    separate intervals suggest when most rows keep their verdict.
+
+    Greedy verdicts (all values 0 or 1): Agresti & Min (2005), the Wald interval of the difference of paired
+    proportions after adding 1/2 to each cell of the 2×2 table, which keeps a sensible width when few rows changed
+    (the plain Wald interval has zero width when no row did). Sampled fractions: mean ± 1.96 · s/√P of the per-row
+    differences. Clipped to [−1, 1]; (−1, 1) for fewer than 2 rows. Raises ValueError when the lengths differ."""
+    if len(before) != len(after):
+        raise ValueError(f"paired_change_ci95 needs the same rows twice, got {len(before)} and {len(after)} values")
+    n = len(before)
+    if n == 0:
+        return 0.0, -1.0, 1.0
+    diffs = [a - b for b, a in zip(before, after, strict=True)]
+    change = sum(diffs) / n
+    if n < 2:
+        return change, -1.0, 1.0
+    if all(v in (0.0, 1.0) for v in (*before, *after)):
+        gained, lost = sum(d > 0 for d in diffs) + 0.5, sum(d < 0 for d in diffs) + 0.5  # rows 0 → 1, 1 → 0
+        total = n + 2  # four cells, each + 1/2
+        p_gained, p_lost = gained / total, lost / total
+        centre = p_gained - p_lost
+        half = _Z95 * math.sqrt(max(0.0, (p_gained + p_lost - centre ** 2) / total))
+    else:
+        centre = change
+        std = math.sqrt(sum((d - change) ** 2 for d in diffs) / (n - 1))
+        half = _Z95 * std / math.sqrt(n)
+    return change, max(-1.0, centre - half), min(1.0, centre + half)
+
+
 def evaluate(model, tokenizer, rows: list[dict], rewards: RewardRunner, max_new_tokens: int,
              batch_size: int = 256, sampler=None, accuracy_reward: str | None = None,
              accuracy_threshold: float = 1.0, samples: list[dict] | None = None,
              n_samples: int = 0, *, samples_per_prompt: int = 1, temperature: float = 1.0, top_p: float = 1.0,
              ks: Sequence[int] = (1,), seed: int = 0,
-             answer_of: Callable[[str], Hashable | None] | None = None, episodes=None) -> dict[str, float]:
+             answer_of: Callable[[str], Hashable | None] | None = None, episodes=None,
+             row_values: list[float] | None = None) -> dict[str, float]:
     """Greedy decoding on `rows`, scored by `rewards`. Returns row means: `accuracy` (the fraction solved: the
     unweighted value of `accuracy_reward` (default: the only function, or the only built-in verifier) is at least
     `accuracy_threshold`, so other rewards' weights do not change it), `reward_mean` (the weighted sum),
-    `reward_failure_rate` (rows on which some reward function failed), `response_length`, `truncation_rate`. The
+    `reward_failure_rate` (rows on which some reward function failed), `response_length`, `truncation_rate`; and
+    `accuracy_ci95_low` / `accuracy_ci95_high` (`accuracy_ci95`). Each row's solved fraction (0 or 1 here) is
+    appended to `row_values` when given, in row order (for `paired_change_ci95` against another evaluation). The
     first `n_samples` rows' prompts, completions, rewards and verdicts are appended to `samples`. `sampler`: the
     rollout engine to decode with (the run's own, with greedy settings for this call); default an HFSampler on
     `model`.
@@ -113,7 +171,8 @@ def evaluate(model, tokenizer, rows: list[dict], rewards: RewardRunner, max_new_
     an empty `ks` or a k outside [1, n], and (n > 1) a temperature or top_p that `SamplingParams` refuses.
 
     The interval keys are not row means: a caller that evaluates shards of the rows separately (several processes)
-    must not average them; recompute them with `mean_ci95` from every row's `pass_at_k` instead. Such a caller also
+    must not average them; recompute them from every row's values instead (`accuracy_ci95` of the `row_values`,
+    `mean_ci95` of the rows' `pass_at_k`). Such a caller also
     draws other completions than one call on all the rows would: i is a row's position in the `rows` given.
 
     `episodes` (a `gspo.agent.EpisodeRunner`): each row is a multi-turn episode instead (`max_new_tokens` per policy
@@ -162,8 +221,14 @@ def evaluate(model, tokenizer, rows: list[dict], rewards: RewardRunner, max_new_
                                 "reward": float(scores[-1][i * n]), "correct": bool(correct[-1][i * n]),
                                 **({"answer": chunk[i]["answer"]} if "answer" in chunk[i] else {}),
                                 **({"transcript": _transcript(tokenizer, batch, i * n)} if episodes else {})})
+    solved = torch.cat(correct).float().view(-1, n).mean(-1).tolist()  # each row's solved fraction
+    if row_values is not None:
+        row_values.extend(solved)
+    low, high = accuracy_ci95(solved)
     result = {
         "accuracy": float(torch.cat(correct).float().mean()),
+        "accuracy_ci95_low": low,
+        "accuracy_ci95_high": high,
         "reward_mean": float(torch.cat(scores).mean()),
         "reward_failure_rate": float(torch.cat(failed).float().mean()),
         "response_length": float(torch.cat(lengths).mean()),

@@ -41,7 +41,7 @@ from gspo.agent import EpisodeRunner, build_env, episode_metrics, make_episode_r
 from gspo.checkpoint import STATE_FILENAME, checkpoint_path, find_latest_checkpoint, list_checkpoints, set_seed
 from gspo.config import Config, ConfigError, config_to_dict
 from gspo.data import load_data, render_chat
-from gspo.evaluation import evaluate, format_samples
+from gspo.evaluation import accuracy_ci95, evaluate, format_samples, paired_change_ci95
 from gspo.guard import CollapseGuard, GuardSettings, Verdict, best_checkpoint, good_checkpoint
 from gspo.hooks import LearnHook, MoERouting, PrecisionMetrics
 from gspo.learner import LearnSettings, learn
@@ -364,6 +364,20 @@ def _start_checks(cfg: Config, out: Path, cfg_dict: dict, resume: bool, overwrit
     return changed
 
 
+def _accuracy_intervals(evals: list[dict]) -> dict[str, list[float] | None] | None:
+    """The summary's 95% intervals: of the accuracy before and after RL, and of the change between them on the same
+    rows (paired; None when the first evaluation's rows are unknown, e.g. resumed from an older checkpoint)."""
+    if not evals:
+        return None
+
+    def pair(record: dict, key: str) -> list[float] | None:
+        low, high = record.get(f"{key}_ci95_low"), record.get(f"{key}_ci95_high")
+        return None if low is None or high is None else [low, high]
+
+    return {"before_rl": pair(evals[0], "heldout_accuracy"), "after_rl": pair(evals[-1], "heldout_accuracy"),
+            "change": pair(evals[-1], "heldout_accuracy_change") if len(evals) > 1 else None}
+
+
 def _plot_run(cfg: Config, out: Path, evals: list[dict]) -> None:
     """OUT/curves.png: training reward, held-out accuracy and clip fraction vs step (a plotting failure is logged,
     never fatal: the numbers are in metrics.jsonl and eval.jsonl)."""
@@ -537,17 +551,30 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         "samples_per_prompt": n_eval, "temperature": cfg.trainer.eval_temperature, "seed": cfg.trainer.seed,
         "ks": sorted({*(2 ** i for i in range(n_eval.bit_length()) if 2 ** i <= n_eval), n_eval})}
 
+    # Each held-out row's solved fraction at the run's first evaluation (kept in checkpoints): every later evaluation
+    # reports its change since then with the interval of the paired difference (gspo.evaluation.paired_change_ci95).
+    first_rows: list[float] | None = state.get("heldout_first_rows")
+
     def run_eval(step: int) -> dict[str, float]:
+        nonlocal first_rows
         shown: list[dict] = []
+        mine: list[float] = []  # this process's rows' solved fractions, in row order
         if engine.version != step:  # async: the learner's engine took no weights since it last evaluated
             sync(engine, model, step)
         scores = group.evaluate(lambda part: evaluate(
             model, tokenizer, part, rewards, eval_tokens, sampler=engine, episodes=episodes,
             accuracy_reward=cfg.rewards.accuracy_reward, accuracy_threshold=cfg.rewards.accuracy_threshold,
-            samples=shown, n_samples=cfg.log.samples, **sampled_eval), eval_rows,
+            samples=shown, n_samples=cfg.log.samples, row_values=mine, **sampled_eval), eval_rows,
             after=lambda: rewards.sync_counts(group.all_sum))  # rank 0: the first rows
         if group.enabled:  # row-weighted means are right for pass@k and maj@k, not for the interval bounds
             scores = {k: v for k, v in scores.items() if "_ci95_" not in k}
+        every = [v for part in group.all_gather_object(mine) for v in part] if group.enabled else mine
+        scores["accuracy_ci95_low"], scores["accuracy_ci95_high"] = accuracy_ci95(every)
+        if not evals:  # the run's first evaluation (a resume has the earlier ones)
+            first_rows = every
+        elif first_rows is not None and len(first_rows) == len(every):
+            (scores["accuracy_change"], scores["accuracy_change_ci95_low"],
+             scores["accuracy_change_ci95_high"]) = paired_change_ci95(first_rows, every)
         result = {f"heldout_{k}": v for k, v in scores.items()}
         evals.append({"step": step, **result})
         if logger is not None:
@@ -566,6 +593,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
                                         "reward_baseline": guard.reward_baseline()}}
                              if guard is not None else {}),
                           **{f"reward_{kind}": counts for kind, counts in rewards.state_dict().items()},
+                          **({"heldout_first_rows": first_rows} if first_rows is not None else {}),
                           "wall_seconds": time.perf_counter() - wall0},
                    keep_last=cfg.trainer.keep_checkpoints + doubted_checkpoints(), keep=best_kept())
 
@@ -716,6 +744,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         "status": "completed",
         "heldout_accuracy_before_rl": evals[0]["heldout_accuracy"] if evals else None,
         "heldout_accuracy_after_rl": evals[-1]["heldout_accuracy"] if evals else None,
+        "heldout_accuracy_ci95": _accuracy_intervals(evals),
         "heldout": {**heldout_source,
                     "accuracy": f"{cfg.rewards.accuracy_reward} >= {cfg.rewards.accuracy_threshold:g}"},
         "steps": cfg.trainer.steps,

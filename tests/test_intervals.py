@@ -1,0 +1,97 @@
+"""95% intervals of held-out accuracy (Wilson), of the change between two evaluations of the same rows (paired,
+Agresti–Min), and where a run reports them (eval.jsonl, summary.json, the demo's line). Coverage is checked by
+simulation with fixed seeds: an interval that claims 95% must contain the truth about 95% of the time."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+
+from conftest import DEMO, tiny_overrides
+from gspo.config import load_config
+from gspo.evaluation import accuracy_ci95, mean_ci95, paired_change_ci95, wilson_ci95
+from gspo.tracking import read_metrics
+from gspo.trainer import train
+
+
+def test_wilson_matches_published_values_and_never_has_zero_width():
+    # textbook values of the Wilson score interval (81/263 is Newcombe 1998's worked example)
+    assert wilson_ci95(0, 10) == (0.0, pytest.approx(0.2775, abs=1e-4))
+    assert wilson_ci95(5, 10) == (pytest.approx(0.2366, abs=1e-4), pytest.approx(0.7634, abs=1e-4))
+    assert wilson_ci95(81, 263) == (pytest.approx(0.2553, abs=1e-4), pytest.approx(0.3662, abs=1e-4))
+    low, high = wilson_ci95(64, 64)
+    assert high == 1.0 and 0.9 < low < 0.96  # all solved is not "exactly 100%"
+    assert wilson_ci95(0, 0) == (0.0, 1.0)
+
+
+@pytest.mark.parametrize("p", [0.03, 0.3, 0.5, 0.9])
+def test_wilson_covers_the_true_accuracy_about_95_percent_of_the_time(p):
+    rng, rows, trials = random.Random(0), 100, 2000
+    hits = 0
+    for _ in range(trials):
+        low, high = wilson_ci95(sum(rng.random() < p for _ in range(rows)), rows)
+        hits += low <= p <= high
+    assert 0.92 <= hits / trials <= 0.99
+
+
+def test_accuracy_ci95_is_wilsons_for_verdicts_and_the_mean_interval_for_fractions():
+    assert accuracy_ci95([1.0, 0.0, 1.0, 1.0]) == wilson_ci95(3, 4)
+    assert accuracy_ci95([1.0, 0.5, 0.25, 0.75]) == mean_ci95([1.0, 0.5, 0.25, 0.75])
+
+
+@pytest.mark.parametrize("p_before, p_gain, p_loss", [(0.3, 0.3, 0.02), (0.5, 0.0, 0.0), (0.2, 0.05, 0.05)])
+def test_the_paired_interval_covers_the_true_change_about_95_percent_of_the_time(p_before, p_gain, p_loss):
+    """Rows solved before are lost with probability p_loss, unsolved ones gained with p_gain: the true change is
+    p_gain·(1 − p_before) − p_loss·p_before. Including the case where no row ever changes (zero true change)."""
+    rng, rows, trials = random.Random(1), 200, 1000
+    truth = p_gain * (1 - p_before) - p_loss * p_before
+    hits = 0
+    for _ in range(trials):
+        before = [float(rng.random() < p_before) for _ in range(rows)]
+        after = [float(rng.random() < p_gain) if b == 0 else float(rng.random() >= p_loss) for b in before]
+        change, low, high = paired_change_ci95(before, after)
+        assert change == pytest.approx(sum(after) / rows - sum(before) / rows)
+        hits += low <= truth <= high
+    assert 0.92 <= hits / trials <= 1.0
+
+
+def test_pairing_makes_the_change_interval_much_narrower_than_two_separate_intervals():
+    before = [1.0] * 60 + [0.0] * 140  # 30 % → 40 %: 20 rows gained, none lost
+    after = [1.0] * 80 + [0.0] * 120
+    change, low, high = paired_change_ci95(before, after)
+    assert change == pytest.approx(0.1) and 0 < low < change < high
+    (_, b_high), (a_low, _) = wilson_ci95(60, 200), wilson_ci95(80, 200)
+    assert a_low < b_high  # the separate intervals overlap: they cannot tell
+    unpaired = 2 * 1.96 * math.sqrt(0.3 * 0.7 / 200 + 0.4 * 0.6 / 200)  # as if the rows were two independent samples
+    assert high - low < 0.5 * unpaired
+
+
+def test_sampled_fractions_use_the_paired_mean_interval_and_lengths_must_match():
+    change, low, high = paired_change_ci95([0.5, 0.25, 0.75], [0.75, 0.5, 0.75])
+    assert change == pytest.approx(1 / 6) and low < change < high
+    with pytest.raises(ValueError, match="same rows"):
+        paired_change_ci95([1.0, 0.0], [1.0])
+    assert paired_change_ci95([1.0], [0.0]) == (-1.0, -1.0, 1.0)
+
+
+def test_a_run_reports_each_accuracy_and_its_change_with_intervals(tmp_path):
+    out = tmp_path / "run"
+    summary = train(load_config(DEMO, tiny_overrides(out, "trainer.steps=4", "data.eval_size=24")))
+    evals = read_metrics(out / "eval.jsonl")
+    assert [e["step"] for e in evals] == [0, 2, 4]
+    for e in evals:
+        n = 24
+        assert (e["heldout_accuracy_ci95_low"], e["heldout_accuracy_ci95_high"]) == pytest.approx(
+            wilson_ci95(round(e["heldout_accuracy"] * n), n))
+    assert "heldout_accuracy_change" not in evals[0]
+    for e in evals[1:]:
+        assert e["heldout_accuracy_change"] == pytest.approx(e["heldout_accuracy"] - evals[0]["heldout_accuracy"])
+        assert e["heldout_accuracy_change_ci95_low"] <= e["heldout_accuracy_change_ci95_high"]
+    ci = summary["heldout_accuracy_ci95"]
+    assert ci["before_rl"] == [evals[0]["heldout_accuracy_ci95_low"], evals[0]["heldout_accuracy_ci95_high"]]
+    assert ci["change"] == [evals[-1]["heldout_accuracy_change_ci95_low"],
+                            evals[-1]["heldout_accuracy_change_ci95_high"]]
+    assert json.loads((out / "summary.json").read_text())["heldout_accuracy_ci95"] == ci
