@@ -143,6 +143,20 @@ def test_a_missing_folder_is_an_error_naming_the_spec(tmp_path):
         RewardRunner({f"model:{tmp_path / 'nope'}": 1.0})
 
 
+def test_accuracy_by_a_reward_model_needs_an_explicit_threshold(digit_rm, capsys):
+    """1.0 means solved for a verifier, but is an arbitrary line on a learned score: a run (or gspo eval) whose
+    accuracy a reward model decides must say where the line is, or name a verifier."""
+    spec = f"model:{digit_rm}"
+    with pytest.raises(ValidationError, match="arbitrary line for a learned score.*rewards.accuracy_threshold"):
+        RewardConfig(functions={spec: 1.0})
+    with pytest.raises(ValidationError, match="arbitrary line"):
+        RewardConfig(functions={spec: 1.0, "math": 1.0}, accuracy_reward=spec)
+    assert RewardConfig(functions={spec: 1.0}, accuracy_threshold=0.8).accuracy_reward == spec
+    assert RewardConfig(functions={spec: 1.0, "math": 1.0}).accuracy_reward == "math"  # the verifier decides
+    assert main(["eval", "tiny-dense", "--task", "addition", "--size", "4", "--reward", spec]) == 2
+    assert "--accuracy-threshold" in capsys.readouterr().err
+
+
 def test_the_config_refuses_a_model_spec_without_a_path_and_bad_options():
     with pytest.raises(ValidationError, match="names no reward model"):
         RewardConfig(functions={"model: ": 1.0})
@@ -242,6 +256,7 @@ def test_gspo_against_a_reward_model_raises_its_score(tmp_path, digit_rm):
     spec = f"model:{digit_rm}"
     cfg = load_config(DEMO, tiny_overrides(
         tmp_path, "cold_start=null", "model.name=tiny-dense", f"rewards.functions={{{spec}: 1.0}}",
+        "rewards.accuracy_threshold=1.0",
         "trainer.steps=10", "trainer.eval_every=10", "rollout.prompts_per_step=8", "rollout.group_size=8",
         "data.eval_size=64", "optim.lr=1e-3", "optim.warmup_steps=0"))
     summary = train(cfg)
@@ -252,7 +267,8 @@ def test_gspo_against_a_reward_model_raises_its_score(tmp_path, digit_rm):
 def test_async_rollout_workers_score_with_the_reward_model(tmp_path, digit_rm):
     spec = f"model:{digit_rm}"
     cfg = load_config(DEMO, tiny_overrides(tmp_path, "rollout.mode=async", "trainer.steps=3", "cold_start.steps=2",
-                                           "trainer.eval_every=0", f"rewards.functions={{{spec}: 1.0}}"))
+                                           "trainer.eval_every=0", f"rewards.functions={{{spec}: 1.0}}",
+                                           "rewards.accuracy_threshold=0.5"))
     train(cfg)
     assert all(0 <= m[f"reward/{spec}"] <= 1 for m in read_metrics(tmp_path / "metrics.jsonl"))
 
@@ -261,7 +277,7 @@ def test_gspo_eval_scores_with_a_reward_model(digit_rm, capsys):
     import json
 
     assert main(["eval", "tiny-dense", "--task", "addition", "--size", "8", "--max-new-tokens", "3",
-                 "--reward", f"model:{digit_rm}"]) == 0
+                 "--reward", f"model:{digit_rm}", "--accuracy-threshold", "1"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["rows"] == 8 and result["reward_failures"] == {f"model:{digit_rm}": 0}
     assert result["accuracy"] == pytest.approx(result["reward_mean"], abs=1e-5)  # scores are 0 or 1 here

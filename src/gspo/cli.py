@@ -106,7 +106,7 @@ def _eval_setup(args: argparse.Namespace):
     config's held-out rows (as `DataSplits`), rewards, data section and the config itself (--config: with an `env`
     section the rows are evaluated as episodes), or --task / --data rows with --reward, the default data section
     (message prompts rendered with the model's chat template) and no config."""
-    from gspo.config import DataConfig, resolve_accuracy_reward
+    from gspo.config import DataConfig, check_model_threshold, resolve_accuracy_reward
     from gspo.data import DataSplits, load_data, load_rows, make_task
     from gspo.parallel import resolve_device
     from gspo.rewards import RewardRunner, reward_model_options
@@ -149,7 +149,10 @@ def _eval_setup(args: argparse.Namespace):
     runner = RewardRunner({name: 1.0 for name in names}, on_error="zero", timeout_s=args.timeout,
                           model_options={"device": resolve_device(args.device)})
     accuracy = resolve_accuracy_reward(names, args.accuracy_reward, key="--accuracy-reward")
-    return data, runner, accuracy, args.accuracy_threshold, args.max_new_tokens or 16, DataConfig(), None
+    if args.accuracy_threshold is None:
+        check_model_threshold(accuracy, "--accuracy-threshold")
+    threshold = 1.0 if args.accuracy_threshold is None else args.accuracy_threshold
+    return data, runner, accuracy, threshold, args.max_new_tokens or 16, DataConfig(), None
 
 
 def _eval_sampling(args: argparse.Namespace) -> tuple[int, float | None, float | None, list[int]]:
@@ -320,7 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(a reward model) (repeatable; default: the --task's; required with --data)")
     p.add_argument("--accuracy-reward", default=None,
                    help="with several --reward: the one whose value >= --accuracy-threshold means solved")
-    p.add_argument("--accuracy-threshold", type=float, default=1.0)
+    p.add_argument("--accuracy-threshold", type=float, default=None,
+                   help="solved = the accuracy reward's value >= this (default 1.0; required for a reward model)")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds for a batch of reward calls")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 16, or the config's")
     p.add_argument("--samples", type=int, default=1,

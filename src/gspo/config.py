@@ -184,10 +184,22 @@ class RewardConfig(_Section):
                                  "holding a one-output sequence classifier, or a hub id)")
         self.accuracy_reward = resolve_accuracy_reward(list(self.functions), self.accuracy_reward,
                                                        key="rewards.accuracy_reward")
+        if "accuracy_threshold" not in self.model_fields_set:
+            check_model_threshold(self.accuracy_reward, "rewards.accuracy_threshold")
         return self
 
 
 VERIFIERS = ("addition", "code", "countdown", "math")  # the built-in rewards: 1.0 exactly when the answer is right
+
+
+def check_model_threshold(accuracy_reward: str, key: str) -> None:
+    """Raise ValueError when accuracy would be decided by a reward model at the default threshold: 1.0 means
+    "solved" for a verifier, but is an arbitrary line on a learned score, and the held-out "accuracy" it gave would
+    look like a measurement. `key` names the setting that fixes it."""
+    if accuracy_reward.startswith("model:"):
+        raise ValueError(f"held-out accuracy would count the completions that the reward model {accuracy_reward!r} "
+                         f"scores >= 1.0, an arbitrary line for a learned score: set {key} to the score that counts "
+                         "as a success, or name a verifier (e.g. math) as the accuracy reward")
 
 
 def resolve_accuracy_reward(functions: list[str], chosen: str | None, key: str) -> str:
