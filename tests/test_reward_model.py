@@ -147,7 +147,7 @@ def test_accuracy_by_a_reward_model_needs_an_explicit_threshold(digit_rm, capsys
     """1.0 means solved for a verifier, but is an arbitrary line on a learned score: a run (or gspo eval) whose
     accuracy a reward model decides must say where the line is, or name a verifier."""
     spec = f"model:{digit_rm}"
-    with pytest.raises(ValidationError, match="arbitrary line for a learned score.*rewards.accuracy_threshold"):
+    with pytest.raises(ValidationError, match=r"arbitrary line for a learned score.*rewards\.accuracy_threshold"):
         RewardConfig(functions={spec: 1.0})
     with pytest.raises(ValidationError, match="arbitrary line"):
         RewardConfig(functions={spec: 1.0, "math": 1.0}, accuracy_reward=spec)
