@@ -124,6 +124,27 @@ def test_eval_decodes_at_most_max_batch_rows_at_once_with_the_same_result(sft_di
     assert "--max-batch-rows" in capsys.readouterr().err
 
 
+def test_eval_against_a_baseline_reports_the_paired_change(sft_dir, capsys):
+    """--baseline evaluates a second model on the same rows: each accuracy is the one a separate `gspo eval` gives,
+    and the change comes with the interval of the paired per-row differences."""
+    common = ["--size", "24", "--max-new-tokens", "4", "--reward", "conftest:varied_reward",
+              "--accuracy-threshold", "0.5"]
+    alone = {}
+    for model in (str(sft_dir), "tiny-moe"):
+        assert main(["eval", model, *common]) == 0
+        alone[model] = last_json(capsys.readouterr().out)
+    assert main(["eval", str(sft_dir), "--baseline", "tiny-moe", *common]) == 0
+    result = last_json(capsys.readouterr().out)
+    assert result["accuracy"] == alone[str(sft_dir)]["accuracy"]
+    assert result["baseline"]["accuracy"] == alone["tiny-moe"]["accuracy"]
+    assert result["baseline"]["accuracy_ci95"] == alone["tiny-moe"]["accuracy_ci95"]
+    change = result["accuracy"] - result["baseline"]["accuracy"]
+    assert change != 0  # the two models differ here, so the test can see a wrong sign or pairing
+    assert result["accuracy_change"] == pytest.approx(change)
+    low, high = result["accuracy_change_ci95"]
+    assert -1 <= low < high <= 1 and result["accuracy_ci95"][0] <= result["accuracy"] <= result["accuracy_ci95"][1]
+
+
 def test_eval_of_a_missing_model_dir_exits_2(tmp_path, capsys):
     missing = tmp_path / "no_model"
     assert main(["eval", str(missing), "--size", "2"]) == 2

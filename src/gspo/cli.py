@@ -190,7 +190,7 @@ def _eval_sampling(args: argparse.Namespace) -> tuple[int, float | None, float |
 def _cmd_eval(args: argparse.Namespace) -> int:
     from gspo.agent import build_env, make_episode_runner
     from gspo.data import render_chat
-    from gspo.evaluation import evaluate
+    from gspo.evaluation import evaluate, paired_change_ci95
     from gspo.models import load_model
     from gspo.parallel import resolve_device
     from gspo.rollout import HFSampler, SamplingParams
@@ -202,32 +202,50 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     batch = args.max_batch_rows or (cfg.rollout.max_batch_rows if cfg is not None else None) or 256
     rewards.check_rows(data.heldout)
     make_env, tools = build_env(cfg) if cfg is not None else (None, None)  # env: the rows are episodes
-    model, tokenizer = load_model(args.model)
-    data = render_chat(data, data_cfg, tokenizer, tools=tools)
-    rows, source = data.heldout, data.heldout_source
-    model = model.to(resolve_device(args.device))
     sampling = {} if n == 1 else {"samples_per_prompt": n, "temperature": temperature, "top_p": top_p, "ks": ks,
                                   "seed": args.seed}
-    engine = episodes = None
-    if make_env is not None:
-        engine = HFSampler(model, tokenizer, SamplingParams(max_new_tokens=new_tokens))
-        episodes = make_episode_runner(cfg, engine, tokenizer, make_env)
-    result = evaluate(model, tokenizer, rows, rewards, new_tokens, batch_size=batch, accuracy_reward=accuracy_reward,
-                      accuracy_threshold=threshold, sampler=engine, episodes=episodes, **sampling)
-    # one [low, high] pair per k (in the place of its two scalars) instead of pass@k_ci95_low / _high
-    result = {key.removesuffix("_low"): [value, result[key.replace("_low", "_high")]] if key.endswith("_ci95_low")
-              else value for key, value in result.items() if not key.endswith("_ci95_high")}
-    completions = len(rows) * n
+    completions = len(data.heldout) * n
+
+    def run(name: str) -> tuple[dict, list[float], dict[str, int]]:
+        """Evaluate model `name` on the rows (rendered with its own chat template): its result (each interval as one
+        [low, high] pair), each row's solved fraction, and its reward failures per function."""
+        model, tokenizer = load_model(name)
+        rows = render_chat(data, data_cfg, tokenizer, tools=tools).heldout
+        model = model.to(resolve_device(args.device))
+        engine = episodes = None
+        if make_env is not None:
+            engine = HFSampler(model, tokenizer, SamplingParams(max_new_tokens=new_tokens))
+            episodes = make_episode_runner(cfg, engine, tokenizer, make_env)
+        values: list[float] = []
+        before = dict(rewards.failures)
+        result = evaluate(model, tokenizer, rows, rewards, new_tokens, batch_size=batch,
+                          accuracy_reward=accuracy_reward, accuracy_threshold=threshold, sampler=engine,
+                          episodes=episodes, row_values=values, **sampling)
+        result = {key.removesuffix("_low"): [value, result[key.replace("_low", "_high")]]
+                  if key.endswith("_ci95_low") else value
+                  for key, value in result.items() if not key.endswith("_ci95_high")}
+        return result, values, {k: v - before.get(k, 0) for k, v in rewards.failures.items()}
+
+    result, values, failures = run(args.model)
     failed = round(result["reward_failure_rate"] * completions)
-    counts = ({"solved": round(result["accuracy"] * len(rows)), "rows_with_reward_failures": failed} if n == 1 else
+    counts = ({"solved": round(result["accuracy"] * len(values)), "rows_with_reward_failures": failed} if n == 1 else
               {"solved_samples": round(result["accuracy"] * completions), "samples_with_reward_failures": failed})
-    print(json.dumps({"model": args.model, "rows": len(rows), "source": source, "samples_per_prompt": n,
-                      "temperature": temperature, "top_p": top_p, **result, **counts,
-                      "accuracy_means": f"{accuracy_reward} >= {threshold:g}",
-                      "reward_failures": dict(rewards.failures), "reward_timeouts": dict(rewards.timeouts)}))
-    if failed == completions:
+    comparison, failed_all = {}, failed == completions
+    if args.baseline is not None:  # the same rows, rewards and sampling: the change with its paired interval
+        base, base_values, base_failures = run(args.baseline)
+        change, low, high = paired_change_ci95(base_values, values)
+        comparison = {"baseline": {"model": args.baseline, "accuracy": base["accuracy"],
+                                   "accuracy_ci95": base["accuracy_ci95"], "reward_mean": base["reward_mean"],
+                                   "reward_failures": base_failures},
+                      "accuracy_change": change, "accuracy_change_ci95": [low, high]}
+        failed_all = failed_all or round(base["reward_failure_rate"] * completions) == completions
+    print(json.dumps({"model": args.model, "rows": len(values), "source": data.heldout_source,
+                      "samples_per_prompt": n, "temperature": temperature, "top_p": top_p, **result, **counts,
+                      "accuracy_means": f"{accuracy_reward} >= {threshold:g}", "reward_failures": failures,
+                      "reward_timeouts": dict(rewards.timeouts), **comparison}))
+    if failed_all:
         print(f"gspo eval: error: a reward function failed on every one of the {completions} "
-              f"{'rows' if n == 1 else 'completions'} "
+              f"{'rows' if n == 1 else 'completions'} of a model "
               f"(failures by function: {dict(rewards.failures)}); the accuracy above measures nothing. Check the "
               "reward (--reward) and the rows' fields (--fields)", file=sys.stderr)
         return 1
@@ -318,6 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="preset, local HF directory (e.g. RUN/final) or hub id")
     p.add_argument("--config", default=None,
                    help="a training config (e.g. RUN/config.yaml): its held-out rows, fields, rewards and accuracy")
+    p.add_argument("--baseline", default=None,
+                   help="a second model evaluated on the same rows: adds its accuracy and the change with its paired "
+                        "95%% interval")
     p.add_argument("--reward", action="append", default=None,
                    help="reward function: a registered name, module:function, file.py:function, or model:PATH "
                         "(a reward model) (repeatable; default: the --task's; required with --data)")
