@@ -10,7 +10,9 @@ import torch
 from safetensors.torch import load_file
 
 from gspo.cli import demo_config_path
+from gspo.logprobs import completion_logprobs
 from gspo.rewards import REWARDS
+from gspo.trajectory import Trajectory
 
 # The models here are tiny: one intra-op thread is fastest, and on a machine whose cores are busy (another training
 # run) two OpenMP threads that wait on each other make a 5 ms forward take over a second. GSPO_TEST_THREADS overrides.
@@ -92,6 +94,25 @@ def record_objective(monkeypatch: pytest.MonkeyPatch, name: str) -> list[tuple[t
 
     monkeypatch.setitem(OBJECTIVES, name, dataclasses.replace(inner, loss=spy))
     return calls
+
+
+def ragged_trajectory(model, n: int = 8, seed: int = 0) -> Trajectory:
+    """`n` rows of random tokens with prompts of 2-9 tokens (left-padded) and completions of 1-12 (right-padded); the
+    engine's log-probabilities are the model's plus noise, so the mismatch metrics are not 0."""
+    g = torch.Generator().manual_seed(seed)
+    vocab, s, t = model.config.vocab_size, 9, 12
+    p_len = torch.randint(2, s + 1, (n,), generator=g)
+    c_len = torch.randint(1, t + 1, (n,), generator=g)
+    prompt_mask = (torch.arange(s) >= s - p_len[:, None]).long()
+    completion_mask = (torch.arange(t) < c_len[:, None]).long()
+    prompt_ids = torch.randint(3, vocab, (n, s), generator=g) * prompt_mask
+    completion_ids = torch.randint(3, vocab, (n, t), generator=g) * completion_mask
+    with torch.no_grad():
+        lp, _ = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    lp = (lp + 0.01 * torch.randn(lp.shape, generator=g)) * completion_mask
+    return Trajectory(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
+                      completion_mask=completion_mask, logprobs=lp, truncated=torch.zeros(n, dtype=torch.bool),
+                      completions=[""] * n, prompt_index=torch.arange(n) // 4)
 
 
 def safetensors_of(folder: Path) -> dict[str, torch.Tensor]:

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import DEMO, record_objective, tiny_overrides
+from conftest import DEMO, ragged_trajectory, record_objective, tiny_overrides
 from gspo import learner as learner_module
 from gspo.config import load_config
 from gspo.learner import LearnSettings, _equalise, learn, micro_batches
@@ -21,7 +21,6 @@ from gspo.models import build_preset
 from gspo.objectives import OBJECTIVES
 from gspo.tracking import read_metrics
 from gspo.trainer import train
-from gspo.trajectory import Trajectory
 
 # ------------------------------------------------------------------------------------------------ the split
 
@@ -64,25 +63,6 @@ def test_equalise_splits_to_the_count_keeping_every_row_once(sizes, extra):
 
 
 # ------------------------------------------------------------------------------------------------ learn()
-
-
-def ragged_trajectory(model, n: int = 8, seed: int = 0) -> Trajectory:
-    """`n` rows of random tokens with prompts of 2-9 tokens (left-padded) and completions of 1-12 (right-padded); the
-    engine's log-probabilities are the model's plus noise, so the mismatch metrics are not 0."""
-    g = torch.Generator().manual_seed(seed)
-    vocab, s, t = model.config.vocab_size, 9, 12
-    p_len = torch.randint(2, s + 1, (n,), generator=g)
-    c_len = torch.randint(1, t + 1, (n,), generator=g)
-    prompt_mask = (torch.arange(s) >= s - p_len[:, None]).long()
-    completion_mask = (torch.arange(t) < c_len[:, None]).long()
-    prompt_ids = torch.randint(3, vocab, (n, s), generator=g) * prompt_mask
-    completion_ids = torch.randint(3, vocab, (n, t), generator=g) * completion_mask
-    with torch.no_grad():
-        lp, _ = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
-    lp = (lp + 0.01 * torch.randn(lp.shape, generator=g)) * completion_mask
-    return Trajectory(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
-                      completion_mask=completion_mask, logprobs=lp, truncated=torch.zeros(n, dtype=torch.bool),
-                      completions=[""] * n, prompt_index=torch.arange(n) // 4)
 
 
 def run_learn(preset: str, loss: str, budget: int | None, *, kl_beta: float = 0.0, forwards: list | None = None):

@@ -362,6 +362,10 @@ class AlgorithmConfig(_Section):
     loss: str = "gspo"
     old_logprobs: Literal["recompute", "rollout"] = "recompute"
     minibatches: int = Field(4, ge=1)
+    # Passes over each rollout batch (PPO's epochs: TRL's num_iterations, verl's ppo_epochs), each reshuffled into
+    # `minibatches` updates against the same π_old. The paper makes one pass; every update after the first is
+    # off-policy, so more passes clip more (watch clip_frac_tokens).
+    epochs: int = Field(1, ge=1)
     eps_low: float | None = Field(None, ge=0, le=1)
     eps_high: float | None = Field(None, ge=0)
     advantage_scale: Literal["group", "batch", "none"] | None = None

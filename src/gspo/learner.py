@@ -95,15 +95,24 @@ def _equalise(micros: list[torch.Tensor], count: int) -> list[torch.Tensor]:
 
 def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: Trajectory, advantages: torch.Tensor,
           minibatches: Sequence[torch.Tensor], settings: LearnSettings, group: ProcessGroup | None = None,
-          ref_model: nn.Module | None = None, hooks: Sequence[LearnHook] = ()) -> dict[str, float]:
-    """One update per minibatch of `traj` (each process: its share of each minibatch's row indices); returns the
-    step's metrics: the objective's metrics averaged over the updates (and the processes), `loss`, `entropy` (first
-    update), `clip_frac_tokens_first_mb`, `grad_norm`, `skipped_updates`, `lr`, `micro_batches` (forwards per update,
-    1 without a budget), the hooks' metrics; with π_old
+          ref_model: nn.Module | None = None, hooks: Sequence[LearnHook] = (),
+          later_epochs: Sequence[Sequence[torch.Tensor]] = ()) -> dict[str, float]:
+    """One update per minibatch of `traj` (each process: its share of each minibatch's row indices), then one per
+    minibatch of each of `later_epochs` (further passes over the same rows, each split its own way, against the same
+    π_old); returns the step's metrics: the objective's metrics averaged over the updates (and the processes), `loss`,
+    `entropy` (first update), `clip_frac_tokens_first_mb`, `grad_norm`, `skipped_updates`, `lr`, `micro_batches`
+    (forwards per update, 1 without a budget), the hooks' metrics; with π_old
     recomputed, the train–inference mismatch (`gspo.correction.mismatch_metrics`) and what its correction masked and
     truncated (0 when off)."""
     s, group = settings, group or ProcessGroup()
     mask = traj.loss_mask.bool()
+    per_pass = sum(len(mb) for mb in minibatches)
+    for e, later in enumerate(later_epochs, start=2):  # under torchrun a process's rows differ between passes
+        rows = torch.cat(list(later))
+        if len(rows) != per_pass or len(rows.unique()) != len(rows):
+            raise ValueError(f"learn: pass {e} (later_epochs[{e - 2}]) must take {per_pass} distinct rows, as the "
+                             f"first pass's minibatches do, got {len(rows)} ({len(rows.unique())} distinct)")
+    updates = [*minibatches, *(mb for later in later_epochs for mb in later)]  # every update's share, in order
     model.train()
     for hook in hooks:
         hook.start(traj)
@@ -120,12 +129,12 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
 
     # The micro-batches of each minibatch share, the same for π_old, the reference and every update; as many on every
     # process (under FSDP each forward is a collective). Costed on the layout the forwards will see.
-    micros_of = [[mb] for mb in minibatches]
+    micros_of = [[mb] for mb in updates]
     if s.micro_batch_tokens is not None:
         padded = any(h.keeps_layout("old") or h.keeps_layout("update") for h in hooks)
         lengths = (torch.full((len(traj),), traj.prompt_ids.shape[1] + traj.completion_ids.shape[1]) if padded
                    else traj.prompt_mask.sum(-1) + traj.completion_mask.sum(-1))
-        split = [micro_batches(mb, lengths, s.micro_batch_tokens) for mb in minibatches]
+        split = [micro_batches(mb, lengths, s.micro_batch_tokens) for mb in updates]
         counts = group.all_max([len(m) for m in split])
         micros_of = [_equalise(m, c) for m, c in zip(split, counts, strict=True)]
 
@@ -138,7 +147,7 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
         old_logprobs = torch.zeros_like(traj.logprobs)
         trim = not any(h.keeps_layout("old") for h in hooks)
         with torch.no_grad():
-            for r in (r for micros in micros_of for r in micros):
+            for r in (r for micros in micros_of[:len(minibatches)] for r in micros):  # the first pass: every row once
                 with forwards(lambda h, r=r: h.old_forward(r)):
                     old_logprobs[r] = completion_logprobs(model, *traj.rows(r), temperature=s.temperature,
                                                           trim_padding=trim)[0]
@@ -160,12 +169,12 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
             batch_metrics.update(fracs)
 
     sums: dict[str, float] = {}
-    grad_norms, skipped, n = [], 0, len(minibatches)
+    grad_norms, skipped, n = [], 0, len(updates)
     logprobs = torch.zeros_like(old_logprobs)  # π_θ of this process's rows, filled micro-batch by micro-batch
     entropy = torch.zeros_like(old_logprobs)
     with_ref = ref_model is not None and s.kl_beta > 0
     ref_logprobs = torch.zeros_like(old_logprobs) if with_ref else None
-    for k, (mb, micros) in enumerate(zip(minibatches, micros_of, strict=True)):
+    for k, (mb, micros) in enumerate(zip(updates, micros_of, strict=True)):
         trim = not any(h.keeps_layout("update") for h in hooks)
         # normalised by the count over every process's share: N processes' averaged gradients = one process's
         count_mask = mask[mb] if kept is None else loss_mask[mb][kept[mb]]

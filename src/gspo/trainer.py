@@ -251,11 +251,17 @@ def _collect_async(step: int, ctx: RLStep) -> Collected:
     return Collected(traj, rewards, torch.zeros_like(rewards), stats, waited, sampled_rewards=every)
 
 
-def minibatches(step: int, n: int, ctx: RLStep, device: torch.device) -> list[torch.Tensor]:
-    """The step's rows shuffled and split into `algorithm.minibatches` (all but the first update are off-policy);
-    each process gets its share of each. The permutation is drawn on the CPU (the same on every device)."""
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(derive_seed(ctx.cfg.trainer.seed, step)))
-    return [ctx.group.share(mb) for mb in perm.to(device).chunk(ctx.cfg.algorithm.minibatches)]
+def minibatches(step: int, n: int, ctx: RLStep, device: torch.device) -> list[list[torch.Tensor]]:
+    """The step's updates, one list per pass (`algorithm.epochs`): the rows shuffled and split into
+    `algorithm.minibatches` (all but the first update are off-policy), each pass with its own permutation; each
+    process gets its share of each minibatch. Permutations are drawn on the CPU (the same on every device)."""
+    seed, algo = ctx.cfg.trainer.seed, ctx.cfg.algorithm
+    passes = []
+    for epoch in range(algo.epochs):  # the first pass's permutation is the same whatever the number of passes
+        key = derive_seed(seed, step) if epoch == 0 else derive_seed(seed, step, "epoch", epoch)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(key))
+        passes.append([ctx.group.share(mb) for mb in perm.to(device).chunk(algo.minibatches)])
+    return passes
 
 
 def sync(engine: RolloutEngine, model: nn.Module, version: int) -> None:
@@ -304,9 +310,9 @@ def rl_step(step: int, model: nn.Module, optimizer, scheduler, train_rows: list[
                             "KV cache)") from e
     traj = batch.traj
     try:
-        learned = learn(model, optimizer, scheduler, traj, batch.advantages,
-                        minibatches(step, len(traj), ctx, traj.loss_mask.device), learn_settings(ctx.cfg), ctx.group,
-                        ctx.ref_model, ctx.hooks)
+        first, *later = minibatches(step, len(traj), ctx, traj.loss_mask.device)
+        learned = learn(model, optimizer, scheduler, traj, batch.advantages, first, learn_settings(ctx.cfg),
+                        ctx.group, ctx.ref_model, ctx.hooks, later_epochs=later)
     except RuntimeError as e:
         if not _out_of_memory(e):
             raise
@@ -495,8 +501,9 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         ref_model = BaseReference(model) if cfg.algorithm.kl_beta > 0 else None
     model = wrap_policy(group, model, cfg.trainer.mixed_precision)  # DDP / FSDP2; one process: as is
     ref_model = wrap_frozen(group, ref_model, cfg.trainer.mixed_precision)
+    updates = cfg.algorithm.minibatches * cfg.algorithm.epochs  # optimizer steps per RL step
     optimizer, scheduler = make_optimizer(
-        model, cfg.optim.lr, cfg.trainer.steps * cfg.algorithm.minibatches, weight_decay=cfg.optim.weight_decay,
+        model, cfg.optim.lr, cfg.trainer.steps * updates, weight_decay=cfg.optim.weight_decay,
         betas=cfg.optim.betas, warmup_steps=cfg.optim.warmup_steps, min_lr_ratio=cfg.optim.min_lr_ratio,
         cosine=cfg.optim.schedule == "cosine")
     start, bad_steps, state = 0, 0, {}  # bad_steps: consecutive steps whose updates were all skipped (non-finite)
@@ -701,7 +708,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
             if logger is not None:
                 logger.log(done, metrics)
             progress.update(done, metrics)
-            bad_steps = bad_steps + 1 if metrics["skipped_updates"] == cfg.algorithm.minibatches else 0
+            bad_steps = bad_steps + 1 if metrics["skipped_updates"] == updates else 0
             if cfg.trainer.checkpoint_every and (done % cfg.trainer.checkpoint_every == 0 or done == cfg.trainer.steps):
                 checkpoint_now(done)
             if cfg.trainer.max_bad_steps is not None and bad_steps >= cfg.trainer.max_bad_steps:
