@@ -126,7 +126,8 @@ def test_a_classifier_with_two_outputs_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("options, match", [({"batch_size": 0}, "batch_size"), ({"max_length": 1}, "max_length"),
-                                            ({"dtype": "int8"}, "dtype")])
+                                            ({"dtype": "int8"}, "dtype"),
+                                            ({"max_length": 257}, "beyond the model's position limit \\(256")])
 def test_bad_options_are_refused_by_name(digit_rm, options, match):
     with pytest.raises(ValueError, match=match):
         RewardModel(str(digit_rm), **options)

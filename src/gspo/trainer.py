@@ -573,10 +573,11 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
             accuracy_reward=cfg.rewards.accuracy_reward, accuracy_threshold=cfg.rewards.accuracy_threshold,
             samples=shown, n_samples=cfg.log.samples, row_values=mine, **sampled_eval), eval_rows,
             after=lambda: rewards.sync_counts(group.all_sum))  # rank 0: the first rows
+        every = mine
         if group.enabled:  # row-weighted means are right for pass@k and maj@k, not for the interval bounds
             scores = {k: v for k, v in scores.items() if "_ci95_" not in k}
-        every = [v for part in group.all_gather_object(mine) for v in part] if group.enabled else mine
-        scores["accuracy_ci95_low"], scores["accuracy_ci95_high"] = accuracy_ci95(every)
+            every = [v for part in group.all_gather_object(mine) for v in part]  # every process's rows, in order
+            scores["accuracy_ci95_low"], scores["accuracy_ci95_high"] = accuracy_ci95(every)
         if not evals:  # the run's first evaluation (a resume has the earlier ones)
             first_rows = every
         elif first_rows is not None and len(first_rows) == len(every):

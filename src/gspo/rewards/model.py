@@ -83,6 +83,9 @@ class RewardModel:
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         limit = getattr(model.config, "max_position_embeddings", None)
+        if max_length is not None and limit and max_length > limit:  # positions past it: a silently wrong score
+            raise ValueError(f"reward model {name_or_path!r}: max_length {max_length} is beyond the model's "
+                             f"position limit ({limit} tokens, max_position_embeddings)")
         self.max_length = max_length or (int(limit) if limit else None)
         self.truncated = 0  # conversations that lost their start to max_length, over the model's life
 
