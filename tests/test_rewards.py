@@ -229,7 +229,7 @@ def test_runner_weighted_sum_is_exact(user_module: str) -> None:
     expected = [0.5 * 1 - 0.25 * 1, 0.5 * 0 - 0.25 * 2, 0.5 * 1 - 0.25 * 3]
     assert rewards.tolist() == expected
     assert stats == {"reward/addition": 2 / 3, f"reward/{user_module}:length_reward": 2.0, "reward_failures": 0.0,
-                     "reward_timeouts": 0.0}
+                     "reward_timeouts": 0.0, "unfinished_thinking": 0.0}
     assert runner.failures == {"addition": 0, f"{user_module}:length_reward": 0}
 
 

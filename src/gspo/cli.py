@@ -101,6 +101,20 @@ def _fields(args: argparse.Namespace) -> dict[str, str] | None:
     return fields
 
 
+def _think_tags(args: argparse.Namespace) -> tuple[str, str] | None:
+    """`--think-tags OPEN,CLOSE` as a pair (default `gspo.rewards.THINK_TAGS`), 'none' as None."""
+    from gspo.rewards.thinking import THINK_TAGS, check_think_tags
+
+    if args.think_tags is None:
+        return THINK_TAGS
+    if args.think_tags.strip().lower() == "none":
+        return None
+    try:
+        return check_think_tags(args.think_tags.split(","), "--think-tags")
+    except ValueError as exc:
+        raise ConfigError(f"{exc} (write OPEN,CLOSE, e.g. --think-tags '<think>,</think>', or none)") from None
+
+
 def _eval_setup(args: argparse.Namespace):
     """(rows, reward runner, accuracy reward, threshold, new tokens, data section, config) for `gspo eval`: a training
     config's held-out rows (as `DataSplits`), rewards, data section and the config itself (--config: with an `env`
@@ -109,12 +123,14 @@ def _eval_setup(args: argparse.Namespace):
     from gspo.config import DataConfig, check_model_threshold, resolve_accuracy_reward
     from gspo.data import DataSplits, load_data, load_rows, make_task
     from gspo.parallel import resolve_device
-    from gspo.rewards import RewardRunner, reward_model_options
+    from gspo.rewards import RewardRunner
 
     if args.config is not None:
-        if args.data is not None or args.task is not None or args.reward or args.split or args.fields:
+        if (args.data is not None or args.task is not None or args.reward or args.split or args.fields
+                or args.think_tags is not None):
             raise ConfigError("--config takes the data, split, fields and rewards from the config: leave out --task, "
-                              "--data, --split, --fields and --reward (or leave out --config)")
+                              "--data, --split, --fields, --reward and --think-tags (or leave out --config; "
+                              "rewards.think_tags=null is an override)")
         size = [] if args.size is None else [f"data.eval_size={args.size}"]  # default: the config's eval_size
         cfg = load_config(args.config, [*args.overrides, *size])
         data = load_data(cfg.data, cfg.trainer.seed)
@@ -122,9 +138,7 @@ def _eval_setup(args: argparse.Namespace):
             raise ConfigError(f"{args.config} holds out no rows (data.eval_split is null and no data.eval_path / "
                               "data.eval_fraction): set one with an override, e.g. data.eval_path=FILE")
         r = cfg.rewards
-        runner = RewardRunner(r.functions, on_error="zero", timeout_s=r.timeout_s, workers=r.workers,
-                              model_options=reward_model_options(r.reward_model.model_dump(),
-                                                                 resolve_device(args.device)))
+        runner = RewardRunner.from_config(r, resolve_device(args.device), on_error="zero")
         tokens = args.max_new_tokens or cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens
         heldout = DataSplits(train=[], heldout=data.heldout, heldout_source=data.heldout_source)
         return heldout, runner, r.accuracy_reward, r.accuracy_threshold, tokens, cfg.data, cfg
@@ -147,7 +161,7 @@ def _eval_setup(args: argparse.Namespace):
     data = DataSplits(train=[], heldout=rows, heldout_source=source)
     names = args.reward or [args.task or "addition"]
     runner = RewardRunner({name: 1.0 for name in names}, on_error="zero", timeout_s=args.timeout,
-                          model_options={"device": resolve_device(args.device)})
+                          model_options={"device": resolve_device(args.device)}, think_tags=_think_tags(args))
     accuracy = resolve_accuracy_reward(names, args.accuracy_reward, key="--accuracy-reward")
     if args.accuracy_threshold is None:
         check_model_threshold(accuracy, "--accuracy-threshold")
@@ -236,7 +250,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         change, low, high = paired_change_ci95(base_values, values)
         comparison = {"baseline": {"model": args.baseline, "accuracy": base["accuracy"],
                                    "accuracy_ci95": base["accuracy_ci95"], "reward_mean": base["reward_mean"],
-                                   "reward_failures": base_failures},
+                                   "reward_failures": base_failures,
+                                   **{k: base[k] for k in ("unfinished_thinking_rate",) if k in base}},
                       "accuracy_change": change, "accuracy_change_ci95": [low, high]}
         failed_all = failed_all or round(base["reward_failure_rate"] * completions) == completions
     print(json.dumps({"model": args.model, "rows": len(values), "source": data.heldout_source,
@@ -346,6 +361,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with several --reward: the one whose value >= --accuracy-threshold means solved")
     p.add_argument("--accuracy-threshold", type=float, default=None,
                    help="solved = the accuracy reward's value >= this (default 1.0; required for a reward model)")
+    p.add_argument("--think-tags", default=None,
+                   help="OPEN,CLOSE of a reasoning model's thinking block (default <think>,</think>): the built-in "
+                        "verifiers and reward models judge the text after it; 'none': the whole completion")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds for a batch of reward calls")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 16, or the config's")
     p.add_argument("--samples", type=int, default=1,

@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from gspo.objectives import OBJECTIVES
+from gspo.rewards.thinking import check_think_tags
 
 
 def _allows_bool(annotation: Any) -> bool:
@@ -173,11 +174,15 @@ class RewardConfig(_Section):
     overlong_buffer: int | None = Field(None, ge=1)
     overlong_penalty: float = Field(1.0, gt=0, allow_inf_nan=False)
     reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig)  # options of `model:PATH` rewards
+    # A reasoning model's thinking block [open, close]: the built-in verifiers and reward models judge the text after
+    # it, and a completion whose reasoning never ended has no answer (gspo.rewards.thinking); null: whole completions.
+    think_tags: list[str] | None = Field(default_factory=lambda: ["<think>", "</think>"])
 
     @model_validator(mode="after")
     def _nonempty(self) -> RewardConfig:
         if not self.functions:
             raise ValueError("rewards.functions must name at least one reward function")
+        check_think_tags(self.think_tags, "rewards.think_tags")
         for spec in self.functions:
             if spec.startswith("model:") and not spec[len("model:"):].strip():
                 raise ValueError(f"rewards.functions: {spec!r} names no reward model; write model:PATH (a folder "

@@ -152,11 +152,13 @@ def evaluate(model, tokenizer, rows: list[dict], rewards: RewardRunner, max_new_
     unweighted value of `accuracy_reward` (default: the only function, or the only built-in verifier) is at least
     `accuracy_threshold`, so other rewards' weights do not change it), `reward_mean` (the weighted sum),
     `reward_failure_rate` (rows on which some reward function failed), `response_length`, `truncation_rate`; and
-    `accuracy_ci95_low` / `accuracy_ci95_high` (`accuracy_ci95`). Each row's solved fraction (0 or 1 here) is
-    appended to `row_values` when given, in row order (for `paired_change_ci95` against another evaluation). The
-    first `n_samples` rows' prompts, completions, rewards and verdicts are appended to `samples`. `sampler`: the
-    rollout engine to decode with (the run's own, with greedy settings for this call); default an HFSampler on
-    `model`.
+    `accuracy_ci95_low` / `accuracy_ci95_high` (`accuracy_ci95`); with a reward that judges the answer after a
+    reasoning block (`gspo.rewards.thinking`), `unfinished_thinking_rate`, the fraction of completions whose
+    reasoning never ended (no answer: raise `max_new_tokens` when it is high). Each row's solved fraction (0 or 1
+    here) is appended to `row_values` when given, in row order (for `paired_change_ci95` against another
+    evaluation). The first `n_samples` rows' prompts, completions, rewards and verdicts are appended to `samples`.
+    `sampler`: the rollout engine to decode with (the run's own, with greedy settings for this call); default an
+    HFSampler on `model`.
 
     `samples_per_prompt=n > 1` samples n completions per row instead (at `temperature` and `top_p`; row i's are a
     function of `seed` and i alone, so a call is reproducible whatever `batch_size`, which then counts completions:
@@ -165,8 +167,9 @@ def evaluate(model, tokenizer, rows: list[dict], rewards: RewardRunner, max_new_
     reward call), `samples` gets each row's first completion, and for every k in `ks` (1 <= k <= n) it adds
     `pass@{k}` (the mean over rows of `pass_at_k`), `pass@{k}_ci95_low` / `pass@{k}_ci95_high` (`mean_ci95` of the
     rows' estimates) and `maj@{k}` (the mean of `maj_at_k` over the rows' first k samples, voting on
-    `answer_of(completion)`; default: the answer the accuracy reward extracts (`gspo.rewards.with_answer`; the
-    built-in addition, last_number and math rewards have one), else `vote_answer`). With n = 1 (the default) `ks`,
+    `answer_of(text)` of the text the accuracy reward judges (`RewardRunner.texts_judged`); default: the answer that
+    reward extracts (`gspo.rewards.with_answer`; the built-in addition, last_number and math rewards have one), else
+    `vote_answer`). With n = 1 (the default) `ks`,
     `seed` and `answer_of` are unused and the result is the greedy one above, unchanged. Raises ValueError for n < 1,
     an empty `ks` or a k outside [1, n], and (n > 1) a temperature or top_p that `SamplingParams` refuses.
 
@@ -194,7 +197,7 @@ def evaluate(model, tokenizer, rows: list[dict], rewards: RewardRunner, max_new_
     if answer_of is None:
         answer_of = answer_extractor(rewards.functions[rewards.names.index(accuracy_reward)]) or vote_answer
     per_call = batch_size if n == 1 else max(1, batch_size // n)
-    scores, correct, failed, lengths, truncated, answers, counts = [], [], [], [], [], [], []
+    scores, correct, failed, lengths, truncated, answers, counts, unfinished = [], [], [], [], [], [], [], []
     for start in range(0, len(rows), per_call):
         chunk = rows[start:start + per_call]
         prompts = [r["prompt"] for r in chunk]
@@ -205,8 +208,10 @@ def evaluate(model, tokenizer, rows: list[dict], rewards: RewardRunner, max_new_
         else:
             batch = sampler.generate(prompts, n, seeds, params=params)
         # completion j answers prompt j // n (prompt-major)
-        scored = rewards.score([p for p in prompts for _ in range(n)], batch.completions,
-                               [r for r in chunk for _ in range(n)])
+        repeated = [p for p in prompts for _ in range(n)]
+        scored = rewards.score(repeated, batch.completions, [r for r in chunk for _ in range(n)])
+        if "unfinished_thinking" in scored.stats:
+            unfinished.append(scored.stats["unfinished_thinking"])
         turns = 0.0 if batch.token_rewards is None else batch.token_rewards.sum(-1).cpu()
         scores.append(scored.total + turns)
         correct.append(scored.correct(accuracy_reward, accuracy_threshold))
@@ -214,7 +219,8 @@ def evaluate(model, tokenizer, rows: list[dict], rewards: RewardRunner, max_new_
         lengths.append(batch.completion_mask.sum(-1).float().cpu())
         truncated.append(batch.truncated.float().cpu())
         if n > 1:
-            answers.extend(_vote(answer_of, c) for c in batch.completions)
+            answers.extend(_vote(answer_of, c) for c in rewards.texts_judged(accuracy_reward, repeated,
+                                                                             batch.completions))
         if samples is not None and len(samples) < n_samples:
             for i in range(min(n_samples - len(samples), len(chunk))):
                 samples.append({"prompt": prompts[i], "completion": batch.completions[i * n],
@@ -234,6 +240,8 @@ def evaluate(model, tokenizer, rows: list[dict], rewards: RewardRunner, max_new_
         "response_length": float(torch.cat(lengths).mean()),
         "truncation_rate": float(torch.cat(truncated).mean()),
     }
+    if unfinished:  # reasoning that never ended: scored as no answer by the verifiers (gspo.rewards.thinking)
+        result["unfinished_thinking_rate"] = sum(unfinished) / sum(len(x) for x in lengths)
     if counts:
         from gspo.agent.episodes import count_metrics
 

@@ -52,7 +52,7 @@ from gspo.objectives import OBJECTIVES
 from gspo.optim import check_update_precision, make_optimizer, scale_lr
 from gspo.parallel import ProcessGroup, init_distributed, wrap_frozen, wrap_policy
 from gspo.parallel.state import full_state, load_state, save_state
-from gspo.rewards import RewardRunner, reward_model_options, score_trajectory
+from gspo.rewards import RewardRunner, score_trajectory
 from gspo.rollout import RolloutEngine, make_engine, policy_weights
 from gspo.rollout.dynamic import NoSignal, Scored, keep_informative
 from gspo.rollout.workers import (
@@ -332,6 +332,8 @@ def rl_step(step: int, model: nn.Module, optimizer, scheduler, train_rows: list[
         "accuracy": stats.pop("solved") / len(sampled),  # solved as rewards.accuracy_reward says
         "response_length": float(lengths.mean()),
         "truncation_rate": float(traj.truncated.float().mean()),
+        **({"unfinished_thinking_rate": stats.pop("unfinished_thinking") / len(sampled)}
+           if "unfinished_thinking" in stats else {}),  # reasoning that never ended: no answer to reward
         "zero_variance_groups": float(zero_variance_groups(sampled, ctx.cfg.rollout.group_size).float().mean()),
         **learned,
         "tokens_per_second": float(lengths.sum()) / t_total,
@@ -422,9 +424,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
     cfg_dict = config_to_dict(cfg)
     changed = group.main_first(lambda: _start_checks(cfg, out, cfg_dict, resume, overwrite))
     data = load_data(cfg.data, cfg.trainer.seed)
-    rewards = RewardRunner(cfg.rewards.functions, on_error=cfg.rewards.on_error, timeout_s=cfg.rewards.timeout_s,
-                           workers=cfg.rewards.workers, model_options=reward_model_options(
-                               cfg.rewards.reward_model.model_dump(), group.device))
+    rewards = RewardRunner.from_config(cfg.rewards, group.device)
     rewards.check_rows(data.train)
     make_env, tool_schemas = build_env(cfg)  # env: one environment per episode, the tools the template describes
     if cfg.trainer.threads:

@@ -46,20 +46,24 @@ from gspo.rewards.code import code_reward
 from gspo.rewards.deadline import DeadlinePool, Outcome
 from gspo.rewards.model import RewardModel, reward_model_options
 from gspo.rewards.shaping import add_overlong_penalty
+from gspo.rewards.thinking import THINK_TAGS, after_thinking, check_think_tags, final_answer, judges_final_answer
 
 __all__ = [
     "REWARDS",
+    "THINK_TAGS",
     "RewardFailure",
     "RewardFn",
     "RewardModel",
     "RewardRunner",
     "RewardScores",
     "addition_reward",
+    "after_thinking",
     "answer_extractor",
     "batched",
     "check_signature",
     "code_reward",
     "countdown_reward",
+    "final_answer",
     "is_batched",
     "last_number_reward",
     "math_reward",
@@ -247,6 +251,10 @@ class RewardRunner:
     deadline starts. `model_options` are `RewardModel`'s keyword arguments (`reward_model_options` makes them from
     the config's `rewards.reward_model` section).
 
+    `think_tags` (open, close; None: off): a function marked `after_thinking` (the built-in verifiers, reward models)
+    judges `final_answer(prompt, completion)`, the text after the completion's reasoning, "" when the reasoning never
+    ended (`gspo.rewards.thinking`); the others see the completion as generated.
+
     Calls run in `workers` daemon threads (`DeadlinePool`) when there is a deadline or more than one worker, else
     inline; all the calls of one batch share one deadline, `timeout_s` after the batch starts. A timed-out call
     cannot be stopped and keeps running in its abandoned thread; once more than `MAX_STUCK_CALLS` of them are still
@@ -260,6 +268,7 @@ class RewardRunner:
         timeout_s: float | None = 30.0,
         workers: int = 1,
         model_options: Mapping[str, Any] | None = None,
+        think_tags: Sequence[str] | None = THINK_TAGS,
     ) -> None:
         if on_error not in ("fail", "zero"):
             raise ValueError(f"RewardRunner: on_error must be 'fail' or 'zero', got {on_error!r}")
@@ -291,12 +300,22 @@ class RewardRunner:
             self.functions.append(fn)
             self.weights.append(float(weight))
         self.on_error = on_error
+        self.think_tags = check_think_tags(think_tags, "RewardRunner: think_tags")
         self.timeout_s = None if timeout_s is None else float(timeout_s)
         self.failures: dict[str, int] = dict.fromkeys(self.names, 0)
         self.timeouts: dict[str, int] = dict.fromkeys(self.names, 0)
         self._warned: set[tuple[str, str]] = set()
         self._pool = DeadlinePool(workers, self.timeout_s) if self.timeout_s is not None or workers > 1 else None
         self._agreed = self.state_dict()  # the counters as every process last agreed on them (`sync_counts`)
+
+    @classmethod
+    def from_config(cls, settings: Any, device: str | torch.device | None = None,
+                    on_error: Literal["fail", "zero"] | None = None) -> RewardRunner:
+        """The runner a config's `rewards` section (`gspo.config.RewardConfig`) describes, its reward models on
+        `device` unless the section names one; `on_error` overrides the section's (evaluation counts failures)."""
+        return cls(settings.functions, on_error=on_error or settings.on_error, timeout_s=settings.timeout_s,
+                   workers=settings.workers, think_tags=settings.think_tags,
+                   model_options=reward_model_options(settings.reward_model.model_dump(), device))
 
     def state_dict(self) -> dict[str, dict[str, int]]:
         """The cumulative counters (`failures`, `timeouts`: per function), e.g. for a checkpoint."""
@@ -399,8 +418,26 @@ class RewardRunner:
         solved = scored.correct(accuracy_reward, accuracy_threshold)
         return scored.total, {**scored.stats, "solved": float(solved.sum())}
 
+    def _final_answers(self, prompts: Sequence[str], completions: Sequence[str]) -> tuple[list[str] | None, int]:
+        """(what the `after_thinking` functions judge: each completion's `final_answer`, "" where its reasoning never
+        ended; how many never ended), or (None, 0) when no function is marked or `think_tags` is None."""
+        if self.think_tags is None or not any(judges_final_answer(fn) for fn in self.functions):
+            return None, 0
+        answers = [final_answer(p, c, self.think_tags) for p, c in zip(prompts, completions, strict=True)]
+        return ["" if a is None else a for a in answers], sum(a is None for a in answers)
+
+    def texts_judged(self, name: str, prompts: Sequence[str], completions: Sequence[str]) -> list[str]:
+        """What reward `name` reads of each completion (what maj@k votes on): its `final_answer` ("" for reasoning
+        that never ended) when the function is marked `after_thinking` and `think_tags` is on, else the completion."""
+        answers, _ = self._final_answers(prompts, completions)
+        if answers is None or not judges_final_answer(self.functions[self.names.index(name)]):
+            return list(completions)
+        return answers
+
     def score(self, prompts: list[str], completions: list[str], rows: list[dict]) -> RewardScores:
-        """Like `__call__`, keeping each function's unweighted values and which calls failed (`RewardScores`)."""
+        """Like `__call__`, keeping each function's unweighted values and which calls failed (`RewardScores`); with
+        an `after_thinking` function and `think_tags` on, the stats add `unfinished_thinking`, the count of
+        completions whose reasoning never ended (scored as an empty answer by those functions)."""
         n = len(completions)
         if len(prompts) != n or len(rows) != n:
             raise ValueError(
@@ -415,15 +452,16 @@ class RewardRunner:
                     f"{type(prompt).__name__}, {type(completion).__name__}, {type(row).__name__}"
                 )
         kwargs = [{k: v for k, v in row.items() if k not in _POSITIONAL_FIELDS} for row in rows]
+        answers, unfinished = self._final_answers(prompts, completions)
         calls, spans = [], []  # spans[k]: function k's calls, calls[a:b] (one for a batched function, else n)
         for fn in self.functions:
             start = len(calls)
+            texts = answers if answers is not None and judges_final_answer(fn) else completions
             if is_batched(fn):
                 fields = dict.fromkeys(key for kw in kwargs for key in kw)  # every row's fields, in order
-                calls.append((fn, (list(prompts), list(completions)), {f: [kw.get(f) for kw in kwargs]
-                                                                     for f in fields}))
+                calls.append((fn, (list(prompts), list(texts)), {f: [kw.get(f) for kw in kwargs] for f in fields}))
             else:
-                calls.extend((fn, (prompts[i], completions[i]), kwargs[i]) for i in range(n))
+                calls.extend((fn, (prompts[i], texts[i]), kwargs[i]) for i in range(n))
             spans.append((start, len(calls)))
         invoked = self._invoke(calls)
         outcomes = []
@@ -443,6 +481,8 @@ class RewardRunner:
             stats[f"reward/{name}"] = sum(v for v, _ in scored) / n
         stats["reward_failures"] = float(sum(int(f.sum()) for f in failed.values()))
         stats["reward_timeouts"] = float(sum(self.timeouts.values()) - timeouts_before)
+        if answers is not None:
+            stats["unfinished_thinking"] = float(unfinished)
         return RewardScores(torch.tensor(totals, dtype=torch.float32), values, failed, stats)
 
 

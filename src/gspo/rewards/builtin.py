@@ -1,5 +1,8 @@
 """Built-in verifiable rewards: `fn(prompt, completion, **row) -> float`, 1.0 for a correct completion, else 0.0.
 
+Each judges the answer only (`after_thinking`): a reasoning model's `<think> … </think>` block is cut off first, and a
+completion whose reasoning never ended has no answer (`gspo.rewards.thinking`).
+
 A wrong or malformed completion scores 0.0; it is not an error. Errors (exceptions) are reserved for bad *data*, e.g. a
 row without the gold answer, so that `RewardRunner` reports them instead of silently training on zeros.
 Model output is never passed to `eval`: countdown expressions go through a small arithmetic parser.
@@ -17,6 +20,8 @@ from collections import Counter
 from collections.abc import Callable, Hashable
 from fractions import Fraction
 from typing import Any, TypeVar
+
+from gspo.rewards.thinking import after_thinking
 
 __all__ = ["addition_reward", "answer_extractor", "countdown_reward", "math_reward", "parse_arithmetic", "with_answer"]
 
@@ -68,6 +73,7 @@ def _last_integer(completion: str) -> int | None:
 
 
 @with_answer(_answer_prefix)
+@after_thinking
 def addition_reward(prompt: str, completion: str, **row: Any) -> float:
     """1.0 if the completion starts with exactly the answer, else 0.0.
 
@@ -82,6 +88,7 @@ def addition_reward(prompt: str, completion: str, **row: Any) -> float:
 
 
 @with_answer(_last_integer)
+@after_thinking
 def last_number_reward(prompt: str, completion: str, **row: Any) -> float:
     """1.0 if the last integer in the completion equals the integer `row["answer"]`, else 0.0: for chat models that
     answer in a sentence or an equation ("57 + 58 = 115" scores 1 for 115; "115 is wrong, it is 116" scores 0)."""
@@ -187,6 +194,7 @@ def _countdown_problem(prompt: str, row: dict[str, Any]) -> tuple[list[int], int
         raise ValueError(f"countdown_reward: bad numbers {numbers!r} or target {target!r}: {exc}") from exc
 
 
+@after_thinking
 def countdown_reward(prompt: str, completion: str, **row: Any) -> float:
     """1.0 if the stripped completion is an arithmetic expression (+ - * /, parentheses) over the given numbers,
     each used at most once, whose exact value is the target; else 0.0.
@@ -223,6 +231,7 @@ def _math_answer(completion: str) -> str | None:
 
 
 @with_answer(_math_answer)
+@after_thinking
 def math_reward(prompt: str, completion: str, **row: Any) -> float:
     """1.0 if Math-Verify finds the completion's final answer equivalent to `row["answer"]`, else 0.0.
 

@@ -11,6 +11,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from gspo.rewards.thinking import after_thinking
 from gspo.sandbox import check_limits, run_sandboxed
 
 __all__ = ["code_reward", "extract_code", "make_code_reward"]
@@ -44,6 +45,7 @@ def make_code_reward(
     check_limits(timeout_s, cpu_s, memory_mb, max_procs, 1)
     warned: set[str] = set()
 
+    @after_thinking  # a program drafted inside the reasoning is not the answer
     def code_reward(prompt: str, completion: str, **row: Any) -> float:
         """1.0 if the completion's program (see `extract_code`) passes the row's `tests` in the sandbox, else 0.0.
 

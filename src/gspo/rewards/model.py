@@ -21,8 +21,6 @@ from typing import Any
 
 import torch
 
-from gspo.models import load_pretrained, resolve_dtype
-
 __all__ = ["RewardModel"]
 
 log = logging.getLogger(__name__)
@@ -42,10 +40,13 @@ class RewardModel:
 
     batched = True  # called once per batch: self(prompts, completions, **columns) -> one score per completion
     inline = True  # runs in the caller's thread, outside `rewards.timeout_s` (see RewardRunner)
+    after_thinking = True  # scores the reply after its reasoning block (gspo.rewards.thinking)
 
     def __init__(self, name_or_path: str, *, device: str | torch.device = "auto", dtype: str = "auto",
                  batch_size: int = 16, max_length: int | None = None, trust_remote_code: bool = False) -> None:
         from transformers import AutoModelForSequenceClassification
+
+        from gspo.models import load_pretrained, resolve_dtype  # transformers: loaded when a reward model is built
 
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"reward model {name_or_path!r}: batch_size must be an int >= 1, got {batch_size!r}")

@@ -150,7 +150,7 @@ def _worker_main(worker: int, model_config, tokenizer, cfg, train_rows: list[dic
     from transformers import AutoModelForCausalLM
 
     from gspo.agent import build_env, make_episode_runner
-    from gspo.rewards import REWARDS, RewardRunner, reward_model_options, score_trajectory
+    from gspo.rewards import REWARDS, RewardRunner, score_trajectory
     from gspo.rollout import worker_engine
     from gspo.rollout.dynamic import Scored, keep_informative
     from gspo.schedule import step_prompts
@@ -167,9 +167,7 @@ def _worker_main(worker: int, model_config, tokenizer, cfg, train_rows: list[dic
         engine.version = NO_VERSION  # nothing published taken yet
         make_env, _ = build_env(cfg)
         episodes = make_episode_runner(cfg, engine, tokenizer, make_env) if make_env is not None else None
-        rewards = RewardRunner(cfg.rewards.functions, on_error=cfg.rewards.on_error,
-                               timeout_s=cfg.rewards.timeout_s, workers=cfg.rewards.workers,
-                               model_options=reward_model_options(cfg.rewards.reward_model.model_dump(), device))
+        rewards = RewardRunner.from_config(cfg.rewards, device)
         if ro.partial:
             engine.between_tokens = lambda: shared.pull(engine)
 
