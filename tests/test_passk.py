@@ -11,7 +11,7 @@ import pytest
 
 from conftest import varied_reward
 from gspo.cli import main
-from gspo.evaluation import evaluate, maj_at_k, mean_ci95, pass_at_k, vote_answer
+from gspo.evaluation import evaluate, maj_at_k, mean_ci95, pass_at_k, pass_at_k_ci95, vote_answer
 from gspo.models import build_preset, save_model
 from gspo.rewards import REWARDS, RewardRunner, answer_extractor, with_answer
 
@@ -323,3 +323,24 @@ def test_trainer_logs_heldout_pass_at_k_when_asked(tmp_path):
         assert passes == sorted(passes) and "heldout_maj@4" in record
         assert record["heldout_pass@1"] == pytest.approx(record["heldout_accuracy"])
         assert record["heldout_pass@4_ci95_low"] <= record["heldout_pass@4"] <= record["heldout_pass@4_ci95_high"]
+
+
+def test_a_shard_with_its_row_offset_draws_the_rows_own_samples(tiny):
+    """Several processes each evaluate a shard: with its offset, a shard's rows get the samples (and so the solved
+    fractions) they get in one call on all the rows, and the intervals recomputed from every row's values
+    (`pass_at_k_ci95`) are the one call's."""
+    model, tokenizer = tiny
+    rewards = RewardRunner([(varied_reward, 1.0)], timeout_s=None)
+    kwargs = {"samples_per_prompt": 4, "ks": [1, 2, 4], "seed": 5, "accuracy_threshold": 0.3}
+    whole: list[float] = []
+    result = evaluate(model, tokenizer, ROWS, rewards, 6, row_values=whole, **kwargs)
+    parts: list[float] = []
+    for start, stop in ((0, 3), (3, len(ROWS))):
+        evaluate(model, tokenizer, ROWS[start:stop], rewards, 6, row_values=parts, row_offset=start, **kwargs)
+    assert parts == whole
+    assert 0 < sum(whole) < len(whole)  # the verdicts vary, so the comparison means something
+    intervals = pass_at_k_ci95(whole, 4, [1, 2, 4])
+    assert intervals == {key: result[key] for key in intervals}
+    unshifted: list[float] = []
+    evaluate(model, tokenizer, ROWS[3:], rewards, 6, row_values=unshifted, **kwargs)
+    assert unshifted != whole[3:]  # without the offset, the shard draws the first rows' samples

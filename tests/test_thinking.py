@@ -172,7 +172,7 @@ def test_trainer_logs_the_unfinished_rate_of_each_step(tmp_path):
 
 
 def test_config_refuses_bad_tags_and_accepts_null(tmp_path):
-    with pytest.raises(ConfigError, match="rewards.think_tags"):
+    with pytest.raises(ConfigError, match=r"rewards\.think_tags"):
         load_config(DEMO, tiny_overrides(tmp_path, "rewards.think_tags=[x]"))
     assert load_config(DEMO, tiny_overrides(tmp_path, "rewards.think_tags=null")).rewards.think_tags is None
     assert load_config(DEMO, tiny_overrides(tmp_path)).rewards.think_tags == ["<think>", "</think>"]

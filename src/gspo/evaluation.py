@@ -23,7 +23,7 @@ from gspo.rewards import RewardRunner, answer_extractor
 from gspo.rollout import HFSampler, SamplingParams
 
 __all__ = ["accuracy_ci95", "evaluate", "format_samples", "maj_at_k", "mean_ci95", "paired_change_ci95", "pass_at_k",
-           "vote_answer", "wilson_ci95"]
+           "pass_at_k_ci95", "vote_answer", "wilson_ci95"]
 
 _Z95 = 1.959963984540054  # the standard normal's 97.5% quantile: a two-sided 95% interval is mean ± _Z95 · s.e.
 _SEED_MIX = 2_654_435_761  # a sampled row's prompt seed is seed · _SEED_MIX + its position. Not seed << 32: torch's
@@ -147,7 +147,7 @@ def evaluate(model, tokenizer, rows: list[dict], rewards: RewardRunner, max_new_
              n_samples: int = 0, *, samples_per_prompt: int = 1, temperature: float = 1.0, top_p: float = 1.0,
              ks: Sequence[int] = (1,), seed: int = 0,
              answer_of: Callable[[str], Hashable | None] | None = None, episodes=None,
-             row_values: list[float] | None = None) -> dict[str, float]:
+             row_values: list[float] | None = None, row_offset: int = 0) -> dict[str, float]:
     """Greedy decoding on `rows`, scored by `rewards`. Returns row means: `accuracy` (the fraction solved: the
     unweighted value of `accuracy_reward` (default: the only function, or the only built-in verifier) is at least
     `accuracy_threshold`, so other rewards' weights do not change it), `reward_mean` (the weighted sum),
@@ -161,22 +161,22 @@ def evaluate(model, tokenizer, rows: list[dict], rewards: RewardRunner, max_new_
     HFSampler on `model`.
 
     `samples_per_prompt=n > 1` samples n completions per row instead (at `temperature` and `top_p`; row i's are a
-    function of `seed` and i alone, so a call is reproducible whatever `batch_size`, which then counts completions:
-    `batch_size // n` rows per generate call). The five means are then over all n·rows completions (`accuracy`, the
-    mean per-sample accuracy, is the pass@1 estimate; `reward_failure_rate` the fraction of completions with a failed
-    reward call), `samples` gets each row's first completion, and for every k in `ks` (1 <= k <= n) it adds
-    `pass@{k}` (the mean over rows of `pass_at_k`), `pass@{k}_ci95_low` / `pass@{k}_ci95_high` (`mean_ci95` of the
-    rows' estimates) and `maj@{k}` (the mean of `maj_at_k` over the rows' first k samples, voting on
+    function of `seed` and `row_offset` + i alone, so a call is reproducible whatever `batch_size`, which then counts
+    completions: `batch_size // n` rows per generate call). The five means are then over all n·rows completions
+    (`accuracy`, the mean per-sample accuracy, is the pass@1 estimate; `reward_failure_rate` the fraction of
+    completions with a failed reward call), `samples` gets each row's first completion, and for every k in `ks`
+    (1 <= k <= n) it adds `pass@{k}` (the mean over rows of `pass_at_k`), `pass@{k}_ci95_low` / `pass@{k}_ci95_high`
+    (`pass_at_k_ci95`) and `maj@{k}` (the mean of `maj_at_k` over the rows' first k samples, voting on
     `answer_of(text)` of the text the accuracy reward judges (`RewardRunner.texts_judged`); default: the answer that
     reward extracts (`gspo.rewards.with_answer`; the built-in addition, last_number and math rewards have one), else
-    `vote_answer`). With n = 1 (the default) `ks`,
-    `seed` and `answer_of` are unused and the result is the greedy one above, unchanged. Raises ValueError for n < 1,
-    an empty `ks` or a k outside [1, n], and (n > 1) a temperature or top_p that `SamplingParams` refuses.
+    `vote_answer`). With n = 1 (the default) `ks`, `seed`, `row_offset` and `answer_of` are unused and the result is
+    the greedy one above, unchanged. Raises ValueError for n < 1, an empty `ks` or a k outside [1, n], and (n > 1) a
+    temperature or top_p that `SamplingParams` refuses.
 
     The interval keys are not row means: a caller that evaluates shards of the rows separately (several processes)
-    must not average them; recompute them from every row's values instead (`accuracy_ci95` of the `row_values`,
-    `mean_ci95` of the rows' `pass_at_k`). Such a caller also
-    draws other completions than one call on all the rows would: i is a row's position in the `rows` given.
+    must not average them; recompute them from every row's values instead (`accuracy_ci95` and `pass_at_k_ci95` of
+    the `row_values`). Such a caller passes each shard's `row_offset`, the position of its first row among all the
+    rows, so that row i of the shard draws the completions of row `row_offset + i`, as one call on all the rows does.
 
     `episodes` (a `gspo.agent.EpisodeRunner`): each row is a multi-turn episode instead (`max_new_tokens` per policy
     turn); the rewards score its final reply, `reward_mean` adds the environment's turn rewards, the result adds the
@@ -201,7 +201,8 @@ def evaluate(model, tokenizer, rows: list[dict], rewards: RewardRunner, max_new_
     for start in range(0, len(rows), per_call):
         chunk = rows[start:start + per_call]
         prompts = [r["prompt"] for r in chunk]
-        seeds = [0] * len(prompts) if n == 1 else [seed * _SEED_MIX + start + i for i in range(len(chunk))]
+        seeds = ([0] * len(prompts) if n == 1 else
+                 [seed * _SEED_MIX + row_offset + start + i for i in range(len(chunk))])
         if episodes is not None:
             batch = episodes.run(chunk, n, seeds, params)
             counts.append(batch.extras["episode"].cpu())
@@ -269,16 +270,25 @@ def _transcript(tokenizer, batch, i: int) -> str:
     return tokenizer.decode(batch.completion_ids[i][batch.completion_mask[i].bool()].tolist(), skip_special_tokens=True)
 
 
+def pass_at_k_ci95(row_values: Sequence[float], n: int, ks: Sequence[int]) -> dict[str, float]:
+    """`pass@{k}_ci95_low` / `_high` for each k in `ks` from each row's solved fraction of its `n` samples (what
+    `evaluate(row_values=...)` collects): `mean_ci95` of the rows' `pass_at_k` estimates. A caller that evaluated
+    shards of the rows separately recomputes the intervals from every row's values with this."""
+    solved = [round(v * n) for v in row_values]
+    out: dict[str, float] = {}
+    for k in ks:
+        out[f"pass@{k}_ci95_low"], out[f"pass@{k}_ci95_high"] = mean_ci95([pass_at_k(n, c, k) for c in solved])
+    return out
+
+
 def _pass_and_majority(correct: list[list[bool]], answers: list[Hashable | None],
                        ks: Sequence[int]) -> dict[str, float]:
     """pass@k, its interval and maj@k for each k in `ks`, from each row's n verdicts and the n·rows answers."""
     n = len(correct[0])
     solved = [sum(row) for row in correct]
-    out: dict[str, float] = {}
+    out: dict[str, float] = pass_at_k_ci95([c / n for c in solved], n, ks)
     for k in ks:
-        estimates = [pass_at_k(n, c, k) for c in solved]
-        out[f"pass@{k}"] = sum(estimates) / len(estimates)
-        out[f"pass@{k}_ci95_low"], out[f"pass@{k}_ci95_high"] = mean_ci95(estimates)
+        out[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in solved) / len(solved)
         out[f"maj@{k}"] = sum(maj_at_k(answers[i * n:(i + 1) * n], row, k)
                               for i, row in enumerate(correct)) / len(correct)
     return out

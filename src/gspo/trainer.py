@@ -41,7 +41,7 @@ from gspo.agent import EpisodeRunner, build_env, episode_metrics, make_episode_r
 from gspo.checkpoint import STATE_FILENAME, checkpoint_path, find_latest_checkpoint, list_checkpoints, set_seed
 from gspo.config import Config, ConfigError, config_to_dict
 from gspo.data import load_data, render_chat
-from gspo.evaluation import accuracy_ci95, evaluate, format_samples, paired_change_ci95
+from gspo.evaluation import accuracy_ci95, evaluate, format_samples, paired_change_ci95, pass_at_k_ci95
 from gspo.guard import CollapseGuard, GuardSettings, Verdict, best_checkpoint, good_checkpoint
 from gspo.hooks import LearnHook, MoERouting, PrecisionMetrics
 from gspo.learner import LearnSettings, learn
@@ -568,16 +568,18 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         mine: list[float] = []  # this process's rows' solved fractions, in row order
         if engine.version != step:  # async: the learner's engine took no weights since it last evaluated
             sync(engine, model, step)
-        scores = group.evaluate(lambda part: evaluate(
+        scores = group.evaluate(lambda part, offset: evaluate(
             model, tokenizer, part, rewards, eval_tokens, sampler=engine, episodes=episodes,
             accuracy_reward=cfg.rewards.accuracy_reward, accuracy_threshold=cfg.rewards.accuracy_threshold,
-            samples=shown, n_samples=cfg.log.samples, row_values=mine, **sampled_eval), eval_rows,
+            samples=shown, n_samples=cfg.log.samples, row_values=mine, row_offset=offset, **sampled_eval), eval_rows,
             after=lambda: rewards.sync_counts(group.all_sum))  # rank 0: the first rows
         every = mine
         if group.enabled:  # row-weighted means are right for pass@k and maj@k, not for the interval bounds
             scores = {k: v for k, v in scores.items() if "_ci95_" not in k}
             every = [v for part in group.all_gather_object(mine) for v in part]  # every process's rows, in order
             scores["accuracy_ci95_low"], scores["accuracy_ci95_high"] = accuracy_ci95(every)
+            if n_eval > 1:
+                scores.update(pass_at_k_ci95(every, n_eval, sampled_eval["ks"]))
         if not evals:  # the run's first evaluation (a resume has the earlier ones)
             first_rows = every
         elif first_rows is not None and len(first_rows) == len(every):

@@ -268,14 +268,16 @@ class ProcessGroup:
 
     # ----------------------------------------------------------------------------------------- evaluation
 
-    def evaluate(self, fn: Callable[[list[dict]], dict[str, float]], rows: list[dict],
+    def evaluate(self, fn: Callable[[list[dict], int], dict[str, float]], rows: list[dict],
                  after: Callable[[], None] = lambda: None) -> dict[str, float]:
-        """`fn` (row-mean metrics of some rows) over `rows`, sharded over processes and combined by row count; with
-        several processes every one then calls `after` (a collective, e.g. syncing the reward runner's counters)."""
+        """`fn(part, offset)` (row-mean metrics of the rows `part`, which start at position `offset` of `rows`) over
+        `rows`, sharded over processes and combined by row count; with several processes every one then calls `after`
+        (a collective, e.g. syncing the reward runner's counters)."""
         if not self.enabled:
-            return fn(rows)
-        part = rows[self._uneven_shard(len(rows))]
-        result = fn(part) if part else {}
+            return fn(rows, 0)
+        share = self._uneven_shard(len(rows))
+        part = rows[share]
+        result = fn(part, share.start) if part else {}
         after()
         keys = [sorted(result)]
         dist.broadcast_object_list(keys, src=0)  # rank 0's share is never empty
