@@ -234,3 +234,32 @@ def test_metrics_logger_accepts_path_objects(tmp_path):
     with MetricsLogger(Path(tmp_path) / "nested" / "run", tensorboard=False) as logger:
         logger.log(0, {})
     assert read_metrics(tmp_path / "nested" / "run" / "metrics.jsonl") == [{"step": 0}]
+
+
+def test_rollouts_are_dropped_after_the_resumed_or_rewound_step_like_metrics(tmp_path):
+    """rollouts.jsonl follows metrics.jsonl: a resume from step k and a guard's rewind to step k keep the lines of
+    steps <= k; records are strict JSON; the table reaches TensorBoard's text tab (markdown, pipes escaped)."""
+    def log_steps(logger: MetricsLogger, steps: range, run: int) -> None:
+        for step in steps:
+            logger.log(step, {"loss": 1.0})
+            logger.log_rollouts(step, [{"group": 0, "prompt": "1+1=", "completion": f"2|{run}\n", "reward": 1.0,
+                                        "advantage": 0.5, "truncated": False}] * 2)
+
+    with MetricsLogger(tmp_path, tensorboard=True) as logger:
+        log_steps(logger, range(1, 6), run=1)
+        logger.rewind(3)
+        assert [r["step"] for r in read_metrics(tmp_path / "rollouts.jsonl")] == [1, 1, 2, 2, 3, 3]
+        log_steps(logger, range(4, 7), run=2)
+    with MetricsLogger(tmp_path, tensorboard=False, resume_step=4) as logger:
+        log_steps(logger, range(5, 8), run=3)
+    records = read_metrics(tmp_path / "rollouts.jsonl")
+    assert [r["step"] for r in records] == [s for s in range(1, 8) for _ in range(2)]
+    assert [r["completion"][2] for r in records] == list("11111122333333")
+    for line in (tmp_path / "rollouts.jsonl").read_text().splitlines():
+        strict_loads(line)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"tensors": 0}).Reload()
+    texts = [e.tensor_proto.string_val[0].decode() for e in events.Tensors("rollouts/text_summary")]
+    assert "| group | prompt | completion | reward | advantage | truncated |" in texts[0]
+    assert "2\\|1⏎" in texts[0]

@@ -11,12 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import DEMO, SimulatedCrash, crash_after, record_objective, safetensors_of, tiny_overrides
+from conftest import DEMO, SimulatedCrash, crash_after, record_objective, safetensors_of, tiny_overrides, varied_reward
+from gspo.advantages import group_advantages
 from gspo.checkpoint import checkpoint_path, find_latest_checkpoint
 from gspo.config import ConfigError, load_config
-from gspo.data import make_task
+from gspo.data import load_data, make_task
 from gspo.models import load_model
-from gspo.rewards import RewardFailure
+from gspo.rewards import RewardFailure, addition_reward
+from gspo.schedule import step_prompts
 from gspo.sft import sft
 from gspo.tracking import read_metrics
 from gspo.trainer import train
@@ -30,7 +32,7 @@ REQUIRED = ("step", "reward_mean", "clip_frac_tokens", "clip_frac_seqs", "ratio_
 # every 2 steps, evaluation every 2 steps; on the CPU even on a GPU machine, because the resumed run must equal the
 # uninterrupted one bit for bit (see conftest.DEVICE). The other tests train on conftest.DEVICE (tiny_overrides).
 RUN = ["trainer.steps=4", "trainer.checkpoint_every=2", "trainer.keep_checkpoints=3",
-       "rewards.functions={addition: 1.0, varied: 0.5}", "trainer.device=cpu"]
+       "rewards.functions={addition: 1.0, varied: 0.5}", "trainer.device=cpu", "log.rollouts=6"]
 
 
 def cfg_for(out: Path, *extra: str):
@@ -116,6 +118,29 @@ def test_eval_jsonl_starts_at_step_0(run_a):
     assert summary["heldout_accuracy_after_rl"] == evals[-1]["heldout_accuracy"]
 
 
+def test_rollouts_jsonl_holds_each_steps_first_groups_as_trained(run_a):
+    """log.rollouts=6: each step's first 6 completions (group 0 whole, 2 of group 1), each with the prompt the step
+    drew, the reward the run's functions give its completion, and its group's Eq. 6 advantage."""
+    out, _ = run_a
+    cfg = load_config(out / "config.yaml")
+    records = read_metrics(out / "rollouts.jsonl")
+    assert [r["step"] for r in records] == [s for s in (1, 2, 3, 4) for _ in range(6)]
+    train_rows = load_data(cfg.data, cfg.trainer.seed).train
+    for step in (1, 2, 3, 4):
+        mine = [r for r in records if r["step"] == step]
+        assert [r["group"] for r in mine] == [0, 0, 0, 0, 1, 1]
+        rows, _ = step_prompts(step - 1, train_rows, cfg.rollout.prompts_per_step, cfg.trainer.seed)
+        for r in mine:
+            row = rows[r["group"]]
+            assert r["prompt"] == row["prompt"]
+            expected = (addition_reward(row["prompt"], r["completion"], answer=row["answer"])
+                        + 0.5 * varied_reward(row["prompt"], r["completion"]))
+            assert r["reward"] == pytest.approx(expected, abs=1e-6)
+            assert 1 <= r["tokens"] <= cfg.rollout.max_new_tokens and r["trained_tokens"] == r["tokens"]
+        group = torch.tensor([r["reward"] for r in mine[:4]])
+        assert [r["advantage"] for r in mine[:4]] == pytest.approx(group_advantages(group, 4).tolist(), abs=1e-5)
+
+
 def test_run_folder_layout(run_a):
     out, _ = run_a
     assert (out / "config.yaml").is_file()
@@ -173,6 +198,8 @@ def test_resume_equals_uninterrupted(run_a, run_b):
     assert [r["reward_mean"] for r in metrics_b] == [r["reward_mean"] for r in metrics_a]
     assert [r["loss"] for r in metrics_b] == [r["loss"] for r in metrics_a]
     assert read_metrics(out_b / "eval.jsonl") == read_metrics(out_a / "eval.jsonl")
+    # step 3's completions were logged before the crash, dropped on resume and logged again: once, the same
+    assert read_metrics(out_b / "rollouts.jsonl") == read_metrics(out_a / "rollouts.jsonl")
     assert summary_b["heldout_accuracy_before_rl"] == summary_a["heldout_accuracy_before_rl"]
     assert summary_b["heldout_accuracy_after_rl"] == summary_a["heldout_accuracy_after_rl"]
 

@@ -454,6 +454,9 @@ class LogConfig(_Section):
     # printed every `progress_every` steps instead (None: about 20 lines per run).
     progress_every: int | None = Field(None, ge=1)
     samples: int = Field(4, ge=0)  # held-out completions with their rewards logged at each evaluation (samples.jsonl)
+    # Training completions logged at every step (rollouts.jsonl, TensorBoard text): the step's first groups, whole,
+    # with each completion's reward and advantage, to see what the policy writes and what it is paid for. 0: off.
+    rollouts: int = Field(0, ge=0)
 
 
 class GuardConfig(_Section):

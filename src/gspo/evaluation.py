@@ -14,13 +14,13 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
 
 import torch
 
 from gspo.config import resolve_accuracy_reward
 from gspo.rewards import RewardRunner, answer_extractor
 from gspo.rollout import HFSampler, SamplingParams
+from gspo.tracking import markdown_table
 
 __all__ = ["accuracy_ci95", "evaluate", "format_samples", "maj_at_k", "mean_ci95", "paired_change_ci95", "pass_at_k",
            "pass_at_k_ci95", "vote_answer", "wilson_ci95"]
@@ -296,10 +296,4 @@ def _pass_and_majority(correct: list[list[bool]], answers: list[Hashable | None]
 
 def format_samples(step: int, samples: list[dict]) -> str:
     """Sample completions as a Markdown table (TensorBoard's text tab renders it)."""
-    def cell(text: Any) -> str:
-        return str(text).replace("|", "\\|").replace("\n", "⏎")
-
-    lines = [f"held-out samples at step {step}", "", "| prompt | completion | reward | correct |", "|---|---|---|---|"]
-    lines += [f"| {cell(x['prompt'])} | {cell(x['completion'])} | {x['reward']:.3g} | {x['correct']} |"
-              for x in samples]
-    return "\n".join(lines)
+    return markdown_table(f"held-out samples at step {step}", samples, ("prompt", "completion", "reward", "correct"))

@@ -28,6 +28,7 @@ from gspo.runfolder import write_atomic
 logger = logging.getLogger(__name__)
 
 METRICS_FILENAME = "metrics.jsonl"
+ROLLOUTS_FILENAME = "rollouts.jsonl"
 TENSORBOARD_DIRNAME = "tb"
 
 Number = int | float
@@ -45,7 +46,8 @@ class MetricsLogger:
       ``run_name``, ``tags``, ...); `run_config` is logged as flattened params on a fresh run.
 
     `resume_step`: the step of the checkpoint the run resumes from; lines of later steps are dropped from
-    metrics.jsonl and from TensorBoard's view. None starts a fresh run: existing lines are kept and appended to.
+    metrics.jsonl, rollouts.jsonl (`log_rollouts`) and TensorBoard's view. None starts a fresh run: existing lines are
+    kept and appended to.
     """
 
     def __init__(
@@ -63,10 +65,12 @@ class MetricsLogger:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.out_dir / METRICS_FILENAME
-        if resume_step is not None:
-            truncate_metrics(self.metrics_path, resume_step)
-        else:
-            _drop_torn_tail(self.metrics_path)
+        self.rollouts_path = self.out_dir / ROLLOUTS_FILENAME
+        for path in (self.metrics_path, self.rollouts_path):
+            if resume_step is not None:
+                truncate_metrics(path, resume_step)
+            else:
+                _drop_torn_tail(path)
         self._file = open(self.metrics_path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
         self._closed = False
         self._tb: Any = None
@@ -132,14 +136,27 @@ class MetricsLogger:
 
     def rewind(self, step: int) -> None:
         """Forget what was logged after `step` (the collapse guard rolled the run back to its checkpoint): metrics.jsonl
-        keeps the lines of steps <= `step` and TensorBoard hides later events. W&B and MLflow cannot forget: they keep
-        the discarded steps, and the steps logged again after the rollback follow them."""
+        and rollouts.jsonl keep the lines of steps <= `step` and TensorBoard hides later events. W&B and MLflow cannot
+        forget: they keep the discarded steps, and the steps logged again after the rollback follow them."""
         self._file.close()
         truncate_metrics(self.metrics_path, step)
+        truncate_metrics(self.rollouts_path, step)
         self._file = open(self.metrics_path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
         if self._tb is not None:
             self._tb.close()
             self._start_tensorboard(step, None)
+
+    def log_rollouts(self, step: int, records: Sequence[Mapping[str, Any]]) -> None:
+        """Training completions of `step` (`rollout_records`): one strict-JSON line each in rollouts.jsonl (flushed
+        and fsynced, dropped on resume like metrics.jsonl's later lines), and a table in TensorBoard's text tab."""
+        if not records:
+            return
+        with open(self.rollouts_path, "a", encoding="utf-8") as f:
+            for record in records:
+                f.write(json.dumps({"step": step, **record}, allow_nan=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.log_text(step, "rollouts", format_rollouts(step, records))
 
     def log_text(self, step: int, tag: str, text: str) -> None:
         """A text record (e.g. sample completions) for the trackers that show text: TensorBoard, W&B."""
@@ -169,6 +186,24 @@ class MetricsLogger:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
     ) -> None:
         self.close()
+
+
+def markdown_table(title: str, records: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> str:
+    """`records` as a Markdown table of `columns` under `title` (TensorBoard's text tab renders it): numbers to 3
+    significant digits, newlines as ⏎, pipes escaped."""
+    def cell(value: Any) -> str:
+        text = f"{value:.3g}" if isinstance(value, float) else str(value)
+        return text.replace("|", "\\|").replace("\n", "⏎")
+
+    lines = [title, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(record.get(c, "")) for c in columns) + " |" for record in records]
+    return "\n".join(lines)
+
+
+def format_rollouts(step: int, records: Sequence[Mapping[str, Any]]) -> str:
+    """A step's logged training completions (`MetricsLogger.log_rollouts`) as a Markdown table."""
+    return markdown_table(f"training completions of step {step}", records,
+                          ("group", "prompt", "completion", "reward", "advantage", "truncated"))
 
 
 def check_trackers(*, wandb: Any = None, mlflow: Any = None) -> None:

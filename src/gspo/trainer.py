@@ -10,6 +10,7 @@ summary). The run folder it writes:
     OUT/config.yaml        the validated config, defaults resolved (a resume must match it)
     OUT/cold_start/        the cold-start SFT model, when `cold_start` is configured
     OUT/metrics.jsonl      one object per RL step;   OUT/eval.jsonl  held-out evaluations (step 0 = before RL)
+    OUT/rollouts.jsonl     with log.rollouts: a few of each step's training completions, rewards and advantages
     OUT/checkpoints/       crash-safe checkpoints;   OUT/final/      the final model, a HF model directory
     OUT/summary.json       what the run achieved, or (status "failed") why it stopped
 
@@ -84,7 +85,7 @@ from gspo.tracking import MetricsLogger, Progress, check_trackers, plot_curves, 
 from gspo.trajectory import Trajectory
 
 __all__ = ["Collected", "RLStep", "RunCollapsed", "RunInterrupted", "TrainingError", "collect", "default_hooks",
-           "learn_settings", "rl_step", "sync", "train"]
+           "learn_settings", "rl_step", "rollout_records", "sync", "train"]
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +124,7 @@ class RLStep:
     group: ProcessGroup = field(default_factory=ProcessGroup)  # the processes of a torchrun run (one: no-ops)
     rollouts: AsyncRollouts | SharedRollouts | None = None  # rollout.mode async: the workers that generate batches
     episodes: EpisodeRunner | None = None  # env: multi-turn episodes on `engine` instead of one completion per prompt
+    last: Collected | None = None  # the batch the latest step trained on (`rollout_records`)
 
 
 @dataclass
@@ -269,6 +271,26 @@ def sync(engine: RolloutEngine, model: nn.Module, version: int) -> None:
     engine.update_weights(policy_weights(model), version)
 
 
+def rollout_records(batch: Collected, tokenizer, count: int, group_size: int) -> list[dict]:
+    """The first `count` completions of a step's batch (its first groups, so that each advantage can be read against
+    its group's rewards) as JSON records: group, prompt (decoded, special tokens kept), completion, reward, advantage
+    (per-token advantages: their mean over the trained tokens), tokens, trained tokens (0: filtered out, e.g. by
+    rollout.overlong_filter or the mismatch correction) and whether it hit the token budget."""
+    traj, n = batch.traj, min(count, len(batch.traj))
+    advantages = batch.advantages.float().cpu()
+    if advantages.dim() == 2:  # token-level: the mean over the tokens the loss sees
+        mask = traj.loss_mask[:n].float().cpu()
+        advantages = (advantages[:n] * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    records = []
+    for i in range(n):
+        prompt = traj.prompt_ids[i][traj.prompt_mask[i].bool()].tolist()
+        records.append({"group": i // group_size, "prompt": tokenizer.decode(prompt), "completion": traj.completions[i],
+                        "reward": float(batch.rewards[i]), "advantage": float(advantages[i]),
+                        "tokens": int(traj.completion_mask[i].sum()), "trained_tokens": int(traj.loss_mask[i].sum()),
+                        "truncated": bool(traj.truncated[i])})
+    return records
+
+
 def _out_of_memory(error: RuntimeError) -> bool:
     """Whether `error` is an allocator's failure: CUDA's `torch.OutOfMemoryError`, or the CPU allocator's
     RuntimeError (a single allocation larger than the machine can give)."""
@@ -308,7 +330,7 @@ def rl_step(step: int, model: nn.Module, optimizer, scheduler, train_rows: list[
         raise TrainingError(f"out of memory while sampling step {step + 1}'s rollouts ({rows} completions of up to "
                             f"{ro.max_new_tokens} tokens at once): {fix}, or sample with rollout.engine=vllm (paged "
                             "KV cache)") from e
-    traj = batch.traj
+    traj, ctx.last = batch.traj, batch
     try:
         first, *later = minibatches(step, len(traj), ctx, traj.loss_mask.device)
         learned = learn(model, optimizer, scheduler, traj, batch.advantages, first, learn_settings(ctx.cfg),
@@ -690,6 +712,9 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         while step < cfg.trainer.steps:
             metrics = rl_step(step, model, optimizer, scheduler, train_rows, ctx)
             done = step = step + 1
+            if logger is not None and cfg.log.rollouts:
+                logger.log_rollouts(done, rollout_records(ctx.last, tokenizer, cfg.log.rollouts,
+                                                          cfg.rollout.group_size))
             verdict = guard.observe(done, metrics) if guard is not None else None
             if verdict is not None:
                 metrics["guard_anomalies"] = float(len(verdict.flags))
