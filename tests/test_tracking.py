@@ -9,6 +9,7 @@ import math
 import sys
 import types
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gspo.runfolder import RUN_FILES
 from gspo.tracking import MetricsLogger, Progress, plot_curves, read_metrics, truncate_metrics
 
 
@@ -202,9 +204,65 @@ def test_wandb_and_mlflow_receive_finite_metrics(tmp_path, monkeypatch):
         ("set_experiment", ("e",), {}),
         ("start_run", (), {"run_name": "r"}),
         ("log_params", ({"lr": "1e-06", "model.name": "tiny"},), {}),
+        ("active_run", (), {}),  # its id, kept in trackers.json for a resume
         ("log_metrics", ({"loss": 0.5},), {"step": 5}),
         ("end_run", (), {}),
     ]
+
+
+class _Tracker(types.ModuleType):
+    """A stand-in for wandb / mlflow that records the settings each run starts with and gives runs ids."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.__spec__ = importlib.util.spec_from_loader(name, loader=None)
+        self.started: list[dict] = []
+        self._active: Any = None
+
+    def _start(self, kwargs: dict) -> Any:
+        self.started.append(kwargs)
+        run_id = kwargs.get("id") or kwargs.get("run_id") or f"run{len(self.started)}"
+        self._active = types.SimpleNamespace(id=run_id, info=types.SimpleNamespace(run_id=run_id),
+                                             log=lambda *a, **k: None, finish=lambda: None)
+        return self._active
+
+    def init(self, **kwargs: Any) -> Any:  # wandb.init
+        return self._start(kwargs)
+
+    def start_run(self, **kwargs: Any) -> Any:  # mlflow.start_run
+        return self._start(kwargs)
+
+    def active_run(self) -> Any:
+        return self._active
+
+    def __getattr__(self, name: str):  # log_params, log_metrics, end_run, set_experiment, ...
+        return lambda *args, **kwargs: None
+
+
+def test_a_resume_continues_the_wandb_and_mlflow_runs_of_the_folder(tmp_path, monkeypatch):
+    """The first start records the runs' ids in trackers.json; a resume passes them back (W&B: id + resume="allow";
+    MLflow: run_id, its name kept), unless the settings name a run; a fresh start (or --overwrite, which deletes the
+    file) starts new runs. Checked by hand against wandb 0.2x offline and mlflow's file store: one W&B run id and one
+    MLflow run, whose loss history has both the first and the resumed steps."""
+    wandb, mlflow = _Tracker("wandb"), _Tracker("mlflow")
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    monkeypatch.setitem(sys.modules, "mlflow", mlflow)
+    trackers = {"wandb": {"project": "p"}, "mlflow": {"experiment_name": "e", "run_name": "r"}}
+    with MetricsLogger(tmp_path, tensorboard=False, **trackers) as logger:
+        logger.log(1, {"loss": 1.0})
+    assert json.loads((tmp_path / "trackers.json").read_text()) == {"wandb": "run1", "mlflow": "run1"}
+    with MetricsLogger(tmp_path, tensorboard=False, resume_step=1, **trackers) as logger:
+        logger.log(2, {"loss": 1.0})
+    assert wandb.started[1] == {"project": "p", "id": "run1", "resume": "allow"}
+    assert mlflow.started[1] == {"run_id": "run1"}
+    with MetricsLogger(tmp_path, tensorboard=False, resume_step=2, wandb={"project": "p", "id": "mine"}):
+        pass
+    assert wandb.started[2] == {"project": "p", "id": "mine"}  # the user's run wins
+    assert json.loads((tmp_path / "trackers.json").read_text())["wandb"] == "mine"
+    with MetricsLogger(tmp_path, tensorboard=False, **trackers):  # a fresh run: new runs
+        pass
+    assert "id" not in wandb.started[3] and "run_id" not in mlflow.started[2]
+    assert "trackers.json" in RUN_FILES
 
 
 def test_progress_is_tiny_and_quiet_when_disabled(capsys):

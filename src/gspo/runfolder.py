@@ -54,7 +54,8 @@ CHECKPOINTS_DIRNAME = "checkpoints"
 # What gspo writes in a run folder (and all that --overwrite deletes); hidden temporaries are `.NAME.tmp` / `.old`.
 RUN_FILES = ("config.yaml", "metrics.jsonl", "eval.jsonl", "samples.jsonl", "rollouts.jsonl", "summary.json",
              "curves.png", "tb",
-             CHECKPOINTS_DIRNAME, "cold_start", "cold_start.tmp", "final", "weight_sync", "guard.jsonl")
+             CHECKPOINTS_DIRNAME, "cold_start", "cold_start.tmp", "final", "weight_sync", "guard.jsonl",
+             "trackers.json")
 # Config keys (fnmatch patterns) a resume may change: none of them changes what the optimizer computes.
 RESUMABLE = ("trainer.steps", "trainer.threads", "trainer.out", "trainer.eval_every", "trainer.checkpoint_every",
              "trainer.keep_checkpoints", "trainer.max_bad_steps", "trainer.device", "trainer.micro_batch_tokens",

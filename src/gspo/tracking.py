@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 METRICS_FILENAME = "metrics.jsonl"
 ROLLOUTS_FILENAME = "rollouts.jsonl"
+TRACKERS_FILENAME = "trackers.json"  # the W&B / MLflow run ids of the folder's run: a resume continues those runs
 TENSORBOARD_DIRNAME = "tb"
 
 Number = int | float
@@ -46,8 +47,11 @@ class MetricsLogger:
       ``run_name``, ``tags``, ...); `run_config` is logged as flattened params on a fresh run.
 
     `resume_step`: the step of the checkpoint the run resumes from; lines of later steps are dropped from
-    metrics.jsonl, rollouts.jsonl (`log_rollouts`) and TensorBoard's view. None starts a fresh run: existing lines are
-    kept and appended to.
+    metrics.jsonl, rollouts.jsonl (`log_rollouts`) and TensorBoard's view, and the W&B / MLflow runs the folder's run
+    started (their ids are kept in OUT/trackers.json) are continued rather than new ones started, unless the settings
+    name a run (wandb ``id``, mlflow ``run_id``). W&B ignores steps below the last one it was sent, so after a crash
+    the resumed steps it already has keep their first values (the same, since a resume recomputes them exactly).
+    None starts a fresh run: existing lines are kept and appended to.
     """
 
     def __init__(
@@ -76,6 +80,7 @@ class MetricsLogger:
         self._tb: Any = None
         self._wandb_run: Any = None
         self._mlflow: Any = None
+        ids = _read_tracker_ids(self.out_dir / TRACKERS_FILENAME) if resume_step is not None else {}
         try:
             if tensorboard:
                 self._start_tensorboard(resume_step, run_config)
@@ -83,9 +88,20 @@ class MetricsLogger:
                 kwargs = dict(wandb)
                 if run_config is not None:
                     kwargs.setdefault("config", run_config)
+                if ids.get("wandb") and "id" not in kwargs:  # continue the run this folder's run started
+                    kwargs.update(id=ids["wandb"], resume=kwargs.get("resume") or "allow")
                 self._wandb_run = wandb_module.init(**kwargs)
+                run_id = getattr(self._wandb_run, "id", None)
+                ids["wandb"] = run_id if isinstance(run_id, str) else None
             if mlflow_module is not None:
-                self._start_mlflow(mlflow_module, dict(mlflow), resume_step, run_config)
+                settings = dict(mlflow)
+                if ids.get("mlflow") and "run_id" not in settings:
+                    settings["run_id"] = ids["mlflow"]
+                    settings.pop("run_name", None)  # the continued run keeps its name
+                self._start_mlflow(mlflow_module, settings, resume_step, run_config)
+                ids["mlflow"] = _active_mlflow_run_id(mlflow_module)
+            if wandb_module is not None or mlflow_module is not None:
+                write_atomic(self.out_dir / TRACKERS_FILENAME, json.dumps(ids, indent=2))
         except BaseException:
             self.close()  # do not leak the file, writer or runs already opened
             raise
@@ -186,6 +202,26 @@ class MetricsLogger:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
     ) -> None:
         self.close()
+
+
+def _read_tracker_ids(path: Path) -> dict[str, str | None]:
+    """The tracker run ids a run folder's run recorded ({} when it recorded none, or the file is unreadable: then new
+    runs are started, with a warning)."""
+    if not path.exists():
+        return {}
+    try:
+        ids = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        logger.warning("%s is unreadable (%s): the W&B / MLflow runs start afresh", path, exc)
+        return {}
+    return {k: v for k, v in ids.items() if isinstance(v, str)} if isinstance(ids, dict) else {}
+
+
+def _active_mlflow_run_id(mlflow: Any) -> str | None:
+    """The id of MLflow's active run, None when it cannot be read."""
+    run = mlflow.active_run() if callable(getattr(mlflow, "active_run", None)) else None
+    run_id = getattr(getattr(run, "info", None), "run_id", None)
+    return run_id if isinstance(run_id, str) else None
 
 
 def markdown_table(title: str, records: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> str:
