@@ -106,13 +106,21 @@ def test_async_workers_fill_their_batches_with_informative_groups(tmp_path, monk
     index that the bound keeps the workers from sampling (one batch per step, as without the filter)."""
     monkeypatch.setitem(REWARDS, "half_constant", half_constant)
     summary = train(async_cfg(tmp_path, "rewards.functions={half_constant: 1.0}", "rollout.dynamic_sampling=true",
-                              "rollout.max_staleness=1"))
+                              "rollout.max_staleness=1", "log.rollouts=8"))
     assert summary["status"] == "completed"
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
     assert all(r["staleness_max"] <= 1 and r["dynamic_filled_groups"] == 0 for r in records)
     assert sum(r["dynamic_sampled_prompts"] for r in records) > 5 * 4  # refill rounds ran (P = 4)
     assert any(r["zero_variance_groups"] > 0 for r in records)  # over what was sampled: constant groups were there
+    # the workers' per-function values come with the kept rows: each logged group (2 per step) is an informative one
+    logged = read_metrics(tmp_path / "rollouts.jsonl")
+    assert [r["step"] for r in logged] == [s for s in range(1, 6) for _ in range(8)]
+    for step in range(1, 6):
+        for group in (0, 1):
+            mine = [r for r in logged if r["step"] == step and r["group"] == group]
+            assert [r["rewards"] for r in mine] == [{"half_constant": r["reward"]} for r in mine]
+            assert len({r["reward"] for r in mine}) > 1
     assert not multiprocessing.active_children()
 
 

@@ -319,5 +319,5 @@ def test_rollouts_are_dropped_after_the_resumed_or_rewound_step_like_metrics(tmp
 
     events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"tensors": 0}).Reload()
     texts = [e.tensor_proto.string_val[0].decode() for e in events.Tensors("rollouts/text_summary")]
-    assert "| group | prompt | completion | reward | advantage | truncated |" in texts[0]
+    assert "| group | prompt | completion | reward | solved | advantage | truncated |" in texts[0]
     assert "2\\|1⏎" in texts[0]

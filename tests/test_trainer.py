@@ -120,7 +120,8 @@ def test_eval_jsonl_starts_at_step_0(run_a):
 
 def test_rollouts_jsonl_holds_each_steps_first_groups_as_trained(run_a):
     """log.rollouts=6: each step's first 6 completions (group 0 whole, 2 of group 1), each with the prompt the step
-    drew, the reward the run's functions give its completion, and its group's Eq. 6 advantage."""
+    drew, the values the run's functions give its completion, their weighted sum, the accuracy verdict, and its
+    group's Eq. 6 advantage."""
     out, _ = run_a
     cfg = load_config(out / "config.yaml")
     records = read_metrics(out / "rollouts.jsonl")
@@ -133,9 +134,11 @@ def test_rollouts_jsonl_holds_each_steps_first_groups_as_trained(run_a):
         for r in mine:
             row = rows[r["group"]]
             assert r["prompt"] == row["prompt"]
-            expected = (addition_reward(row["prompt"], r["completion"], answer=row["answer"])
-                        + 0.5 * varied_reward(row["prompt"], r["completion"]))
-            assert r["reward"] == pytest.approx(expected, abs=1e-6)
+            values = {"addition": addition_reward(row["prompt"], r["completion"], answer=row["answer"]),
+                      "varied": varied_reward(row["prompt"], r["completion"])}
+            assert r["rewards"] == pytest.approx(values, abs=1e-6)
+            assert r["reward"] == pytest.approx(values["addition"] + 0.5 * values["varied"], abs=1e-6)
+            assert r["solved"] == (values["addition"] == 1.0)
             assert 1 <= r["tokens"] <= cfg.rollout.max_new_tokens and r["trained_tokens"] == r["tokens"]
         group = torch.tensor([r["reward"] for r in mine[:4]])
         assert [r["advantage"] for r in mine[:4]] == pytest.approx(group_advantages(group, 4).tolist(), abs=1e-5)

@@ -239,7 +239,7 @@ def markdown_table(title: str, records: Sequence[Mapping[str, Any]], columns: Se
 def format_rollouts(step: int, records: Sequence[Mapping[str, Any]]) -> str:
     """A step's logged training completions (`MetricsLogger.log_rollouts`) as a Markdown table."""
     return markdown_table(f"training completions of step {step}", records,
-                          ("group", "prompt", "completion", "reward", "advantage", "truncated"))
+                          ("group", "prompt", "completion", "reward", "solved", "advantage", "truncated"))
 
 
 def check_trackers(*, wandb: Any = None, mlflow: Any = None) -> None:

@@ -271,12 +271,16 @@ def sync(engine: RolloutEngine, model: nn.Module, version: int) -> None:
     engine.update_weights(policy_weights(model), version)
 
 
-def rollout_records(batch: Collected, tokenizer, count: int, group_size: int) -> list[dict]:
+def rollout_records(batch: Collected, tokenizer, count: int, group_size: int,
+                    reward_names: Sequence[str] = ()) -> list[dict]:
     """The first `count` completions of a step's batch (its first groups, so that each advantage can be read against
-    its group's rewards) as JSON records: group, prompt (decoded, special tokens kept), completion, reward, advantage
-    (per-token advantages: their mean over the trained tokens), tokens, trained tokens (0: filtered out, e.g. by
-    rollout.overlong_filter or the mismatch correction) and whether it hit the token budget."""
+    its group's rewards) as JSON records: group, prompt (decoded, special tokens kept), completion, reward (the
+    weighted sum trained on), each of `reward_names`' unweighted value and whether the accuracy reward calls it solved
+    (when the batch carries them, `gspo.rewards.score_trajectory`), advantage (per-token advantages: their mean over
+    the trained tokens), tokens, trained tokens (0: filtered out, e.g. by rollout.overlong_filter) and whether it hit
+    the token budget."""
     traj, n = batch.traj, min(count, len(batch.traj))
+    values, solved = traj.extras.get("reward_values"), traj.extras.get("solved")
     advantages = batch.advantages.float().cpu()
     if advantages.dim() == 2:  # token-level: the mean over the tokens the loss sees
         mask = traj.loss_mask[:n].float().cpu()
@@ -284,10 +288,14 @@ def rollout_records(batch: Collected, tokenizer, count: int, group_size: int) ->
     records = []
     for i in range(n):
         prompt = traj.prompt_ids[i][traj.prompt_mask[i].bool()].tolist()
-        records.append({"group": i // group_size, "prompt": tokenizer.decode(prompt), "completion": traj.completions[i],
-                        "reward": float(batch.rewards[i]), "advantage": float(advantages[i]),
-                        "tokens": int(traj.completion_mask[i].sum()), "trained_tokens": int(traj.loss_mask[i].sum()),
-                        "truncated": bool(traj.truncated[i])})
+        record = {"group": i // group_size, "prompt": tokenizer.decode(prompt), "completion": traj.completions[i],
+                  "reward": float(batch.rewards[i])}
+        if values is not None and values.shape[-1] == len(reward_names):
+            record["rewards"] = dict(zip(reward_names, values[i].tolist(), strict=True))
+        if solved is not None:
+            record["solved"] = bool(solved[i])
+        records.append({**record, "advantage": float(advantages[i]), "tokens": int(traj.completion_mask[i].sum()),
+                        "trained_tokens": int(traj.loss_mask[i].sum()), "truncated": bool(traj.truncated[i])})
     return records
 
 
@@ -714,7 +722,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
             done = step = step + 1
             if logger is not None and cfg.log.rollouts:
                 logger.log_rollouts(done, rollout_records(ctx.last, tokenizer, cfg.log.rollouts,
-                                                          cfg.rollout.group_size))
+                                                          cfg.rollout.group_size, rewards.names))
             verdict = guard.observe(done, metrics) if guard is not None else None
             if verdict is not None:
                 metrics["guard_anomalies"] = float(len(verdict.flags))

@@ -85,7 +85,9 @@ class Trajectory:
     loss_mask: torch.Tensor | None = None  # [N, T] 1 on tokens the policy generated, trained on (None: completion_mask)
     versions: torch.Tensor | None = None  # [N, T] long: policy version that generated each token, NO_VERSION elsewhere
     token_rewards: torch.Tensor | None = None  # [N, T] float32 per-token rewards where an environment gives them
-    extras: dict = field(default_factory=dict)  # engine-specific (e.g. MoE routing for R3: [N, S + T, layers, k])
+    # per-row data carried with the rows (tensors: first dim N): MoE routing for R3 ([N, S + T, layers, k]), the
+    # rewards' per-function values and verdicts (`gspo.rewards.score_trajectory`)
+    extras: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.loss_mask is None:

@@ -409,15 +409,6 @@ class RewardRunner:
             for name, fn in zip(self.names, self.functions, strict=True):
                 check_signature(fn, name, rows[0])
 
-    def score_rollouts(self, rows: list[dict], prompt_index: torch.Tensor, completions: list[str],
-                       accuracy_reward: str | None, accuracy_threshold: float) -> tuple[torch.Tensor, dict[str, float]]:
-        """Score completion k against its prompt's row `rows[prompt_index[k]]`: (weighted totals [N], the stats of
-        `score` plus `solved`, the count of completions that `accuracy_reward` ≥ `accuracy_threshold` calls solved)."""
-        row_of = [rows[int(i)] for i in prompt_index]
-        scored = self.score([r["prompt"] for r in row_of], completions, row_of)
-        solved = scored.correct(accuracy_reward, accuracy_threshold)
-        return scored.total, {**scored.stats, "solved": float(solved.sum())}
-
     def _final_answers(self, prompts: Sequence[str], completions: Sequence[str]) -> tuple[list[str] | None, int]:
         """(what the `after_thinking` functions judge: each completion's `final_answer`, "" where its reasoning never
         ended; how many never ended), or (None, 0) when no function is marked or `think_tags` is None."""
@@ -525,16 +516,25 @@ class RewardScores:
 
 def score_trajectory(runner: RewardRunner, rows: list[dict], traj, settings, max_new_tokens: int
                      ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The rewards a rollout batch trains on ([N], with `score_rollouts`' stats): the one place the synchronous
+    """The rewards a rollout batch trains on ([N], with stats): the one place the synchronous
     collect and the asynchronous rollout workers compute them, so both train on the same rewards.
 
-    Each completion is scored against its prompt's row. For a multi-turn episode (`traj.token_rewards` set) the final
-    reply's reward is added on the episode's last policy token, next to the per-turn rewards the environment gave, and
-    the episode's return is their sum (`token_rewards` is updated in place). Then DAPO's soft overlong shaping
+    Each completion is scored against its prompt's row (`rows[traj.prompt_index[k]]`); the stats are `score`'s plus
+    `solved`, the count of completions that `settings.accuracy_reward` ≥ `settings.accuracy_threshold` calls solved.
+    Each row's unweighted value of every function (`traj.extras["reward_values"]`, [N, F] in `runner.names` order) and
+    its verdict (`traj.extras["solved"]`, [N]) travel with the rows (`log.rollouts` shows them). For a multi-turn
+    episode (`traj.token_rewards` set) the final reply's reward is added on the episode's last policy token, next to
+    the per-turn rewards the environment gave, and the episode's return is their sum (`token_rewards` is updated in
+    place). Then DAPO's soft overlong shaping
     (`gspo.rewards.shaping`) when `settings.overlong_buffer` is set. `settings` is the config's `rewards` section
     (`gspo.config.RewardConfig`); `max_new_tokens` the rollout's budget per completion."""
-    total, stats = runner.score_rollouts(rows, traj.prompt_index, traj.completions, settings.accuracy_reward,
-                                         settings.accuracy_threshold)
+    row_of = [rows[int(i)] for i in traj.prompt_index]
+    scored = runner.score([r["prompt"] for r in row_of], traj.completions, row_of)
+    solved = scored.correct(settings.accuracy_reward, settings.accuracy_threshold)
+    total, stats = scored.total, {**scored.stats, "solved": float(solved.sum())}
+    device = traj.completion_ids.device
+    traj.extras["reward_values"] = torch.stack([scored.values[name] for name in runner.names], -1).to(device)
+    traj.extras["solved"] = solved.to(device)
     if traj.token_rewards is not None:
         last = traj.loss_mask.shape[1] - 1 - traj.loss_mask.flip(-1).argmax(-1)
         traj.token_rewards[torch.arange(len(traj)), last] += total.to(traj.token_rewards)

@@ -73,14 +73,20 @@ def make_engine(cfg: Config, model: nn.Module, tokenizer, *, out: str | Path, di
     ro = cfg.rollout
     kind = kind or ro.engine
     if kind == "hf":
-        return HFSampler(model, tokenizer, sampling_params(cfg), dtype=ro.dtype, own_copy=dist.fsdp,
-                         record_routing=cfg.algorithm.routing_replay == "r3",
-                         device=dist.device if dist.fsdp else None, decode=ro.decode, max_rows=ro.max_batch_rows)
+        return _hf_engine(cfg, model, tokenizer, own_copy=dist.fsdp, device=dist.device if dist.fsdp else None)
 
     if kind == "vllm":
         return _vllm_engine(cfg, _vllm_model_source(cfg, model, tokenizer, out, dist), model, tokenizer,
                             distributed=dist.enabled)
     return _server_engine(cfg, ro.vllm.server_urls[0], _sync_dir(cfg, out), model, tokenizer, dist)
+
+
+def _hf_engine(cfg: Config, model: nn.Module, tokenizer, *, own_copy: bool, device=None) -> HFSampler:
+    """The built-in `HFSampler` on `model` (or its own copy), with the rollout section's settings."""
+    ro = cfg.rollout
+    return HFSampler(model, tokenizer, sampling_params(cfg), dtype=ro.dtype, own_copy=own_copy,
+                     record_routing=cfg.algorithm.routing_replay == "r3", device=device, decode=ro.decode,
+                     max_rows=ro.max_batch_rows)
 
 
 def _sync_dir(cfg: Config, out: Path) -> Path:
@@ -126,9 +132,7 @@ def worker_engine(cfg: Config, model: nn.Module, tokenizer, *, worker: int, out:
 
     ro = cfg.rollout
     if ro.engine == "hf":
-        return HFSampler(model, tokenizer, sampling_params(cfg), dtype=ro.dtype, own_copy=True,
-                         record_routing=cfg.algorithm.routing_replay == "r3", decode=ro.decode,
-                         max_rows=ro.max_batch_rows)
+        return _hf_engine(cfg, model, tokenizer, own_copy=True)
     if ro.engine == "vllm":
         if source is None:
             raise ValueError("worker_engine: rollout.engine=vllm needs the model source vLLM loads at start")
