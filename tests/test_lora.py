@@ -145,6 +145,24 @@ def test_policy_weights_are_the_merged_model(kind):
     assert all(torch.equal(t, own[n]) for n, t in model.get_base_model().state_dict().items())  # ... in a copy
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_merged_weights_from_a_gathered_state_equal_the_models(kind):
+    """Under FSDP the final merged model is written from the peft model's full state dict gathered on rank 0
+    (`merged_weights(model, state)`, its own formula for nn.Linear adapters): the same tensors as peft's merge of the
+    model's own, names and order included."""
+    model, _ = lora_model(kind)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    own = dict(merged_weights(model))
+    from_state = dict(merged_weights(model, state))
+    assert list(from_state) == list(own)
+    for name, tensor in from_state.items():
+        torch.testing.assert_close(tensor, own[name], rtol=0, atol=1e-6)
+    for name, p in model.named_parameters():  # the state is read, not the model: changing the model changes nothing
+        if "lora_B" in name:
+            p.data.zero_()
+    assert all(torch.equal(t, from_state[n]) for n, t in merged_weights(model, state))
+
+
 def test_checkpoint_layout_of_peft_model_is_the_base_models():
     """What vLLM loads: the merged stream mapped to the saved-checkpoint layout (transformers 5 splits fused MoE
     experts back per expert), exactly as for the plain model."""

@@ -150,14 +150,21 @@ def _check_untied(model: nn.Module, targets: list[str]) -> None:
 # --------------------------------------------------------------------------------------------------- merged weights
 
 
-def merged_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+_PEFT_PREFIX = "base_model.model."  # what a peft model's state_dict() puts before its base model's names
+
+
+def merged_weights(model: nn.Module, state: dict[str, torch.Tensor] | None = None
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
     """The weights of the peft `model` with its active LoRA adapters merged, W + (alpha/r)·B·A, under the base model's
     `state_dict()` names (no `base_layer` parts, no lora_A / lora_B entries), one tensor at a time.
 
     The training model is not modified and nothing is copied but the merged tensor being yielded (the delta is the one
-    `merge_and_unload` adds: peft's `get_delta_weight`, computed without gradients); every other tensor is the model's
-    own, detached. Tied tensors appear under each of their names, as in `policy_weights`. Raises NotImplementedError
-    for adapters this cannot merge (not LoRA, DoRA) and for sharded (FSDP) models."""
+    `merge_and_unload` adds, computed without gradients); every other tensor is the model's own, detached. Tied
+    tensors appear under each of their names, as in `policy_weights`. Under FSDP the model's tensors are shards
+    (DTensors): each is gathered whole (`full_tensor()`, a collective: every process iterates this in lockstep).
+    `state`: the peft model's full state dict (e.g. gathered to rank 0's CPU for the final save) to merge from
+    instead of the model's own tensors; no collectives then. Raises NotImplementedError for adapters this cannot
+    merge (not LoRA, DoRA; sharded or from `state`: not on nn.Linear)."""
     _peft()
     from peft.tuners.tuners_utils import BaseTunerLayer
 
@@ -165,23 +172,31 @@ def merged_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     path = {id(m): name for name, m in base.named_modules()}
     tuners = {name: m for name, m in base.named_modules() if isinstance(m, BaseTunerLayer)}
     adapter_prefixes = tuple(f"{name}.{attr}." for name, m in tuners.items() for attr in m.adapter_layer_names)
-    adapted: dict[str, list[nn.Module]] = {}  # state_dict key of a base tensor -> the LoRA layers adapting it
-    for layer in tuners.values():
+    adapted: dict[str, list[tuple[str, nn.Module]]] = {}  # base tensor's key -> (path, LoRA layer) adapting it
+    for name, layer in tuners.items():
         key = f"{path[id(layer.get_base_layer())]}.{getattr(layer, 'parameter_name', 'weight')}"
-        adapted.setdefault(key, []).append(layer)
-    for key, tensor in base.state_dict().items():
+        adapted.setdefault(key, []).append((name, layer))
+    tensors = base.state_dict() if state is None else {k.removeprefix(_PEFT_PREFIX): v for k, v in state.items()}
+    for key, tensor in tensors.items():
         if key.startswith(adapter_prefixes):
             continue
-        if hasattr(tensor, "full_tensor"):
-            raise NotImplementedError("merged LoRA weights of an FSDP-sharded model are not supported")
         with torch.no_grad():  # not across the yield: see policy_weights
-            deltas = [d for layer in adapted.get(key, ()) for d in _deltas(layer)]
+            tensor = _whole(tensor)
+            deltas = [d for name, layer in adapted.get(key, ()) for d in _deltas(name, layer, tensors, state)]
             merged = (tensor + sum(deltas)).to(tensor.dtype) if deltas else tensor
         yield _base_name(key, tuners), merged.detach()
 
 
-def _deltas(layer: nn.Module) -> list[torch.Tensor]:
-    """What merging adds to the weight `layer` adapts: one delta per active adapter (none if already merged)."""
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` gathered whole when it is a shard (a DTensor under FSDP: a collective), else itself."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def _deltas(name: str, layer: nn.Module, tensors: dict[str, torch.Tensor],
+            state: dict[str, torch.Tensor] | None) -> list[torch.Tensor]:
+    """What merging adds to the weight `layer` (at `name`) adapts: one delta per active adapter (none if already
+    merged): peft's `get_delta_weight`; for adapters sharded by FSDP or read from a gathered `state`, its formula for
+    a LoRA nn.Linear, transpose(B·A, fan_in_fan_out) · scaling, on A and B taken whole from `tensors`."""
     if not hasattr(layer, "get_delta_weight") or not hasattr(layer, "lora_A"):
         raise NotImplementedError(f"merging {type(layer).__name__} adapters is not supported (LoRA only)")
     if layer.merged or layer.disable_adapters:
@@ -189,7 +204,20 @@ def _deltas(layer: nn.Module) -> list[torch.Tensor]:
     active = [a for a in layer.active_adapters if a in layer.lora_A]
     if any(getattr(layer, "use_dora", {}).get(a) for a in active):
         raise NotImplementedError("merging DoRA adapters is not supported")
-    return [layer.get_delta_weight(a) for a in active]
+    from peft.tuners.lora import Linear
+
+    deltas = []
+    for a in active:
+        if state is None and not hasattr(layer.lora_A[a].weight, "full_tensor"):  # whole, in the model
+            deltas.append(layer.get_delta_weight(a))
+            continue
+        if type(layer) is not Linear:
+            raise NotImplementedError(f"merging sharded {type(layer).__name__} adapters is not supported (LoRA on "
+                                      "nn.Linear only)")
+        weight_a, weight_b = (_whole(tensors[f"{name}.lora_{ab}.{a}.weight"]) for ab in "AB")
+        delta = weight_b.float() @ weight_a.float()
+        deltas.append(((delta.T if layer.fan_in_fan_out else delta) * layer.scaling[a]).to(weight_b.dtype))
+    return deltas
 
 
 def _base_name(key: str, tuners: dict[str, nn.Module]) -> str:
@@ -210,13 +238,15 @@ class BaseReference(LogprobForward):
     """The KL reference of a LoRA run (`algorithm.kl_beta > 0`): the peft `model` with its adapters disabled (peft's
     `disable_adapter()`) and in eval mode, i.e. the frozen base weights the adapters start from, without the full copy
     a reference model takes (a second 7B model in memory). `gspo.logprobs.completion_logprobs(reference, ...)` runs
-    it; the policy's training mode and adapters are restored afterwards."""
+    it; the policy's training mode and adapters are restored afterwards. Under FSDP `model` is the sharded policy's
+    root (a `LogprobForward` around the peft model), whose forward gathers the shards."""
 
     def logprobs(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        peft = self.module.module if isinstance(self.module, LogprobForward) else self.module
         was_training = self.module.training
         self.module.eval()
         try:
-            with self.module.disable_adapter():
+            with peft.disable_adapter():
                 return super().logprobs(*args, **kwargs)
         finally:
             self.module.train(was_training)
@@ -226,7 +256,7 @@ class BaseReference(LogprobForward):
 
 
 def save_lora_final(model: nn.Module, tokenizer: Any, out_dir: str | os.PathLike, merged: bool,
-                    base_model: str | None = None) -> Path:
+                    base_model: str | None = None, state: dict[str, torch.Tensor] | None = None) -> Path:
     """Write the trained LoRA policy to `out_dir` (created): a peft adapter folder (adapter_config.json,
     adapter_model.safetensors) with the tokenizer, loadable with `peft.PeftModel.from_pretrained(base, out_dir)`; with
     `merged`, also the merged full model in `out_dir/merged/`, a Hugging Face model folder `gspo.models.load_model`
@@ -235,7 +265,8 @@ def save_lora_final(model: nn.Module, tokenizer: Any, out_dir: str | os.PathLike
 
     The merged model is written from `merged_weights` gathered on the CPU: the model's device holds no more than one
     extra tensor, the training model is unchanged, and its config and layout (e.g. MoE experts split back per expert by
-    transformers 5) are the base model's."""
+    transformers 5) are the base model's. Under FSDP, `state` is the peft model's full state dict gathered on this
+    process (`gspo.parallel.full_state`): the adapter and the merged model are written from it."""
     if not hasattr(model, "get_base_model"):
         raise TypeError(f"save_lora_final needs the peft model apply_lora returned, got {type(model).__name__}")
     out = Path(out_dir)
@@ -244,12 +275,12 @@ def save_lora_final(model: nn.Module, tokenizer: Any, out_dir: str | os.PathLike
         for config in model.peft_config.values():
             config.base_model_name_or_path = base_model
     # the base embeddings are frozen: not saved, and not looked up on the Hub (peft's "auto" does) to decide that
-    model.save_pretrained(out, safe_serialization=True, save_embedding_layers=False)
+    model.save_pretrained(out, safe_serialization=True, save_embedding_layers=False, state_dict=state)
     tokenizer.save_pretrained(out)
     if merged:
         weights: dict[str, torch.Tensor] = {}
         on_cpu: dict[tuple, torch.Tensor] = {}  # tied names get one CPU tensor, as save_pretrained expects
-        for name, tensor in merged_weights(model):
+        for name, tensor in merged_weights(model, state):
             ident = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape))
             weights[name] = on_cpu.setdefault(ident, tensor.to("cpu"))
         model.get_base_model().save_pretrained(out / MERGED_DIRNAME, state_dict=weights)

@@ -52,9 +52,9 @@ from gspo.moe import is_moe, replay_support_error, require_replay_support
 from gspo.objectives import OBJECTIVES
 from gspo.optim import check_update_precision, make_optimizer, scale_lr
 from gspo.parallel import ProcessGroup, init_distributed, wrap_frozen, wrap_policy
-from gspo.parallel.state import full_state, load_state, save_state
+from gspo.parallel.state import FullModelView, full_state, load_state, save_state
 from gspo.rewards import RewardRunner, score_trajectory
-from gspo.rollout import RolloutEngine, make_engine, policy_weights
+from gspo.rollout import RolloutEngine, make_engine, policy_weights, unwrap_model
 from gspo.rollout.dynamic import NoSignal, Scored, keep_informative
 from gspo.rollout.workers import (
     ROLLOUT_COUNTS,
@@ -528,9 +528,11 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         engine = make_engine(cfg, model, tokenizer, out=out, dist=group)
     if cfg.model.lora is not None:  # after the engine: an own-copy engine is built from the plain model
         model = apply_lora(model, cfg.model.lora)  # only the adapters train; engines receive merged weights
-        ref_model = BaseReference(model) if cfg.algorithm.kl_beta > 0 else None
     model = wrap_policy(group, model, cfg.trainer.mixed_precision)  # DDP / FSDP2; one process: as is
-    ref_model = wrap_frozen(group, ref_model, cfg.trainer.mixed_precision)
+    if cfg.model.lora is not None and cfg.algorithm.kl_beta > 0:  # the policy with its adapters off; under FSDP
+        ref_model = BaseReference(model if group.fsdp else unwrap_model(model))  # the sharded root gathers them
+    else:
+        ref_model = wrap_frozen(group, ref_model, cfg.trainer.mixed_precision)
     updates = cfg.algorithm.minibatches * cfg.algorithm.epochs  # optimizer steps per RL step
     optimizer, scheduler = make_optimizer(
         model, cfg.optim.lr, cfg.trainer.steps * updates, weight_decay=cfg.optim.weight_decay,
@@ -776,7 +778,9 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         if full_model is not None:
             shutil.rmtree(final_tmp, ignore_errors=True)
             if cfg.model.lora is not None:  # a peft adapter folder (and, on request, the merged model in merged/)
-                save_lora_final(full_model, tokenizer, final_tmp, merged=cfg.model.lora.merged_final,
+                peft, state = ((full_model.model, full_model.weights) if isinstance(full_model, FullModelView)
+                               else (full_model, None))  # FSDP: the full weights gathered on this process
+                save_lora_final(peft, tokenizer, final_tmp, merged=cfg.model.lora.merged_final, state=state,
                                 base_model=str(out / "cold_start") if cfg.cold_start is not None else cfg.model.name)
             else:
                 save_model(full_model, tokenizer, final_tmp)
@@ -824,9 +828,6 @@ def _model_checks(cfg: Config, model: nn.Module, group: ProcessGroup) -> None:
         if cfg.algorithm.routing_replay != "none":  # a hub model's family is only known now
             require_replay_support(model, cfg.algorithm.routing_replay)
         group.check_sizes(cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.algorithm.minibatches)
-        if cfg.model.lora is not None and group.fsdp:
-            raise ValueError("model.lora with trainer.parallel=fsdp is not supported (merging the adapters into "
-                             "sharded weights for the rollout engine): use trainer.parallel=ddp")
         if cfg.rollout.mode == "async" and group.fsdp and cfg.rollout.engine == "vllm":
             raise ValueError("rollout.mode=async with rollout.engine=vllm under trainer.parallel=fsdp is not supported "
                              "(the workers' vLLM engines start from a saved copy of the model, which FSDP shards): "

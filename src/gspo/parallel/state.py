@@ -53,7 +53,7 @@ from gspo.checkpoint import CheckpointError
 from gspo.parallel.group import ProcessGroup
 from gspo.rollout.weights import unwrap_model
 
-__all__ = ["full_state", "load_state", "save_state"]
+__all__ = ["FullModelView", "full_state", "load_state", "save_state"]
 
 log = logging.getLogger(__name__)
 
@@ -139,9 +139,19 @@ def _write_shards(group: ProcessGroup, folder: Path, model: nn.Module, optimizer
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     rng = ckpt._get_rng_state()
-    dcp.save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)},
-             checkpoint_id=folder / SHARDED_DIRNAME)
+    dcp.save({"model": _checkpointed(model, get_model_state_dict(model)),
+              "optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=folder / SHARDED_DIRNAME)
     torch.save(rng, folder / RNG_DIRNAME / f"rank_{group.rank:05d}.pt")
+
+
+def _checkpointed(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """What of the model's `state` a checkpoint holds: all of it, but for a LoRA (peft) model only the trainable
+    adapter tensors, as in one-process checkpoints (the frozen base is rebuilt from model.name on resume: a 70B base
+    is not written at every checkpoint)."""
+    if not hasattr(model, "peft_config"):
+        return state
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    return {key: value for key, value in state.items() if key in trainable}
 
 
 def _files(folder: Path) -> list[Path]:
@@ -209,6 +219,7 @@ def _load_sharded(group: ProcessGroup, path: Path, model: nn.Module, optimizer: 
     """Read a sharded checkpoint into the FSDP `model` (DCP reshards) or into the bare model (one process, DDP)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
         get_model_state_dict,
         get_optimizer_state_dict,
         set_model_state_dict,
@@ -217,11 +228,12 @@ def _load_sharded(group: ProcessGroup, path: Path, model: nn.Module, optimizer: 
 
     try:
         # the state dicts to read into: this process's shards under FSDP, full tensors otherwise
-        state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+        state = {"model": _checkpointed(model, get_model_state_dict(model)),
+                 "optimizer": get_optimizer_state_dict(model, optimizer)}
         with warnings.catch_warnings():  # one process reading a sharded checkpoint is what we mean to do
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state, checkpoint_id=path / SHARDED_DIRNAME)
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=not hasattr(model, "peft_config")))
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
     except Exception as exc:  # DCP raises on every process alike
         raise CheckpointError(f"the sharded checkpoint {path} (written by {document.get('world_size')} processes) "
@@ -237,6 +249,9 @@ def _load_full_into_fsdp(group: ProcessGroup, path: Path, model: nn.Module, opti
         set_optimizer_state_dict,
     )
 
+    if hasattr(model, "peft_config"):
+        raise CheckpointError(f"{path} is a one-process LoRA checkpoint (peft adapter files), which an FSDP run does "
+                              "not read: resume it with one process or trainer.parallel=ddp")
     files: dict = {}
 
     def read() -> None:
@@ -298,12 +313,12 @@ def full_state(group: ProcessGroup, model: nn.Module) -> Iterator[Any]:
         if id(param) in seen:
             weights.pop(name, None)
         seen.add(id(param))
-    yield _FullModelView(model, weights) if group.is_main else None
+    yield FullModelView(model, weights) if group.is_main else None
 
 
-class _FullModelView:
+class FullModelView:
     """What saving a model needs of it (`save_pretrained`), for an FSDP model whose full weights were gathered into
-    `weights`."""
+    `weights` (a LoRA policy: `model` is the peft model, `weights` its full state dict: `gspo.lora.save_lora_final`)."""
 
     def __init__(self, model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
         self.model = model
