@@ -15,7 +15,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import DEMO, safetensors_of, tiny_overrides
+from conftest import DEMO, SimulatedCrash, crash_after, safetensors_of, tiny_overrides
 from gspo.checkpoint import checkpoint_path, verify_checkpoint
 from gspo.config import ConfigError, load_config
 from gspo.models import load_model
@@ -167,7 +167,8 @@ def test_lora_under_fsdp_interrupted_and_resumed_matches_one_process(tmp_path):
     lockstep), the KL reference is the sharded policy with its adapters off, the run crashes after step 2 and resumes
     from its sharded checkpoint, and the final adapter and merged model are written from the weights gathered on rank
     0; all match the uninterrupted one-process LoRA run (measured: 2e-7 relative on the merged weights). Checkpoints
-    hold the adapters only, as one-process LoRA checkpoints do (1.4 MB here instead of 5.4 MB with the base)."""
+    hold the adapters only, as one-process LoRA checkpoints do (1.4 MB here instead of 5.4 MB with the base); a
+    one-process LoRA checkpoint (peft's adapter files) resumes on two FSDP processes to the same weights."""
     one, two = tmp_path / "one", tmp_path / "fsdp"
     lora = ["model.name=tiny-dense", "model.lora={r: 4, alpha: 8.0, merged_final: true}"]
     train(load_config(DEMO, tiny_overrides(one, *RUN, *lora, f"trainer.device={TWO_PROCESS_DEVICE}")))
@@ -179,6 +180,16 @@ def test_lora_under_fsdp_interrupted_and_resumed_matches_one_process(tmp_path):
     saved = FileSystemReader(checkpoint_path(two, 3) / "sharded").read_metadata().state_dict_metadata
     weights = [key for key in saved if key.startswith("model.")]
     assert weights and all(".lora_" in key for key in weights)
+    # a run configured for FSDP started on one process (its checkpoints: peft adapter files) continues on two
+    three = tmp_path / "one_then_two"
+    fsdp = [*lora, "trainer.parallel=fsdp"]
+    with pytest.raises(SimulatedCrash):
+        train(load_config(DEMO, tiny_overrides(three, *RUN, *fsdp, f"trainer.device={TWO_PROCESS_DEVICE}")),
+              callbacks=[crash_after(2)])
+    assert verify_checkpoint(checkpoint_path(three, 2)).get("layout") != "sharded"
+    torchrun(tmp_path, "-m", "gspo", "train", str(DEMO), *tiny_overrides(three, *RUN, *fsdp, "trainer.device=auto"),
+             "--resume")
+    assert_same_run(one, three, final="final/merged")
     assert_same_run(one, two, final="final/merged")
     a, b = safetensors_of(one / "final"), safetensors_of(two / "final")  # the adapters
     assert a.keys() == b.keys() and all(".lora_" in k for k in a)

@@ -249,9 +249,6 @@ def _load_full_into_fsdp(group: ProcessGroup, path: Path, model: nn.Module, opti
         set_optimizer_state_dict,
     )
 
-    if hasattr(model, "peft_config"):
-        raise CheckpointError(f"{path} is a one-process LoRA checkpoint (peft adapter files), which an FSDP run does "
-                              "not read: resume it with one process or trainer.parallel=ddp")
     files: dict = {}
 
     def read() -> None:
@@ -260,23 +257,41 @@ def _load_full_into_fsdp(group: ProcessGroup, path: Path, model: nn.Module, opti
 
     _on_all(group, read, lambda exc: f"could not read {path}: {type(exc).__name__}: {exc}")
     weights, saved = files["weights"], files["saved"]
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    peft = hasattr(model, "peft_config")
+    if peft:  # peft's adapter files: the trainable tensors, named without the adapter's name
+        weights = _adapter_weights(model, names, weights, path)
     try:
         result = set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
     except RuntimeError as exc:
         raise CheckpointError(f"the weights in {path} do not fit the model: {exc}") from exc
     params = dict(model.named_parameters(remove_duplicate=False))
     untied = [key for key in result.missing_keys  # a tied copy (lm_head ~ embed_tokens) is absent from the files
-              if not any(params.get(key) is not None and params.get(key) is params.get(name) for name in weights)]
+              if not any(params.get(key) is not None and params.get(key) is params.get(name) for name in weights)
+              and not (peft and key not in names)]  # LoRA: the frozen base comes from model.name
     if result.unexpected_keys or untied:
         raise CheckpointError(f"the weights in {path} do not fit the model: unexpected {result.unexpected_keys}, "
                               f"missing {untied}")
-    names = [name for name, p in model.named_parameters() if p.requires_grad]
     try:
         by_name = {"state": {names[i]: s for i, s in saved["state"].items()},
                    "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in saved["param_groups"]]}
         set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
     except (IndexError, KeyError, RuntimeError, ValueError) as exc:
         raise CheckpointError(f"the optimizer state in {path} does not fit the optimizer: {exc}") from exc
+
+
+def _adapter_weights(model: nn.Module, trainable: list[str], weights: dict[str, torch.Tensor],
+                     path: Path) -> dict[str, torch.Tensor]:
+    """A one-process LoRA checkpoint's adapter tensors (named as `PeftModel.save_pretrained` writes them: without the
+    adapter's name) under the model's parameter names; CheckpointError unless they are exactly its adapters."""
+    adapter = model.active_adapter if isinstance(model.active_adapter, str) else model.active_adapters[0]
+    saved_as = {name: name.replace(f".{adapter}.", ".") for name in trainable}
+    missing = sorted(set(saved_as.values()) - weights.keys())
+    unexpected = sorted(weights.keys() - set(saved_as.values()))
+    if missing or unexpected:
+        raise CheckpointError(f"the weights in {path} do not fit the LoRA adapters: missing {missing[:5]} "
+                              f"({len(missing)}), unexpected {unexpected[:5]} ({len(unexpected)})")
+    return {name: weights[saved] for name, saved in saved_as.items()}
 
 
 def _rng_file(group: ProcessGroup, path: Path, document: dict) -> Path:
