@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from conftest import DEMO, SimulatedCrash, crash_after, safetensors_of, tiny_overrides
 from gspo.checkpoint import checkpoint_path, verify_checkpoint
-from gspo.config import ConfigError, load_config
+from gspo.config import ConfigError, LoraConfig, load_config
+from gspo.lora import apply_lora
 from gspo.models import load_model
 from gspo.optim import make_optimizer
 from gspo.parallel import ProcessGroup, init_distributed, resolve_device
@@ -180,6 +181,15 @@ def test_lora_under_fsdp_interrupted_and_resumed_matches_one_process(tmp_path):
     saved = FileSystemReader(checkpoint_path(two, 3) / "sharded").read_metadata().state_dict_metadata
     weights = [key for key in saved if key.startswith("model.")]
     assert weights and all(".lora_" in key for key in weights)
+    # ... and load into one process
+    model = apply_lora(load_model(str(two / "cold_start"))[0], LoraConfig(r=4, alpha=8.0))
+    optimizer, scheduler = make_optimizer(model, lr=3e-3, total_steps=3)
+    load_state(ProcessGroup(), checkpoint_path(two, 3), model, optimizer, scheduler)
+    reference = safetensors_of(checkpoint_path(one, 3) / "model")  # the one-process run's adapters at step 3
+    loaded = {name.replace(".default.", "."): p for name, p in model.named_parameters() if p.requires_grad}
+    assert loaded.keys() == reference.keys()
+    for name, tensor in reference.items():
+        assert float((loaded[name].detach() - tensor).norm() / tensor.norm().clamp(min=1e-12)) <= REL_TOL, name
     # a run configured for FSDP started on one process (its checkpoints: peft adapter files) continues on two
     three = tmp_path / "one_then_two"
     fsdp = [*lora, "trainer.parallel=fsdp"]
