@@ -502,3 +502,22 @@ def test_gspo_eval_with_a_multi_turn_config_evaluates_episodes(tmp_path, capsys)
     last = json.loads((tmp_path / "eval.jsonl").read_text().splitlines()[-1])
     assert result["tool_call_rate"] == last["heldout_tool_call_rate"]
     assert result["accuracy"] == last["heldout_accuracy"] and result["episode_turns"] == last["heldout_episode_turns"]
+
+
+def test_tool_calls_are_read_after_the_thinking_block():
+    """As vLLM's reasoning parser splits the reasoning off before the tool parser: a call drafted in the thought is not
+    made, a call after it is, and a reply whose reasoning never ended makes none and ends the episode (R1-style
+    templates open the thought in the prompt). With think_tags None the whole reply is parsed, as before."""
+    pool = DeadlinePool(workers=1, timeout_s=1.0)
+    call = '<tool_call>{"name": "calc", "arguments": {"expression": "6*7"}}</tool_call>'
+    env = ToolEnv(TOOLS, parse_hermes, pool)
+    env.reset({"prompt": "q"})
+    assert env.step(f"<think>maybe {call}</think>It is 42.").done  # drafted, not made: an answer
+    made = env.step(f"<think>I will compute it.</think>{call}")
+    assert made.observation == [{"role": "tool", "name": "calc", "content": "42"}] and not made.done
+    assert env.step(f"<think>first {call}").done  # cut off mid-thought: no call
+    env.reset({"prompt": "<｜User｜>6*7?<｜Assistant｜><think>\n"})  # the template opened the thought
+    assert env.step(f"draft {call}").done and not env.step(f"ok</think>{call}").done
+    whole = ToolEnv(TOOLS, parse_hermes, pool, think_tags=None)
+    whole.reset({"prompt": "q"})
+    assert whole.step(f"<think>maybe {call}</think>It is 42.").observation[0]["content"] == "42"

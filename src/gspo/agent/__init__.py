@@ -46,7 +46,7 @@ def build_env(cfg: Config) -> tuple[Callable[[], Environment] | None, list[dict]
     if cfg.env is None:
         return None, None
     try:
-        return make_env_factory(cfg.env)
+        return make_env_factory(cfg.env, cfg.rewards.think_tags)
     except ValueError as exc:
         raise ConfigError(f"env: {exc}") from None
 

@@ -20,7 +20,10 @@ something other than a `Step` ends that episode, counted (`env_failures`); the o
 `ToolEnv` is the environment of tool use: each reply is parsed for tool calls (`gspo.agent.tools`); calls are run
 and their results become `tool` messages; a reply without a call is the final answer and ends the episode, and the
 run's reward functions score it. Turn rewards (`invalid_call_reward`, `tool_error_reward`, default 0) are optional
-shaping, credited per turn by GSPO-token's advantages (`gspo.advantages.turn_advantages`).
+shaping, credited per turn by GSPO-token's advantages (`gspo.advantages.turn_advantages`). A reasoning model's calls
+are read after its thinking block (`rewards.think_tags`, `gspo.rewards.thinking`), as vLLM's reasoning parser splits
+the reasoning off before its tool parser runs: a call drafted inside the thought is not made, and a reply whose
+reasoning never ended makes no call (it is an empty answer).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any, Protocol
 
 from gspo.agent.tools import PARSERS, ParsedCalls, Tool, run_calls
 from gspo.rewards.deadline import DeadlinePool
+from gspo.rewards.thinking import THINK_TAGS, final_answer
 
 __all__ = ["STEP_COUNTS", "Environment", "Step", "ToolEnv", "make_env_factory"]
 
@@ -63,15 +67,22 @@ class ToolEnv:
 
     def __init__(self, tools: Mapping[str, Tool], parse: Callable[[str, Mapping[str, Tool]], ParsedCalls],
                  pool: DeadlinePool, *, invalid_call_reward: float = 0.0, tool_error_reward: float = 0.0,
-                 max_calls_per_turn: int = 4, max_chars: int = 2000) -> None:
+                 max_calls_per_turn: int = 4, max_chars: int = 2000,
+                 think_tags: tuple[str, str] | None = THINK_TAGS) -> None:
         self.tools, self.parse, self.pool = tools, parse, pool
         self.invalid_call_reward, self.tool_error_reward = invalid_call_reward, tool_error_reward
         self.max_calls_per_turn, self.max_chars = max_calls_per_turn, max_chars
+        self.think_tags, self.prompt = think_tags, ""
 
     def reset(self, row: dict) -> str:
+        self.prompt = row["prompt"]  # whether its template leaves a thought open (R1-style), as each turn's does
         return row["prompt"]
 
     def step(self, action: str) -> Step:
+        if self.think_tags is not None:
+            action = final_answer(self.prompt, action, self.think_tags)
+            if action is None:  # the reasoning never ended: no call, no answer
+                return Step(done=True)
         parsed = self.parse(action, self.tools)
         if parsed.error is None and len(parsed.calls) > self.max_calls_per_turn:
             parsed = ParsedCalls(error=f"at most {self.max_calls_per_turn} tool calls per turn")
@@ -88,10 +99,12 @@ class ToolEnv:
                     info={"tool_calls": float(len(results)), "tool_failures": float(failed)})
 
 
-def make_env_factory(env_cfg: Any) -> tuple[Callable[[], Environment], list[dict] | None]:
+def make_env_factory(env_cfg: Any, think_tags: Any = THINK_TAGS
+                     ) -> tuple[Callable[[], Environment], list[dict] | None]:
     """(a function making one fresh environment per episode, the tools' JSON schemas) as the config's `env` section
-    says: `name: tools` builds a `ToolEnv` over `env.tools` with `env.parser` (and returns their schemas, for the
-    chat template); any other name is an import path `package.module:factory` called with `env.options` as keyword
+    says: `name: tools` builds a `ToolEnv` over `env.tools` with `env.parser`, reading calls after `think_tags` (the
+    config's `rewards.think_tags`; None: whole replies), and returns their schemas, for the chat template; any other
+    name is an import path `package.module:factory` called with `env.options` as keyword
     arguments (a class works; no schemas). Raises ValueError naming the setting that is wrong."""
     from gspo.agent.tools import resolve_tool
     from gspo.rewards import resolve_reward
@@ -104,11 +117,14 @@ def make_env_factory(env_cfg: Any) -> tuple[Callable[[], Environment], list[dict
                 raise ValueError(f"env.tools names two tools called {tool.name!r}")
             tools[tool.name] = tool
         pool = DeadlinePool(workers=env_cfg.workers, timeout_s=env_cfg.tool_timeout_s)
-        parse = PARSERS[env_cfg.parser]
-        return (lambda: ToolEnv(tools, parse, pool, invalid_call_reward=env_cfg.invalid_call_reward,
-                                tool_error_reward=env_cfg.tool_error_reward,
-                                max_calls_per_turn=env_cfg.max_calls_per_turn,
-                                max_chars=env_cfg.max_observation_chars)), [t.schema for t in tools.values()]
+        parse, tags = PARSERS[env_cfg.parser], None if think_tags is None else tuple(think_tags)
+
+        def make() -> ToolEnv:
+            return ToolEnv(tools, parse, pool, invalid_call_reward=env_cfg.invalid_call_reward,
+                           tool_error_reward=env_cfg.tool_error_reward, max_calls_per_turn=env_cfg.max_calls_per_turn,
+                           max_chars=env_cfg.max_observation_chars, think_tags=tags)
+
+        return make, [t.schema for t in tools.values()]
     try:
         factory = resolve_reward(env_cfg.name)  # the same import rules as rewards and tools
     except ValueError as exc:
