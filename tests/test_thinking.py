@@ -151,7 +151,7 @@ def recording_reward(prompt: str, completion: str, **row) -> float:
 RECORDED: list[str] = []
 
 
-def test_trainer_logs_the_unfinished_rate_of_each_step(tmp_path):
+def test_trainer_logs_the_unfinished_rate_of_each_step(tmp_path, caplog):
     RECORDED.clear()
     steps, eval_rows = 2, 8
     cfg = load_config(DEMO, tiny_overrides(
@@ -169,6 +169,20 @@ def test_trainer_logs_the_unfinished_rate_of_each_step(tmp_path):
     evals = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
     assert [e["heldout_unfinished_thinking_rate"] for e in evals] == pytest.approx(
         [sum(_unfinished("", c) for c in part) / eval_rows for part in (RECORDED[:eval_rows], RECORDED[-eval_rows:])])
+    # an untrained model rarely ends within 4 tokens: the first evaluation says its accuracy measures the budget
+    assert evals[0]["heldout_truncation_rate"] >= 0.5
+    warned = [r.getMessage() for r in caplog.records if "-token budget without ending" in r.getMessage()]
+    assert len(warned) == 1 and "trainer.eval_max_new_tokens" in warned[0]
+
+
+def test_no_budget_warning_when_most_completions_end(caplog):
+    from gspo.trainer import _warn_cut_off
+
+    _warn_cut_off({"truncation_rate": 0.3, "unfinished_thinking_rate": 0.2}, 64, "trainer.eval_max_new_tokens")
+    _warn_cut_off({"truncation_rate": 0.1}, 64, "trainer.eval_max_new_tokens")
+    assert not [r for r in caplog.records if "token budget" in r.getMessage()]
+    _warn_cut_off({"truncation_rate": 0.1, "unfinished_thinking_rate": 0.6}, 64, "trainer.eval_max_new_tokens")
+    assert "and 60% never finished their reasoning" in caplog.records[-1].getMessage()
 
 
 def test_config_refuses_bad_tags_and_accepts_null(tmp_path):

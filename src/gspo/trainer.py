@@ -299,6 +299,17 @@ def rollout_records(batch: Collected, tokenizer, count: int, group_size: int,
     return records
 
 
+def _warn_cut_off(scores: dict[str, float], budget: int, key: str) -> None:
+    """Say so when at least half of the held-out completions hit the token budget (or never finished their reasoning):
+    they count as unsolved, so the accuracy measures the budget more than the model."""
+    truncated, unfinished = scores.get("truncation_rate", 0.0), scores.get("unfinished_thinking_rate", 0.0)
+    if max(truncated, unfinished) >= 0.5:
+        log.warning("%.0f%% of the held-out completions hit the %d-token budget without ending and %.0f%% never "
+                    "finished their reasoning: they count as unsolved, so accuracy measures the budget; raise %s (and "
+                    "rollout.max_new_tokens) unless that is the point", 100 * truncated, budget, 100 * unfinished,
+                    key)
+
+
 def _out_of_memory(error: RuntimeError) -> bool:
     """Whether `error` is an allocator's failure: CUDA's `torch.OutOfMemoryError`, or the CPU allocator's
     RuntimeError (a single allocation larger than the machine can give)."""
@@ -614,6 +625,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
                 scores.update(pass_at_k_ci95(every, n_eval, sampled_eval["ks"]))
         if not evals:  # the run's first evaluation (a resume has the earlier ones)
             first_rows = every
+            if group.is_main:
+                _warn_cut_off(scores, eval_tokens, "trainer.eval_max_new_tokens")
         elif first_rows is not None and len(first_rows) == len(every):
             (scores["accuracy_change"], scores["accuracy_change_ci95_low"],
              scores["accuracy_change_ci95_high"]) = paired_change_ci95(first_rows, every)
