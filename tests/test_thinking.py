@@ -37,6 +37,8 @@ R1_PROMPT = "<｜User｜>12*3?<｜Assistant｜><think>\n"
     (R1_PROMPT, "12*3 = 36.\n</think>\n\n36", "\n\n36"),  # the template opened the block
     (R1_PROMPT, "12*3 = 36. So 36", None),  # ... and it never closed
     (QWEN3_NO_THINKING, "36", "36"),  # Qwen3 enable_thinking=false: a closed, empty block in the prompt
+    ("Reason inside <think> tags, then answer. 12*3?", "36", "36"),  # a prompt that mentions the tag opens nothing
+    ("Assistant: <think>", "12*3 = 36. So 36", None),  # R1-Zero's prompt ends with the open tag
     ("q", "</think>36", "36"),  # a close tag alone (its open tag was in a template the prompt does not show)
 ])
 def test_final_answer(prompt, completion, expected):

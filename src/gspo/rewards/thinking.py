@@ -11,7 +11,8 @@ checks the tags) see the completion as generated, as in TRL.
 
 Whether the completion starts inside a thought is read from the prompt: DeepSeek-R1-style templates end the
 generation prompt with the open tag, so the completion holds only the close tag; Qwen3's template with
-`enable_thinking: false` ends it with an empty, closed block, so the completion starts after it.
+`enable_thinking: false` ends it with an empty, closed block, so the completion starts after it; a prompt that only
+mentions the tags in its instructions opens nothing.
 """
 
 from __future__ import annotations
@@ -58,19 +59,21 @@ def check_think_tags(tags: Sequence[str] | None, where: str = "think_tags") -> t
     return opening, closing
 
 
-def _open_at_end(text: str, tags: tuple[str, str]) -> bool:
-    """Whether `text` ends inside a reasoning block: its last open tag comes after its last close tag."""
-    return text.rfind(tags[0]) > text.rfind(tags[1])
+def _opens_thought(prompt: str, tags: tuple[str, str]) -> bool:
+    """Whether the generation prompt opens a reasoning block for the completion: it ends with the open tag (but for
+    whitespace), as DeepSeek-R1-style templates do. A prompt that only mentions the tags ("think inside <think> tags,
+    then answer") does not."""
+    return prompt.rstrip().endswith(tags[0])
 
 
 def final_answer(prompt: str, completion: str, tags: tuple[str, str] = THINK_TAGS) -> str | None:
     """The part of `completion` that answers: the text after its last close tag; the whole completion when it holds
-    no tag and `prompt` did not leave a reasoning block open; None when the reasoning never ended (a tag opened in
-    the completion, or left open by the prompt, and not closed after). `tags` is (open, close)."""
+    no tag and `prompt` does not open a reasoning block; None when the reasoning never ended (a tag opened in the
+    completion, or by the end of the prompt, and not closed after). `tags` is (open, close)."""
     opening, closing = tags
     close = completion.rfind(closing)
     if close > completion.rfind(opening):
         return completion[close + len(closing):]
-    if opening in completion or _open_at_end(prompt, tags):
+    if opening in completion or _opens_thought(prompt, tags):
         return None
     return completion
