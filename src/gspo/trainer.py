@@ -738,6 +738,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
             if logger is not None and cfg.log.rollouts:
                 logger.log_rollouts(done, rollout_records(ctx.last, tokenizer, cfg.log.rollouts,
                                                           cfg.rollout.group_size, rewards.names))
+            ctx.last = None  # not held through the next step's rollouts
             verdict = guard.observe(done, metrics) if guard is not None else None
             if verdict is not None:
                 metrics["guard_anomalies"] = float(len(verdict.flags))
