@@ -321,3 +321,14 @@ def test_rollouts_are_dropped_after_the_resumed_or_rewound_step_like_metrics(tmp
     texts = [e.tensor_proto.string_val[0].decode() for e in events.Tensors("rollouts/text_summary")]
     assert "| group | prompt | completion | reward | solved | advantage | truncated |" in texts[0]
     assert "2\\|1⏎" in texts[0]
+
+
+def test_an_unreadable_trackers_file_starts_new_runs_with_a_warning(tmp_path, monkeypatch, caplog):
+    wandb = _Tracker("wandb")
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    (tmp_path / "trackers.json").write_text("{not json")
+    with MetricsLogger(tmp_path, tensorboard=False, resume_step=0, wandb={"project": "p"}):
+        pass
+    assert wandb.started == [{"project": "p"}]
+    assert any("trackers.json is unreadable" in r.getMessage() for r in caplog.records)
+    assert json.loads((tmp_path / "trackers.json").read_text()) == {"wandb": "run1"}  # rewritten with the new run

@@ -421,3 +421,29 @@ def test_trimmed_padding_keeps_the_first_minibatch_exactly_on_policy(tmp_path, s
     assert (~mask).any()  # ragged lengths: padding exists and is trimmed
     assert torch.equal(logprobs[mask], old[mask])
     assert read_metrics(tmp_path / "metrics.jsonl")[0]["rollout_logprob_diff"] < 1e-4
+
+
+def test_rollout_records_of_token_level_advantages_and_filtered_rows():
+    """Multi-turn GSPO-token batches carry per-token advantages: a record shows their mean over the tokens the loss
+    trains on; a row the loss left out (trained_tokens 0, e.g. rollout.overlong_filter) shows 0; the prompt is decoded
+    without its padding."""
+    from conftest import ragged_trajectory
+    from gspo.models import build_preset
+    from gspo.trainer import Collected, rollout_records
+
+    model, tokenizer = build_preset("tiny-dense", seed=0)
+    traj = ragged_trajectory(model, n=8)
+    loss_mask = traj.completion_mask.clone()
+    loss_mask[1, :2] = 0  # an observation's tokens
+    loss_mask[2] = 0  # filtered out
+    traj.loss_mask = loss_mask
+    advantages = torch.randn(traj.completion_mask.shape, generator=torch.Generator().manual_seed(0)) * loss_mask
+    records = rollout_records(Collected(traj, torch.arange(8.0), advantages, {}, 0.0), tokenizer, 5, 4)
+    assert [r["group"] for r in records] == [0, 0, 0, 0, 1]
+    for i, r in enumerate(records):
+        trained = loss_mask[i].bool()
+        assert r["trained_tokens"] == int(trained.sum()) and r["tokens"] == int(traj.completion_mask[i].sum())
+        expected = float(advantages[i][trained].mean()) if trained.any() else 0.0
+        assert r["advantage"] == pytest.approx(expected, abs=1e-6)
+        assert r["prompt"] == tokenizer.decode(traj.prompt_ids[i][traj.prompt_mask[i].bool()].tolist())
+        assert r["reward"] == float(i) and "rewards" not in r  # no per-function values carried: none shown
