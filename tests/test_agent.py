@@ -443,7 +443,7 @@ def test_env_settings_are_checked_before_any_compute(tmp_path):
 
 @pytest.mark.parametrize("loss", ["gspo", "gspo_token", "grpo"])
 def test_training_with_tools_runs_and_reports_tool_use(tmp_path, loss):
-    summary = train(calc_config(tmp_path, f"algorithm.loss={loss}"))
+    summary = train(calc_config(tmp_path, f"algorithm.loss={loss}", "log.rollouts=8"))
     assert summary["status"] == "completed"
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     for key in ("tool_call_rate", "tool_call_validity", "episode_turns", "episode_turn_limit"):
@@ -453,6 +453,10 @@ def test_training_with_tools_runs_and_reports_tool_use(tmp_path, loss):
     assert "heldout_tool_call_rate" in evals[0]
     samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert all("transcript" in s for s in samples)
+    # training episodes are logged whole: the final reply ends the transcript of policy turns and tool results
+    rollouts = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
+    assert rollouts and all(r["transcript"].endswith(r["completion"]) for r in rollouts)
+    assert any("tool:" in r["transcript"] for r in rollouts)  # the tiny chat template's tool turn
 
 
 def test_episodes_combine_with_dynamic_sampling_and_the_overlong_filter(tmp_path, monkeypatch):

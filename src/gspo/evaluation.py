@@ -23,7 +23,7 @@ from gspo.rollout import HFSampler, SamplingParams
 from gspo.tracking import markdown_table
 
 __all__ = ["accuracy_ci95", "evaluate", "format_samples", "maj_at_k", "mean_ci95", "paired_change_ci95", "pass_at_k",
-           "pass_at_k_ci95", "vote_answer", "wilson_ci95"]
+           "pass_at_k_ci95", "transcript", "vote_answer", "wilson_ci95"]
 
 _Z95 = 1.959963984540054  # the standard normal's 97.5% quantile: a two-sided 95% interval is mean ± _Z95 · s.e.
 _SEED_MIX = 2_654_435_761  # a sampled row's prompt seed is seed · _SEED_MIX + its position. Not seed << 32: torch's
@@ -227,7 +227,7 @@ def evaluate(model, tokenizer, rows: list[dict], rewards: RewardRunner, max_new_
                 samples.append({"prompt": prompts[i], "completion": batch.completions[i * n],
                                 "reward": float(scores[-1][i * n]), "correct": bool(correct[-1][i * n]),
                                 **({"answer": chunk[i]["answer"]} if "answer" in chunk[i] else {}),
-                                **({"transcript": _transcript(tokenizer, batch, i * n)} if episodes else {})})
+                                **({"transcript": transcript(tokenizer, batch, i * n)} if episodes else {})})
     solved = torch.cat(correct).float().view(-1, n).mean(-1).tolist()  # each row's solved fraction
     if row_values is not None:
         row_values.extend(solved)
@@ -265,7 +265,7 @@ def _vote(answer_of: Callable[[str], Hashable | None], completion: str) -> Hasha
     return answer
 
 
-def _transcript(tokenizer, batch, i: int) -> str:
+def transcript(tokenizer, batch, i: int) -> str:
     """Row i's whole response (policy turns and observations) as text."""
     return tokenizer.decode(batch.completion_ids[i][batch.completion_mask[i].bool()].tolist(), skip_special_tokens=True)
 

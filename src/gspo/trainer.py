@@ -42,7 +42,7 @@ from gspo.agent import EpisodeRunner, build_env, episode_metrics, make_episode_r
 from gspo.checkpoint import STATE_FILENAME, checkpoint_path, find_latest_checkpoint, list_checkpoints, set_seed
 from gspo.config import Config, ConfigError, config_to_dict
 from gspo.data import load_data, render_chat
-from gspo.evaluation import accuracy_ci95, evaluate, format_samples, paired_change_ci95, pass_at_k_ci95
+from gspo.evaluation import accuracy_ci95, evaluate, format_samples, paired_change_ci95, pass_at_k_ci95, transcript
 from gspo.guard import CollapseGuard, GuardSettings, Verdict, best_checkpoint, good_checkpoint
 from gspo.hooks import LearnHook, MoERouting, PrecisionMetrics
 from gspo.learner import LearnSettings, learn
@@ -274,7 +274,8 @@ def sync(engine: RolloutEngine, model: nn.Module, version: int) -> None:
 def rollout_records(batch: Collected, tokenizer, count: int, group_size: int,
                     reward_names: Sequence[str] = ()) -> list[dict]:
     """The first `count` completions of a step's batch (its first groups, so that each advantage can be read against
-    its group's rewards) as JSON records: group, prompt (decoded, special tokens kept), completion, reward (the
+    its group's rewards) as JSON records: group, prompt (decoded, special tokens kept), completion (a multi-turn
+    episode's final reply, with the whole `transcript` of policy turns and observations too), reward (the
     weighted sum trained on), each of `reward_names`' unweighted value and whether the accuracy reward calls it solved
     (when the batch carries them, `gspo.rewards.score_trajectory`), advantage (per-token advantages: their mean over
     the trained tokens), tokens, trained tokens (0: filtered out, e.g. by rollout.overlong_filter) and whether it hit
@@ -289,6 +290,7 @@ def rollout_records(batch: Collected, tokenizer, count: int, group_size: int,
     for i in range(n):
         prompt = traj.prompt_ids[i][traj.prompt_mask[i].bool()].tolist()
         record = {"group": i // group_size, "prompt": tokenizer.decode(prompt), "completion": traj.completions[i],
+                  **({"transcript": transcript(tokenizer, traj, i)} if traj.token_rewards is not None else {}),
                   "reward": float(batch.rewards[i])}
         if values is not None and values.shape[-1] == len(reward_names):
             record["rewards"] = dict(zip(reward_names, values[i].tolist(), strict=True))
