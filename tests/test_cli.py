@@ -31,9 +31,14 @@ def sft_dir(tmp_path_factory):
 def test_train_writes_metrics_and_prints_the_summary(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["train", str(DEMO), *tiny_overrides(out, "trainer.steps=2")]) == 0
-    summary = last_json(capsys.readouterr().out)
+    printed = capsys.readouterr()
+    summary = last_json(printed.out)
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2]
     assert summary == json.loads((out / "summary.json").read_text())
+    low, high = summary["heldout_accuracy_ci95"]["change"]  # and one line for people, on stderr
+    before, after = summary["heldout_accuracy_before_rl"], summary["heldout_accuracy_after_rl"]
+    assert (f"held-out accuracy: {before:.1%} before RL → {after:.1%} after RL ({(after - before) * 100:+.1f} points; "
+            f"95% CI {low * 100:+.1f} to {high * 100:+.1f} on the same rows)") in printed.err
     assert (out / "final" / "config.json").is_file()
 
     # a second fresh run into the same folder is refused (exit 2, nothing touched) ...
@@ -134,7 +139,8 @@ def test_eval_against_a_baseline_reports_the_paired_change(sft_dir, capsys):
         assert main(["eval", model, *common]) == 0
         alone[model] = last_json(capsys.readouterr().out)
     assert main(["eval", str(sft_dir), "--baseline", "tiny-moe", *common]) == 0
-    result = last_json(capsys.readouterr().out)
+    printed = capsys.readouterr()
+    result = last_json(printed.out)
     assert result["accuracy"] == alone[str(sft_dir)]["accuracy"]
     assert result["baseline"]["accuracy"] == alone["tiny-moe"]["accuracy"]
     assert result["baseline"]["accuracy_ci95"] == alone["tiny-moe"]["accuracy_ci95"]
@@ -143,6 +149,12 @@ def test_eval_against_a_baseline_reports_the_paired_change(sft_dir, capsys):
     assert result["accuracy_change"] == pytest.approx(change)
     low, high = result["accuracy_change_ci95"]
     assert -1 <= low < high <= 1 and result["accuracy_ci95"][0] <= result["accuracy"] <= result["accuracy_ci95"][1]
+    # the same numbers in a line for people, on stderr (stdout stays one JSON document)
+    a_low, a_high = result["accuracy_ci95"]
+    assert (f"accuracy {result['accuracy']:.1%} (95% CI {a_low:.1%} to {a_high:.1%}) on 24 rows, greedy"
+            in printed.err)
+    assert (f"baseline {result['baseline']['accuracy']:.1%}: change {change * 100:+.1f} points (paired 95% CI "
+            f"{low * 100:+.1f} to {high * 100:+.1f})" in printed.err)
 
 
 def test_eval_of_a_missing_model_dir_exits_2(tmp_path, capsys):

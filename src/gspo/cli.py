@@ -32,7 +32,21 @@ def _cmd_train(args: argparse.Namespace) -> int:
     shutdown()
     if int(os.environ.get("RANK", "0")) == 0:  # one summary, not one per process
         print(json.dumps(summary, indent=2))
+        if line := _accuracy_line(summary, "before RL", "after RL"):
+            print(line, file=sys.stderr)  # stdout stays one JSON document
     return 0
+
+
+def _accuracy_line(summary: dict, before_label: str, after_label: str) -> str | None:
+    """A run's held-out accuracy before and after RL with the change and its paired 95% interval, as one line; None
+    without held-out data (data.eval_split=null)."""
+    before, after = summary.get("heldout_accuracy_before_rl"), summary.get("heldout_accuracy_after_rl")
+    if before is None or after is None:
+        return None
+    change = (summary.get("heldout_accuracy_ci95") or {}).get("change")
+    interval = f"; 95% CI {change[0] * 100:+.1f} to {change[1] * 100:+.1f}" if change else ""
+    return (f"held-out accuracy: {before:.1%} {before_label} → {after:.1%} {after_label} "
+            f"({(after - before) * 100:+.1f} points{interval} on the same rows) in {summary['wall_seconds']:.0f} s")
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -50,13 +64,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
           f"{cfg.model.name} / {cfg.data.task} task → {args.out}", flush=True)
     summary = train(cfg, resume=args.resume, overwrite=args.overwrite)
     out = Path(args.out)
-    before, after = summary["heldout_accuracy_before_rl"], summary["heldout_accuracy_after_rl"]
-    if before is not None and after is not None:  # None without held-out data (data.eval_split=null)
-        ci = summary["heldout_accuracy_ci95"] or {}
-        change = ci.get("change")
-        interval = f"; 95% CI {change[0] * 100:+.1f} to {change[1] * 100:+.1f}" if change else ""
-        print(f"held-out accuracy: {before:.1%} after cold-start SFT → {after:.1%} after GSPO "
-              f"({(after - before) * 100:+.1f} points{interval} on the same rows) in {summary['wall_seconds']:.0f} s")
+    if line := _accuracy_line(summary, "after cold-start SFT", "after GSPO"):
+        print(line)
     print(f"wrote {out / 'metrics.jsonl'}, {out / 'summary.json'}, {out / 'curves.png'}, model in {out / 'final'}")
     return 0
 
@@ -258,6 +267,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                       "samples_per_prompt": n, "temperature": temperature, "top_p": top_p, **result, **counts,
                       "accuracy_means": f"{accuracy_reward} >= {threshold:g}", "reward_failures": failures,
                       "reward_timeouts": dict(rewards.timeouts), **comparison}))
+    print(_eval_line(result, len(values), n, new_tokens, comparison), file=sys.stderr)  # stdout stays JSON
     if failed_all:
         print(f"gspo eval: error: a reward function failed on every one of the {completions} "
               f"{'rows' if n == 1 else 'completions'} of a model "
@@ -265,6 +275,24 @@ def _cmd_eval(args: argparse.Namespace) -> int:
               "reward (--reward) and the rows' fields (--fields)", file=sys.stderr)
         return 1
     return 0
+
+
+def _eval_line(result: dict, rows: int, n: int, tokens: int, comparison: dict) -> str:
+    """`gspo eval`'s result as one line: the accuracy with its interval, what cut completions short, and the change
+    against --baseline with its paired interval."""
+    low, high = result["accuracy_ci95"]
+    how = "greedy" if n == 1 else f"{n} samples each, pass@1"
+    parts = [f"gspo eval: accuracy {result['accuracy']:.1%} (95% CI {low:.1%} to {high:.1%}) on {rows} rows, {how}"]
+    if result["truncation_rate"] > 0:
+        parts.append(f"{result['truncation_rate']:.0%} hit the {tokens}-token budget")
+    if result.get("unfinished_thinking_rate"):
+        parts.append(f"{result['unfinished_thinking_rate']:.0%} never finished their reasoning")
+    line = ", ".join(parts)
+    if comparison:
+        base, (low, high) = comparison["baseline"], comparison["accuracy_change_ci95"]
+        line += (f"; baseline {base['accuracy']:.1%}: change {comparison['accuracy_change'] * 100:+.1f} points "
+                 f"(paired 95% CI {low * 100:+.1f} to {high * 100:+.1f})")
+    return line
 
 
 def _cmd_async_study(args: argparse.Namespace) -> int:
