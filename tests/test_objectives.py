@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from gspo.config import ConfigError, load_config
 from gspo.objectives import (
+    KL_ESTIMATORS,
     LOG_RATIO_CLAMP,
     OBJECTIVES,
     Objective,
@@ -326,10 +327,33 @@ def test_cispo_keeps_gradient_of_truncated_tokens_with_clipped_weight():
     assert metrics["clip_frac_tokens"] == 0.5
 
 
-def test_kl_to_reference_is_zero_at_reference_and_positive_elsewhere():
+@pytest.mark.parametrize("estimator", sorted(KL_ESTIMATORS))
+def test_kl_to_reference_is_zero_at_reference_and_positive_elsewhere(estimator):
     lp, old, _, mask = make_batch(0, spread=0.1)
-    assert kl_to_reference(old, old, mask).item() == 0.0
-    assert kl_to_reference(lp.detach(), old, mask).item() > 0
+    assert kl_to_reference(old, old, mask, estimator=estimator).item() == 0.0
+    assert kl_to_reference(lp.detach(), old, mask, estimator=estimator).item() > 0
+    with pytest.raises(ValueError, match="estimator must be one of"):
+        kl_to_reference(old, old, mask, estimator="k1")
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_kl_estimators_expected_gradients_are_those_of_their_divergences(seed):
+    """Exactly, over one token's distribution (V outcomes, each weighted by π_θ, as sampling weights them, the
+    sample held fixed as a loss term holds it): k2's expected gradient is ∇KL(π_θ‖π_ref), the penalty's meaning;
+    k3's (GRPO's) is ∇KL(π_ref‖π_θ), the forward one; and k3's expected value is KL(π_θ‖π_ref) (unbiased)."""
+    g = torch.Generator().manual_seed(seed)
+    theta = torch.randn(9, generator=g, dtype=torch.float64, requires_grad=True)
+    ref = (2 * torch.randn(9, generator=g, dtype=torch.float64)).log_softmax(-1)
+    logp = theta.log_softmax(-1)
+    p = logp.exp()
+    reverse, forward = (p * (logp - ref)).sum(), (ref.exp() * (ref - logp)).sum()
+    grad = {name: torch.autograd.grad(x, theta, retain_graph=True)[0] for name, x in
+            [("reverse", reverse), ("forward", forward),
+             *((e, (p.detach() * KL_ESTIMATORS[e](ref - logp)).sum()) for e in KL_ESTIMATORS)]}
+    torch.testing.assert_close(grad["k2"], grad["reverse"], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grad["k3"], grad["forward"], rtol=1e-10, atol=1e-12)
+    assert (grad["k3"] - grad["reverse"]).abs().max() > 1e-3  # the two divergences' gradients differ here
+    torch.testing.assert_close((p * KL_ESTIMATORS["k3"](ref - logp)).sum(), reverse, rtol=1e-10, atol=1e-12)
 
 
 # ------------------------------------------------------------------------------------------ registry and metadata

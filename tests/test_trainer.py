@@ -447,3 +447,13 @@ def test_rollout_records_of_token_level_advantages_and_filtered_rows():
         assert r["advantage"] == pytest.approx(expected, abs=1e-6)
         assert r["prompt"] == tokenizer.decode(traj.prompt_ids[i][traj.prompt_mask[i].bool()].tolist())
         assert r["reward"] == float(i) and "rewards" not in r  # no per-function values carried: none shown
+
+
+def test_the_kl_estimator_reaches_the_learner_and_unknown_ones_are_refused(tmp_path):
+    from gspo.trainer import learn_settings
+
+    assert learn_settings(cfg_for(tmp_path, "algorithm.kl_beta=0.1")).kl_estimator == "k3"  # GRPO's, the default
+    assert learn_settings(cfg_for(tmp_path, "algorithm.kl_beta=0.1",
+                                  "algorithm.kl_estimator=k2")).kl_estimator == "k2"
+    with pytest.raises(ConfigError, match=r"algorithm\.kl_estimator"):
+        cfg_for(tmp_path, "algorithm.kl_estimator=k1")

@@ -375,6 +375,9 @@ class AlgorithmConfig(_Section):
     eps_high: float | None = Field(None, ge=0)
     advantage_scale: Literal["group", "batch", "none"] | None = None
     kl_beta: float = Field(0.0, ge=0)
+    # The per-token KL estimator behind kl_beta (gspo.objectives.KL_ESTIMATORS): k3 (GRPO's; as a loss its expected
+    # gradient is the forward KL's) or k2 (½ log² r; its expected gradient is the reverse KL's, KL(π_θ‖π_ref)).
+    kl_estimator: Literal["k3", "k2"] = "k3"
     # MoE Routing Replay (§5.3): r2 replays the π_old forward's routing in the π_θ forwards; r3 replays the rollout
     # engine's routing (arXiv 2510.11370) in every training forward. Both need an MoE model with a router adapter.
     routing_replay: Literal["none", "r2", "r3"] = "none"

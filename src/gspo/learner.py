@@ -50,6 +50,7 @@ class LearnSettings:
     temperature: float = 1.0  # the sampling temperature: log π_θ is taken of logits / temperature, as sampled
     max_new_tokens: int = 16  # the generation budget (Dr.GRPO's constant L)
     kl_beta: float = 0.0
+    kl_estimator: str = "k3"  # gspo.objectives.KL_ESTIMATORS
     grad_clip: float | None = 1.0
     mixed_precision: str | None = None
     mismatch: Correction | None = None  # the train–inference mismatch correction (None: none), for recomputed π_old
@@ -193,7 +194,8 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
                         ref_lp, _ = completion_logprobs(ref_model, *traj.rows(r), temperature=s.temperature,
                                                         trim_padding=True)
                     total = total + s.kl_beta * kl_to_reference(
-                        lp, ref_lp, mask[r], normaliser=process_normaliser(rows, group.world_size))
+                        lp, ref_lp, mask[r], normaliser=process_normaliser(rows, group.world_size),
+                        estimator=s.kl_estimator)
                 total.backward()
             logprobs[r] = lp.detach()
             if ent is not None:
@@ -206,7 +208,7 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
                                            eps_low=s.eps_low, eps_high=s.eps_high, normaliser=normaliser)
         if with_ref:
             kl = kl_to_reference(logprobs[mb], ref_logprobs[mb], mask[mb],
-                                 normaliser=process_normaliser(rows, group.world_size))
+                                 normaliser=process_normaliser(rows, group.world_size), estimator=s.kl_estimator)
             loss = loss.detach() + s.kl_beta * kl
             m["kl_ref"] = float(kl)
         for hook in hooks:

@@ -410,16 +410,38 @@ def cispo_loss(
 # KL to a reference policy (β term; the paper uses β = 0)
 
 
+def kl_k3(log_r: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator per token, r − 1 − log r ≥ 0 with log r = log π_ref − log π_θ (GRPO, DeepSeekMath
+    Eq. 4; verl's low_var_kl): an unbiased, low-variance estimate of KL(π_θ‖π_ref) on samples of π_θ. As a loss
+    term, its expected gradient over a token's distribution is that of the *forward* KL(π_ref‖π_θ):
+    E_π[(1 − π_ref/π_θ)∇log π_θ] = −Σ π_ref ∇log π_θ."""
+    return torch.expm1(log_r) - log_r
+
+
+def kl_k2(log_r: torch.Tensor) -> torch.Tensor:
+    """Schulman's k2 estimator per token, ½ (log r)² ≥ 0 (verl's mse): a biased estimate of KL(π_θ‖π_ref), but as a
+    loss term its expected gradient over a token's distribution is exactly that of the reverse KL(π_θ‖π_ref) the
+    penalty means: E_π[(log π_θ − log π_ref)∇log π_θ]."""
+    return 0.5 * log_r.square()
+
+
+KL_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"k3": kl_k3, "k2": kl_k2}
+
+
 def kl_to_reference(
-    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, *, normaliser: float | None = None
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, *, normaliser: float | None = None,
+    estimator: str = "k3",
 ) -> torch.Tensor:
-    """k3 estimate of KL(π_θ‖π_ref), token-mean per sequence then mean over sequences (GSPO's averaging):
-    r = π_ref/π_θ, k3 = r − 1 − log r ≥ 0. Add β·this to the loss. Its normaliser is always the sequence count:
-    over W processes pass `process_normaliser(global number of rows, W)`."""
+    """The per-token KL `estimator` (`KL_ESTIMATORS`: k3, GRPO's, or k2) between π_θ and π_ref, token-mean per sequence
+    then mean over sequences (GSPO's averaging). Add β·this to the loss. Its normaliser is always the sequence count:
+    over W processes pass `process_normaliser(global number of rows, W)`. (Schulman's k1, log π_θ/π_ref, is not
+    offered: as a loss term its expected gradient is 0, so it would not regularise.)"""
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl_to_reference: estimator must be one of {sorted(KL_ESTIMATORS)}, got {estimator!r}")
     zeros = torch.zeros(logprobs.shape[0], dtype=logprobs.dtype, device=logprobs.device)
     logprobs, ref_logprobs, _, mask = _check(logprobs, ref_logprobs, zeros, mask, token_advantages=False)
     log_r = (_masked(ref_logprobs, mask) - _masked(logprobs, mask)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return seq_mean_token_mean(torch.expm1(log_r) - log_r, mask, normaliser)
+    return seq_mean_token_mean(KL_ESTIMATORS[estimator](log_r), mask, normaliser)
 
 
 # --------------------------------------------------------------------------------------------------------------------

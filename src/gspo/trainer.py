@@ -156,7 +156,7 @@ def learn_settings(cfg: Config) -> LearnSettings:
     return LearnSettings(objective=OBJECTIVES[algo.loss], eps_low=algo.eps_low, eps_high=algo.eps_high,
                          old_logprobs=algo.old_logprobs, temperature=cfg.rollout.temperature,
                          max_new_tokens=cfg.env.max_tokens if cfg.env else cfg.rollout.max_new_tokens,
-                         kl_beta=algo.kl_beta, grad_clip=cfg.optim.grad_clip,
+                         kl_beta=algo.kl_beta, kl_estimator=algo.kl_estimator, grad_clip=cfg.optim.grad_clip,
                          mixed_precision=cfg.trainer.mixed_precision, mismatch=mismatch,
                          micro_batch_tokens=cfg.trainer.micro_batch_tokens)
 
