@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from gspo.objectives import OBJECTIVES
+from gspo.rewards import MODEL_PREFIX
 from gspo.rewards.thinking import check_think_tags
 
 
@@ -184,7 +185,7 @@ class RewardConfig(_Section):
             raise ValueError("rewards.functions must name at least one reward function")
         check_think_tags(self.think_tags, "rewards.think_tags")
         for spec in self.functions:
-            if spec.startswith("model:") and not spec[len("model:"):].strip():
+            if spec.startswith(MODEL_PREFIX) and not spec[len(MODEL_PREFIX):].strip():
                 raise ValueError(f"rewards.functions: {spec!r} names no reward model; write model:PATH (a folder "
                                  "holding a one-output sequence classifier, or a hub id)")
         self.accuracy_reward = resolve_accuracy_reward(list(self.functions), self.accuracy_reward,
@@ -201,7 +202,7 @@ def check_model_threshold(accuracy_reward: str, key: str) -> None:
     """Raise ValueError when accuracy would be decided by a reward model at the default threshold: 1.0 means
     "solved" for a verifier, but is an arbitrary line on a learned score, and the held-out "accuracy" it gave would
     look like a measurement. `key` names the setting that fixes it."""
-    if accuracy_reward.startswith("model:"):
+    if accuracy_reward.startswith(MODEL_PREFIX):
         raise ValueError(f"held-out accuracy would count the completions that the reward model {accuracy_reward!r} "
                          f"scores >= 1.0, an arbitrary line for a learned score: set {key} to the score that counts "
                          "as a success, or name a verifier (e.g. math) as the accuracy reward")
