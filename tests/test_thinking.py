@@ -99,8 +99,9 @@ def test_unmarked_functions_see_the_whole_completion_and_marked_ones_the_answer(
     assert seen["raw"] == [FINISHED, TRUNCATED, "x</think>y"]
     assert seen["answer"] == seen["batched"] == ["\n\nThe answer is \\boxed{36}.", "", "y"]
     assert scored.values["raw"].tolist() == [1.0, 0.0, 0.0]
-    assert runner.texts_judged("answer", ["q"], [TRUNCATED]) == [""]
-    assert runner.texts_judged("raw", ["q"], [TRUNCATED]) == [TRUNCATED]
+    assert scored.texts["answer"] == seen["answer"] and scored.texts["raw"] == seen["raw"]
+    texts = runner.score(["q"], [TRUNCATED], [{}]).texts
+    assert texts["answer"] == [""] and texts["raw"] == [TRUNCATED]
 
 
 def test_every_builtin_verifier_and_reward_models_judge_the_answer():

@@ -167,7 +167,7 @@ def evaluate(model, tokenizer, rows: list[dict], rewards: RewardRunner, max_new_
     completions with a failed reward call), `samples` gets each row's first completion, and for every k in `ks`
     (1 <= k <= n) it adds `pass@{k}` (the mean over rows of `pass_at_k`), `pass@{k}_ci95_low` / `pass@{k}_ci95_high`
     (`pass_at_k_ci95`) and `maj@{k}` (the mean of `maj_at_k` over the rows' first k samples, voting on
-    `answer_of(text)` of the text the accuracy reward judges (`RewardRunner.texts_judged`); default: the answer that
+    `answer_of(text)` of the text the accuracy reward judges (`RewardScores.texts`); default: the answer that
     reward extracts (`gspo.rewards.with_answer`; the built-in addition, last_number and math rewards have one), else
     `vote_answer`). With n = 1 (the default) `ks`, `seed`, `row_offset` and `answer_of` are unused and the result is
     the greedy one above, unchanged. Raises ValueError for n < 1, an empty `ks` or a k outside [1, n], and (n > 1) a
@@ -209,8 +209,8 @@ def evaluate(model, tokenizer, rows: list[dict], rewards: RewardRunner, max_new_
         else:
             batch = sampler.generate(prompts, n, seeds, params=params)
         # completion j answers prompt j // n (prompt-major)
-        repeated = [p for p in prompts for _ in range(n)]
-        scored = rewards.score(repeated, batch.completions, [r for r in chunk for _ in range(n)])
+        scored = rewards.score([p for p in prompts for _ in range(n)], batch.completions,
+                               [r for r in chunk for _ in range(n)])
         if "unfinished_thinking" in scored.stats:
             unfinished.append(scored.stats["unfinished_thinking"])
         turns = 0.0 if batch.token_rewards is None else batch.token_rewards.sum(-1).cpu()
@@ -220,8 +220,7 @@ def evaluate(model, tokenizer, rows: list[dict], rewards: RewardRunner, max_new_
         lengths.append(batch.completion_mask.sum(-1).float().cpu())
         truncated.append(batch.truncated.float().cpu())
         if n > 1:
-            answers.extend(_vote(answer_of, c) for c in rewards.texts_judged(accuracy_reward, repeated,
-                                                                             batch.completions))
+            answers.extend(_vote(answer_of, c) for c in scored.texts[accuracy_reward])
         if samples is not None and len(samples) < n_samples:
             for i in range(min(n_samples - len(samples), len(chunk))):
                 samples.append({"prompt": prompts[i], "completion": batch.completions[i * n],

@@ -27,7 +27,7 @@ import numbers
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -417,14 +417,6 @@ class RewardRunner:
         answers = [final_answer(p, c, self.think_tags) for p, c in zip(prompts, completions, strict=True)]
         return ["" if a is None else a for a in answers], sum(a is None for a in answers)
 
-    def texts_judged(self, name: str, prompts: Sequence[str], completions: Sequence[str]) -> list[str]:
-        """What reward `name` reads of each completion (what maj@k votes on): its `final_answer` ("" for reasoning
-        that never ended) when the function is marked `after_thinking` and `think_tags` is on, else the completion."""
-        answers, _ = self._final_answers(prompts, completions)
-        if answers is None or not judges_final_answer(self.functions[self.names.index(name)]):
-            return list(completions)
-        return answers
-
     def score(self, prompts: list[str], completions: list[str], rows: list[dict]) -> RewardScores:
         """Like `__call__`, keeping each function's unweighted values and which calls failed (`RewardScores`); with
         an `after_thinking` function and `think_tags` on, the stats add `unfinished_thinking`, the count of
@@ -445,9 +437,10 @@ class RewardRunner:
         kwargs = [{k: v for k, v in row.items() if k not in _POSITIONAL_FIELDS} for row in rows]
         answers, unfinished = self._final_answers(prompts, completions)
         calls, spans = [], []  # spans[k]: function k's calls, calls[a:b] (one for a batched function, else n)
-        for fn in self.functions:
+        judged: dict[str, list[str]] = {}
+        for name, fn in zip(self.names, self.functions, strict=True):
             start = len(calls)
-            texts = answers if answers is not None and judges_final_answer(fn) else completions
+            texts = judged[name] = answers if answers is not None and judges_final_answer(fn) else completions
             if is_batched(fn):
                 fields = dict.fromkeys(key for kw in kwargs for key in kw)  # every row's fields, in order
                 calls.append((fn, (list(prompts), list(texts)), {f: [kw.get(f) for kw in kwargs] for f in fields}))
@@ -474,7 +467,7 @@ class RewardRunner:
         stats["reward_timeouts"] = float(sum(self.timeouts.values()) - timeouts_before)
         if answers is not None:
             stats["unfinished_thinking"] = float(unfinished)
-        return RewardScores(torch.tensor(totals, dtype=torch.float32), values, failed, stats)
+        return RewardScores(torch.tensor(totals, dtype=torch.float32), values, failed, stats, judged)
 
 
 def _per_row(outcome: Outcome, n: int) -> list[Outcome]:
@@ -495,12 +488,14 @@ def _per_row(outcome: Outcome, n: int) -> list[Outcome]:
 @dataclass
 class RewardScores:
     """One batch's scores: the weighted sum [N] (what training uses), each function's unweighted values [N] (a failed
-    call counts 0) and failure flags [N], and the stats `RewardRunner.__call__` returns."""
+    call counts 0) and failure flags [N], the stats `RewardRunner.__call__` returns, and the texts each function
+    judged [N] (a completion, or its `final_answer` for an `after_thinking` function: what maj@k votes on)."""
 
     total: torch.Tensor
     values: dict[str, torch.Tensor]
     failed: dict[str, torch.Tensor]
     stats: dict[str, float]
+    texts: dict[str, list[str]] = field(default_factory=dict)
 
     def correct(self, reward: str, threshold: float = 1.0) -> torch.Tensor:
         """Which completions count as solved: `reward`'s unweighted value is at least `threshold` (and its call did
