@@ -53,7 +53,7 @@ def test_other_tags():
 
 
 @pytest.mark.parametrize("tags", [["<think>"], ["<think>", ""], ["<t>", "<t>"], ["<t", "<t>"], "<think>",
-                                  ["a", "b", "c"], [1, 2]])
+                                  ["a", "b", "c"], [1, 2], ["<think>", " </think>"], ["<think>\n", "</think>"]])
 def test_bad_tags_are_refused(tags):
     with pytest.raises(ValueError, match="think_tags"):
         check_think_tags(tags)
@@ -205,8 +205,11 @@ def test_gspo_eval_think_tags(tmp_path, capsys):
     save_model(*build_preset("tiny-dense", seed=3), folder)
     base = ["eval", str(folder), "--size", "16", "--samples", "2", "--temperature", "1"]
     assert main([*base, "--think-tags", "a,b"]) == 0
-    assert 0 <= _printed(capsys)["unfinished_thinking_rate"] <= 1
+    tagged_rate = _printed(capsys)["unfinished_thinking_rate"]
+    assert 0 <= tagged_rate <= 1
     assert main([*base, "--think-tags", "none"]) == 0
     assert "unfinished_thinking_rate" not in _printed(capsys)
     assert main([*base, "--think-tags", "a"]) == 2
     assert "--think-tags" in capsys.readouterr().err
+    assert main([*base, "--think-tags", "a, b"]) == 0  # spaces after the comma are the user's, not the tag's
+    assert _printed(capsys)["unfinished_thinking_rate"] == tagged_rate

@@ -119,7 +119,7 @@ def _think_tags(args: argparse.Namespace) -> tuple[str, str] | None:
     if args.think_tags.strip().lower() == "none":
         return None
     try:
-        return check_think_tags(args.think_tags.split(","), "--think-tags")
+        return check_think_tags([tag.strip() for tag in args.think_tags.split(",")], "--think-tags")
     except ValueError as exc:
         raise ConfigError(f"{exc} (write OPEN,CLOSE, e.g. --think-tags '<think>,</think>', or none)") from None
 

@@ -54,6 +54,9 @@ def check_think_tags(tags: Sequence[str] | None, where: str = "think_tags") -> t
         raise ValueError(f"{where} must be two non-empty strings [open, close] (e.g. ['<think>', '</think>']) or "
                          f"null, got {tags!r}")
     opening, closing = tags
+    if opening != opening.strip() or closing != closing.strip():
+        raise ValueError(f"{where}: tags are matched exactly, so they may not start or end with whitespace, got "
+                         f"{list(tags)!r}")
     if opening in closing or closing in opening:
         raise ValueError(f"{where}: neither tag may contain the other, got {list(tags)!r}")
     return opening, closing
