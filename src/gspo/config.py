@@ -14,7 +14,7 @@ from typing import Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from gspo.objectives import OBJECTIVES
+from gspo.objectives import KL_ESTIMATORS, OBJECTIVES
 from gspo.rewards import MODEL_PREFIX
 from gspo.rewards.thinking import check_think_tags
 
@@ -378,7 +378,7 @@ class AlgorithmConfig(_Section):
     kl_beta: float = Field(0.0, ge=0)
     # The per-token KL estimator behind kl_beta (gspo.objectives.KL_ESTIMATORS): k3 (GRPO's; as a loss its expected
     # gradient is the forward KL's) or k2 (½ log² r; its expected gradient is the reverse KL's, KL(π_θ‖π_ref)).
-    kl_estimator: Literal["k3", "k2"] = "k3"
+    kl_estimator: Literal[tuple(KL_ESTIMATORS)] = "k3"  # type: ignore[valid-type]
     # MoE Routing Replay (§5.3): r2 replays the π_old forward's routing in the π_θ forwards; r3 replays the rollout
     # engine's routing (arXiv 2510.11370) in every training forward. Both need an MoE model with a router adapter.
     routing_replay: Literal["none", "r2", "r3"] = "none"
