@@ -20,7 +20,7 @@ import yaml
 
 from conftest import DEMO, tiny_overrides
 from gspo.cli import main
-from gspo.config import ConfigError, config_to_dict, load_config
+from gspo.config import ConfigError, DataConfig, config_to_dict, load_config
 from gspo.data import load_data, load_rows, split_by_fraction
 from gspo.evaluation import evaluate
 from gspo.models import build_preset
@@ -81,8 +81,59 @@ def test_eval_path_rows_that_are_training_prompts_are_left_out_and_counted(tmp_p
     heldout_file = write_jsonl(tmp_path / "heldout.jsonl", addition_rows(50, 20))  # rows 50-59 are training rows
     summary = train(load_config(DEMO, own_data(tmp_path, f"data.eval_path={heldout_file}", "trainer.steps=1",
                                                "data.eval_size=100")))
-    assert summary["heldout"] == {"kind": "eval_path", "path": str(heldout_file), "rows": 10,
+    assert summary["heldout"] == {"kind": "eval_path", "path": str(heldout_file), "rows": 10, "of": 10,
                                   "dropped_training_prompts": 10, "accuracy": "addition >= 1"}
+
+
+def test_a_file_is_used_whole_unless_capped_and_a_cap_is_a_sample_not_the_first_rows(tmp_path):
+    """Before, data.train_size defaulted to 20000 and eval_size to 200: a user's 25,000-row file lost its last 5,000
+    rows and a 1,319-row test set was scored on its first 200, silently; a cap took the first rows, so a file sorted by
+    difficulty gave a biased accuracy. Now every row is used unless capped, a cap keeps a sample by prompt hash (the
+    same set whatever the file's order), training prompts leave the held-out rows before the cap, and each record
+    says how many rows of how many."""
+    big = [{"question": f"{a}+{b}=", "result": str(a + b)} for a in range(250) for b in range(100)]  # 25,000 rows
+    train_file = write_jsonl(tmp_path / "train.jsonl", big)
+    easy = [{"question": f"{a}+0=", "result": str(a), "level": 1} for a in range(300, 500)]
+    hard = [{"question": f"{a}+{a}=", "result": str(2 * a), "level": 5} for a in range(300, 500)]
+    overlap = big[:50]  # training prompts
+    held = write_jsonl(tmp_path / "held.jsonl", easy + hard + overlap)  # sorted by difficulty, easy first
+    fields = {"prompt": "question", "answer": "result"}
+    data = load_data(DataConfig(path=str(train_file), eval_path=str(held), fields=fields), seed=0)
+    assert len(data.train) == 25_000 and data.train_source == {"kind": "path", "path": str(train_file),
+                                                                "split": "train", "rows": 25_000, "of": 25_000}
+    assert data.heldout_source["rows"] == data.heldout_source["of"] == 400
+    assert data.heldout_source["dropped_training_prompts"] == 50
+
+    capped = load_data(DataConfig(path=str(train_file), eval_path=str(held), fields=fields, train_size=1000,
+                                  eval_size=100), seed=0)
+    assert capped.heldout_source["rows"] == 100 and capped.heldout_source["of"] == 400
+    assert capped.train_source["rows"] == 1000 and capped.train_source["of"] == 25_000
+    assert 25 <= sum(r["level"] == 5 for r in capped.heldout) <= 75  # a sample of both halves, not the easy prefix
+    assert any(int(r["prompt"].split("+")[0]) >= 200 for r in capped.train)  # rows past the old 20,000 cut too
+    write_jsonl(held, list(reversed(easy + hard + overlap)))
+    shuffled = load_data(DataConfig(path=str(train_file), eval_path=str(held), fields=fields, eval_size=100), seed=0)
+    assert {r["prompt"] for r in shuffled.heldout} == {r["prompt"] for r in capped.heldout}  # the order is irrelevant
+
+    summary = train(load_config(DEMO, own_data(tmp_path, f"data.eval_path={held}", "data.eval_size=40",
+                                               "data.train_size=30", "trainer.steps=1")))
+    assert summary["train"] == {"kind": "path", "path": str(tmp_path / "train.jsonl"), "split": "train", "rows": 30,
+                                "of": 60}  # own_data rewrote train.jsonl: 60 rows
+    assert summary["heldout"]["rows"] == 40
+    assert summary["heldout"]["of"] + summary["heldout"]["dropped_training_prompts"] == 450
+
+
+def test_gspo_eval_scores_every_row_of_a_file_unless_told_and_says_of_how_many(tmp_path, capsys):
+    """Before, `gspo eval --data FILE` scored the file's first 500 rows, and its line said only "on 500 rows"."""
+    rows = [{"prompt": f"{a}+{a % 9}=", "answer": str(a + a % 9)} for a in range(600)]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    base = ["eval", "tiny-moe", "--data", str(data), "--reward", "addition", "--max-new-tokens", "2"]
+    assert main(base) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["rows"] == 600 and "on 600 rows" in captured.err
+    assert main([*base, "--size", "50"]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    assert result["rows"] == 50 and result["source"]["of"] == 600 and "on 50 of 600 rows" in captured.err
 
 
 def test_an_eval_file_that_is_the_training_file_is_refused(tmp_path):

@@ -73,7 +73,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_sft(args: argparse.Namespace) -> int:
     from gspo.checkpoint import set_seed
     from gspo.config import DataConfig
-    from gspo.data import DataSplits, load_rows, make_task, render_chat
+    from gspo.data import TASK_ROWS, DataSplits, load_rows, make_task, render_chat, subset_rows
     from gspo.models import load_model, save_model
     from gspo.parallel import resolve_device
     from gspo.sft import sft
@@ -82,10 +82,12 @@ def _cmd_sft(args: argparse.Namespace) -> int:
         raise ConfigError("sft: --steps and --batch-size must be >= 1 and --lr > 0")
     if args.micro_batch_tokens is not None and args.micro_batch_tokens < 1:
         raise ConfigError(f"sft: --micro-batch-tokens must be >= 1, got {args.micro_batch_tokens}")
-    if args.data is not None:
-        rows = load_rows(args.data, split=args.split or "train", fields=_fields(args), limit=args.size)
+    _check_size(args)
+    if args.data is not None:  # every row, or --size N of them chosen by prompt hash
+        rows = subset_rows(load_rows(args.data, split=args.split or "train", fields=_fields(args)), args.size)
     else:
-        rows = make_task(args.task or "addition", split=args.split or "train", size=args.size, seed=args.seed)
+        rows = make_task(args.task or "addition", split=args.split or "train", size=args.size or TASK_ROWS["train"],
+                         seed=args.seed)
     set_seed(args.seed)
     model, tokenizer = load_model(args.model, seed=args.seed)
     model = model.to(resolve_device(args.device))
@@ -96,6 +98,11 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     save_model(model, tokenizer, args.out)
     print(json.dumps({"out": args.out, "final_loss": losses[-1], "seconds": time.perf_counter() - t0}))
     return 0
+
+
+def _check_size(args: argparse.Namespace) -> None:
+    if args.size is not None and args.size < 1:
+        raise ConfigError(f"--size must be >= 1 (rows), got {args.size}; leave it out for every row")
 
 
 def _fields(args: argparse.Namespace) -> dict[str, str] | None:
@@ -130,10 +137,11 @@ def _eval_setup(args: argparse.Namespace):
     section the rows are evaluated as episodes), or --task / --data rows with --reward, the default data section
     (message prompts rendered with the model's chat template) and no config."""
     from gspo.config import DataConfig, check_model_threshold, resolve_accuracy_reward
-    from gspo.data import DataSplits, load_data, load_rows, make_task
+    from gspo.data import DataSplits, load_data, load_rows, make_task, subset_rows
     from gspo.parallel import resolve_device
     from gspo.rewards import RewardRunner
 
+    _check_size(args)
     if args.config is not None:
         if (args.data is not None or args.task is not None or args.reward or args.split or args.fields
                 or args.think_tags is not None):
@@ -160,9 +168,9 @@ def _eval_setup(args: argparse.Namespace):
             raise ConfigError("--data needs --reward: the reward function(s) that score its rows (a registered "
                               "name such as math, or module:function / file.py:function), or reuse a training "
                               "config with --config")
-        rows = load_rows(args.data, split=args.split, fields=_fields(args),
-                         limit=500 if args.size is None else args.size)
-        source = {"kind": "file", "path": args.data, "split": args.split}
+        every = load_rows(args.data, split=args.split, fields=_fields(args))
+        rows = subset_rows(every, args.size)  # --size N: a sample by prompt hash, never the first N rows
+        source = {"kind": "file", "path": args.data, "split": args.split, "rows": len(rows), "of": len(every)}
     else:
         task = args.task or "addition"
         rows = make_task(task, split=args.split or "test", size=500 if args.size is None else args.size, seed=args.seed)
@@ -267,7 +275,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                       "samples_per_prompt": n, "temperature": temperature, "top_p": top_p, **result, **counts,
                       "accuracy_means": f"{accuracy_reward} >= {threshold:g}", "reward_failures": failures,
                       "reward_timeouts": dict(rewards.timeouts), **comparison}))
-    print(_eval_line(result, len(values), n, new_tokens, comparison), file=sys.stderr)  # stdout stays JSON
+    print(_eval_line(result, len(values), data.heldout_source.get("of"), n, new_tokens, comparison),
+          file=sys.stderr)  # stdout stays JSON
     if failed_all:
         print(f"gspo eval: error: a reward function failed on every one of the {completions} "
               f"{'rows' if n == 1 else 'completions'} of a model "
@@ -277,12 +286,13 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _eval_line(result: dict, rows: int, n: int, tokens: int, comparison: dict) -> str:
-    """`gspo eval`'s result as one line: the accuracy with its interval, what cut completions short, and the change
-    against --baseline with its paired interval."""
+def _eval_line(result: dict, rows: int, of: int | None, n: int, tokens: int, comparison: dict) -> str:
+    """`gspo eval`'s result as one line: the accuracy with its interval on how many of the source's rows, what cut
+    completions short, and the change against --baseline with its paired interval."""
     low, high = result["accuracy_ci95"]
     how = "greedy" if n == 1 else f"{n} samples each, pass@1"
-    parts = [f"gspo eval: accuracy {result['accuracy']:.1%} (95% CI {low:.1%} to {high:.1%}) on {rows} rows, {how}"]
+    count = f"{rows} of {of}" if of is not None and of != rows else f"{rows}"
+    parts = [f"gspo eval: accuracy {result['accuracy']:.1%} (95% CI {low:.1%} to {high:.1%}) on {count} rows, {how}"]
     if result["truncation_rate"] > 0:
         parts.append(f"{result['truncation_rate']:.0%} hit the {tokens}-token budget")
     if result.get("unfinished_thinking_rate"):
@@ -351,14 +361,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="delete the run in trainer.out first and start over")
     p.set_defaults(func=_cmd_train)
 
-    def data_args(p: argparse.ArgumentParser, default_size: int | None) -> None:
+    def data_args(p: argparse.ArgumentParser, task_size: int) -> None:
         p.add_argument("--task", default=None, help="embedded task (default addition, unless --data is given)")
         p.add_argument("--data", default=None, help="jsonl/parquet file, saved dataset or hub id")
         p.add_argument("--split", default=None,
                        help="split of --task (default: train for sft, test for eval) or of a --data source that has "
                             "several (a single file is one split)")
         p.add_argument("--fields", default=None, help='JSON field mapping, e.g. \'{"prompt": "question"}\'')
-        p.add_argument("--size", type=int, default=default_size, help="number of rows")
+        p.add_argument("--size", type=int, default=None,
+                       help=f"rows: a --data source's every row, or N of them chosen by prompt hash (never its first "
+                            f"N); --task draws N problems (default {task_size}); with --config, its data.eval_size")
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                        help="auto: the GPU when there is one (default), else the CPU")
@@ -371,7 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--micro-batch-tokens", type=int, default=None,
                    help="at most this many padded tokens per forward/backward (gradients accumulated: the same step)")
-    data_args(p, 20000)
+    data_args(p, 20000)  # --task default: TASK_ROWS['train']
     p.set_defaults(func=_cmd_sft)
 
     p = sub.add_parser("eval", help="accuracy of a model on held-out rows (a task, a dataset, or a config's): greedy, "
@@ -404,7 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-rows", type=int, default=None,
                    help="completions decoded at once (KV-cache memory; default: the --config's rollout.max_batch_rows, "
                         "else 256); the results do not depend on it")
-    data_args(p, None)  # rows: 500, or with --config its data.eval_size
+    data_args(p, 500)  # --task default; --data: every row; --config: its data.eval_size
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides of --config")
     p.set_defaults(func=_cmd_eval)
 

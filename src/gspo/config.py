@@ -100,8 +100,10 @@ class DataConfig(_Section):
     eval_path: str | None = None
     eval_fraction: float | None = Field(None, gt=0, lt=1)
     fields: dict[str, str] = Field(default_factory=dict)
-    train_size: int = Field(20000, ge=1)
-    eval_size: int = Field(200, ge=1)
+    # At most this many training / held-out rows (None: a file's or dataset's every row; an embedded task draws
+    # gspo.data.TASK_ROWS). A cap keeps a sample by prompt hash (gspo.data.subset_rows), never the first rows.
+    train_size: int | None = Field(None, ge=1)
+    eval_size: int | None = Field(None, ge=1)
     # Prompts longer than this many tokens are skipped at load time (counted, logged, in summary.json). None: the
     # model's max_position_embeddings minus the tokens generated after the prompt (rollout or evaluation).
     max_prompt_tokens: int | None = Field(None, ge=1)

@@ -491,6 +491,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
                                                     prompt_token_limit(cfg, model, cfg.env.max_tokens if cfg.env
                                                                        else eval_tokens), "held-out")
     heldout_source = {**data.heldout_source, "rows": len(eval_rows)} if eval_rows else {"kind": "none"}
+    train_source = {**data.train_source, "rows": len(train_rows)}
+    log.info("training rows: %s; held-out rows: %s", _rows_line(train_source), _rows_line(heldout_source))
     unknown = {"train": unknown_character_rows(tokenizer, train_rows, "training",
                                                ("prompt", "solution") if cfg.cold_start else ("prompt",)),
                "eval": unknown_character_rows(tokenizer, eval_rows, "held-out")}
@@ -810,6 +812,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         "heldout_accuracy_ci95": _accuracy_intervals(evals),
         "heldout": {**heldout_source,
                     "accuracy": f"{cfg.rewards.accuracy_reward} >= {cfg.rewards.accuracy_threshold:g}"},
+        "train": train_source,
         "steps": cfg.trainer.steps,
         "cold_start": cold,
         "wall_seconds": time.perf_counter() - wall0,
@@ -824,6 +827,16 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         write_atomic(out / "summary.json", json.dumps(summary, indent=2))
     group.barrier()  # no process returns before the final model and summary exist
     return summary
+
+
+def _rows_line(source: dict) -> str:
+    """A data record (`gspo.data.DataSplits`) for the log: "N of M from WHERE" ("none" when there are no rows)."""
+    if source.get("kind") == "none":
+        return "none"
+    where = source.get("path") or source.get("task")
+    split = f" split {source['split']!r}" if source.get("split") else ""
+    of = f" of {source['of']}" if source.get("of", source["rows"]) != source["rows"] else ""
+    return f"{source['rows']}{of} from {where}{split}"
 
 
 def _model_checks(cfg: Config, model: nn.Module, group: ProcessGroup) -> None:

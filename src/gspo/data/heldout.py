@@ -11,7 +11,11 @@ The held-out rows come from exactly one place:
 
 For the two sources that are not disjoint by construction, a held-out row whose prompt is also a training prompt is
 dropped from the held-out rows (counted in the record, and logged), so that "held-out" accuracy is never measured
-on what the policy was trained on. A single file has no test split: asking for one is an error
+on what the policy was trained on.
+
+A file or dataset gives every row it has; `data.train_size` / `data.eval_size` cap that with a sample chosen by
+prompt hash (`subset_rows`), so a source sorted by difficulty or by origin never gives a biased prefix. Each record
+says how many rows were used of how many (`rows`, `of`). A single file has no test split: asking for one is an error
 (`gspo.data.files.load_rows`), never a silent evaluation on the training rows.
 """
 
@@ -26,18 +30,22 @@ from typing import Any
 from gspo.data.files import load_rows
 from gspo.data.tasks import make_task
 
-__all__ = ["DataSplits", "holdout_bucket", "load_data", "split_by_fraction"]
+__all__ = ["TASK_ROWS", "DataSplits", "holdout_bucket", "load_data", "split_by_fraction", "subset_rows"]
+
+# Problems an embedded task draws when data.train_size / data.eval_size are not set (a file or dataset: all rows).
+TASK_ROWS = {"train": 20000, "eval": 200}
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class DataSplits:
-    """The rows to train on, the held-out rows, and where the held-out rows came from (`heldout_source`, JSON)."""
+    """The rows to train on, the held-out rows, and where each came from (`train_source`, `heldout_source`: JSON)."""
 
     train: list[dict]
     heldout: list[dict]
     heldout_source: dict[str, Any] = field(default_factory=dict)
+    train_source: dict[str, Any] = field(default_factory=dict)  # where the training rows came from: rows of how many
 
 
 def _prompt_key(prompt: Any) -> str:
@@ -78,8 +86,38 @@ def _drop_training_prompts(heldout: list[dict], train: list[dict], where: str) -
     return kept, dropped
 
 
+def subset_rows(rows: list[dict], size: int | None) -> list[dict]:
+    """At most `size` of `rows` (None: all of them), in their order: the rows whose prompt's `subset_bucket` is
+    smallest. The choice depends only on the prompts, so it is a uniform sample of them whatever the order of the
+    source (a file sorted by difficulty or by source gives no biased prefix) and the same on every machine and run."""
+    if size is None or len(rows) <= size:
+        return rows
+    keys = [subset_bucket(r["prompt"]) for r in rows]
+    chosen = sorted(sorted(range(len(rows)), key=keys.__getitem__)[:size])  # stable: equal prompts keep their order
+    return [rows[i] for i in chosen]
+
+
+def subset_bucket(prompt: Any) -> float:
+    """`holdout_bucket` under another salt: a number in [0, 1) per prompt, independent of which side it is held on."""
+    digest = hashlib.sha256(b"gspo/subset\0" + _prompt_key(prompt).encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def _drawn(kind: dict[str, Any], rows: list[dict], size: int | None, what: str) -> tuple[list[dict], dict[str, Any]]:
+    """`subset_rows(rows, size)` and the record of it: `rows` kept, `of` how many there were (logged when fewer)."""
+    kept = subset_rows(rows, size)
+    if len(kept) < len(rows):
+        log.info("%s rows: %d of %d (data.%s_size), a sample by prompt hash", what, len(kept), len(rows),
+                 "train" if what == "training" else "eval")
+    return kept, {**kind, "rows": len(kept), "of": len(rows)}
+
+
 def load_data(data, seed: int) -> DataSplits:
     """Training and held-out rows for a `gspo.config.DataConfig` (`seed`: the embedded tasks' draw).
+
+    A file or dataset gives all its rows unless `data.train_size` / `data.eval_size` caps them; a cap keeps a sample
+    by prompt hash (`subset_rows`), never the source's first rows. An embedded task draws `train_size` / `eval_size`
+    problems (default `TASK_ROWS`). Training prompts are left out of the held-out rows before the cap.
 
     Raises ValueError / FileNotFoundError naming the source and the setting when a split does not exist, a file is
     missing or malformed, or nothing is left to hold out."""
@@ -89,32 +127,38 @@ def load_data(data, seed: int) -> DataSplits:
         raise ValueError(f"data.eval_split {data.eval_split!r} is the training split data.split: held-out rows must "
                          "come from another split, data.eval_path or data.eval_fraction")
     if data.task is not None:
-        train = make_task(data.task, split=data.split, size=data.train_size, seed=seed, **data.task_options)
+        sizes = {"train": data.train_size or TASK_ROWS["train"], "eval": data.eval_size or TASK_ROWS["eval"]}
+        train = make_task(data.task, split=data.split, size=sizes["train"], seed=seed, **data.task_options)
+        train_source = {"kind": "task_split", "task": data.task, "split": data.split, "rows": len(train)}
         if data.eval_split is None:
-            return DataSplits(train, [], {"kind": "none"})
-        heldout = make_task(data.task, split=data.eval_split, size=data.eval_size, seed=seed, **data.task_options)
+            return DataSplits(train, [], {"kind": "none"}, train_source)
+        heldout = make_task(data.task, split=data.eval_split, size=sizes["eval"], seed=seed, **data.task_options)
         return DataSplits(train, heldout, {"kind": "task_split", "task": data.task, "split": data.eval_split,
-                                           "rows": len(heldout), "dropped_training_prompts": 0})
+                                           "rows": len(heldout), "dropped_training_prompts": 0}, train_source)
     if data.eval_fraction is not None:
         rows = load_rows(data.path, split=data.split, fields=fields)
         train, heldout = split_by_fraction(rows, data.eval_fraction)
         if not train or not heldout:
             raise ValueError(f"data.eval_fraction={data.eval_fraction:g} of the {len(rows)} rows of {data.path} "
                              f"leaves {len(train)} training and {len(heldout)} held-out rows; both must be non-empty")
-        train, heldout = train[:data.train_size], heldout[:data.eval_size]
-        return DataSplits(train, heldout, {"kind": "eval_fraction", "path": data.path, "fraction": data.eval_fraction,
-                                           "rows": len(heldout), "dropped_training_prompts": 0})
-    train = load_rows(data.path, split=data.split, fields=fields, limit=data.train_size)
+        train, train_source = _drawn({"kind": "eval_fraction_rest", "path": data.path, "split": data.split},
+                                     train, data.train_size, "training")
+        heldout, heldout_source = _drawn({"kind": "eval_fraction", "path": data.path, "fraction": data.eval_fraction},
+                                         heldout, data.eval_size, "held-out")
+        return DataSplits(train, heldout, {**heldout_source, "dropped_training_prompts": 0}, train_source)
+    every_train = load_rows(data.path, split=data.split, fields=fields)
+    train, train_source = _drawn({"kind": "path", "path": data.path, "split": data.split}, every_train,
+                                 data.train_size, "training")
     if data.eval_path is not None:
         # a file (one split) is held out as a whole; a dataset with splits gives its data.eval_split
-        heldout = load_rows(data.eval_path, split=data.eval_split, fields=fields, limit=data.eval_size,
-                            lone_split_ok=True)
-        heldout, dropped = _drop_training_prompts(heldout, train, f"data.eval_path {data.eval_path}")
-        return DataSplits(train, heldout, {"kind": "eval_path", "path": data.eval_path,
-                                           "rows": len(heldout), "dropped_training_prompts": dropped})
+        heldout = load_rows(data.eval_path, split=data.eval_split, fields=fields, lone_split_ok=True)
+        heldout, dropped = _drop_training_prompts(heldout, every_train, f"data.eval_path {data.eval_path}")
+        heldout, source = _drawn({"kind": "eval_path", "path": data.eval_path}, heldout, data.eval_size, "held-out")
+        return DataSplits(train, heldout, {**source, "dropped_training_prompts": dropped}, train_source)
     if data.eval_split is None:
-        return DataSplits(train, [], {"kind": "none"})
-    heldout = load_rows(data.path, split=data.eval_split, fields=fields, limit=data.eval_size)
-    heldout, dropped = _drop_training_prompts(heldout, train, f"data.path {data.path} split {data.eval_split!r}")
-    return DataSplits(train, heldout, {"kind": "dataset_split", "path": data.path, "split": data.eval_split,
-                                       "rows": len(heldout), "dropped_training_prompts": dropped})
+        return DataSplits(train, [], {"kind": "none"}, train_source)
+    heldout = load_rows(data.path, split=data.eval_split, fields=fields)
+    heldout, dropped = _drop_training_prompts(heldout, every_train, f"data.path {data.path} split {data.eval_split!r}")
+    heldout, source = _drawn({"kind": "dataset_split", "path": data.path, "split": data.eval_split}, heldout,
+                             data.eval_size, "held-out")
+    return DataSplits(train, heldout, {**source, "dropped_training_prompts": dropped}, train_source)
