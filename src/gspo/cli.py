@@ -38,15 +38,24 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _accuracy_line(summary: dict, before_label: str, after_label: str) -> str | None:
-    """A run's held-out accuracy before and after RL with the change and its paired 95% interval, as one line; None
-    without held-out data (data.eval_split=null)."""
+    """A run's held-out accuracy before and after RL with the change and its paired 95% interval, as one line, then
+    one indented line per group of rows (data.eval_by); None without held-out data (data.eval_split=null)."""
     before, after = summary.get("heldout_accuracy_before_rl"), summary.get("heldout_accuracy_after_rl")
     if before is None or after is None:
         return None
-    change = (summary.get("heldout_accuracy_ci95") or {}).get("change")
-    interval = f"; 95% CI {change[0] * 100:+.1f} to {change[1] * 100:+.1f}" if change else ""
-    return (f"held-out accuracy: {before:.1%} {before_label} → {after:.1%} {after_label} "
-            f"({(after - before) * 100:+.1f} points{interval} on the same rows) in {summary['wall_seconds']:.0f} s")
+
+    def change(before: float, after: float, intervals: dict | None) -> str:
+        pair = (intervals or {}).get("change")
+        interval = f"; 95% CI {pair[0] * 100:+.1f} to {pair[1] * 100:+.1f}" if pair else ""
+        return f"({(after - before) * 100:+.1f} points{interval}"
+
+    lines = [f"held-out accuracy: {before:.1%} {before_label} → {after:.1%} {after_label} "
+             f"{change(before, after, summary.get('heldout_accuracy_ci95'))} on the same rows) in "
+             f"{summary['wall_seconds']:.0f} s"]
+    for group, entry in (summary.get("heldout_accuracy_by") or {}).items():  # data.eval_by
+        lines.append(f"  {group} ({entry['rows']} rows): {entry['before_rl']:.1%} → {entry['after_rl']:.1%} "
+                     f"{change(entry['before_rl'], entry['after_rl'], entry['ci95'])})")
+    return "\n".join(lines)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -132,22 +141,23 @@ def _think_tags(args: argparse.Namespace) -> tuple[str, str] | None:
 
 
 def _eval_setup(args: argparse.Namespace):
-    """(rows, reward runner, accuracy reward, threshold, new tokens, data section, config) for `gspo eval`: a training
-    config's held-out rows (as `DataSplits`), rewards, data section and the config itself (--config: with an `env`
-    section the rows are evaluated as episodes), or --task / --data rows with --reward, the default data section
-    (message prompts rendered with the model's chat template) and no config."""
+    """(rows, reward runner, accuracy reward, threshold, new tokens, data section, config, groups) for `gspo eval`: a
+    training config's held-out rows (as `DataSplits`), rewards, data section and the config itself (--config: with an
+    `env` section the rows are evaluated as episodes), or --task / --data rows with --reward, the default data section
+    (message prompts rendered with the model's chat template) and no config; each row's group for the split of the
+    accuracy (data.eval_by / --by; None: no split)."""
     from gspo.config import DataConfig, check_model_threshold, resolve_accuracy_reward
-    from gspo.data import DataSplits, load_data, load_rows, make_task, subset_rows
+    from gspo.data import DataSplits, eval_group_field, eval_groups, load_data, load_rows, make_task, subset_rows
     from gspo.parallel import resolve_device
     from gspo.rewards import RewardRunner
 
     _check_size(args)
     if args.config is not None:
         if (args.data is not None or args.task is not None or args.reward or args.split or args.fields
-                or args.think_tags is not None):
+                or args.think_tags is not None or args.by is not None):
             raise ConfigError("--config takes the data, split, fields and rewards from the config: leave out --task, "
-                              "--data, --split, --fields, --reward and --think-tags (or leave out --config; "
-                              "rewards.think_tags=null is an override)")
+                              "--data, --split, --fields, --reward, --think-tags and --by (or leave out --config; "
+                              "rewards.think_tags=null and data.eval_by=FIELD are overrides)")
         size = [] if args.size is None else [f"data.eval_size={args.size}"]  # default: the config's eval_size
         cfg = load_config(args.config, [*args.overrides, *size])
         data = load_data(cfg.data, cfg.trainer.seed)
@@ -158,7 +168,8 @@ def _eval_setup(args: argparse.Namespace):
         runner = RewardRunner.from_config(r, resolve_device(args.device), on_error="zero")
         tokens = args.max_new_tokens or cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens
         heldout = DataSplits(train=[], heldout=data.heldout, heldout_source=data.heldout_source)
-        return heldout, runner, r.accuracy_reward, r.accuracy_threshold, tokens, cfg.data, cfg
+        groups = eval_groups(data.heldout, eval_group_field(cfg.data))
+        return heldout, runner, r.accuracy_reward, r.accuracy_threshold, tokens, cfg.data, cfg, groups
     if args.overrides:
         raise ConfigError(f"key=value overrides ({' '.join(args.overrides)}) apply to --config only")
     if args.data is not None and args.task is not None:
@@ -183,7 +194,8 @@ def _eval_setup(args: argparse.Namespace):
     if args.accuracy_threshold is None:
         check_model_threshold(accuracy, "--accuracy-threshold")
     threshold = 1.0 if args.accuracy_threshold is None else args.accuracy_threshold
-    return data, runner, accuracy, threshold, args.max_new_tokens or 16, DataConfig(), None
+    groups = eval_groups(rows, args.by, "--by")
+    return data, runner, accuracy, threshold, args.max_new_tokens or 16, DataConfig(), None, groups
 
 
 def _eval_sampling(args: argparse.Namespace) -> tuple[int, float | None, float | None, list[int]]:
@@ -229,7 +241,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     n, temperature, top_p, ks = _eval_sampling(args)
     if args.max_batch_rows is not None and args.max_batch_rows < 1:
         raise ConfigError(f"--max-batch-rows must be >= 1, got {args.max_batch_rows}")
-    data, rewards, accuracy_reward, threshold, new_tokens, data_cfg, cfg = _eval_setup(args)
+    data, rewards, accuracy_reward, threshold, new_tokens, data_cfg, cfg, groups = _eval_setup(args)
     batch = args.max_batch_rows or (cfg.rollout.max_batch_rows if cfg is not None else None) or 256
     rewards.check_rows(data.heldout)
     make_env, tools = build_env(cfg) if cfg is not None else (None, None)  # env: the rows are episodes
@@ -262,6 +274,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     counts = ({"solved": round(result["accuracy"] * len(values)), "rows_with_reward_failures": failed} if n == 1 else
               {"solved_samples": round(result["accuracy"] * completions), "samples_with_reward_failures": failed})
     comparison, failed_all = {}, failed == completions
+    base_values: list[float] | None = None
     if args.baseline is not None:  # the same rows, rewards and sampling: the change with its paired interval
         base, base_values, base_failures = run(args.baseline)
         change, low, high = paired_change_ci95(base_values, values)
@@ -271,12 +284,13 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                                    **{k: base[k] for k in ("unfinished_thinking_rate",) if k in base}},
                       "accuracy_change": change, "accuracy_change_ci95": [low, high]}
         failed_all = failed_all or round(base["reward_failure_rate"] * completions) == completions
+    by = {} if groups is None else {"by": _by_group(values, groups, base_values)}
     print(json.dumps({"model": args.model, "rows": len(values), "source": data.heldout_source,
                       "samples_per_prompt": n, "temperature": temperature, "top_p": top_p, **result, **counts,
                       "accuracy_means": f"{accuracy_reward} >= {threshold:g}", "reward_failures": failures,
-                      "reward_timeouts": dict(rewards.timeouts), **comparison}))
+                      "reward_timeouts": dict(rewards.timeouts), **comparison, **by}))
     print(_eval_line(result, len(values), data.heldout_source.get("of"), n, new_tokens, comparison),
-          file=sys.stderr)  # stdout stays JSON
+          *_group_lines(by.get("by", {})), sep="\n", file=sys.stderr)  # stdout stays JSON
     if failed_all:
         print(f"gspo eval: error: a reward function failed on every one of the {completions} "
               f"{'rows' if n == 1 else 'completions'} of a model "
@@ -284,6 +298,40 @@ def _cmd_eval(args: argparse.Namespace) -> int:
               "reward (--reward) and the rows' fields (--fields)", file=sys.stderr)
         return 1
     return 0
+
+
+def _by_group(values: list[float], groups: list[str], baseline: list[float] | None) -> dict[str, dict]:
+    """`gspo eval`'s accuracy of each group of rows (--by / data.eval_by), with its interval and row count, and with
+    --baseline the baseline's accuracy and the change with its paired interval (`accuracy_by_group`)."""
+    from gspo.evaluation import accuracy_by_group
+
+    flat = accuracy_by_group(values, groups, baseline)
+    base = accuracy_by_group(baseline, groups) if baseline is not None else {}
+    result = {}
+    for group in sorted(set(groups)):
+        entry = {"accuracy": flat[f"accuracy/{group}"], "rows": flat[f"rows/{group}"],
+                 "accuracy_ci95": [flat[f"accuracy_ci95_low/{group}"], flat[f"accuracy_ci95_high/{group}"]]}
+        if baseline is not None:
+            entry |= {"baseline_accuracy": base[f"accuracy/{group}"],
+                      "accuracy_change": flat[f"accuracy_change/{group}"],
+                      "accuracy_change_ci95": [flat[f"accuracy_change_ci95_low/{group}"],
+                                               flat[f"accuracy_change_ci95_high/{group}"]]}
+        result[group] = entry
+    return result
+
+
+def _group_lines(by: dict[str, dict]) -> list[str]:
+    """`gspo eval`'s accuracy of each group (`_by_group`), one indented line each."""
+    lines = []
+    for group, entry in by.items():
+        low, high = entry["accuracy_ci95"]
+        line = f"  {group}: {entry['accuracy']:.1%} (95% CI {low:.1%} to {high:.1%}) on {entry['rows']} rows"
+        if "accuracy_change" in entry:
+            low, high = entry["accuracy_change_ci95"]
+            line += (f"; baseline {entry['baseline_accuracy']:.1%}: change {entry['accuracy_change'] * 100:+.1f} "
+                     f"points (paired 95% CI {low * 100:+.1f} to {high * 100:+.1f})")
+        lines.append(line)
+    return lines
 
 
 def _eval_line(result: dict, rows: int, of: int | None, n: int, tokens: int, comparison: dict) -> str:
@@ -391,6 +439,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="preset, local HF directory (e.g. RUN/final) or hub id")
     p.add_argument("--config", default=None,
                    help="a training config (e.g. RUN/config.yaml): its held-out rows, fields, rewards and accuracy")
+    p.add_argument("--by", default=None,
+                   help="a field of the rows whose values split the accuracy (e.g. data_source or level): each value "
+                        "gets its accuracy and interval (with --config: its data.eval_by)")
     p.add_argument("--baseline", default=None,
                    help="a second model evaluated on the same rows: adds its accuracy and the change with its paired "
                         "95%% interval")

@@ -97,9 +97,13 @@ class DataConfig(_Section):
     path: str | None = None
     split: str = "train"
     eval_split: str | None = "test"
-    eval_path: str | None = None
+    # a held-out file or dataset, or several (each its own evaluation set: accuracy per file, gspo.data.heldout)
+    eval_path: str | list[str] | None = None
     eval_fraction: float | None = Field(None, gt=0, lt=1)
     fields: dict[str, str] = Field(default_factory=dict)
+    # A field of the held-out rows whose values split the held-out accuracy, e.g. data_source or level (each value
+    # gets its accuracy and interval). None: no split, or with several eval_path files, one per file.
+    eval_by: str | None = Field(None, min_length=1)
     # At most this many training / held-out rows (None: a file's or dataset's every row; an embedded task draws
     # gspo.data.TASK_ROWS). A cap keeps a sample by prompt hash (gspo.data.subset_rows), never the first rows.
     train_size: int | None = Field(None, ge=1)
@@ -139,6 +143,13 @@ class DataConfig(_Section):
         if self.task is not None and (self.eval_path is not None or self.eval_fraction is not None):
             raise ValueError("data.eval_path / data.eval_fraction are for data.path: an embedded task holds out its "
                              "own test split (data.eval_split)")
+        if isinstance(self.eval_path, list) and (not self.eval_path or len(set(self.eval_path)) < len(self.eval_path)):
+            raise ValueError(f"data.eval_path: a list of held-out files must name at least one, each once; got "
+                             f"{self.eval_path}")
+        if self.eval_by is not None and self.eval_split is None and self.eval_path is None \
+                and self.eval_fraction is None:
+            raise ValueError(f"data.eval_by {self.eval_by!r} splits the held-out accuracy, but nothing is held out "
+                             "(data.eval_split is null)")
         if self.eval_path is not None and self.eval_fraction is not None:
             raise ValueError("set at most one of data.eval_path (a held-out file) and data.eval_fraction (hold out a "
                              "fraction of data.path)")

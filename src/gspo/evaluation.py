@@ -22,8 +22,8 @@ from gspo.rewards import RewardRunner, answer_extractor
 from gspo.rollout import HFSampler, SamplingParams
 from gspo.tracking import markdown_table
 
-__all__ = ["accuracy_ci95", "evaluate", "format_samples", "maj_at_k", "mean_ci95", "paired_change_ci95", "pass_at_k",
-           "pass_at_k_ci95", "transcript", "vote_answer", "wilson_ci95"]
+__all__ = ["accuracy_by_group", "accuracy_ci95", "evaluate", "format_samples", "maj_at_k", "mean_ci95",
+           "paired_change_ci95", "pass_at_k", "pass_at_k_ci95", "transcript", "vote_answer", "wilson_ci95"]
 
 _Z95 = 1.959963984540054  # the standard normal's 97.5% quantile: a two-sided 95% interval is mean ± _Z95 · s.e.
 _SEED_MIX = 2_654_435_761  # a sampled row's prompt seed is seed · _SEED_MIX + its position. Not seed << 32: torch's
@@ -139,6 +139,30 @@ def paired_change_ci95(before: Sequence[float], after: Sequence[float]) -> tuple
         std = math.sqrt(sum((d - change) ** 2 for d in diffs) / (n - 1))
         half = _Z95 * std / math.sqrt(n)
     return change, max(-1.0, centre - half), min(1.0, centre + half)
+
+
+def accuracy_by_group(row_values: Sequence[float], groups: Sequence[str],
+                      first: Sequence[float] | None = None) -> dict[str, float]:
+    """The held-out accuracy of each group of rows (`data.eval_by`: a source, a level, a file), as flat metrics keyed
+    `NAME/GROUP`: `accuracy` with its interval (`accuracy_ci95`), `rows`, and with `first` (the same rows' values at
+    an earlier evaluation) the change since then with its paired interval (`paired_change_ci95`). `row_values` are
+    each row's solved fraction (`evaluate(row_values=...)`), `groups` each row's group; groups in sorted order.
+    Raises ValueError when the lengths differ."""
+    if len(groups) != len(row_values) or (first is not None and len(first) != len(row_values)):
+        raise ValueError(f"accuracy_by_group: {len(row_values)} row values, {len(groups)} groups and "
+                         f"{None if first is None else len(first)} first values; each row needs one of each")
+    metrics: dict[str, float] = {}
+    for group in sorted(set(groups)):
+        rows = [i for i, g in enumerate(groups) if g == group]
+        values = [row_values[i] for i in rows]
+        low, high = accuracy_ci95(values)
+        metrics |= {f"accuracy/{group}": sum(values) / len(values), f"accuracy_ci95_low/{group}": low,
+                    f"accuracy_ci95_high/{group}": high, f"rows/{group}": len(values)}
+        if first is not None:
+            change, low, high = paired_change_ci95([first[i] for i in rows], values)
+            metrics |= {f"accuracy_change/{group}": change, f"accuracy_change_ci95_low/{group}": low,
+                        f"accuracy_change_ci95_high/{group}": high}
+    return metrics
 
 
 def evaluate(model, tokenizer, rows: list[dict], rewards: RewardRunner, max_new_tokens: int,

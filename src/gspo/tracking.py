@@ -355,9 +355,11 @@ def plot_curves(
     keys: Sequence[str],
     title: str = "",
     extra: Sequence[Mapping[str, Any]] = (),
+    overlay: Mapping[str, Sequence[str]] | None = None,
 ) -> Path:
     """Plot each of `keys` against step from a metrics.jsonl file into one PNG (one subplot per key) and return it.
-    `extra` records (e.g. held-out evaluations, including step 0 before training) are plotted with them.
+    `extra` records (e.g. held-out evaluations, including step 0 before training) are plotted with them; `overlay`
+    draws further keys on a key's subplot, with a legend (e.g. each group's held-out accuracy on the overall one's).
 
     Keys logged only on some steps (held-out accuracy every N steps) are drawn as their points joined by lines;
     keys with no value in any record are left out. Renders with the Agg backend: no display, no global pyplot state.
@@ -366,11 +368,15 @@ def plot_curves(
     from matplotlib.figure import Figure
 
     records = [*read_metrics(metrics_path), *extra]
+
+    def points(key: str) -> tuple[list[int], list[float]] | None:
+        pairs = sorted((r["step"], r[key]) for r in records if r.get(key) is not None)
+        return ([step for step, _ in pairs], [value for _, value in pairs]) if pairs else None
+
     series: dict[str, tuple[list[int], list[float]]] = {}
     for key in keys:
-        points = sorted((r["step"], r[key]) for r in records if r.get(key) is not None)
-        if points:
-            series[key] = ([step for step, _ in points], [value for _, value in points])
+        if (found := points(key)) is not None:
+            series[key] = found
         else:
             logger.info("plot_curves: %r has no values in %s; leaving it out", key, metrics_path)
     if not series:
@@ -381,7 +387,13 @@ def plot_curves(
     axes = figure.subplots(len(series), 1, sharex=True, squeeze=False)[:, 0]
     for ax, (key, (steps, values)) in zip(axes, series.items(), strict=True):
         sparse = len(steps) <= 50
-        ax.plot(steps, values, marker="o" if sparse else None, markersize=3, linewidth=1.2)
+        ax.plot(steps, values, marker="o" if sparse else None, markersize=3, linewidth=1.2, label="all")
+        drawn = [(name, found) for name in (overlay or {}).get(key, ()) if (found := points(name)) is not None]
+        for name, (xs, ys) in drawn:
+            ax.plot(xs, ys, marker="o" if sparse else None, markersize=2, linewidth=0.9, alpha=0.8,
+                    label=name.removeprefix(f"{key}/"))
+        if drawn:
+            ax.legend(fontsize="small", ncols=min(4, len(drawn) + 1))
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)
     axes[-1].set_xlabel("step")

@@ -41,8 +41,16 @@ from gspo.advantages import group_advantages, turn_advantages, zero_variance_gro
 from gspo.agent import EpisodeRunner, build_env, episode_metrics, make_episode_runner
 from gspo.checkpoint import STATE_FILENAME, checkpoint_path, find_latest_checkpoint, list_checkpoints, set_seed
 from gspo.config import Config, ConfigError, config_to_dict
-from gspo.data import load_data, render_chat
-from gspo.evaluation import accuracy_ci95, evaluate, format_samples, paired_change_ci95, pass_at_k_ci95, transcript
+from gspo.data import eval_group_field, eval_groups, load_data, render_chat
+from gspo.evaluation import (
+    accuracy_by_group,
+    accuracy_ci95,
+    evaluate,
+    format_samples,
+    paired_change_ci95,
+    pass_at_k_ci95,
+    transcript,
+)
 from gspo.guard import CollapseGuard, GuardSettings, Verdict, best_checkpoint, good_checkpoint
 from gspo.hooks import LearnHook, MoERouting, PrecisionMetrics
 from gspo.learner import LearnSettings, learn
@@ -415,18 +423,30 @@ def _start_checks(cfg: Config, out: Path, cfg_dict: dict, resume: bool, overwrit
     return changed
 
 
-def _accuracy_intervals(evals: list[dict]) -> dict[str, list[float] | None] | None:
+def _accuracy_intervals(evals: list[dict], group: str | None = None) -> dict[str, list[float] | None] | None:
     """The summary's 95% intervals: of the accuracy before and after RL, and of the change between them on the same
-    rows (paired; None when the first evaluation's rows are unknown, e.g. resumed from an older checkpoint)."""
+    rows (paired; None when the first evaluation's rows are unknown, e.g. resumed from an older checkpoint); of one
+    group's rows (data.eval_by) when `group` is given."""
     if not evals:
         return None
+    suffix = "" if group is None else f"/{group}"
 
     def pair(record: dict, key: str) -> list[float] | None:
-        low, high = record.get(f"{key}_ci95_low"), record.get(f"{key}_ci95_high")
+        low, high = record.get(f"{key}_ci95_low{suffix}"), record.get(f"{key}_ci95_high{suffix}")
         return None if low is None or high is None else [low, high]
 
     return {"before_rl": pair(evals[0], "heldout_accuracy"), "after_rl": pair(evals[-1], "heldout_accuracy"),
             "change": pair(evals[-1], "heldout_accuracy_change") if len(evals) > 1 else None}
+
+
+def _accuracy_by_group(evals: list[dict]) -> dict[str, dict]:
+    """summary.json's held-out accuracy of each group (data.eval_by) before and after RL, its rows and intervals,
+    from the first and last evaluations' `heldout_accuracy/GROUP` keys."""
+    first, last = evals[0], evals[-1]
+    groups = [key.removeprefix("heldout_accuracy/") for key in last if key.startswith("heldout_accuracy/")]
+    return {group: {"before_rl": first.get(f"heldout_accuracy/{group}"), "after_rl": last[f"heldout_accuracy/{group}"],
+                    "rows": last[f"heldout_rows/{group}"], "ci95": _accuracy_intervals(evals, group)}
+            for group in groups}
 
 
 def _plot_run(cfg: Config, out: Path, evals: list[dict]) -> None:
@@ -436,8 +456,9 @@ def _plot_run(cfg: Config, out: Path, evals: list[dict]) -> None:
         return
     source = cfg.data.task or Path(cfg.data.path).name
     try:
+        groups = sorted({key for record in evals for key in record if key.startswith("heldout_accuracy/")})
         plot_curves(out / "metrics.jsonl", out / "curves.png", extra=evals,
-                    keys=["reward_mean", "heldout_accuracy", "clip_frac_tokens"],
+                    keys=["reward_mean", "heldout_accuracy", "clip_frac_tokens"], overlay={"heldout_accuracy": groups},
                     title=f"{cfg.algorithm.loss} on {Path(cfg.model.name).name} / {source}")
     except Exception as e:
         log.warning("could not draw %s: %s", out / "curves.png", e)
@@ -492,6 +513,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
                                                                        else eval_tokens), "held-out")
     heldout_source = {**data.heldout_source, "rows": len(eval_rows)} if eval_rows else {"kind": "none"}
     train_source = {**data.train_source, "rows": len(train_rows)}
+    eval_group = eval_groups(eval_rows, eval_group_field(cfg.data))  # each held-out row's group (data.eval_by)
     log.info("training rows: %s; held-out rows: %s", _rows_line(train_source), _rows_line(heldout_source))
     unknown = {"train": unknown_character_rows(tokenizer, train_rows, "training",
                                                ("prompt", "solution") if cfg.cold_start else ("prompt",)),
@@ -634,6 +656,9 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         elif first_rows is not None and len(first_rows) == len(every):
             (scores["accuracy_change"], scores["accuracy_change_ci95_low"],
              scores["accuracy_change_ci95_high"]) = paired_change_ci95(first_rows, every)
+        if eval_group is not None:  # accuracy/GROUP etc., each group's change since the first evaluation
+            since = first_rows if evals and first_rows is not None and len(first_rows) == len(every) else None
+            scores.update(accuracy_by_group(every, eval_group, since))
         result = {f"heldout_{k}": v for k, v in scores.items()}
         evals.append({"step": step, **result})
         if logger is not None:
@@ -810,6 +835,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         "heldout_accuracy_before_rl": evals[0]["heldout_accuracy"] if evals else None,
         "heldout_accuracy_after_rl": evals[-1]["heldout_accuracy"] if evals else None,
         "heldout_accuracy_ci95": _accuracy_intervals(evals),
+        **({"heldout_accuracy_by": _accuracy_by_group(evals)} if eval_group is not None and evals else {}),
         "heldout": {**heldout_source,
                     "accuracy": f"{cfg.rewards.accuracy_reward} >= {cfg.rewards.accuracy_threshold:g}"},
         "train": train_source,

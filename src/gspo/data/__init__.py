@@ -4,10 +4,18 @@
 
 from gspo.data.chat import render_chat, render_prompts
 from gspo.data.files import load_rows
-from gspo.data.heldout import TASK_ROWS, DataSplits, load_data, split_by_fraction, subset_rows
+from gspo.data.heldout import (
+    TASK_ROWS,
+    DataSplits,
+    eval_group_field,
+    eval_groups,
+    load_data,
+    split_by_fraction,
+    subset_rows,
+)
 from gspo.data.tasks import SPLITS, TASKS, Task, make_task, split_of
 
 __all__ = [
-    "SPLITS", "TASKS", "TASK_ROWS", "DataSplits", "Task", "load_data", "load_rows", "make_task", "render_chat",
-    "render_prompts", "split_by_fraction", "split_of", "subset_rows",
+    "SPLITS", "TASKS", "TASK_ROWS", "DataSplits", "Task", "eval_group_field", "eval_groups", "load_data", "load_rows",
+    "make_task", "render_chat", "render_prompts", "split_by_fraction", "split_of", "subset_rows",
 ]

@@ -25,15 +25,19 @@ import hashlib
 import json
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from gspo.data.files import load_rows
 from gspo.data.tasks import make_task
 
-__all__ = ["TASK_ROWS", "DataSplits", "holdout_bucket", "load_data", "split_by_fraction", "subset_rows"]
+__all__ = ["EVAL_SET", "MAX_GROUPS", "TASK_ROWS", "DataSplits", "eval_group_field", "eval_groups", "holdout_bucket",
+           "load_data", "split_by_fraction", "subset_rows"]
 
 # Problems an embedded task draws when data.train_size / data.eval_size are not set (a file or dataset: all rows).
 TASK_ROWS = {"train": 20000, "eval": 200}
+EVAL_SET = "eval_set"  # the field that a list of data.eval_path files gives each of its held-out rows: the file's name
+MAX_GROUPS = 64  # groups a held-out accuracy is split into at most (data.eval_by)
 
 log = logging.getLogger(__name__)
 
@@ -112,15 +116,81 @@ def _drawn(kind: dict[str, Any], rows: list[dict], size: int | None, what: str) 
     return kept, {**kind, "rows": len(kept), "of": len(rows)}
 
 
+def _eval_files(data, every_train: list[dict]) -> tuple[list[dict], dict[str, Any]]:
+    """The held-out rows of `data.eval_path` (one file or dataset, or a list: each row then carries its file's name in
+    `EVAL_SET`) and their record; each file loses its training prompts and is capped at `data.eval_size` on its own.
+    A file (one split) is held out as a whole; a dataset with splits gives its `data.eval_split`."""
+    several = isinstance(data.eval_path, list)
+    paths = data.eval_path if several else [data.eval_path]
+    stems = [Path(path).stem for path in paths]
+    rows, records = [], {}
+    for path, stem in zip(paths, stems, strict=True):
+        part = load_rows(path, split=data.eval_split, fields=data.fields or None, lone_split_ok=True)
+        part, dropped = _drop_training_prompts(part, every_train, f"data.eval_path {path}")
+        part, record = _drawn({"kind": "eval_path", "path": path}, part, data.eval_size, "held-out")
+        name = stem if stems.count(stem) == 1 else path
+        if several:
+            clash = next((i for i, r in enumerate(part) if EVAL_SET in r), None)
+            if clash is not None:
+                raise ValueError(f"data.eval_path {path}: row {clash} has a field {EVAL_SET!r}, which a list of "
+                                 "held-out files gives each row (its file): rename that column (data.fields)")
+            part = [{**r, EVAL_SET: name} for r in part]
+        rows += part
+        records[name] = {**record, "dropped_training_prompts": dropped}
+    if not several:
+        return rows, records[stems[0]]
+    return rows, {"kind": "eval_path", "path": paths, **{key: sum(r[key] for r in records.values())
+                                                         for key in ("rows", "of", "dropped_training_prompts")},
+                  "sets": records}
+
+
+def eval_group_field(data) -> str | None:
+    """The held-out rows' field whose values split the held-out accuracy: `data.eval_by`, else `EVAL_SET` when
+    `data.eval_path` lists several files, else None (no split)."""
+    if data.eval_by is not None:
+        return data.eval_by
+    return EVAL_SET if isinstance(data.eval_path, list) else None
+
+
+def eval_groups(rows: list[dict], by: str | None, where: str = "data.eval_by") -> list[str] | None:
+    """Each row's group (`str` of its `by` field) for the split of the held-out accuracy (None when `by` is None).
+
+    Raises ValueError naming the row when one lacks the field or has a non-scalar value there, and when there are more
+    than `MAX_GROUPS` groups (a breakdown by an id or an answer measures nothing)."""
+    if by is None:
+        return None
+    groups = []
+    for i, row in enumerate(rows):
+        value = row.get(by)
+        if value is None or not isinstance(value, str | int | float | bool):
+            what = "no such field" if by not in row else repr(value)
+            raise ValueError(f"{where} {by!r}: held-out row {i} has {what}; "
+                             f"every held-out row needs a string or number there (its fields: {sorted(row)})")
+        groups.append(str(value))
+    if len(set(groups)) > MAX_GROUPS:
+        raise ValueError(f"{where} {by!r} has {len(set(groups))} distinct values among {len(rows)} held-out rows; "
+                         f"a split of the accuracy is for at most {MAX_GROUPS} groups (a source, a level, a subject)")
+    return groups
+
+
 def load_data(data, seed: int) -> DataSplits:
-    """Training and held-out rows for a `gspo.config.DataConfig` (`seed`: the embedded tasks' draw).
+    """Training and held-out rows for a `gspo.config.DataConfig` (`seed`: the embedded tasks' draw), with the records
+    of where they came from.
 
     A file or dataset gives all its rows unless `data.train_size` / `data.eval_size` caps them; a cap keeps a sample
     by prompt hash (`subset_rows`), never the source's first rows. An embedded task draws `train_size` / `eval_size`
-    problems (default `TASK_ROWS`). Training prompts are left out of the held-out rows before the cap.
+    problems (default `TASK_ROWS`). Training prompts are left out of the held-out rows before the cap. The held-out
+    rows' groups (`eval_group_field`, `eval_groups`) are checked here, before any compute.
 
     Raises ValueError / FileNotFoundError naming the source and the setting when a split does not exist, a file is
-    missing or malformed, or nothing is left to hold out."""
+    missing or malformed, nothing is left to hold out, or a held-out row has no group."""
+    splits = _load_data(data, seed)
+    eval_groups(splits.heldout, eval_group_field(data))
+    return splits
+
+
+def _load_data(data, seed: int) -> DataSplits:
+    """`load_data` before the groups are checked."""
     fields = data.fields or None
     if data.eval_split is not None and data.eval_split == data.split and data.eval_path is None \
             and data.eval_fraction is None:
@@ -150,11 +220,8 @@ def load_data(data, seed: int) -> DataSplits:
     train, train_source = _drawn({"kind": "path", "path": data.path, "split": data.split}, every_train,
                                  data.train_size, "training")
     if data.eval_path is not None:
-        # a file (one split) is held out as a whole; a dataset with splits gives its data.eval_split
-        heldout = load_rows(data.eval_path, split=data.eval_split, fields=fields, lone_split_ok=True)
-        heldout, dropped = _drop_training_prompts(heldout, every_train, f"data.eval_path {data.eval_path}")
-        heldout, source = _drawn({"kind": "eval_path", "path": data.eval_path}, heldout, data.eval_size, "held-out")
-        return DataSplits(train, heldout, {**source, "dropped_training_prompts": dropped}, train_source)
+        heldout, source = _eval_files(data, every_train)
+        return DataSplits(train, heldout, source, train_source)
     if data.eval_split is None:
         return DataSplits(train, [], {"kind": "none"}, train_source)
     heldout = load_rows(data.path, split=data.eval_split, fields=fields)
