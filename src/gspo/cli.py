@@ -12,7 +12,7 @@ import time
 from importlib import resources
 from pathlib import Path
 
-from gspo.config import ConfigError, load_config
+from gspo.config import ConfigError, accuracy_means, load_config
 
 
 def demo_config_path() -> Path:
@@ -243,7 +243,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-batch-rows must be >= 1, got {args.max_batch_rows}")
     data, rewards, accuracy_reward, threshold, new_tokens, data_cfg, cfg, groups = _eval_setup(args)
     batch = args.max_batch_rows or (cfg.rollout.max_batch_rows if cfg is not None else None) or 256
-    rewards.check_rows(data.heldout)
+    rewards.check_rows(data.heldout, accuracy_reward, "held-out row")
     make_env, tools = build_env(cfg) if cfg is not None else (None, None)  # env: the rows are episodes
     sampling = {} if n == 1 else {"samples_per_prompt": n, "temperature": temperature, "top_p": top_p, "ks": ks,
                                   "seed": args.seed}
@@ -287,7 +287,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     by = {} if groups is None else {"by": _by_group(values, groups, base_values)}
     print(json.dumps({"model": args.model, "rows": len(values), "source": data.heldout_source,
                       "samples_per_prompt": n, "temperature": temperature, "top_p": top_p, **result, **counts,
-                      "accuracy_means": f"{accuracy_reward} >= {threshold:g}", "reward_failures": failures,
+                      "accuracy_means": accuracy_means(accuracy_reward, threshold), "reward_failures": failures,
                       "reward_timeouts": dict(rewards.timeouts), **comparison, **by}))
     print(_eval_line(result, len(values), data.heldout_source.get("of"), n, new_tokens, comparison),
           *_group_lines(by.get("by", {})), sep="\n", file=sys.stderr)  # stdout stays JSON

@@ -179,9 +179,10 @@ class RewardConfig(_Section):
     timeout_s: float | None = Field(30.0, gt=0, allow_inf_nan=False)
     workers: int = Field(1, ge=1)
     # What counts as solved (held-out accuracy, pass/fail counts): the unweighted value of `accuracy_reward` is at
-    # least `accuracy_threshold`. None: the only function, or the only built-in verifier among several; so the
-    # weights of the other rewards (format, length, ...) never change what accuracy means.
-    accuracy_reward: str | None = None
+    # least `accuracy_threshold`. None: the only function, or the only built-in verifier among several (with routes:
+    # the built-in verifiers); so the weights of the other rewards (format, length, ...) never change what accuracy
+    # means. A list (mixed data): each of them that scores a row must say solved.
+    accuracy_reward: str | list[str] | None = None
     accuracy_threshold: float = Field(1.0, allow_inf_nan=False)
     # DAPO's soft overlong punishment (Eq. 13): a completion longer than max_new_tokens − overlong_buffer tokens gets
     # −overlong_penalty · (excess / overlong_buffer) added to its reward, −overlong_penalty at the budget.
@@ -191,6 +192,10 @@ class RewardConfig(_Section):
     # A reasoning model's thinking block [open, close]: the built-in verifiers and reward models judge the text after
     # it, and a completion whose reasoning never ended has no answer (gspo.rewards.thinking); null: whole completions.
     think_tags: list[str] | None = Field(default_factory=lambda: ["<think>", "</think>"])
+    # Mixed data (gspo.rewards.Routes): a row field, and for each of its values the functions that score such rows,
+    # e.g. route_by: data_source, routes: {gsm8k: [math], apps: [code]}; a function no route lists scores every row.
+    route_by: str | None = Field(None, min_length=1)
+    routes: dict[str, list[str]] | None = None
 
     @model_validator(mode="after")
     def _nonempty(self) -> RewardConfig:
@@ -201,8 +206,17 @@ class RewardConfig(_Section):
             if spec.startswith(MODEL_PREFIX) and not spec[len(MODEL_PREFIX):].strip():
                 raise ValueError(f"rewards.functions: {spec!r} names no reward model; write model:PATH (a folder "
                                  "holding a one-output sequence classifier, or a hub id)")
+        if (self.route_by is None) != (self.routes is None):
+            raise ValueError("rewards.route_by (a row field) and rewards.routes (its values → reward functions) go "
+                             "together: set both or neither")
+        if self.routes is not None:
+            listed = {name for route in self.routes.values() for name in route}
+            if not self.routes or not all(self.routes.values()) or listed - set(self.functions):
+                raise ValueError(f"rewards.routes must map each value of {self.route_by!r} to a non-empty list of "
+                                 f"rewards.functions {list(self.functions)}; unknown: "
+                                 f"{sorted(listed - set(self.functions))}")
         self.accuracy_reward = resolve_accuracy_reward(list(self.functions), self.accuracy_reward,
-                                                       key="rewards.accuracy_reward")
+                                                       key="rewards.accuracy_reward", routed=self.routes is not None)
         if "accuracy_threshold" not in self.model_fields_set:
             check_model_threshold(self.accuracy_reward, "rewards.accuracy_threshold")
         return self
@@ -211,19 +225,29 @@ class RewardConfig(_Section):
 VERIFIERS = ("addition", "code", "countdown", "math")  # the built-in rewards: 1.0 exactly when the answer is right
 
 
-def check_model_threshold(accuracy_reward: str, key: str) -> None:
+def check_model_threshold(accuracy_reward: str | list[str], key: str) -> None:
     """Raise ValueError when accuracy would be decided by a reward model at the default threshold: 1.0 means
     "solved" for a verifier, but is an arbitrary line on a learned score, and the held-out "accuracy" it gave would
     look like a measurement. `key` names the setting that fixes it."""
-    if accuracy_reward.startswith(MODEL_PREFIX):
-        raise ValueError(f"held-out accuracy would count the completions that the reward model {accuracy_reward!r} "
-                         f"scores >= 1.0, an arbitrary line for a learned score: set {key} to the score that counts "
-                         "as a success, or name a verifier (e.g. math) as the accuracy reward")
+    for name in [accuracy_reward] if isinstance(accuracy_reward, str) else accuracy_reward:
+        if name.startswith(MODEL_PREFIX):
+            raise ValueError(f"held-out accuracy would count the completions that the reward model {name!r} "
+                             f"scores >= 1.0, an arbitrary line for a learned score: set {key} to the score that "
+                             "counts as a success, or name a verifier (e.g. math) as the accuracy reward")
 
 
-def resolve_accuracy_reward(functions: list[str], chosen: str | None, key: str) -> str:
-    """The reward whose value decides correctness: `chosen` (one of `functions`), else the only function, else the
-    only built-in verifier among them. Raises ValueError naming `key` when that is ambiguous."""
+def resolve_accuracy_reward(functions: list[str], chosen: str | list[str] | None, key: str,
+                            routed: bool = False) -> str | list[str]:
+    """The reward(s) whose value decides correctness: `chosen` (one of `functions`, or a list of them for mixed
+    data), else the only function, else the only built-in verifier among them, else with `routed` (rewards.routes:
+    each row is scored by its own verifier) the built-in verifiers. Raises ValueError naming `key` when that is
+    ambiguous."""
+    if isinstance(chosen, list):
+        unknown = [name for name in chosen if name not in functions]
+        if not chosen or unknown or len(set(chosen)) < len(chosen):
+            raise ValueError(f"{key} {chosen} must list reward functions of {functions}, each once"
+                             + (f"; unknown: {unknown}" if unknown else ""))
+        return chosen[0] if len(chosen) == 1 else list(chosen)
     if chosen is not None:
         if chosen not in functions:
             raise ValueError(f"{key} {chosen!r} is not one of the reward functions {functions}")
@@ -231,10 +255,17 @@ def resolve_accuracy_reward(functions: list[str], chosen: str | None, key: str) 
     if len(functions) == 1:
         return functions[0]
     verifiers = [f for f in functions if f in VERIFIERS]
-    if len(verifiers) == 1:
-        return verifiers[0]
+    if len(verifiers) == 1 or (routed and verifiers):
+        return verifiers[0] if len(verifiers) == 1 else verifiers
     raise ValueError(f"{key}: with several reward functions {functions}, name the one that decides whether an answer "
-                     "is correct (accuracy = its unweighted value >= rewards.accuracy_threshold)")
+                     "is correct (accuracy = its unweighted value >= rewards.accuracy_threshold; a list for mixed "
+                     "data with rewards.routes)")
+
+
+def accuracy_means(accuracy_reward: str | list[str], threshold: float) -> str:
+    """What "solved" means, for records and reports: "math >= 1", or for mixed data "math | code >= 1"."""
+    names = [accuracy_reward] if isinstance(accuracy_reward, str) else accuracy_reward
+    return f"{' | '.join(names)} >= {threshold:g}"
 
 
 class VLLMConfig(_Section):

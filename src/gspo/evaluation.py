@@ -166,7 +166,7 @@ def accuracy_by_group(row_values: Sequence[float], groups: Sequence[str],
 
 
 def evaluate(model, tokenizer, rows: list[dict], rewards: RewardRunner, max_new_tokens: int,
-             batch_size: int = 256, sampler=None, accuracy_reward: str | None = None,
+             batch_size: int = 256, sampler=None, accuracy_reward: str | Sequence[str] | None = None,
              accuracy_threshold: float = 1.0, samples: list[dict] | None = None,
              n_samples: int = 0, *, samples_per_prompt: int = 1, temperature: float = 1.0, top_p: float = 1.0,
              ks: Sequence[int] = (1,), seed: int = 0,
@@ -174,7 +174,8 @@ def evaluate(model, tokenizer, rows: list[dict], rewards: RewardRunner, max_new_
              row_values: list[float] | None = None, row_offset: int = 0) -> dict[str, float]:
     """Greedy decoding on `rows`, scored by `rewards`. Returns row means: `accuracy` (the fraction solved: the
     unweighted value of `accuracy_reward` (default: the only function, or the only built-in verifier) is at least
-    `accuracy_threshold`, so other rewards' weights do not change it), `reward_mean` (the weighted sum),
+    `accuracy_threshold`, so other rewards' weights do not change it; several for mixed data: each that scores the
+    row, `RewardScores.correct`), `reward_mean` (the weighted sum),
     `reward_failure_rate` (rows on which some reward function failed), `response_length`, `truncation_rate`; and
     `accuracy_ci95_low` / `accuracy_ci95_high` (`accuracy_ci95`); with a reward that judges the answer after a
     reasoning block (`gspo.rewards.thinking`), `unfinished_thinking_rate`, the fraction of completions whose
@@ -218,8 +219,9 @@ def evaluate(model, tokenizer, rows: list[dict], rewards: RewardRunner, max_new_
         params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
     sampler = sampler or HFSampler(model, tokenizer, params)
     accuracy_reward = resolve_accuracy_reward(rewards.names, accuracy_reward, key="evaluate(accuracy_reward=...)")
-    if answer_of is None:
-        answer_of = answer_extractor(rewards.functions[rewards.names.index(accuracy_reward)]) or vote_answer
+    judges = [accuracy_reward] if isinstance(accuracy_reward, str) else accuracy_reward  # several: mixed data
+    readers = {name: answer_of or answer_extractor(rewards.functions[rewards.names.index(name)]) or vote_answer
+               for name in judges}  # maj@k: each completion's answer as its row's accuracy reward reads it
     per_call = batch_size if n == 1 else max(1, batch_size // n)
     scores, correct, failed, lengths, truncated, answers, counts, unfinished = [], [], [], [], [], [], [], []
     for start in range(0, len(rows), per_call):
@@ -244,7 +246,8 @@ def evaluate(model, tokenizer, rows: list[dict], rewards: RewardRunner, max_new_
         lengths.append(batch.completion_mask.sum(-1).float().cpu())
         truncated.append(batch.truncated.float().cpu())
         if n > 1:
-            answers.extend(_vote(answer_of, c) for c in scored.texts[accuracy_reward])
+            answers.extend(_vote(readers[name], scored.texts[name][i])
+                           for i, name in enumerate(scored.judge(accuracy_reward)))
         if samples is not None and len(samples) < n_samples:
             for i in range(min(n_samples - len(samples), len(chunk))):
                 samples.append({"prompt": prompts[i], "completion": batch.completions[i * n],

@@ -40,7 +40,7 @@ from torch import nn
 from gspo.advantages import group_advantages, turn_advantages, zero_variance_groups
 from gspo.agent import EpisodeRunner, build_env, episode_metrics, make_episode_runner
 from gspo.checkpoint import STATE_FILENAME, checkpoint_path, find_latest_checkpoint, list_checkpoints, set_seed
-from gspo.config import Config, ConfigError, config_to_dict
+from gspo.config import Config, ConfigError, accuracy_means, config_to_dict
 from gspo.data import eval_group_field, eval_groups, load_data, render_chat
 from gspo.evaluation import (
     accuracy_by_group,
@@ -301,7 +301,8 @@ def rollout_records(batch: Collected, tokenizer, count: int, group_size: int,
                   **({"transcript": transcript(tokenizer, traj, i)} if traj.token_rewards is not None else {}),
                   "reward": float(batch.rewards[i])}
         if values is not None and values.shape[-1] == len(reward_names):
-            record["rewards"] = dict(zip(reward_names, values[i].tolist(), strict=True))
+            record["rewards"] = {name: None if math.isnan(value) else value  # None: not scored (rewards.routes)
+                                 for name, value in zip(reward_names, values[i].tolist(), strict=True)}
         if solved is not None:
             record["solved"] = bool(solved[i])
         records.append({**record, "advantage": float(advantages[i]), "tokens": int(traj.completion_mask[i].sum()),
@@ -489,7 +490,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
     changed = group.main_first(lambda: _start_checks(cfg, out, cfg_dict, resume, overwrite))
     data = load_data(cfg.data, cfg.trainer.seed)
     rewards = RewardRunner.from_config(cfg.rewards, group.device)
-    rewards.check_rows(data.train)
+    rewards.check_rows(data.train, cfg.rewards.accuracy_reward, "training row")  # signatures, routes (mixed data)
+    rewards.check_rows(data.heldout, cfg.rewards.accuracy_reward, "held-out row")
     make_env, tool_schemas = build_env(cfg)  # env: one environment per episode, the tools the template describes
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
@@ -837,7 +839,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         "heldout_accuracy_ci95": _accuracy_intervals(evals),
         **({"heldout_accuracy_by": _accuracy_by_group(evals)} if eval_group is not None and evals else {}),
         "heldout": {**heldout_source,
-                    "accuracy": f"{cfg.rewards.accuracy_reward} >= {cfg.rewards.accuracy_threshold:g}"},
+                    "accuracy": accuracy_means(cfg.rewards.accuracy_reward, cfg.rewards.accuracy_threshold)},
         "train": train_source,
         "steps": cfg.trainer.steps,
         "cold_start": cold,

@@ -56,6 +56,7 @@ __all__ = [
     "RewardModel",
     "RewardRunner",
     "RewardScores",
+    "Routes",
     "addition_reward",
     "after_thinking",
     "answer_extractor",
@@ -235,6 +236,33 @@ def _check_value(value: Any) -> tuple[float | None, str, str]:
     return None, "non_number", f"returned a non-number {type(value).__name__}: {shown}"
 
 
+@dataclass(frozen=True)
+class Routes:
+    """Which reward functions score which rows, for mixed data (math rows with a verifier, code rows with tests):
+    a row whose `field` holds V is scored by the functions `table[V]` lists and by every function that no route lists
+    (e.g. a format reward for all). A function is not called on the rows of other routes: it adds nothing to their
+    reward and fails nothing (the config's `rewards.route_by` / `rewards.routes`)."""
+
+    field: str
+    table: Mapping[str, Sequence[str]]
+
+    def route(self, row: Mapping[str, Any], index: int, where: str = "row") -> str:
+        """The route of `row` (its `field`, as a string). Raises ValueError naming the row when it has none or one
+        that `table` does not list."""
+        value = row.get(self.field)
+        if value is None or not isinstance(value, str | int | float | bool) or str(value) not in self.table:
+            what = "no such field" if self.field not in row else f"{value!r}"
+            raise ValueError(f"rewards.route_by {self.field!r}: {where} {index} has {what}, which rewards.routes does "
+                             f"not list (routes: {sorted(self.table)}); every row needs the reward that scores it")
+        return str(value)
+
+    def applies(self, names: Sequence[str], rows: Sequence[Mapping[str, Any]]) -> dict[str, list[bool]]:
+        """For each function of `names`, which of `rows` it scores."""
+        routed = {name for route in self.table.values() for name in route}
+        keys = [self.route(row, i) for i, row in enumerate(rows)]
+        return {name: [name not in routed or name in self.table[key] for key in keys] for name in names}
+
+
 class RewardRunner:
     """Scores completions with a weighted sum of reward functions and accounts for their failures.
 
@@ -250,6 +278,8 @@ class RewardRunner:
     (`model:PATH`, built with `model_options`, see `RewardModel`) is one too, run in the calling thread before the
     deadline starts. `model_options` are `RewardModel`'s keyword arguments (`reward_model_options` makes them from
     the config's `rewards.reward_model` section).
+
+    `routes` (`Routes`; None: every function scores every row): which functions score which rows of mixed data.
 
     `think_tags` (open, close; None: off): a function marked `after_thinking` (the built-in verifiers, reward models)
     judges `final_answer(prompt, completion)`, the text after the completion's reasoning, "" when the reasoning never
@@ -269,6 +299,7 @@ class RewardRunner:
         workers: int = 1,
         model_options: Mapping[str, Any] | None = None,
         think_tags: Sequence[str] | None = THINK_TAGS,
+        routes: Routes | None = None,
     ) -> None:
         if on_error not in ("fail", "zero"):
             raise ValueError(f"RewardRunner: on_error must be 'fail' or 'zero', got {on_error!r}")
@@ -299,6 +330,12 @@ class RewardRunner:
             self.names.append(name)
             self.functions.append(fn)
             self.weights.append(float(weight))
+        if routes is not None:
+            unknown = sorted({name for route in routes.table.values() for name in route} - set(self.names))
+            if unknown or not routes.table or not all(routes.table.values()):
+                raise ValueError(f"RewardRunner: routes {dict(routes.table)} must map each value to a non-empty list "
+                                 f"of the reward functions {self.names}" + (f"; unknown: {unknown}" if unknown else ""))
+        self.routes = routes
         self.on_error = on_error
         self.think_tags = check_think_tags(think_tags, "RewardRunner: think_tags")
         self.timeout_s = None if timeout_s is None else float(timeout_s)
@@ -313,9 +350,16 @@ class RewardRunner:
                     on_error: Literal["fail", "zero"] | None = None) -> RewardRunner:
         """The runner a config's `rewards` section (`gspo.config.RewardConfig`) describes, its reward models on
         `device` unless the section names one; `on_error` overrides the section's (evaluation counts failures)."""
+        routes = None if settings.route_by is None else Routes(settings.route_by, settings.routes)
         return cls(settings.functions, on_error=on_error or settings.on_error, timeout_s=settings.timeout_s,
-                   workers=settings.workers, think_tags=settings.think_tags,
+                   workers=settings.workers, think_tags=settings.think_tags, routes=routes,
                    model_options=reward_model_options(settings.reward_model.model_dump(), device))
+
+    def applies(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, list[bool]]:
+        """For each function, which of `rows` it scores (all of them without `routes`)."""
+        if self.routes is None:
+            return {name: [True] * len(rows) for name in self.names}
+        return self.routes.applies(self.names, rows)
 
     def state_dict(self) -> dict[str, dict[str, int]]:
         """The cumulative counters (`failures`, `timeouts`: per function), e.g. for a checkpoint."""
@@ -403,11 +447,27 @@ class RewardRunner:
         scores = self.score(prompts, completions, rows)
         return scores.total, scores.stats
 
-    def check_rows(self, rows: Sequence[Mapping[str, Any]]) -> None:
-        """Check every function's signature against the first row's fields (`check_signature`), before compute."""
-        if rows:
-            for name, fn in zip(self.names, self.functions, strict=True):
-                check_signature(fn, name, rows[0])
+    def check_rows(self, rows: Sequence[Mapping[str, Any]], accuracy: str | Sequence[str] | None = None,
+                   where: str = "row") -> None:
+        """Check, before compute, every function's signature against the first row's fields (`check_signature`);
+        with `routes`, that every row has a route and, given the `accuracy` reward(s), that one of them scores it
+        (else nothing could call it solved). Raises ValueError naming the row (`where` and its index)."""
+        if not rows:
+            return
+        for name, fn in zip(self.names, self.functions, strict=True):
+            check_signature(fn, name, rows[0])
+        if self.routes is None:
+            return
+        for i, row in enumerate(rows):
+            self.routes.route(row, i, where)
+        if accuracy is not None:
+            names = [accuracy] if isinstance(accuracy, str) else list(accuracy)
+            applies = self.applies(rows)
+            unjudged = next((i for i in range(len(rows)) if not any(applies[name][i] for name in names)), None)
+            if unjudged is not None:
+                route = self.routes.route(rows[unjudged], unjudged)
+                raise ValueError(f"{where} {unjudged} (route {route!r}) is scored by none of the accuracy rewards "
+                                 f"{names}: name its verifier in rewards.accuracy_reward (a list for mixed data)")
 
     def _final_answers(self, prompts: Sequence[str], completions: Sequence[str]) -> tuple[list[str] | None, int]:
         """(what the `after_thinking` functions judge: each completion's `final_answer`, "" where its reasoning never
@@ -436,38 +496,42 @@ class RewardRunner:
                 )
         kwargs = [{k: v for k, v in row.items() if k not in _POSITIONAL_FIELDS} for row in rows]
         answers, unfinished = self._final_answers(prompts, completions)
-        calls, spans = [], []  # spans[k]: function k's calls, calls[a:b] (one for a batched function, else n)
+        applies = self.applies(rows)
+        calls, spans = [], []  # spans[k]: function k's calls, calls[a:b] (one for a batched function, else a row's)
         judged: dict[str, list[str]] = {}
         for name, fn in zip(self.names, self.functions, strict=True):
-            start = len(calls)
+            start, mine = len(calls), [i for i in range(n) if applies[name][i]]  # the rows it scores (`routes`)
             texts = judged[name] = answers if answers is not None and judges_final_answer(fn) else completions
-            if is_batched(fn):
-                fields = dict.fromkeys(key for kw in kwargs for key in kw)  # every row's fields, in order
-                calls.append((fn, (list(prompts), list(texts)), {f: [kw.get(f) for kw in kwargs] for f in fields}))
-            else:
-                calls.extend((fn, (prompts[i], texts[i]), kwargs[i]) for i in range(n))
-            spans.append((start, len(calls)))
+            if is_batched(fn) and mine:
+                fields = dict.fromkeys(key for i in mine for key in kwargs[i])  # its rows' fields, in order
+                calls.append((fn, ([prompts[i] for i in mine], [texts[i] for i in mine]),
+                              {f: [kwargs[i].get(f) for i in mine] for f in fields}))
+            elif not is_batched(fn):
+                calls.extend((fn, (prompts[i], texts[i]), kwargs[i]) for i in mine)
+            spans.append((start, len(calls), mine))
         invoked = self._invoke(calls)
-        outcomes = []
-        for fn, (a, b) in zip(self.functions, spans, strict=True):
-            outcomes.extend(_per_row(invoked[a], n) if is_batched(fn) else invoked[a:b])
         totals = [0.0] * n
         stats: dict[str, float] = {}
         values: dict[str, torch.Tensor] = {}
         failed: dict[str, torch.Tensor] = {}
         timeouts_before = sum(self.timeouts.values())
-        for k, (name, weight) in enumerate(zip(self.names, self.weights, strict=True)):
-            scored = [self._score(name, i, completions[i], outcomes[k * n + i]) for i in range(n)]
-            for i, (value, _) in enumerate(scored):
+        for fn, name, weight, (a, b, mine) in zip(self.functions, self.names, self.weights, spans, strict=True):
+            outcomes = _per_row(invoked[a], len(mine)) if is_batched(fn) and mine else invoked[a:b]
+            scored = dict(zip(mine, (self._score(name, i, completions[i], o) for i, o in zip(mine, outcomes,
+                                                                                              strict=True)),
+                              strict=True))  # a row it does not score: 0, not failed
+            for i, (value, _) in scored.items():
                 totals[i] += weight * value
-            values[name] = torch.tensor([v for v, _ in scored], dtype=torch.float32)
-            failed[name] = torch.tensor([f for _, f in scored], dtype=torch.bool)
-            stats[f"reward/{name}"] = sum(v for v, _ in scored) / n
+            values[name] = torch.tensor([scored.get(i, (0.0, False))[0] for i in range(n)], dtype=torch.float32)
+            failed[name] = torch.tensor([scored.get(i, (0.0, False))[1] for i in range(n)], dtype=torch.bool)
+            if mine:  # the mean over the rows it scores
+                stats[f"reward/{name}"] = sum(v for v, _ in scored.values()) / len(mine)
         stats["reward_failures"] = float(sum(int(f.sum()) for f in failed.values()))
         stats["reward_timeouts"] = float(sum(self.timeouts.values()) - timeouts_before)
         if answers is not None:
             stats["unfinished_thinking"] = float(unfinished)
-        return RewardScores(torch.tensor(totals, dtype=torch.float32), values, failed, stats, judged)
+        return RewardScores(torch.tensor(totals, dtype=torch.float32), values, failed, stats, judged,
+                            {name: torch.tensor(applies[name], dtype=torch.bool) for name in self.names})
 
 
 def _per_row(outcome: Outcome, n: int) -> list[Outcome]:
@@ -496,13 +560,31 @@ class RewardScores:
     failed: dict[str, torch.Tensor]
     stats: dict[str, float]
     texts: dict[str, list[str]] = field(default_factory=dict)
+    applies: dict[str, torch.Tensor] = field(default_factory=dict)  # [N] bool: which rows a function scored (routes)
 
-    def correct(self, reward: str, threshold: float = 1.0) -> torch.Tensor:
+    def correct(self, reward: str | Sequence[str], threshold: float = 1.0) -> torch.Tensor:
         """Which completions count as solved: `reward`'s unweighted value is at least `threshold` (and its call did
-        not fail), whatever the other functions and the weights say."""
-        if reward not in self.values:
+        not fail), whatever the other functions and the weights say. Several rewards (mixed data, `routes`): each
+        of them that scored the row says solved, and at least one did."""
+        names = [reward] if isinstance(reward, str) else list(reward)
+        unknown = [name for name in names if name not in self.values]
+        if unknown or not names:
             raise ValueError(f"accuracy reward {reward!r} is not one of the scored functions {sorted(self.values)}")
-        return (self.values[reward] >= threshold - 1e-6) & ~self.failed[reward]
+        solved = torch.ones_like(self.failed[names[0]])
+        scored = torch.zeros_like(solved)
+        for name in names:
+            applies = self.applies.get(name, torch.ones_like(solved))
+            ok = (self.values[name] >= threshold - 1e-6) & ~self.failed[name]
+            solved &= ok | ~applies
+            scored |= applies
+        return solved & scored
+
+    def judge(self, reward: str | Sequence[str]) -> list[str]:
+        """Each completion's accuracy reward: `reward`, or of several the first that scored the row."""
+        names = [reward] if isinstance(reward, str) else list(reward)
+        n = len(self.total)
+        return [next((name for name in names if name not in self.applies or bool(self.applies[name][i])), names[0])
+                for i in range(n)]
 
     def rows_failed(self) -> torch.Tensor:
         """Completions on which at least one function failed [N]."""
@@ -516,7 +598,8 @@ def score_trajectory(runner: RewardRunner, rows: list[dict], traj, settings, max
 
     Each completion is scored against its prompt's row (`rows[traj.prompt_index[k]]`); the stats are `score`'s plus
     `solved`, the count of completions that `settings.accuracy_reward` ≥ `settings.accuracy_threshold` calls solved.
-    Each row's unweighted value of every function (`traj.extras["reward_values"]`, [N, F] in `runner.names` order) and
+    Each row's unweighted value of every function (`traj.extras["reward_values"]`, [N, F] in `runner.names` order;
+    NaN where `routes` keep a function off the row) and
     its verdict (`traj.extras["solved"]`, [N]) travel with the rows (`log.rollouts` shows them). For a multi-turn
     episode (`traj.token_rewards` set) the final reply's reward is added on the episode's last policy token, next to
     the per-turn rewards the environment gave, and the episode's return is their sum (`token_rewards` is updated in
@@ -528,7 +611,8 @@ def score_trajectory(runner: RewardRunner, rows: list[dict], traj, settings, max
     solved = scored.correct(settings.accuracy_reward, settings.accuracy_threshold)
     total, stats = scored.total, {**scored.stats, "solved": float(solved.sum())}
     device = traj.completion_ids.device
-    traj.extras["reward_values"] = torch.stack([scored.values[name] for name in runner.names], -1).to(device)
+    traj.extras["reward_values"] = torch.stack([scored.values[name].masked_fill(~scored.applies[name], math.nan)
+                                                for name in runner.names], -1).to(device)  # NaN: not its route
     traj.extras["solved"] = solved.to(device)
     if traj.token_rewards is not None:
         last = traj.loss_mask.shape[1] - 1 - traj.loss_mask.flip(-1).argmax(-1)
