@@ -143,3 +143,27 @@ def test_gspo_eval_splits_a_files_accuracy_by_a_field(tmp_path, capsys):
     assert main([*base, "--by", "nope"]) == 2
     assert "--by 'nope': held-out row 0 has no such field" in capsys.readouterr().err
     assert main(["eval", "tiny-moe", "--config", str(DEMO), "--by", "level"]) == 2  # the config's data.eval_by
+
+
+def test_gspo_eval_writes_each_rows_completion_rewards_and_verdict(tmp_path, capsys):
+    """--rows-out: which rows a model gets wrong (and, with --baseline, which it gained or lost), in row order."""
+    (tmp_path / "rw.py").write_text(FLAGGED)
+    source = rows(0, 6, 4, level=1) + rows(50, 3, 1, level=2)
+    data = write_jsonl(tmp_path / "d.jsonl", source)
+    reward = f"{tmp_path / 'rw.py'}:flagged"
+    out = tmp_path / "rows" / "rows.jsonl"
+    assert main(["eval", "tiny-moe", "--data", str(data), "--reward", reward, "--max-new-tokens", "3", "--by",
+                 "level", "--baseline", "tiny-dense", "--rows-out", str(out)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["row"] for r in records] == list(range(9)) and [r["prompt"] for r in records] == [
+        r["prompt"] for r in source]
+    assert [r["solved"] for r in records] == [float(r["solved"]) for r in source]
+    assert all(r["rewards"] == {reward: float(s["solved"])} and r["correct"] == s["solved"]
+               for r, s in zip(records, source, strict=True))
+    assert [r["group"] for r in records] == ["1"] * 6 + ["2"] * 3
+    assert all(r["baseline"]["solved"] == r["solved"] and r["change"] == 0 for r in records)
+    assert all(isinstance(r["completion"], str) and isinstance(r["truncated"], bool) for r in records)
+    assert sum(r["solved"] for r in records) == result["solved"] == 5
+    assert main(["eval", "tiny-moe", "--data", str(data), "--reward", reward, "--rows-out",
+                 str(data / "rows.jsonl")]) == 2  # a file as the folder: refused before evaluating

@@ -241,6 +241,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     n, temperature, top_p, ks = _eval_sampling(args)
     if args.max_batch_rows is not None and args.max_batch_rows < 1:
         raise ConfigError(f"--max-batch-rows must be >= 1, got {args.max_batch_rows}")
+    if args.rows_out:  # an unwritable place fails now, not after the evaluation
+        Path(args.rows_out).parent.mkdir(parents=True, exist_ok=True)
     data, rewards, accuracy_reward, threshold, new_tokens, data_cfg, cfg, groups = _eval_setup(args)
     batch = args.max_batch_rows or (cfg.rollout.max_batch_rows if cfg is not None else None) or 256
     rewards.check_rows(data.heldout, accuracy_reward, "held-out row")
@@ -249,9 +251,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                                   "seed": args.seed}
     completions = len(data.heldout) * n
 
-    def run(name: str) -> tuple[dict, list[float], dict[str, int]]:
+    def run(name: str) -> tuple[dict, list[float], dict[str, int], list[dict]]:
         """Evaluate model `name` on the rows (rendered with its own chat template): its result (each interval as one
-        [low, high] pair), each row's solved fraction, and its reward failures per function."""
+        [low, high] pair), each row's solved fraction, its reward failures per function, and with --rows-out each
+        row's first completion with its rewards and verdict."""
         model, tokenizer = load_model(name)
         rows = render_chat(data, data_cfg, tokenizer, tools=tools).heldout
         model = model.to(resolve_device(args.device))
@@ -260,23 +263,26 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             engine = HFSampler(model, tokenizer, SamplingParams(max_new_tokens=new_tokens))
             episodes = make_episode_runner(cfg, engine, tokenizer, make_env)
         values: list[float] = []
+        shown: list[dict] = []
         before = dict(rewards.failures)
         result = evaluate(model, tokenizer, rows, rewards, new_tokens, batch_size=batch,
                           accuracy_reward=accuracy_reward, accuracy_threshold=threshold, sampler=engine,
-                          episodes=episodes, row_values=values, **sampling)
+                          episodes=episodes, row_values=values, samples=shown,
+                          n_samples=len(rows) if args.rows_out else 0, **sampling)
         result = {key.removesuffix("_low"): [value, result[key.replace("_low", "_high")]]
                   if key.endswith("_ci95_low") else value
                   for key, value in result.items() if not key.endswith("_ci95_high")}
-        return result, values, {k: v - before.get(k, 0) for k, v in rewards.failures.items()}
+        return result, values, {k: v - before.get(k, 0) for k, v in rewards.failures.items()}, shown
 
-    result, values, failures = run(args.model)
+    result, values, failures, shown = run(args.model)
     failed = round(result["reward_failure_rate"] * completions)
     counts = ({"solved": round(result["accuracy"] * len(values)), "rows_with_reward_failures": failed} if n == 1 else
               {"solved_samples": round(result["accuracy"] * completions), "samples_with_reward_failures": failed})
     comparison, failed_all = {}, failed == completions
     base_values: list[float] | None = None
+    base_shown: list[dict] = []
     if args.baseline is not None:  # the same rows, rewards and sampling: the change with its paired interval
-        base, base_values, base_failures = run(args.baseline)
+        base, base_values, base_failures, base_shown = run(args.baseline)
         change, low, high = paired_change_ci95(base_values, values)
         comparison = {"baseline": {"model": args.baseline, "accuracy": base["accuracy"],
                                    "accuracy_ci95": base["accuracy_ci95"], "reward_mean": base["reward_mean"],
@@ -285,6 +291,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                       "accuracy_change": change, "accuracy_change_ci95": [low, high]}
         failed_all = failed_all or round(base["reward_failure_rate"] * completions) == completions
     by = {} if groups is None else {"by": _by_group(values, groups, base_values)}
+    if args.rows_out:
+        _write_rows(Path(args.rows_out), shown, values, groups, base_shown, base_values)
     print(json.dumps({"model": args.model, "rows": len(values), "source": data.heldout_source,
                       "samples_per_prompt": n, "temperature": temperature, "top_p": top_p, **result, **counts,
                       "accuracy_means": accuracy_means(accuracy_reward, threshold), "reward_failures": failures,
@@ -298,6 +306,25 @@ def _cmd_eval(args: argparse.Namespace) -> int:
               "reward (--reward) and the rows' fields (--fields)", file=sys.stderr)
         return 1
     return 0
+
+
+def _write_rows(path: Path, shown: list[dict], values: list[float], groups: list[str] | None,
+                base_shown: list[dict], base_values: list[float] | None) -> None:
+    """`gspo eval --rows-out`: one JSON line per row, in row order: its prompt, (first) completion, rewards and
+    verdict, its solved fraction (`solved`: 0/1 greedy, the fraction of --samples), its group (--by), and with
+    --baseline the baseline's completion, rewards and solved fraction and whether the row was `gained` or `lost`."""
+    from gspo.runfolder import write_jsonl
+
+    records = []
+    for i, (record, solved) in enumerate(zip(shown, values, strict=True)):
+        out = {"row": i, **record, "solved": solved, **({"group": groups[i]} if groups is not None else {})}
+        if base_values is not None:
+            base = base_shown[i]
+            out["baseline"] = {"completion": base["completion"], "reward": base["reward"], "rewards": base["rewards"],
+                               "solved": base_values[i]}
+            out["change"] = solved - base_values[i]
+        records.append(out)
+    write_jsonl(path, records)
 
 
 def _by_group(values: list[float], groups: list[str], baseline: list[float] | None) -> dict[str, dict]:
@@ -442,6 +469,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--by", default=None,
                    help="a field of the rows whose values split the accuracy (e.g. data_source or level): each value "
                         "gets its accuracy and interval (with --config: its data.eval_by)")
+    p.add_argument("--rows-out", default=None, metavar="FILE",
+                   help="write one JSON line per row: prompt, completion, each reward, verdict, solved fraction (and "
+                        "with --baseline the baseline's, and the change): which rows a model gets wrong")
     p.add_argument("--baseline", default=None,
                    help="a second model evaluated on the same rows: adds its accuracy and the change with its paired "
                         "95%% interval")

@@ -181,7 +181,8 @@ def evaluate(model, tokenizer, rows: list[dict], rewards: RewardRunner, max_new_
     reasoning block (`gspo.rewards.thinking`), `unfinished_thinking_rate`, the fraction of completions whose
     reasoning never ended (no answer: raise `max_new_tokens` when it is high). Each row's solved fraction (0 or 1
     here) is appended to `row_values` when given, in row order (for `paired_change_ci95` against another
-    evaluation). The first `n_samples` rows' prompts, completions, rewards and verdicts are appended to `samples`.
+    evaluation). The first `n_samples` rows' prompts, first completions, rewards (the weighted sum and each
+    function's value), verdicts and truncation are appended to `samples`.
     `sampler`: the rollout engine to decode with (the run's own, with greedy settings for this call); default an
     HFSampler on `model`.
 
@@ -250,8 +251,12 @@ def evaluate(model, tokenizer, rows: list[dict], rewards: RewardRunner, max_new_
                            for i, name in enumerate(scored.judge(accuracy_reward)))
         if samples is not None and len(samples) < n_samples:
             for i in range(min(n_samples - len(samples), len(chunk))):
-                samples.append({"prompt": prompts[i], "completion": batch.completions[i * n],
-                                "reward": float(scores[-1][i * n]), "correct": bool(correct[-1][i * n]),
+                j = i * n  # the row's first completion
+                samples.append({"prompt": prompts[i], "completion": batch.completions[j],
+                                "reward": float(scores[-1][j]), "correct": bool(correct[-1][j]),
+                                "rewards": {name: float(scored.values[name][j]) if bool(scored.applies[name][j])
+                                            else None for name in rewards.names},  # None: not its route
+                                "truncated": bool(batch.truncated[j]),
                                 **({"answer": chunk[i]["answer"]} if "answer" in chunk[i] else {}),
                                 **({"transcript": transcript(tokenizer, batch, i * n)} if episodes else {})})
     solved = torch.cat(correct).float().view(-1, n).mean(-1).tolist()  # each row's solved fraction
