@@ -422,3 +422,22 @@ def test_held_out_accuracy_is_what_the_samples_say(tmp_path):
         assert sum(verdicts) / 16 == pytest.approx(next(e for e in evals if e["step"] == step)["heldout_accuracy"])
     torch.testing.assert_close(torch.tensor([s["reward"] for s in samples if s["step"] == 1]).mean(),
                                torch.tensor(evals[-1]["heldout_reward_mean"]))
+
+
+def test_trainer_epochs_is_passes_over_the_training_rows_and_every_run_says_how_many(tmp_path):
+    """trainer.epochs: 1 is 60 rows / 4 prompts = 15 steps whose prompts are each training row once; a run given in
+    steps reports its passes over the rows too (summary.json train.passes)."""
+    summary = train(load_config(DEMO, [*own_data(tmp_path, "data.eval_fraction=0.2", "log.rollouts=16",
+                                                 "trainer.epochs=1"), "trainer.steps=null"]))
+    rows = summary["train"]["rows"]
+    assert summary["steps"] == -(-rows // 4)  # ceil(1 × rows / 4)
+    assert summary["train"]["passes"] == pytest.approx(summary["steps"] * 4 / rows)
+    drawn = [r["prompt"] for r in read_metrics(tmp_path / "run" / "rollouts.jsonl") if r["group"] in range(4)]
+    prompts = [p for i, p in enumerate(drawn) if i % 4 == 0]  # each group's 4 completions share their prompt
+    first_pass = prompts[:rows]
+    assert len(first_pass) == len(set(first_pass)) == rows  # each training row once
+    cfg = load_config(DEMO, own_data(tmp_path, "data.eval_fraction=0.2", "trainer.steps=3"))
+    assert cfg.trainer.steps == 3 and cfg.trainer.epochs is None
+    with pytest.raises(ConfigError, match=r"set one of trainer\.steps \(3\) and trainer\.epochs \(1\)"):
+        load_config(DEMO, own_data(tmp_path, "trainer.steps=3", "trainer.epochs=1"))
+    assert load_config(None, []).trainer.steps == 100

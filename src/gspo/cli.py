@@ -68,7 +68,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     cs = cfg.cold_start
     until = f"until loss {cs.target_loss}, at most " if cs is not None and cs.target_loss else ""
     cold = f"cold-start SFT ({until}{cs.steps} steps) then " if cs is not None else ""
-    print(f"gspo demo: {cold}{cfg.trainer.steps} GSPO steps of "
+    steps = f"{cfg.trainer.steps} GSPO steps" if cfg.trainer.steps else f"{cfg.trainer.epochs:g} epochs of GSPO steps"
+    print(f"gspo demo: {cold}{steps} of "
           f"{cfg.rollout.prompts_per_step} prompts × {cfg.rollout.group_size} completions on the embedded "
           f"{cfg.model.name} / {cfg.data.task} task → {args.out}", flush=True)
     summary = train(cfg, resume=args.resume, overwrite=args.overwrite)

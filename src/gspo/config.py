@@ -537,7 +537,10 @@ class GuardConfig(_Section):
 
 
 class TrainerConfig(_Section):
-    steps: int = Field(100, ge=1)
+    steps: int | None = Field(None, ge=1)  # RL steps (None: 100, or as many as `epochs` takes)
+    # Passes over the training rows instead of a step count: ceil(epochs × rows / rollout.prompts_per_step) steps,
+    # counted once the rows are loaded (prompts too long skipped). Set at most one of steps and epochs.
+    epochs: float | None = Field(None, gt=0, allow_inf_nan=False)
     seed: int = Field(0, ge=0, lt=2**32)  # the range `set_seed` accepts: checked here, before any compute
     out: str = "runs/gspo"
     eval_every: int = Field(10, ge=0)
@@ -578,6 +581,15 @@ class TrainerConfig(_Section):
     # updates were all skipped for a non-finite loss or gradient norm. None: never stop.
     max_bad_steps: int | None = Field(5, ge=1)
     guard: GuardConfig = Field(default_factory=GuardConfig)
+
+    @model_validator(mode="after")
+    def _steps_or_epochs(self) -> TrainerConfig:
+        if self.steps is not None and self.epochs is not None:
+            raise ValueError(f"set one of trainer.steps ({self.steps}) and trainer.epochs ({self.epochs:g}): the "
+                             "other follows from the number of training rows")
+        if self.epochs is None and self.steps is None:
+            self.steps = 100
+        return self
 
 
 class Config(_Section):

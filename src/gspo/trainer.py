@@ -515,6 +515,12 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
                                                                        else eval_tokens), "held-out")
     heldout_source = {**data.heldout_source, "rows": len(eval_rows)} if eval_rows else {"kind": "none"}
     train_source = {**data.train_source, "rows": len(train_rows)}
+    if cfg.trainer.epochs is not None:  # the step count that many passes over the rows take
+        steps = math.ceil(cfg.trainer.epochs * len(train_rows) / ro.prompts_per_step)
+        cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"steps": steps})})
+    train_source["passes"] = cfg.trainer.steps * ro.prompts_per_step / len(train_rows)
+    log.info("%d steps × %d prompts: %.2f passes over the training rows", cfg.trainer.steps, ro.prompts_per_step,
+             train_source["passes"])
     eval_group = eval_groups(eval_rows, eval_group_field(cfg.data))  # each held-out row's group (data.eval_by)
     log.info("training rows: %s; held-out rows: %s", _rows_line(train_source), _rows_line(heldout_source))
     unknown = {"train": unknown_character_rows(tokenizer, train_rows, "training",
