@@ -15,6 +15,7 @@ import pytest
 from conftest import DEMO, tiny_overrides
 from gspo.cli import main
 from gspo.config import ConfigError, accuracy_means, load_config
+from gspo.data import load_data
 from gspo.rewards import RewardRunner, Routes, batched
 from gspo.tracking import read_metrics
 from gspo.trainer import train
@@ -142,3 +143,35 @@ def test_a_run_on_mixed_data_trains_and_measures_each_source_by_its_own_reward(t
     result = json.loads(capsys.readouterr().out)
     assert result["accuracy"] == pytest.approx(6 / 16) and result["maj@2"] == pytest.approx(6 / 16)
     assert result["reward_failures"] == {f"{rw}:flagged": 0, f"{rw}:tested": 0, f"{rw}:brevity": 0}
+
+
+def test_several_training_files_are_named_sources_that_routes_and_groups_use(tmp_path):
+    """data.path as a list: the files are concatenated and each row without a data_source gets its file's name, so a
+    math file and a code file need no extra column to be routed and measured apart."""
+    (tmp_path / "rw.py").write_text(REWARDS)
+    rw = tmp_path / "rw.py"
+    a = write_jsonl(tmp_path / "a.jsonl", [{"prompt": f"{x}+1=", "answer": str(x + 1), "solved": x % 3 == 0}
+                                           for x in range(60)])
+    b = write_jsonl(tmp_path / "b.jsonl", [{"prompt": f"{x}+2=", "answer": str(x + 2), "tests": "pass"}
+                                           for x in range(40)])
+    kept = write_jsonl(tmp_path / "c.jsonl", [{"prompt": "1+3=", "answer": "4", "tests": "x", "data_source": "b"}])
+    cfg = load_config(DEMO, tiny_overrides(
+        tmp_path / "run", "cold_start=null", f"data.path=[{a}, {b}, {kept}]", "data.task=null",
+        "data.eval_fraction=0.25", "data.train_size=null", "data.eval_size=null", "data.eval_by=data_source",
+        "rewards.route_by=data_source",
+        "rewards.routes={a: [" + f"{rw}:flagged], b: [{rw}:tested]" + "}",
+        f"rewards.functions={{{rw}:flagged: 1.0, {rw}:tested: 1.0}}", f"rewards.accuracy_reward=[{rw}:flagged, "
+        f"{rw}:tested]", "trainer.steps=1"))
+
+    data = load_data(cfg.data, seed=0)
+    every = data.train + data.heldout
+    assert sorted(r["data_source"] for r in every) == ["a"] * 60 + ["b"] * 41  # c.jsonl's row keeps its own
+    assert data.train_source["path"] == [str(a), str(b), str(kept)] and data.train_source["of"] == len(data.train)
+    held = {g: [r for r in data.heldout if r["data_source"] == g] for g in ("a", "b")}
+    summary = train(cfg)
+    for group, rows in held.items():
+        solved = sum(r["solved"] if group == "a" else r["tests"] == "pass" for r in rows)
+        assert summary["heldout_accuracy_by"][group]["after_rl"] == pytest.approx(solved / len(rows))
+    assert summary["reward_failures"] == {f"{rw}:flagged": 0, f"{rw}:tested": 0}
+    with pytest.raises(ConfigError, match="each once"):
+        load_config(None, [f"data.path=[{a}, {a}]", "data.eval_fraction=0.2"])

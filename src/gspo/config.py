@@ -94,7 +94,8 @@ class DataConfig(_Section):
 
     task: str | None = "addition"
     task_options: dict[str, Any] = Field(default_factory=dict)
-    path: str | None = None
+    # a file or dataset, or several (concatenated; each row without a data_source field gets its source's name there)
+    path: str | list[str] | None = None
     split: str = "train"
     eval_split: str | None = "test"
     # a held-out file or dataset, or several (each its own evaluation set: accuracy per file, gspo.data.heldout)
@@ -143,6 +144,9 @@ class DataConfig(_Section):
         if self.task is not None and (self.eval_path is not None or self.eval_fraction is not None):
             raise ValueError("data.eval_path / data.eval_fraction are for data.path: an embedded task holds out its "
                              "own test split (data.eval_split)")
+        if isinstance(self.path, list) and (not self.path or len(set(self.path)) < len(self.path)):
+            raise ValueError(f"data.path: a list of training sources must name at least one, each once; got "
+                             f"{self.path}")
         if isinstance(self.eval_path, list) and (not self.eval_path or len(set(self.eval_path)) < len(self.eval_path)):
             raise ValueError(f"data.eval_path: a list of held-out files must name at least one, each once; got "
                              f"{self.eval_path}")

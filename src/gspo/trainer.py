@@ -455,7 +455,8 @@ def _plot_run(cfg: Config, out: Path, evals: list[dict]) -> None:
     never fatal: the numbers are in metrics.jsonl and eval.jsonl)."""
     if not (out / "metrics.jsonl").exists():
         return
-    source = cfg.data.task or Path(cfg.data.path).name
+    paths = [cfg.data.path] if isinstance(cfg.data.path, str) else cfg.data.path or []
+    source = cfg.data.task or " + ".join(Path(path).name for path in paths)
     try:
         groups = sorted({key for record in evals for key in record if key.startswith("heldout_accuracy/")})
         plot_curves(out / "metrics.jsonl", out / "curves.png", extra=evals,

@@ -31,12 +31,13 @@ from typing import Any
 from gspo.data.files import load_rows
 from gspo.data.tasks import make_task
 
-__all__ = ["EVAL_SET", "MAX_GROUPS", "TASK_ROWS", "DataSplits", "eval_group_field", "eval_groups", "holdout_bucket",
-           "load_data", "split_by_fraction", "subset_rows"]
+__all__ = ["DATA_SOURCE", "EVAL_SET", "MAX_GROUPS", "TASK_ROWS", "DataSplits", "eval_group_field", "eval_groups",
+           "holdout_bucket", "load_data", "source_names", "split_by_fraction", "subset_rows"]
 
 # Problems an embedded task draws when data.train_size / data.eval_size are not set (a file or dataset: all rows).
 TASK_ROWS = {"train": 20000, "eval": 200}
 EVAL_SET = "eval_set"  # the field that a list of data.eval_path files gives each of its held-out rows: the file's name
+DATA_SOURCE = "data_source"  # the field a list of data.path sources gives each row that has none: its source's name
 MAX_GROUPS = 64  # groups a held-out accuracy is split into at most (data.eval_by)
 
 log = logging.getLogger(__name__)
@@ -116,19 +117,36 @@ def _drawn(kind: dict[str, Any], rows: list[dict], size: int | None, what: str) 
     return kept, {**kind, "rows": len(kept), "of": len(rows)}
 
 
+def source_names(paths: list[str]) -> list[str]:
+    """The names of several sources in records and row fields: each file's stem, or its path where stems clash."""
+    stems = [Path(path).stem for path in paths]
+    return [stem if stems.count(stem) == 1 else path for stem, path in zip(stems, paths, strict=True)]
+
+
+def _load_paths(data, split: str | None) -> list[dict]:
+    """The rows of `data.path` (a file or dataset, or a list of them, concatenated in order) for `split`; with a list,
+    each row without a `DATA_SOURCE` field gets its source's name there (`source_names`), so that `rewards.route_by`
+    and `data.eval_by` can tell the sources apart."""
+    if isinstance(data.path, str):
+        return load_rows(data.path, split=split, fields=data.fields or None)
+    rows = []
+    for path, name in zip(data.path, source_names(data.path), strict=True):
+        rows += [r if DATA_SOURCE in r else {**r, DATA_SOURCE: name}
+                 for r in load_rows(path, split=split, fields=data.fields or None)]
+    return rows
+
+
 def _eval_files(data, every_train: list[dict]) -> tuple[list[dict], dict[str, Any]]:
     """The held-out rows of `data.eval_path` (one file or dataset, or a list: each row then carries its file's name in
     `EVAL_SET`) and their record; each file loses its training prompts and is capped at `data.eval_size` on its own.
     A file (one split) is held out as a whole; a dataset with splits gives its `data.eval_split`."""
     several = isinstance(data.eval_path, list)
     paths = data.eval_path if several else [data.eval_path]
-    stems = [Path(path).stem for path in paths]
     rows, records = [], {}
-    for path, stem in zip(paths, stems, strict=True):
+    for path, name in zip(paths, source_names(paths), strict=True):
         part = load_rows(path, split=data.eval_split, fields=data.fields or None, lone_split_ok=True)
         part, dropped = _drop_training_prompts(part, every_train, f"data.eval_path {path}")
         part, record = _drawn({"kind": "eval_path", "path": path}, part, data.eval_size, "held-out")
-        name = stem if stems.count(stem) == 1 else path
         if several:
             clash = next((i for i, r in enumerate(part) if EVAL_SET in r), None)
             if clash is not None:
@@ -138,7 +156,7 @@ def _eval_files(data, every_train: list[dict]) -> tuple[list[dict], dict[str, An
         rows += part
         records[name] = {**record, "dropped_training_prompts": dropped}
     if not several:
-        return rows, records[stems[0]]
+        return rows, next(iter(records.values()))
     return rows, {"kind": "eval_path", "path": paths, **{key: sum(r[key] for r in records.values())
                                                          for key in ("rows", "of", "dropped_training_prompts")},
                   "sets": records}
@@ -191,7 +209,6 @@ def load_data(data, seed: int) -> DataSplits:
 
 def _load_data(data, seed: int) -> DataSplits:
     """`load_data` before the groups are checked."""
-    fields = data.fields or None
     if data.eval_split is not None and data.eval_split == data.split and data.eval_path is None \
             and data.eval_fraction is None:
         raise ValueError(f"data.eval_split {data.eval_split!r} is the training split data.split: held-out rows must "
@@ -206,7 +223,7 @@ def _load_data(data, seed: int) -> DataSplits:
         return DataSplits(train, heldout, {"kind": "task_split", "task": data.task, "split": data.eval_split,
                                            "rows": len(heldout), "dropped_training_prompts": 0}, train_source)
     if data.eval_fraction is not None:
-        rows = load_rows(data.path, split=data.split, fields=fields)
+        rows = _load_paths(data, data.split)
         train, heldout = split_by_fraction(rows, data.eval_fraction)
         if not train or not heldout:
             raise ValueError(f"data.eval_fraction={data.eval_fraction:g} of the {len(rows)} rows of {data.path} "
@@ -216,7 +233,7 @@ def _load_data(data, seed: int) -> DataSplits:
         heldout, heldout_source = _drawn({"kind": "eval_fraction", "path": data.path, "fraction": data.eval_fraction},
                                          heldout, data.eval_size, "held-out")
         return DataSplits(train, heldout, {**heldout_source, "dropped_training_prompts": 0}, train_source)
-    every_train = load_rows(data.path, split=data.split, fields=fields)
+    every_train = _load_paths(data, data.split)
     train, train_source = _drawn({"kind": "path", "path": data.path, "split": data.split}, every_train,
                                  data.train_size, "training")
     if data.eval_path is not None:
@@ -224,7 +241,7 @@ def _load_data(data, seed: int) -> DataSplits:
         return DataSplits(train, heldout, source, train_source)
     if data.eval_split is None:
         return DataSplits(train, [], {"kind": "none"}, train_source)
-    heldout = load_rows(data.path, split=data.eval_split, fields=fields)
+    heldout = _load_paths(data, data.eval_split)
     heldout, dropped = _drop_training_prompts(heldout, every_train, f"data.path {data.path} split {data.eval_split!r}")
     heldout, source = _drawn({"kind": "dataset_split", "path": data.path, "split": data.eval_split}, heldout,
                              data.eval_size, "held-out")
