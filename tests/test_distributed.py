@@ -104,17 +104,19 @@ def test_two_passes_per_batch_under_ddp_match_one_process(tmp_path):
     relative). Dense: on the MoE preset 24 AdamW steps let a rounding-level difference flip a token's expert, and the
     gap grows to ~2e-3 on that expert (1e-4 with one pass). Evaluation samples 4 completions per row: each process
     draws its rows' samples as the one process does, so pass@k, maj@k and their intervals (from every process's rows)
-    are the one-process run's."""
+    are the one-process run's, and so is the accuracy per group (data.eval_by, from every process's rows)."""
     one, two = tmp_path / "one", tmp_path / "ddp"
-    passes = ["algorithm.epochs=2", "model.name=tiny-dense", "trainer.eval_samples=4"]
+    passes = ["algorithm.epochs=2", "model.name=tiny-dense", "trainer.eval_samples=4", "data.eval_by=task"]
     train(load_config(DEMO, tiny_overrides(one, *RUN, *passes, f"trainer.device={TWO_PROCESS_DEVICE}")))
     torchrun(tmp_path, "-m", "gspo", "train", str(DEMO), *tiny_overrides(two, *RUN, *passes, "trainer.device=auto"))
     assert_same_run(one, two)
     e1, e2 = read_metrics(one / "eval.jsonl"), read_metrics(two / "eval.jsonl")
     keys = [f"heldout_pass@{k}{part}" for k in (1, 2, 4) for part in ("", "_ci95_low", "_ci95_high")]
     keys += [f"heldout_maj@{k}" for k in (1, 2, 4)]
+    keys += [f"heldout_{key}/addition" for key in ("accuracy", "accuracy_ci95_low", "accuracy_ci95_high", "rows")]
     assert all(key in e for e in e1 + e2 for key in keys)
     assert [e[key] for e in e2 for key in keys] == pytest.approx([e[key] for e in e1 for key in keys])
+    assert all(e["heldout_accuracy/addition"] == pytest.approx(e["heldout_accuracy"]) for e in e2)  # one group
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])

@@ -117,7 +117,7 @@ def test_a_file_is_used_whole_unless_capped_and_a_cap_is_a_sample_not_the_first_
     summary = train(load_config(DEMO, own_data(tmp_path, f"data.eval_path={held}", "data.eval_size=40",
                                                "data.train_size=30", "trainer.steps=1")))
     assert summary["train"] == {"kind": "path", "path": str(tmp_path / "train.jsonl"), "split": "train", "rows": 30,
-                                "of": 60}  # own_data rewrote train.jsonl: 60 rows
+                                "of": 60, "passes": 4 / 30}  # own_data rewrote train.jsonl: 60 rows; 1 step of 4
     assert summary["heldout"]["rows"] == 40
     assert summary["heldout"]["of"] + summary["heldout"]["dropped_training_prompts"] == 450
 
