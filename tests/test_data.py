@@ -289,3 +289,26 @@ def test_wrong_typed_known_fields_name_row_and_field(tmp_path, field: str, bad, 
 def test_numeric_answers_become_strings(tmp_path) -> None:
     src = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1=", "answer": 2}, {"prompt": "half?", "answer": 0.5}])
     assert [r["answer"] for r in load_rows(src)] == ["2", "0.5"]
+
+
+def test_a_verl_parquet_loads_as_is_with_a_dotted_field_for_its_nested_ground_truth(tmp_path):
+    """verl's RL data format (data_source, prompt as messages, reward_model.ground_truth nested in a struct column):
+    `fields={"answer": "reward_model.ground_truth"}` reads it without a conversion script, and its data_source is the
+    field that rewards.routes and data.eval_by use."""
+    from gspo.rewards import RewardRunner, Routes
+
+    verl = [{"data_source": "openai/gsm8k", "ability": "math",
+             "prompt": [{"role": "user", "content": f"What is {a} + 3? Put the answer in \\\\boxed{{}}."}],
+             "reward_model": {"style": "rule", "ground_truth": str(a + 3)},
+             "extra_info": {"split": "train", "index": a}} for a in range(3)]
+    path = tmp_path / "train.parquet"
+    datasets.Dataset.from_list(verl).to_parquet(str(path))
+    rows = load_rows(str(path), fields={"answer": "reward_model.ground_truth"})
+    assert [r["answer"] for r in rows] == ["3", "4", "5"] and rows[0]["data_source"] == "openai/gsm8k"
+    assert rows[1]["prompt"] == [{"role": "user", "content": "What is 1 + 3? Put the answer in \\\\boxed{}."}]
+    assert rows[2]["reward_model"] == {"style": "rule", "ground_truth": "5"}  # the struct column is kept whole
+    runner = RewardRunner({"math": 1.0}, routes=Routes("data_source", {"openai/gsm8k": ["math"]}))
+    runner.check_rows(rows, "math")
+    assert runner.score(["p"] * 3, ["\\boxed{3}", "\\boxed{5}", "5"], rows).total.tolist() == [1.0, 0.0, 1.0]
+    with pytest.raises(ValueError, match=r"row 0 has no field 'reward_model\.answer' \(mapped to 'answer'\)"):
+        load_rows(str(path), fields={"answer": "reward_model.answer"})

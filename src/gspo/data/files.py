@@ -38,6 +38,22 @@ def _check_fields(fields: Mapping[str, str] | None) -> dict[str, str]:
     return dict(fields)
 
 
+_MISSING = object()
+
+
+def _lookup(raw: Mapping[str, Any], column: str) -> Any:
+    """`raw[column]`, or for a dotted name that is not a column the value at that path in nested objects (verl's
+    `reward_model.ground_truth`); `_MISSING` when there is none."""
+    if column in raw:
+        return raw[column]
+    value: Any = raw
+    for part in column.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            return _MISSING
+        value = value[part]
+    return value
+
+
 def _where(index: int, line: int | None) -> str:
     return f"row {index}" + (f" (line {line})" if line is not None else "")
 
@@ -50,13 +66,14 @@ def _normalize_row(raw: Any, index: int, line: int | None, fields: Mapping[str, 
     renamed_from = set(fields.values())
     row = {key: value for key, value in raw.items() if key not in renamed_from}
     for ours, theirs in fields.items():
-        if theirs not in raw:
+        value = _lookup(raw, theirs)
+        if value is _MISSING:
             raise ValueError(
                 f"{source}: {where} has no field {theirs!r} (mapped to {ours!r}); its fields are {sorted(raw)}"
             )
-        if raw[theirs] is None:
+        if value is None:
             raise ValueError(f"{source}: {where} field {theirs!r} (mapped to {ours!r}) is null")
-        row[ours] = raw[theirs]
+        row[ours] = value
     field = "prompt"
     if "prompt" not in row and "messages" in row:
         field, row["prompt"] = "messages", row.pop("messages")  # an OpenAI-style conversation is the prompt
@@ -250,11 +267,12 @@ def load_rows(
     (unless `lone_split_ok`: the source is a file of held-out rows, whose one split is meant whatever `split` says).
 
     `fields` maps our field names to the source's column names, e.g. `{"prompt": "question", "answer": "final"}`:
-    the mapped columns are renamed, all other columns are kept as they are. Every field named in `fields`, and
-    `prompt`, is required. `limit` keeps only the first `limit` rows (rows after them are not read or checked).
-    A `prompt` may be a string or a conversation (a list of messages, see `check_messages`); a row without `prompt`
-    but with `messages` has that list moved to `prompt`. Conversations are rendered later, with the model's chat
-    template (`gspo.data.chat.render_prompts`).
+    the mapped columns are renamed, all other columns are kept as they are. A dotted name reaches into nested objects
+    (`{"answer": "reward_model.ground_truth"}` for verl's format; that column is then kept whole). Every field named in
+    `fields`, and `prompt`, is required. `limit` keeps only the first `limit` rows (rows after them are not read or
+    checked). A `prompt` may be a string or a conversation (a list of messages, see `check_messages`); a row
+    without `prompt` but with `messages` has that list moved to `prompt`. Conversations are rendered later, with the
+    model's chat template (`gspo.data.chat.render_prompts`).
 
     Raises ValueError naming the source, the row (0-based index; line number for JSON Lines) and the field for a
     missing field, a non-string or empty prompt, a malformed message list, a wrong-typed or empty `answer` /
