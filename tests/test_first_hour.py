@@ -23,7 +23,7 @@ from gspo.cli import main
 from gspo.config import ConfigError, DataConfig, config_to_dict, load_config
 from gspo.data import load_data, load_rows, split_by_fraction
 from gspo.evaluation import evaluate
-from gspo.models import build_preset
+from gspo.models import build_preset, load_model
 from gspo.rewards import RewardRunner
 from gspo.runfolder import check_resume_config
 from gspo.tracking import read_metrics
@@ -441,3 +441,37 @@ def test_trainer_epochs_is_passes_over_the_training_rows_and_every_run_says_how_
     with pytest.raises(ConfigError, match=r"set one of trainer\.steps \(3\) and trainer\.epochs \(1\)"):
         load_config(DEMO, own_data(tmp_path, "trainer.steps=3", "trainer.epochs=1"))
     assert load_config(None, []).trainer.steps == 100
+
+
+LATER = '''
+CALLS = [0]
+
+def later(prompt: str, completion: str, **row) -> float:
+    """0 for the first 8 calls (the first evaluation's 8 rows), 1 after: the held-out accuracy rises at step 1."""
+    CALLS[0] += 1
+    return float(CALLS[0] > 8)
+'''
+
+
+def test_save_best_keeps_the_policy_of_the_best_evaluation_and_says_it_is_optimistic(tmp_path):
+    """trainer.save_best: OUT/best is the policy of the evaluation with the highest held-out accuracy (here step 1:
+    0 % at step 0, 100 % at steps 1 and 2; a tie keeps the earlier), the weights of that step's checkpoint, while
+    OUT/final is step 2's; summary.json names its step and warns that the accuracy that chose it is optimistic."""
+    from safetensors.torch import load_file
+
+    (tmp_path / "rw.py").write_text(LATER)
+    out = tmp_path / "run"
+    summary = train(load_config(DEMO, tiny_overrides(
+        out, "cold_start=null", "data.eval_size=8", "trainer.steps=2", "trainer.eval_every=1",
+        "trainer.checkpoint_every=1", "trainer.save_best=true", "optim.lr=3e-3",
+        f"rewards.functions={{conftest:varied_reward: 1.0, {tmp_path / 'rw.py'}:later: 0.0}}",
+        f"rewards.accuracy_reward={tmp_path / 'rw.py'}:later")))
+    assert [e["heldout_accuracy"] for e in read_metrics(out / "eval.jsonl")] == [0.0, 1.0, 1.0]
+    assert summary["best"]["step"] == 1 and summary["best"]["heldout_accuracy"] == 1.0
+    assert "optimistic" in summary["best"]["note"]
+    best, final = (load_model(str(out / name))[0].state_dict() for name in ("best", "final"))
+    step1 = load_file(out / "checkpoints" / "step_00000001" / "model" / "model.safetensors")  # the raw state dict
+    assert step1.keys() <= best.keys() and all(torch.equal(best[k], step1[k]) for k in step1)  # lm_head: tied
+    assert any(not torch.equal(best[k], final[k]) for k in best)  # step 2 trained on
+    with pytest.raises(ConfigError, match="nothing is held out"):
+        load_config(DEMO, ["trainer.save_best=true", "data.eval_split=null"])

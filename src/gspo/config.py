@@ -555,6 +555,9 @@ class TrainerConfig(_Section):
     eval_samples: int = Field(1, ge=1)
     eval_temperature: float = Field(1.0, gt=0)
     checkpoint_every: int = Field(50, ge=0)
+    # Keep the policy of the evaluation with the highest held-out accuracy as OUT/best (a model folder like
+    # OUT/final; summary.json's `best` says its step). Its accuracy on those rows is optimistic: it was chosen on them.
+    save_best: bool = False
     keep_checkpoints: int = Field(2, ge=1)
     threads: int | None = Field(None, ge=1)
     # Multi-process training (`torchrun --nproc_per_node=N -m gspo train ...`): ddp replicates the model on every
@@ -610,6 +613,10 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
+        d = self.data
+        if self.trainer.save_best and d.eval_split is None and d.eval_path is None and d.eval_fraction is None:
+            raise ValueError("trainer.save_best keeps the policy with the best held-out accuracy, but nothing is held "
+                             "out (data.eval_split is null): hold rows out (data.eval_path / data.eval_fraction)")
         rows = self.rollout.prompts_per_step * self.rollout.group_size
         if rows % self.algorithm.minibatches:
             raise ValueError(

@@ -54,12 +54,12 @@ CHECKPOINTS_DIRNAME = "checkpoints"
 # What gspo writes in a run folder (and all that --overwrite deletes); hidden temporaries are `.NAME.tmp` / `.old`.
 RUN_FILES = ("config.yaml", "metrics.jsonl", "eval.jsonl", "samples.jsonl", "rollouts.jsonl", "summary.json",
              "curves.png", "tb",
-             CHECKPOINTS_DIRNAME, "cold_start", "cold_start.tmp", "final", "weight_sync", "guard.jsonl",
-             "trackers.json")
+             CHECKPOINTS_DIRNAME, "cold_start", "cold_start.tmp", "final", "best", "weight_sync",
+             "guard.jsonl", "trackers.json")
 # Config keys (fnmatch patterns) a resume may change: none of them changes what the optimizer computes.
-RESUMABLE = ("trainer.steps", "trainer.epochs", "trainer.threads", "trainer.out", "trainer.eval_every",
-             "trainer.checkpoint_every", "trainer.keep_checkpoints", "trainer.max_bad_steps", "trainer.device",
-             "trainer.micro_batch_tokens",
+RESUMABLE = ("trainer.steps", "trainer.epochs", "trainer.save_best", "trainer.threads", "trainer.out",
+             "trainer.eval_every", "trainer.checkpoint_every", "trainer.keep_checkpoints", "trainer.max_bad_steps",
+             "trainer.device", "trainer.micro_batch_tokens",
              "cold_start.micro_batch_tokens", "trainer.gradient_checkpointing", "rollout.max_batch_rows",
              "trainer.guard.*", "log.*",
              "rewards.timeout_s", "rewards.workers", "rewards.reward_model.batch_size", "rewards.reward_model.device",

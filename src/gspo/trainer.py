@@ -424,6 +424,10 @@ def _start_checks(cfg: Config, out: Path, cfg_dict: dict, resume: bool, overwrit
     return changed
 
 
+_BEST_NOTE = ("chosen as the best of the evaluations on the held-out rows, so its accuracy on those rows is "
+              "optimistic (the maximum of noisy measurements): measure it on other rows before reporting it")
+
+
 def _accuracy_intervals(evals: list[dict], group: str | None = None) -> dict[str, list[float] | None] | None:
     """The summary's 95% intervals: of the accuracy before and after RL, and of the change between them on the same
     rows (paired; None when the first evaluation's rows are unknown, e.g. resumed from an older checkpoint); of one
@@ -639,9 +643,27 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
     # Each held-out row's solved fraction at the run's first evaluation (kept in checkpoints): every later evaluation
     # reports its change since then with the interval of the paired difference (gspo.evaluation.paired_change_ci95).
     first_rows: list[float] | None = state.get("heldout_first_rows")
+    best: dict | None = state.get("best")  # trainer.save_best: the step and accuracy of OUT/best
+
+    def publish_model(name: str) -> None:
+        """The policy as a model folder OUT/`name` (written aside, then swapped in): a transformers model, or with
+        LoRA a peft adapter folder (and the merged model on request). A collective: every process calls it."""
+        tmp = out / f".{name}.tmp"
+        with full_state(group, model) as full_model:  # None but on rank 0
+            if full_model is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+                if cfg.model.lora is not None:  # a peft adapter folder (and, on request, the merged model in merged/)
+                    peft, weights = ((full_model.model, full_model.weights) if isinstance(full_model, FullModelView)
+                                     else (full_model, None))  # FSDP: the full weights gathered on this process
+                    save_lora_final(peft, tokenizer, tmp, merged=cfg.model.lora.merged_final, state=weights,
+                                    base_model=str(out / "cold_start") if cfg.cold_start is not None
+                                    else cfg.model.name)
+                else:
+                    save_model(full_model, tokenizer, tmp)
+                publish_dir(tmp, out / name)
 
     def run_eval(step: int) -> dict[str, float]:
-        nonlocal first_rows
+        nonlocal first_rows, best
         shown: list[dict] = []
         mine: list[float] = []  # this process's rows' solved fractions, in row order
         if engine.version != step:  # async: the learner's engine took no weights since it last evaluated
@@ -670,6 +692,10 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
             scores.update(accuracy_by_group(every, eval_group, since))
         result = {f"heldout_{k}": v for k, v in scores.items()}
         evals.append({"step": step, **result})
+        accuracy = sum(every) / len(every)  # the same on every process: the decision is collective
+        if cfg.trainer.save_best and (best is None or accuracy > best["heldout_accuracy"]):
+            publish_model("best")
+            best = {"step": step, "heldout_accuracy": accuracy}
         if logger is not None:
             write_jsonl(out / "eval.jsonl", evals)
             if shown:
@@ -687,6 +713,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
                              if guard is not None else {}),
                           **{f"reward_{kind}": counts for kind, counts in rewards.state_dict().items()},
                           **({"heldout_first_rows": first_rows} if first_rows is not None else {}),
+                          **({"best": best} if best is not None else {}),
                           "wall_seconds": time.perf_counter() - wall0},
                    keep_last=cfg.trainer.keep_checkpoints + doubted_checkpoints(), keep=best_kept())
 
@@ -825,18 +852,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
             rollouts.close()
 
     # ------------------------------------------------------------------------------------------------- tear-down
-    final_tmp = out / ".final.tmp"
-    with full_state(group, model) as full_model:  # None but on rank 0
-        if full_model is not None:
-            shutil.rmtree(final_tmp, ignore_errors=True)
-            if cfg.model.lora is not None:  # a peft adapter folder (and, on request, the merged model in merged/)
-                peft, state = ((full_model.model, full_model.weights) if isinstance(full_model, FullModelView)
-                               else (full_model, None))  # FSDP: the full weights gathered on this process
-                save_lora_final(peft, tokenizer, final_tmp, merged=cfg.model.lora.merged_final, state=state,
-                                base_model=str(out / "cold_start") if cfg.cold_start is not None else cfg.model.name)
-            else:
-                save_model(full_model, tokenizer, final_tmp)
-            publish_dir(final_tmp, out / "final")
+    publish_model("final")
     if group.is_main:
         _plot_run(cfg, out, evals)
     summary = {
@@ -848,6 +864,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         "heldout": {**heldout_source,
                     "accuracy": accuracy_means(cfg.rewards.accuracy_reward, cfg.rewards.accuracy_threshold)},
         "train": train_source,
+        **({"best": {**best, "path": str(out / "best"), "note": _BEST_NOTE}} if best is not None else {}),
         "steps": cfg.trainer.steps,
         "cold_start": cold,
         "wall_seconds": time.perf_counter() - wall0,
