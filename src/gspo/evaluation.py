@@ -264,7 +264,7 @@ def evaluate(model, tokenizer, rows: list[dict], rewards: RewardRunner, max_new_
         row_values.extend(solved)
     low, high = accuracy_ci95(solved)
     result = {
-        "accuracy": float(torch.cat(correct).float().mean()),
+        "accuracy": sum(solved) / len(solved),  # the mean of the rows' solved fractions (= over all completions)
         "accuracy_ci95_low": low,
         "accuracy_ci95_high": high,
         "reward_mean": float(torch.cat(scores).mean()),
