@@ -216,9 +216,10 @@ class RewardConfig(_Section):
         if self.routes is not None:
             listed = {name for route in self.routes.values() for name in route}
             if not self.routes or not all(self.routes.values()) or listed - set(self.functions):
+                unknown = sorted(listed - set(self.functions))
                 raise ValueError(f"rewards.routes must map each value of {self.route_by!r} to a non-empty list of "
-                                 f"rewards.functions {list(self.functions)}; unknown: "
-                                 f"{sorted(listed - set(self.functions))}")
+                                 f"rewards.functions {list(self.functions)}" + (f"; unknown: {unknown}" if unknown
+                                                                                else ""))
         self.accuracy_reward = resolve_accuracy_reward(list(self.functions), self.accuracy_reward,
                                                        key="rewards.accuracy_reward", routed=self.routes is not None)
         if "accuracy_threshold" not in self.model_fields_set:

@@ -251,9 +251,10 @@ class Routes:
         that `table` does not list."""
         value = row.get(self.field)
         if value is None or not isinstance(value, str | int | float | bool) or str(value) not in self.table:
-            what = "no such field" if self.field not in row else f"{value!r}"
-            raise ValueError(f"rewards.route_by {self.field!r}: {where} {index} has {what}, which rewards.routes does "
-                             f"not list (routes: {sorted(self.table)}); every row needs the reward that scores it")
+            what = ("no such field" if self.field not in row else
+                    f"{value!r}, which rewards.routes does not list")
+            raise ValueError(f"rewards.route_by {self.field!r}: {where} {index} has {what} (routes: "
+                             f"{sorted(self.table)}); every row needs the reward that scores it")
         return str(value)
 
     def applies(self, names: Sequence[str], rows: Sequence[Mapping[str, Any]]) -> dict[str, list[bool]]:
