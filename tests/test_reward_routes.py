@@ -125,13 +125,21 @@ def test_a_run_on_mixed_data_trains_and_measures_each_source_by_its_own_reward(t
         "data.eval_by=data_source", "rewards.route_by=data_source", "rewards.routes={a: [" + f"{rw}:flagged], b: "
         f"[{rw}:tested]" + "}", f"rewards.functions={{{rw}:flagged: 1.0, {rw}:tested: 1.0, {rw}:brevity: 1.0}}",
         f"rewards.accuracy_reward=[{rw}:flagged, {rw}:tested]", "trainer.steps=2", "trainer.eval_every=2",
-        "log.rollouts=8")))
+        "log.rollouts=16")))
     assert summary["heldout_accuracy_after_rl"] == 6 / 16 and summary["reward_failures"] == {
         f"{rw}:flagged": 0, f"{rw}:tested": 0, f"{rw}:brevity": 0}  # before: every b row failed `flagged`
     assert summary["heldout"]["accuracy"] == f"{rw}:flagged | {rw}:tested >= 1"
     assert {g: e["after_rl"] for g, e in summary["heldout_accuracy_by"].items()} == {"a": 3 / 8, "b": 3 / 8}
+    logged = read_metrics(out / "rollouts.jsonl")  # every completion: 4 prompts × 4
     for record in read_metrics(out / "metrics.jsonl"):
         assert record["reward_mean"] == pytest.approx(0.25 + record["accuracy"])  # brevity + the row's verifier
+        for verdict in (True, False):  # the mean length of the step's solved / unsolved completions
+            tokens = [r["tokens"] for r in logged if r["step"] == record["step"] and r["solved"] == verdict]
+            key = f"response_length_{'solved' if verdict else 'unsolved'}"
+            assert (record[key] == pytest.approx(sum(tokens) / len(tokens))) if tokens else key not in record
+    assert all("response_length_solved" in r and "response_length_unsolved" in r
+               for r in read_metrics(out / "metrics.jsonl"))  # train rows 0-19 of 40 solved: both kinds each step
+    assert all(e["heldout_seconds"] > 0 for e in read_metrics(out / "eval.jsonl"))
     for record in read_metrics(out / "rollouts.jsonl"):
         routed = record["rewards"]
         assert routed[f"{rw}:brevity"] == 0.25

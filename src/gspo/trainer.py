@@ -377,12 +377,18 @@ def rl_step(step: int, model: nn.Module, optimizer, scheduler, train_rows: list[
 
     lengths = traj.completion_mask.sum(-1).float()
     stats = {**batch.reward_stats, **episode_metrics(traj)}
+    solved = traj.extras.get("solved")
+    solved = None if solved is None else solved.to(lengths.device)
+    by_verdict = {} if solved is None else {  # reasoning RL: do solved replies grow or shrink? (no mean over nothing)
+        f"response_length_{name}": float(lengths[rows].mean())
+        for name, rows in (("solved", solved.bool()), ("unsolved", ~solved.bool())) if rows.any()}
     sampled = batch.sampled_rewards  # every completion of the step (before dynamic sampling's filter)
     return {
         "reward_mean": float(sampled.mean()),
         "reward_std": float(sampled.std()),
         "accuracy": stats.pop("solved") / len(sampled),  # solved as rewards.accuracy_reward says
         "response_length": float(lengths.mean()),
+        **by_verdict,
         "truncation_rate": float(traj.truncated.float().mean()),
         **({"unfinished_thinking_rate": stats.pop("unfinished_thinking") / len(sampled)}
            if "unfinished_thinking" in stats else {}),  # reasoning that never ended: no answer to reward
@@ -664,6 +670,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
 
     def run_eval(step: int) -> dict[str, float]:
         nonlocal first_rows, best
+        t0 = time.perf_counter()
         shown: list[dict] = []
         mine: list[float] = []  # this process's rows' solved fractions, in row order
         if engine.version != step:  # async: the learner's engine took no weights since it last evaluated
@@ -690,7 +697,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         if eval_group is not None:  # accuracy/GROUP etc., each group's change since the first evaluation
             since = first_rows if evals and first_rows is not None and len(first_rows) == len(every) else None
             scores.update(accuracy_by_group(every, eval_group, since))
-        result = {f"heldout_{k}": v for k, v in scores.items()}
+        result = {f"heldout_{k}": v for k, v in scores.items()} | {"heldout_seconds": time.perf_counter() - t0}
         evals.append({"step": step, **result})
         accuracy = sum(every) / len(every)  # the same on every process: the decision is collective
         if cfg.trainer.save_best and (best is None or accuracy > best["heldout_accuracy"]):
