@@ -290,3 +290,40 @@ def test_one_process_is_the_identity():
     t = torch.arange(6.0)
     assert d.merge_rows(t, [torch.tensor([0, 1])]) is t
     assert d.main_first(lambda: 7) == 7
+
+
+ROUTED = '''
+def flagged(prompt: str, completion: str, **row) -> float:
+    return float(row["solved"]) + 0.01 * len(completion)   # varies within a group: the policy trains
+
+def tested(prompt: str, completion: str, **row) -> float:
+    return float(row["tests"] == "pass")
+'''
+
+
+def test_routed_rewards_under_ddp_merge_each_functions_mean_over_the_rows_it_scored(tmp_path):
+    """rewards.routes under torchrun: a process whose rows hold no `b` row still sends every key (a function's mean
+    over no rows is 0 with 0 rows behind it), and the merged `reward/<name>` is the mean over the rows each function
+    scored on every process, the one-process run's. Before, such a process sent fewer stats than the other and the
+    sum over processes paired the wrong numbers (or waited forever)."""
+    import json
+
+    (tmp_path / "rw.py").write_text(ROUTED)
+    rows = [{"prompt": f"{x}+1=", "answer": str(x + 1), "solution": str(x + 1), "data_source": "a", "solved": x % 2}
+            if x % 8 else {"prompt": f"{x}+1=", "answer": str(x + 1), "solution": str(x + 1), "data_source": "b",
+                           "tests": "pass" if x % 16 else "x"} for x in range(64)]  # 1 row in 8 is b
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rw = tmp_path / "rw.py"
+    routed = [f"data.path={data}", "data.task=null", "data.eval_split=null", "trainer.steps=4",
+              "rewards.route_by=data_source", "rewards.routes={a: [" + f"{rw}:flagged], b: [{rw}:tested]" + "}",
+              f"rewards.functions={{{rw}:flagged: 1.0, {rw}:tested: 1.0}}",
+              f"rewards.accuracy_reward=[{rw}:flagged, {rw}:tested]", "cold_start=null", "model.name=tiny-dense"]
+    one, two = tmp_path / "one", tmp_path / "ddp"
+    train(load_config(DEMO, tiny_overrides(one, *routed, f"trainer.device={TWO_PROCESS_DEVICE}")))
+    torchrun(tmp_path, "-m", "gspo", "train", str(DEMO), *tiny_overrides(two, *routed, "trainer.device=auto"))
+    m1, m2 = read_metrics(one / "metrics.jsonl"), read_metrics(two / "metrics.jsonl")
+    keys = [f"reward/{rw}:flagged", f"reward_rows/{rw}:flagged", f"reward_rows/{rw}:tested", "reward_mean"]
+    assert [r[k] for r in m2 for k in keys] == pytest.approx([r[k] for r in m1 for k in keys])
+    assert [(f"reward/{rw}:tested" in r) for r in m2] == [r[f"reward_rows/{rw}:tested"] > 0 for r in m1]
+    assert any(r[f"reward_rows/{rw}:tested"] == 0 for r in m1)  # a step without b rows: no mean over nothing

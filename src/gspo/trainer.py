@@ -61,7 +61,7 @@ from gspo.objectives import OBJECTIVES
 from gspo.optim import check_update_precision, make_optimizer, scale_lr
 from gspo.parallel import ProcessGroup, init_distributed, wrap_frozen, wrap_policy
 from gspo.parallel.state import FullModelView, full_state, load_state, save_state
-from gspo.rewards import RewardRunner, score_trajectory
+from gspo.rewards import RewardRunner, drop_unscored, score_trajectory
 from gspo.rollout import RolloutEngine, make_engine, policy_weights, unwrap_model
 from gspo.rollout.dynamic import NoSignal, Scored, keep_informative
 from gspo.rollout.workers import (
@@ -376,7 +376,7 @@ def rl_step(step: int, model: nn.Module, optimizer, scheduler, train_rows: list[
     t_total = time.perf_counter() - t0
 
     lengths = traj.completion_mask.sum(-1).float()
-    stats = {**batch.reward_stats, **episode_metrics(traj)}
+    stats = {**drop_unscored(batch.reward_stats), **episode_metrics(traj)}
     solved = traj.extras.get("solved")
     solved = None if solved is None else solved.to(lengths.device)
     by_verdict = {} if solved is None else {  # reasoning RL: do solved replies grow or shrink? (no mean over nothing)

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from gspo.config import ConfigError
+from gspo.rewards import reward_mean_rows
 from gspo.trajectory import Trajectory
 
 __all__ = ["ProcessGroup", "init_distributed", "resolve_device", "shutdown"]
@@ -249,9 +250,12 @@ class ProcessGroup:
             token_rewards=None if local.token_rewards is None else self.all_gather(local.token_rewards),
             extras=extras,
         )
-        keys = sorted(stats)
-        totals = self.all_sum([stats[k] for k in keys])
-        merged = {k: v / self.world_size if k.startswith("reward/") else v for k, v in zip(keys, totals, strict=True)}
+        keys = sorted(stats)  # the same keys on every process (a function's mean is 0 over no rows, not missing)
+        means = [k for k in keys if k.startswith("reward/")]  # row-weighted: each process's mean × its rows
+        weight = {k: reward_mean_rows(stats, k, len(rewards)) if k in means else 1.0 for k in keys}
+        totals = self.all_sum([stats[k] * weight[k] for k in keys] + [weight[k] for k in means])
+        rows = dict(zip(means, totals[len(keys):], strict=True))
+        merged = {k: v / rows[k] if rows.get(k) else v for k, v in zip(keys, totals[:len(keys)], strict=True)}
         return gathered, self.all_gather(rewards), merged
 
     def merge_rows(self, tensor: torch.Tensor | None, minibatches: list[torch.Tensor]) -> torch.Tensor | None:

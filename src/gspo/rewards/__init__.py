@@ -64,12 +64,14 @@ __all__ = [
     "check_signature",
     "code_reward",
     "countdown_reward",
+    "drop_unscored",
     "final_answer",
     "is_batched",
     "last_number_reward",
     "math_reward",
     "parse_arithmetic",
     "resolve_reward",
+    "reward_mean_rows",
     "reward_model_options",
     "score_trajectory",
     "with_answer",
@@ -525,14 +527,30 @@ class RewardRunner:
                 totals[i] += weight * value
             values[name] = torch.tensor([scored.get(i, (0.0, False))[0] for i in range(n)], dtype=torch.float32)
             failed[name] = torch.tensor([scored.get(i, (0.0, False))[1] for i in range(n)], dtype=torch.bool)
-            if mine:  # the mean over the rows it scores
-                stats[f"reward/{name}"] = sum(v for v, _ in scored.values()) / len(mine)
+            # the mean over the rows it scores (0 without any); with routes, how many (`reward_rows/`): merging
+            # batches or processes weights each mean by its rows (`reward_mean_rows`)
+            stats[f"reward/{name}"] = sum(v for v, _ in scored.values()) / len(mine) if mine else 0.0
+            if self.routes is not None:
+                stats[f"reward_rows/{name}"] = float(len(mine))
         stats["reward_failures"] = float(sum(int(f.sum()) for f in failed.values()))
         stats["reward_timeouts"] = float(sum(self.timeouts.values()) - timeouts_before)
         if answers is not None:
             stats["unfinished_thinking"] = float(unfinished)
         return RewardScores(torch.tensor(totals, dtype=torch.float32), values, failed, stats, judged,
                             {name: torch.tensor(applies[name], dtype=torch.bool) for name in self.names})
+
+
+def reward_mean_rows(stats: Mapping[str, float], key: str, rows: int) -> float:
+    """How many rows the mean `stats[key]` (`reward/<name>`) of a batch of `rows` completions is over: the rows the
+    function scored (`reward_rows/<name>`, with routes), else all of them. Merging batches or processes weights each
+    mean by it."""
+    return stats.get(key.replace("reward/", "reward_rows/", 1), float(rows))
+
+
+def drop_unscored(stats: dict[str, float]) -> dict[str, float]:
+    """`stats` without the `reward/<name>` of functions that scored no row (routes): no mean over nothing."""
+    return {k: v for k, v in stats.items()
+            if not (k.startswith("reward/") and stats.get(k.replace("reward/", "reward_rows/", 1), 1.0) == 0)}
 
 
 def _per_row(outcome: Outcome, n: int) -> list[Outcome]:
