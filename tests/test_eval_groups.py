@@ -63,6 +63,7 @@ def test_several_held_out_files_are_groups_each_capped_and_cleaned_on_its_own(tm
     data = load_data(load_config(None, [f"data.path={train_file}", f"data.eval_path=[{a}, {b}]",
                                         "data.eval_size=20"]).data, seed=0)
     assert [r["eval_set"] for r in data.heldout] == ["gsm"] * 20 + ["math"] * 12
+    assert [r["data_source"] for r in data.heldout] == ["gsm"] * 20 + ["math"] * 12  # as data.path lists name them
     assert data.heldout_source["sets"]["gsm"] == {"kind": "eval_path", "path": str(a), "rows": 20, "of": 30,
                                                   "dropped_training_prompts": 5}
     assert data.heldout_source["sets"]["math"]["rows"] == data.heldout_source["sets"]["math"]["of"] == 12

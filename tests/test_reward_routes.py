@@ -16,7 +16,7 @@ from conftest import DEMO, tiny_overrides
 from gspo.cli import main
 from gspo.config import ConfigError, accuracy_means, load_config
 from gspo.data import load_data
-from gspo.rewards import RewardRunner, Routes, batched
+from gspo.rewards import RewardRunner, Routes, batched, drop_unscored
 from gspo.tracking import read_metrics
 from gspo.trainer import train
 
@@ -69,7 +69,9 @@ def test_each_row_is_scored_by_its_routes_functions_and_by_the_unrouted_ones():
     assert scores.stats["reward/every"] == 0.5 and scores.stats["reward_failures"] == 1
     assert scores.correct(["fa", "fb"]).tolist() == [True, True, False, False]  # each row by its own verifier
     assert scores.correct("fa").tolist() == [True, False, False, False]  # a row fa does not score is not solved
-    assert "reward/fb" not in runner.score(["p"], ["c"], rows[:1]).stats  # no b row: no mean over nothing
+    alone = runner.score(["p"], ["c"], rows[:1]).stats  # no b row: every key is there (processes merge them) ...
+    assert alone["reward_rows/fb"] == 0 and alone["reward_rows/fa"] == 1 and scores.stats["reward_rows/fb"] == 2
+    assert "reward/fb" not in drop_unscored(alone) and "reward/fa" in drop_unscored(alone)  # ... no mean over nothing
 
 
 def test_rows_without_a_route_or_without_an_accuracy_reward_are_refused_before_compute():

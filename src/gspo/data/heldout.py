@@ -138,8 +138,10 @@ def _load_paths(data, split: str | None) -> list[dict]:
 
 def _eval_files(data, every_train: list[dict]) -> tuple[list[dict], dict[str, Any]]:
     """The held-out rows of `data.eval_path` (one file or dataset, or a list: each row then carries its file's name in
-    `EVAL_SET`) and their record; each file loses its training prompts and is capped at `data.eval_size` on its own.
-    A file (one split) is held out as a whole; a dataset with splits gives its `data.eval_split`."""
+    `EVAL_SET`, and in `DATA_SOURCE` when it has none, as a list of training sources gives: `train/gsm8k.jsonl` and
+    `test/gsm8k.jsonl` are both `gsm8k` for `rewards.routes`) and their record; each file loses its training prompts
+    and is capped at `data.eval_size` on its own. A file (one split) is held out as a whole; a dataset with splits
+    gives its `data.eval_split`."""
     several = isinstance(data.eval_path, list)
     paths = data.eval_path if several else [data.eval_path]
     rows, records = [], {}
@@ -152,7 +154,7 @@ def _eval_files(data, every_train: list[dict]) -> tuple[list[dict], dict[str, An
             if clash is not None:
                 raise ValueError(f"data.eval_path {path}: row {clash} has a field {EVAL_SET!r}, which a list of "
                                  "held-out files gives each row (its file): rename that column (data.fields)")
-            part = [{**r, EVAL_SET: name} for r in part]
+            part = [{**r, EVAL_SET: name, **({} if DATA_SOURCE in r else {DATA_SOURCE: name})} for r in part]
         rows += part
         records[name] = {**record, "dropped_training_prompts": dropped}
     if not several:
