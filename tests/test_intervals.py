@@ -95,3 +95,31 @@ def test_a_run_reports_each_accuracy_and_its_change_with_intervals(tmp_path):
     assert ci["change"] == [evals[-1]["heldout_accuracy_change_ci95_low"],
                             evals[-1]["heldout_accuracy_change_ci95_high"]]
     assert json.loads((out / "summary.json").read_text())["heldout_accuracy_ci95"] == ci
+
+
+def test_a_resumed_run_pairs_its_rows_with_the_first_evaluations_only_if_they_are_the_same_rows(tmp_path, caplog):
+    """The change since the first evaluation pairs each row with itself. Resumed with other held-out rows of the same
+    count (the file was edited, or rows are chosen differently since the run began), pairing by position would pair
+    different problems: that change is not reported (and a warning says why); with the same rows it is."""
+    rows = [{"prompt": f"{a}+{a % 5}=", "answer": str(a + a % 5)} for a in range(300, 324)]
+    held = tmp_path / "held.jsonl"
+    train_file = tmp_path / "train.jsonl"
+    train_file.write_text("".join(json.dumps({"prompt": f"{a}+1=", "answer": str(a + 1), "solution": str(a + 1)})
+                                  + "\n" for a in range(100)))
+
+    def run(out, steps: int, resume: bool) -> list[dict]:
+        train(load_config(DEMO, tiny_overrides(out, f"trainer.steps={steps}", "trainer.eval_every=1",
+                                               "trainer.checkpoint_every=1", f"data.path={train_file}",
+                                               "data.task=null", f"data.eval_path={held}", "cold_start=null")),
+              resume=resume)
+        return read_metrics(out / "eval.jsonl")
+
+    held.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    same = run(tmp_path / "same", 1, False)
+    same = run(tmp_path / "same", 2, True)
+    assert "heldout_accuracy_change" in same[-1]
+    run(tmp_path / "edited", 1, False)
+    held.write_text("".join(json.dumps({**r, "prompt": r["prompt"].replace("=", "=0")}) + "\n" for r in rows))
+    edited = run(tmp_path / "edited", 2, True)
+    assert [e["step"] for e in edited] == [0, 1, 2] and "heldout_accuracy_change" not in edited[-1]
+    assert "differ from those of the run's first evaluation" in caplog.text

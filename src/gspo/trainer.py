@@ -23,6 +23,7 @@ checkpoint are dropped), or a verified checkpoint.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import logging
 import math
@@ -649,6 +650,12 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
     # Each held-out row's solved fraction at the run's first evaluation (kept in checkpoints): every later evaluation
     # reports its change since then with the interval of the paired difference (gspo.evaluation.paired_change_ci95).
     first_rows: list[float] | None = state.get("heldout_first_rows")
+    # ... of these very rows: resumed with other held-out rows (the data or its selection changed), the pairs are lost
+    rows_digest = hashlib.sha256(json.dumps([r["prompt"] for r in eval_rows]).encode()).hexdigest()
+    if first_rows is not None and state.get("heldout_digest") != rows_digest:
+        log.warning("the held-out rows differ from those of the run's first evaluation (the data, or how rows are "
+                    "chosen, changed since): later evaluations report no change since then")
+        first_rows = None
     best: dict | None = state.get("best")  # trainer.save_best: the step and accuracy of OUT/best
 
     def publish_model(name: str) -> None:
@@ -719,7 +726,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
                                         "reward_baseline": guard.reward_baseline()}}
                              if guard is not None else {}),
                           **{f"reward_{kind}": counts for kind, counts in rewards.state_dict().items()},
-                          **({"heldout_first_rows": first_rows} if first_rows is not None else {}),
+                          **({"heldout_first_rows": first_rows, "heldout_digest": rows_digest}
+                             if first_rows is not None else {}),
                           **({"best": best} if best is not None else {}),
                           "wall_seconds": time.perf_counter() - wall0},
                    keep_last=cfg.trainer.keep_checkpoints + doubted_checkpoints(), keep=best_kept())
