@@ -37,7 +37,7 @@ STEPS = 8
 # uninterrupted one bit for bit and CUDA training is not bitwise reproducible from run to run (see conftest.DEVICE).
 EXTRA = [f"trainer.steps={STEPS}", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=2", "trainer.eval_every=1",
          "trainer.threads=1", "rewards.functions={addition: 1.0, conftest.varied_reward: 0.5}", "trainer.device=cpu"]
-TIMING_KEYS = ("time_rollout", "time_update", "tokens_per_second")
+TIMING_KEYS = ("time_rollout", "time_update", "time_eval", "tokens_per_second")
 PAUSE_S = 0.5  # per file of a checkpoint save, in the processes started with pause_checkpoints=True
 
 # `python -c PAUSING_BOOTSTRAP SECONDS ARGS...` is `python -m gspo ARGS...` whose checkpoint saves sleep SECONDS after

@@ -677,7 +677,6 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
 
     def run_eval(step: int) -> dict[str, float]:
         nonlocal first_rows, best
-        t0 = time.perf_counter()
         shown: list[dict] = []
         mine: list[float] = []  # this process's rows' solved fractions, in row order
         if engine.version != step:  # async: the learner's engine took no weights since it last evaluated
@@ -704,7 +703,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         if eval_group is not None:  # accuracy/GROUP etc., each group's change since the first evaluation
             since = first_rows if evals and first_rows is not None and len(first_rows) == len(every) else None
             scores.update(accuracy_by_group(every, eval_group, since))
-        result = {f"heldout_{k}": v for k, v in scores.items()} | {"heldout_seconds": time.perf_counter() - t0}
+        result = {f"heldout_{k}": v for k, v in scores.items()}
         evals.append({"step": step, **result})
         accuracy = sum(every) / len(every)  # the same on every process: the decision is collective
         if cfg.trainer.save_best and (best is None or accuracy > best["heldout_accuracy"]):
@@ -836,7 +835,9 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
             # the last step is always evaluated: the summary's accuracy after RL must be measured after RL
             if eval_rows and (done == cfg.trainer.steps or (cfg.trainer.eval_every
                                                             and done % cfg.trainer.eval_every == 0)):
+                t_eval = time.perf_counter()
                 metrics.update(run_eval(done))
+                metrics["time_eval"] = time.perf_counter() - t_eval  # in metrics.jsonl with the other timings
             if logger is not None:
                 logger.log(done, metrics)
             progress.update(done, metrics)
