@@ -186,3 +186,20 @@ def test_several_training_files_are_named_sources_that_routes_and_groups_use(tmp
     assert summary["reward_failures"] == {f"{rw}:flagged": 0, f"{rw}:tested": 0}
     with pytest.raises(ConfigError, match="each once"):
         load_config(None, [f"data.path=[{a}, {a}]", "data.eval_fraction=0.2"])
+
+
+def test_batches_scored_apart_merge_each_functions_mean_over_the_rows_it_scored():
+    """Dynamic sampling's rounds: with routes, a round without `b` rows has reward/b = 0 over 0 rows, which must not
+    pull the merged mean down; counts add up; without routes each mean is weighted by its batch's rows."""
+    from gspo.rewards import merge_reward_stats
+
+    rounds = [({"reward/a": 0.5, "reward_rows/a": 4.0, "reward/b": 1.0, "reward_rows/b": 4.0, "reward_failures": 1.0},
+               8),
+              ({"reward/a": 1.0, "reward_rows/a": 8.0, "reward/b": 0.0, "reward_rows/b": 0.0, "reward_failures": 2.0},
+               8)]
+    merged = merge_reward_stats(rounds)
+    assert merged["reward/a"] == pytest.approx((0.5 * 4 + 1.0 * 8) / 12) and merged["reward/b"] == 1.0
+    assert merged["reward_rows/a"] == 12 and merged["reward_rows/b"] == 4 and merged["reward_failures"] == 3
+    plain = merge_reward_stats([({"reward/f": 0.25}, 4), ({"reward/f": 1.0}, 12)])  # no routes: rows of the batch
+    assert plain["reward/f"] == pytest.approx((0.25 * 4 + 12) / 16)
+    assert merge_reward_stats([({"reward/b": 0.0, "reward_rows/b": 0.0}, 8)])["reward/b"] == 0.0  # dropped later

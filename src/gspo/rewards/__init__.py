@@ -69,6 +69,7 @@ __all__ = [
     "is_batched",
     "last_number_reward",
     "math_reward",
+    "merge_reward_stats",
     "parse_arithmetic",
     "resolve_reward",
     "reward_mean_rows",
@@ -545,6 +546,19 @@ def reward_mean_rows(stats: Mapping[str, float], key: str, rows: int) -> float:
     function scored (`reward_rows/<name>`, with routes), else all of them. Merging batches or processes weights each
     mean by it."""
     return stats.get(key.replace("reward/", "reward_rows/", 1), float(rows))
+
+
+def merge_reward_stats(parts: Sequence[tuple[Mapping[str, float], int]]) -> dict[str, float]:
+    """The stats of several batches scored apart (dynamic sampling's rounds), each `(stats, rows)`: counts add up,
+    and each `reward/<name>` is the mean over all the rows it scored (each batch's mean weighted by
+    `reward_mean_rows`)."""
+    sums: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    for stats, rows in parts:
+        for key, value in stats.items():
+            weight = reward_mean_rows(stats, key, rows) if key.startswith("reward/") else 1.0
+            sums[key], weights[key] = sums.get(key, 0.0) + value * weight, weights.get(key, 0.0) + weight
+    return {k: v / weights[k] if k.startswith("reward/") and weights[k] else v for k, v in sums.items()}
 
 
 def drop_unscored(stats: dict[str, float]) -> dict[str, float]:

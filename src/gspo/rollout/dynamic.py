@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from gspo.advantages import zero_variance_groups
-from gspo.rewards import reward_mean_rows
+from gspo.rewards import merge_reward_stats
 from gspo.schedule import refill_prompts
 from gspo.trajectory import Trajectory, concat
 
@@ -72,13 +72,7 @@ def keep_informative(step: int, train_rows: list[dict], first: Scored,
     chosen = torch.cat([flags.nonzero().flatten(), (~flags).nonzero().flatten()])[:p]  # informative first, in order
     every = torch.cat([part.rewards for part in parts])
     rows = (chosen[:, None] * g + torch.arange(g)).flatten().to(every.device)
-    stats: dict[str, float] = {}
-    weights: dict[str, float] = {}
-    for part in parts:  # counts add up; per-function means are weighted by the rows behind them
-        for k, v in part.stats.items():
-            w = reward_mean_rows(part.stats, k, len(part.rewards)) if k.startswith("reward/") else 1.0
-            stats[k], weights[k] = stats.get(k, 0.0) + v * w, weights.get(k, 0.0) + w
-    stats = {k: v / weights[k] if k.startswith("reward/") and weights[k] else v for k, v in stats.items()}
+    stats = merge_reward_stats([(part.stats, len(part.rewards)) for part in parts])  # row-weighted means
     stats.update(dynamic_rounds=float(len(parts)), dynamic_sampled_prompts=float(sampled),
                  dynamic_filled_groups=float(max(p - kept, 0)))
     traj = concat([part.traj for part in parts], pad_id=pad_id).take(rows)
