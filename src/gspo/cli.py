@@ -313,7 +313,7 @@ def _write_rows(path: Path, shown: list[dict], values: list[float], groups: list
                 base_shown: list[dict], base_values: list[float] | None) -> None:
     """`gspo eval --rows-out`: one JSON line per row, in row order: its prompt, (first) completion, rewards and
     verdict, its solved fraction (`solved`: 0/1 greedy, the fraction of --samples), its group (--by), and with
-    --baseline the baseline's completion, rewards and solved fraction and whether the row was `gained` or `lost`."""
+    --baseline the baseline's completion, rewards and solved fraction and the row's `change` (> 0: gained)."""
     from gspo.runfolder import write_jsonl
 
     records = []
@@ -437,7 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="delete the run in trainer.out first and start over")
     p.set_defaults(func=_cmd_train)
 
-    def data_args(p: argparse.ArgumentParser, task_size: int) -> None:
+    def data_args(p: argparse.ArgumentParser, task_size: int, more: str = "") -> None:
         p.add_argument("--task", default=None, help="embedded task (default addition, unless --data is given)")
         p.add_argument("--data", default=None, help="jsonl/parquet file, saved dataset or hub id")
         p.add_argument("--split", default=None,
@@ -446,7 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--fields", default=None, help='JSON field mapping, e.g. \'{"prompt": "question"}\'')
         p.add_argument("--size", type=int, default=None,
                        help=f"rows: a --data source's every row, or N of them chosen by prompt hash (never its first "
-                            f"N); --task draws N problems (default {task_size}); with --config, its data.eval_size")
+                            f"N); --task draws N problems (default {task_size}){more}")
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                        help="auto: the GPU when there is one (default), else the CPU")
@@ -498,7 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-rows", type=int, default=None,
                    help="completions decoded at once (KV-cache memory; default: the --config's rollout.max_batch_rows, "
                         "else 256); the results do not depend on it")
-    data_args(p, 500)  # --task default; --data: every row; --config: its data.eval_size
+    data_args(p, 500, "; with --config, its data.eval_size")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides of --config")
     p.set_defaults(func=_cmd_eval)
 
