@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import DEMO, tiny_overrides
-from gspo.cli import main
+from gspo.cli import _accuracy_line, main
 from gspo.config import ConfigError, load_config
 from gspo.data import eval_groups, load_data
 from gspo.evaluation import accuracy_by_group, accuracy_ci95, paired_change_ci95, wilson_ci95
@@ -121,6 +121,9 @@ def test_a_run_reports_each_held_out_files_accuracy_and_gspo_eval_repeats_it(tmp
     assert all(e["heldout_accuracy/easy"] == 0.75 and e["heldout_rows/hard"] == 8 for e in evals)
     assert "heldout_accuracy_change/easy" not in evals[0] and evals[2]["heldout_accuracy_change/easy"] == 0
     assert (out / "curves.png").stat().st_size > 0
+    line = _accuracy_line(summary, "before RL", "after RL").splitlines()  # what `gspo train` prints for people
+    assert line[1].startswith("  easy (8 rows): 75.0% → 75.0% (+0.0 points; 95% CI ")
+    assert line[2].startswith("  hard (8 rows): 25.0% → 25.0% (+0.0 points; 95% CI ")
 
     assert main(["eval", str(out / "final"), "--config", str(out / "config.yaml"), "--baseline", str(out / "final"),
                  "--max-new-tokens", "2"]) == 0
