@@ -693,15 +693,15 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
             scores["accuracy_ci95_low"], scores["accuracy_ci95_high"] = accuracy_ci95(every)
             if n_eval > 1:
                 scores.update(pass_at_k_ci95(every, n_eval, sampled_eval["ks"]))
+        since = first_rows if evals and first_rows is not None and len(first_rows) == len(every) else None
         if not evals:  # the run's first evaluation (a resume has the earlier ones)
             first_rows = every
             if group.is_main:
                 _warn_cut_off(scores, eval_tokens, "trainer.eval_max_new_tokens")
-        elif first_rows is not None and len(first_rows) == len(every):
+        elif since is not None:
             (scores["accuracy_change"], scores["accuracy_change_ci95_low"],
-             scores["accuracy_change_ci95_high"]) = paired_change_ci95(first_rows, every)
+             scores["accuracy_change_ci95_high"]) = paired_change_ci95(since, every)
         if eval_group is not None:  # accuracy/GROUP etc., each group's change since the first evaluation
-            since = first_rows if evals and first_rows is not None and len(first_rows) == len(every) else None
             scores.update(accuracy_by_group(every, eval_group, since))
         result = {f"heldout_{k}": v for k, v in scores.items()}
         evals.append({"step": step, **result})

@@ -39,6 +39,7 @@ TASK_ROWS = {"train": 20000, "eval": 200}
 EVAL_SET = "eval_set"  # the field that a list of data.eval_path files gives each of its held-out rows: the file's name
 DATA_SOURCE = "data_source"  # the field a list of data.path sources gives each row that has none: its source's name
 MAX_GROUPS = 64  # groups a held-out accuracy is split into at most (data.eval_by)
+SUBSET_SALT = b"gspo/subset\0"  # the hash that picks a capped sample, independent of the held-out side
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +61,10 @@ def _prompt_key(prompt: Any) -> str:
     return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
 
 
-def holdout_bucket(prompt: Any) -> float:
-    """A number in [0, 1) that is a pure function of the prompt (SHA-256, the same on every machine and process)."""
-    digest = hashlib.sha256(_prompt_key(prompt).encode("utf-8")).digest()
+def holdout_bucket(prompt: Any, salt: bytes = b"") -> float:
+    """A number in [0, 1) that is a pure function of the prompt (SHA-256, the same on every machine and process);
+    another `salt` gives another number, independent of this one (`subset_rows`'s sample vs the held-out side)."""
+    digest = hashlib.sha256(salt + _prompt_key(prompt).encode("utf-8")).digest()
     return int.from_bytes(digest[:8], "big") / 2**64
 
 
@@ -92,20 +94,15 @@ def _drop_training_prompts(heldout: list[dict], train: list[dict], where: str) -
 
 
 def subset_rows(rows: list[dict], size: int | None) -> list[dict]:
-    """At most `size` of `rows` (None: all of them), in their order: the rows whose prompt's `subset_bucket` is
-    smallest. The choice depends only on the prompts, so it is a uniform sample of them whatever the order of the
-    source (a file sorted by difficulty or by source gives no biased prefix) and the same on every machine and run."""
+    """At most `size` of `rows` (None: all of them), in their order: the rows whose prompt's `holdout_bucket` under
+    `SUBSET_SALT` is smallest. The choice depends only on the prompts, so it is a uniform sample of them whatever the
+    order of the source (a file sorted by difficulty or by source gives no biased prefix) and the same on every
+    machine and run."""
     if size is None or len(rows) <= size:
         return rows
-    keys = [subset_bucket(r["prompt"]) for r in rows]
+    keys = [holdout_bucket(r["prompt"], SUBSET_SALT) for r in rows]
     chosen = sorted(sorted(range(len(rows)), key=keys.__getitem__)[:size])  # stable: equal prompts keep their order
     return [rows[i] for i in chosen]
-
-
-def subset_bucket(prompt: Any) -> float:
-    """`holdout_bucket` under another salt: a number in [0, 1) per prompt, independent of which side it is held on."""
-    digest = hashlib.sha256(b"gspo/subset\0" + _prompt_key(prompt).encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64
 
 
 def _drawn(kind: dict[str, Any], rows: list[dict], size: int | None, what: str) -> tuple[list[dict], dict[str, Any]]:

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from gspo.config import ConfigError
-from gspo.rewards import reward_mean_rows
+from gspo.rewards import mean_reward_stats, weighted_reward_stats
 from gspo.trajectory import Trajectory
 
 __all__ = ["ProcessGroup", "init_distributed", "resolve_device", "shutdown"]
@@ -251,11 +251,10 @@ class ProcessGroup:
             extras=extras,
         )
         keys = sorted(stats)  # the same keys on every process (a function's mean is 0 over no rows, not missing)
-        means = [k for k in keys if k.startswith("reward/")]  # row-weighted: each process's mean × its rows
-        weight = {k: reward_mean_rows(stats, k, len(rewards)) if k in means else 1.0 for k in keys}
-        totals = self.all_sum([stats[k] * weight[k] for k in keys] + [weight[k] for k in means])
-        rows = dict(zip(means, totals[len(keys):], strict=True))
-        merged = {k: v / rows[k] if rows.get(k) else v for k, v in zip(keys, totals[:len(keys)], strict=True)}
+        sums, weights = weighted_reward_stats(stats, len(rewards))  # each mean × its rows: summed, then divided
+        totals = self.all_sum([sums[k] for k in keys] + [weights[k] for k in keys])
+        merged = mean_reward_stats(dict(zip(keys, totals[:len(keys)], strict=True)),
+                                   dict(zip(keys, totals[len(keys):], strict=True)))
         return gathered, self.all_gather(rewards), merged
 
     def merge_rows(self, tensor: torch.Tensor | None, minibatches: list[torch.Tensor]) -> torch.Tensor | None:

@@ -69,12 +69,14 @@ __all__ = [
     "is_batched",
     "last_number_reward",
     "math_reward",
+    "mean_reward_stats",
     "merge_reward_stats",
     "parse_arithmetic",
     "resolve_reward",
     "reward_mean_rows",
     "reward_model_options",
     "score_trajectory",
+    "weighted_reward_stats",
     "with_answer",
 ]
 
@@ -260,10 +262,11 @@ class Routes:
                              f"{sorted(self.table)}); every row needs the reward that scores it")
         return str(value)
 
-    def applies(self, names: Sequence[str], rows: Sequence[Mapping[str, Any]]) -> dict[str, list[bool]]:
-        """For each function of `names`, which of `rows` it scores."""
+    def applies(self, names: Sequence[str], rows: Sequence[Mapping[str, Any]],
+                where: str = "row") -> dict[str, list[bool]]:
+        """For each function of `names`, which of `rows` it scores (a row without a route: `route`'s error)."""
         routed = {name for route in self.table.values() for name in route}
-        keys = [self.route(row, i) for i, row in enumerate(rows)]
+        keys = [self.route(row, i, where) for i, row in enumerate(rows)]
         return {name: [name not in routed or name in self.table[key] for key in keys] for name in names}
 
 
@@ -359,11 +362,11 @@ class RewardRunner:
                    workers=settings.workers, think_tags=settings.think_tags, routes=routes,
                    model_options=reward_model_options(settings.reward_model.model_dump(), device))
 
-    def applies(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, list[bool]]:
+    def applies(self, rows: Sequence[Mapping[str, Any]], where: str = "row") -> dict[str, list[bool]]:
         """For each function, which of `rows` it scores (all of them without `routes`)."""
         if self.routes is None:
             return {name: [True] * len(rows) for name in self.names}
-        return self.routes.applies(self.names, rows)
+        return self.routes.applies(self.names, rows, where)
 
     def state_dict(self) -> dict[str, dict[str, int]]:
         """The cumulative counters (`failures`, `timeouts`: per function), e.g. for a checkpoint."""
@@ -462,11 +465,9 @@ class RewardRunner:
             check_signature(fn, name, rows[0])
         if self.routes is None:
             return
-        for i, row in enumerate(rows):
-            self.routes.route(row, i, where)
+        applies = self.applies(rows, where)  # every row has a route
         if accuracy is not None:
             names = [accuracy] if isinstance(accuracy, str) else list(accuracy)
-            applies = self.applies(rows)
             unjudged = next((i for i in range(len(rows)) if not any(applies[name][i] for name in names)), None)
             if unjudged is not None:
                 route = self.routes.route(rows[unjudged], unjudged)
@@ -548,23 +549,35 @@ def reward_mean_rows(stats: Mapping[str, float], key: str, rows: int) -> float:
     return stats.get(key.replace("reward/", "reward_rows/", 1), float(rows))
 
 
+def weighted_reward_stats(stats: Mapping[str, float], rows: int) -> tuple[dict[str, float], dict[str, float]]:
+    """One batch's stats as sums to add up over batches or processes: (each `reward/<name>` mean × the rows behind
+    it and every other stat (a count) as it is, the weights: those rows, 1 for a count). `mean_reward_stats` of the
+    totals is the merged stats."""
+    weights = {k: reward_mean_rows(stats, k, rows) if k.startswith("reward/") else 1.0 for k in stats}
+    return {k: v * weights[k] for k, v in stats.items()}, weights
+
+
+def mean_reward_stats(sums: Mapping[str, float], weights: Mapping[str, float]) -> dict[str, float]:
+    """Merged stats from `weighted_reward_stats` totals: each `reward/<name>` the mean over all the rows it scored (0
+    over none), counts as summed."""
+    return {k: v / weights[k] if k.startswith("reward/") and weights[k] else v for k, v in sums.items()}
+
+
 def merge_reward_stats(parts: Sequence[tuple[Mapping[str, float], int]]) -> dict[str, float]:
     """The stats of several batches scored apart (dynamic sampling's rounds), each `(stats, rows)`: counts add up,
-    and each `reward/<name>` is the mean over all the rows it scored (each batch's mean weighted by
-    `reward_mean_rows`)."""
+    and each `reward/<name>` is the mean over all the rows it scored (`weighted_reward_stats`)."""
     sums: dict[str, float] = {}
     weights: dict[str, float] = {}
     for stats, rows in parts:
-        for key, value in stats.items():
-            weight = reward_mean_rows(stats, key, rows) if key.startswith("reward/") else 1.0
-            sums[key], weights[key] = sums.get(key, 0.0) + value * weight, weights.get(key, 0.0) + weight
-    return {k: v / weights[k] if k.startswith("reward/") and weights[k] else v for k, v in sums.items()}
+        part_sums, part_weights = weighted_reward_stats(stats, rows)
+        for k, v in part_sums.items():
+            sums[k], weights[k] = sums.get(k, 0.0) + v, weights.get(k, 0.0) + part_weights[k]
+    return mean_reward_stats(sums, weights)
 
 
 def drop_unscored(stats: dict[str, float]) -> dict[str, float]:
     """`stats` without the `reward/<name>` of functions that scored no row (routes): no mean over nothing."""
-    return {k: v for k, v in stats.items()
-            if not (k.startswith("reward/") and stats.get(k.replace("reward/", "reward_rows/", 1), 1.0) == 0)}
+    return {k: v for k, v in stats.items() if not (k.startswith("reward/") and reward_mean_rows(stats, k, 1) == 0)}
 
 
 def _per_row(outcome: Outcome, n: int) -> list[Outcome]:
