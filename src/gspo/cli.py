@@ -25,6 +25,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from gspo.trainer import train
 
     cfg = load_config(args.config, args.overrides)
+    if args.check:
+        return _check(cfg, args)
     summary = train(cfg, resume=args.resume, overwrite=args.overwrite)
     # under torchrun: leave the process group cleanly, after success only. On a failure the error propagates with the
     # group alive, so that it is reported first: tearing the group down while another process waits in a collective
@@ -35,6 +37,21 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if line := _accuracy_line(summary, "before RL", "after RL"):
             print(line, file=sys.stderr)  # stdout stays one JSON document
     return 0
+
+
+def _check(cfg, args: argparse.Namespace) -> int:
+    """`--check`: the run's set-up and a report (`gspo.preflight`), nothing computed or written. Exit 0: ready; 1:
+    the run would start, but something makes its numbers doubtful (printed); errors exit 2 as the run would."""
+    from gspo.preflight import check, format_report, warnings
+
+    report = check(cfg, resume=args.resume, overwrite=args.overwrite)
+    print("\n".join(format_report(report)))
+    found = warnings(report)
+    for line in found:
+        print(f"warning: {line}", file=sys.stderr)
+    command = "gspo demo" if args.command == "demo" else f"gspo train {args.config}"
+    print(f"{command} --check: {len(found)} warning(s); nothing was computed or written", file=sys.stderr)
+    return 1 if found else 0
 
 
 def _accuracy_line(summary: dict, before_label: str, after_label: str) -> str | None:
@@ -65,6 +82,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if args.steps is not None:
         overrides.append(f"trainer.steps={args.steps}")
     cfg = load_config(demo_config_path(), overrides)
+    if args.check:
+        return _check(cfg, args)
     cs = cfg.cold_start
     until = f"until loss {cs.target_loss}, at most " if cs is not None and cs.target_loss else ""
     cold = f"cold-start SFT ({until}{cs.steps} steps) then " if cs is not None else ""
@@ -427,6 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="RL steps (default: the demo config's)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     p.add_argument("--overwrite", action="store_true", help="delete the run in --out first and start over")
+    p.add_argument("--check", action="store_true", help="as gspo train --check: the checks and the plan, no compute")
     p.add_argument("overrides", nargs="*", help="dotted.key=value config overrides")
     p.set_defaults(func=_cmd_demo)
 
@@ -435,6 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="dotted.key=value config overrides")
     p.add_argument("--resume", action="store_true", help="continue the run in trainer.out from its last checkpoint")
     p.add_argument("--overwrite", action="store_true", help="delete the run in trainer.out first and start over")
+    p.add_argument("--check", action="store_true",
+                   help="check everything the run checks, score the accuracy reward on the rows' known answers, "
+                        "print the plan; compute and write nothing (exit 0 ready, 1 warnings, 2 errors)")
     p.set_defaults(func=_cmd_train)
 
     def data_args(p: argparse.ArgumentParser, task_size: int, more: str = "") -> None:

@@ -93,8 +93,8 @@ from gspo.sft import cold_start
 from gspo.tracking import MetricsLogger, Progress, check_trackers, plot_curves, read_metrics
 from gspo.trajectory import Trajectory
 
-__all__ = ["Collected", "RLStep", "RunCollapsed", "RunInterrupted", "TrainingError", "collect", "default_hooks",
-           "learn_settings", "rl_step", "rollout_records", "sync", "train"]
+__all__ = ["Collected", "RLStep", "RunCollapsed", "RunInterrupted", "Setup", "TrainingError", "collect",
+           "default_hooks", "learn_settings", "prepare", "rl_step", "rollout_records", "sync", "train"]
 
 log = logging.getLogger(__name__)
 
@@ -405,12 +405,13 @@ def rl_step(step: int, model: nn.Module, optimizer, scheduler, train_rows: list[
 # ------------------------------------------------------------------------------------------------------------ train
 
 
-def _start_checks(cfg: Config, out: Path, cfg_dict: dict, resume: bool, overwrite: bool) -> list[str]:
+def _start_checks(cfg: Config, out: Path, cfg_dict: dict, resume: bool, overwrite: bool,
+                  create: bool = True) -> list[str]:
     """What can be checked before any model is built, so that a bad setting costs nothing and leaves nothing behind:
     the output folder, whether it holds a run, what a resume changes (returned), the trackers' packages."""
     if resume and overwrite:
         raise ConfigError("--resume continues the run in trainer.out and --overwrite deletes it: pass one of them")
-    check_output_dir(out)
+    check_output_dir(out, create)
     if run_started(out) and not resume and not overwrite:
         raise ConfigError(f"{out} already holds a run: pass --resume to continue it, --overwrite to delete it and "
                           "start over, or choose another trainer.out")
@@ -477,29 +478,43 @@ def _plot_run(cfg: Config, out: Path, evals: list[dict]) -> None:
         log.warning("could not draw %s: %s", out / "curves.png", e)
 
 
-def train(cfg: Config, resume: bool = False, overwrite: bool = False,
-          callbacks: Sequence[StepCallback] = ()) -> dict:
-    """Run (or resume) a GSPO training run as configured; returns the summary (also written to OUT/summary.json).
+@dataclass
+class Setup:
+    """What `prepare` checked and built before anything is computed or written (`train` goes on from it; `gspo
+    train --check` reports it, `gspo.preflight`)."""
 
-    Everything that can be checked without compute is checked first (the output folder, the data and its held-out
-    rows, the reward functions against a data row, the trackers), then the model is built and checked; only then
-    is anything written, so a start that fails leaves nothing that blocks the corrected command (`gspo.runfolder`).
-    `overwrite` deletes a previous run in trainer.out first; `resume` continues it (a config that differs only in
-    `gspo.runfolder.RESUMABLE` settings is accepted, e.g. more `trainer.steps` to extend a finished run).
-    `callbacks` are called with (step, metrics) after each step is logged, evaluated and checkpointed as scheduled;
-    an exception raised by one stops the run as a crash would (no OUT/final/, no summary.json), so that
-    `train(cfg, resume=True)` continues from the latest checkpoint.
+    cfg: Config  # trainer.steps resolved from trainer.epochs
+    cfg_dict: dict  # the config as the user gave it (OUT/config.yaml)
+    group: ProcessGroup
+    out: Path
+    changed: list[str]  # a resume's changed (resumable) settings
+    rewards: RewardRunner
+    make_env: Callable | None  # env: one environment per episode
+    tool_schemas: list | None
+    model: nn.Module
+    tokenizer: object
+    train_rows: list[dict]  # rendered by the chat template, long prompts dropped
+    eval_rows: list[dict]
+    train_source: dict  # summary.json's `train` / `heldout` records
+    heldout_source: dict
+    eval_group: list[str] | None  # each held-out row's group (data.eval_by)
+    eval_tokens: int  # new tokens per held-out completion
+    prompt_limits: tuple[int | None, int | None]  # the longest training / held-out prompt kept, in tokens
+    skipped_prompts: dict[str, int]  # rows dropped for a prompt over that limit
+    unknown: dict[str, int]  # rows with characters the tokenizer cannot encode
+    wall0: float  # when the run's set-up began (perf_counter)
 
-    Raises TrainingError (after writing summary.json with status "failed") when `trainer.max_bad_steps` consecutive
-    steps had all their updates skipped for a non-finite loss or gradient norm; CheckpointError when a checkpoint
-    cannot be written (earlier checkpoints stay intact and resumable); RunInterrupted on Ctrl-C.
-    """
-    # ---------------------------------------------------------------------------------------------------- set-up
+
+def prepare(cfg: Config, resume: bool = False, overwrite: bool = False, create_out: bool = True) -> Setup:
+    """Everything `train` checks and builds before any compute, in order: the output folder (and a resume's config),
+    the data and its held-out rows, the reward functions against a data row, the trackers, the model (and what only
+    it can tell), the chat template, the prompts' lengths. Raises ConfigError / ValueError / OSError naming what is
+    wrong; writes nothing (but for creating trainer.out when it is missing, unless `create_out` is false)."""
     wall0 = time.perf_counter()
     group = init_distributed(cfg.trainer.parallel, cfg.trainer.device)  # torchrun's processes, or just this one
     out = Path(cfg.trainer.out)
     cfg_dict = config_to_dict(cfg)
-    changed = group.main_first(lambda: _start_checks(cfg, out, cfg_dict, resume, overwrite))
+    changed = group.main_first(lambda: _start_checks(cfg, out, cfg_dict, resume, overwrite, create_out))
     data = load_data(cfg.data, cfg.trainer.seed)
     rewards = RewardRunner.from_config(cfg.rewards, group.device)
     rewards.check_rows(data.train, cfg.rewards.accuracy_reward, "training row")  # signatures, routes (mixed data)
@@ -518,13 +533,12 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
     data = render_chat(data, cfg.data, tokenizer, tools=tool_schemas)
     ro = cfg.rollout
     eval_tokens = cfg.trainer.eval_max_new_tokens or ro.max_new_tokens
-    train_rows, skipped_train = drop_long_prompts(data.train, tokenizer, prompt_token_limit(
-        cfg, model, cfg.env.max_tokens if cfg.env else ro.max_new_tokens), "training")
-    eval_rows, skipped_eval = [], 0
+    train_limit = prompt_token_limit(cfg, model, cfg.env.max_tokens if cfg.env else ro.max_new_tokens)
+    train_rows, skipped_train = drop_long_prompts(data.train, tokenizer, train_limit, "training")
+    eval_rows, skipped_eval, eval_limit = [], 0, None
     if data.heldout:
-        eval_rows, skipped_eval = drop_long_prompts(data.heldout, tokenizer,
-                                                    prompt_token_limit(cfg, model, cfg.env.max_tokens if cfg.env
-                                                                       else eval_tokens), "held-out")
+        eval_limit = prompt_token_limit(cfg, model, cfg.env.max_tokens if cfg.env else eval_tokens)
+        eval_rows, skipped_eval = drop_long_prompts(data.heldout, tokenizer, eval_limit, "held-out")
     heldout_source = {**data.heldout_source, "rows": len(eval_rows)} if eval_rows else {"kind": "none"}
     train_source = {**data.train_source, "rows": len(train_rows)}
     if cfg.trainer.epochs is not None:  # the step count that many passes over the rows take
@@ -534,10 +548,41 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
     log.info("%d steps × %d prompts: %.2f passes over the training rows", cfg.trainer.steps, ro.prompts_per_step,
              train_source["passes"])
     eval_group = eval_groups(eval_rows, eval_group_field(cfg.data))  # each held-out row's group (data.eval_by)
-    log.info("training rows: %s; held-out rows: %s", _rows_line(train_source), _rows_line(heldout_source))
+    log.info("training rows: %s; held-out rows: %s", rows_line(train_source), rows_line(heldout_source))
     unknown = {"train": unknown_character_rows(tokenizer, train_rows, "training",
                                                ("prompt", "solution") if cfg.cold_start else ("prompt",)),
                "eval": unknown_character_rows(tokenizer, eval_rows, "held-out")}
+    return Setup(cfg=cfg, cfg_dict=cfg_dict, group=group, out=out, changed=changed, rewards=rewards, make_env=make_env,
+                 tool_schemas=tool_schemas, model=model, tokenizer=tokenizer, train_rows=train_rows,
+                 eval_rows=eval_rows, train_source=train_source, heldout_source=heldout_source, eval_group=eval_group,
+                 eval_tokens=eval_tokens, prompt_limits=(train_limit[0], eval_limit[0] if eval_limit else None),
+                 skipped_prompts={"train": skipped_train, "eval": skipped_eval}, unknown=unknown, wall0=wall0)
+
+
+def train(cfg: Config, resume: bool = False, overwrite: bool = False,
+          callbacks: Sequence[StepCallback] = ()) -> dict:
+    """Run (or resume) a GSPO training run as configured; returns the summary (also written to OUT/summary.json).
+
+    Everything that can be checked without compute is checked first (the output folder, the data and its held-out
+    rows, the reward functions against a data row, the trackers), then the model is built and checked; only then
+    is anything written, so a start that fails leaves nothing that blocks the corrected command (`gspo.runfolder`).
+    `overwrite` deletes a previous run in trainer.out first; `resume` continues it (a config that differs only in
+    `gspo.runfolder.RESUMABLE` settings is accepted, e.g. more `trainer.steps` to extend a finished run).
+    `callbacks` are called with (step, metrics) after each step is logged, evaluated and checkpointed as scheduled;
+    an exception raised by one stops the run as a crash would (no OUT/final/, no summary.json), so that
+    `train(cfg, resume=True)` continues from the latest checkpoint.
+
+    Raises TrainingError (after writing summary.json with status "failed") when `trainer.max_bad_steps` consecutive
+    steps had all their updates skipped for a non-finite loss or gradient norm; CheckpointError when a checkpoint
+    cannot be written (earlier checkpoints stay intact and resumable); RunInterrupted on Ctrl-C.
+    """
+    # ---------------------------------------------------------------------------------------------------- set-up
+    setup = prepare(cfg, resume, overwrite)
+    cfg, cfg_dict, group, out, changed, rewards = (setup.cfg, setup.cfg_dict, setup.group, setup.out, setup.changed,
+                                                   setup.rewards)
+    model, tokenizer, train_rows, eval_rows, eval_group = (setup.model, setup.tokenizer, setup.train_rows,
+                                                           setup.eval_rows, setup.eval_group)
+    make_env, ro, eval_tokens, wall0 = setup.make_env, cfg.rollout, setup.eval_tokens, setup.wall0
 
     # every check passed: from here on the run writes into its folder
     if group.is_main:
@@ -877,9 +922,9 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         "heldout_accuracy_after_rl": evals[-1]["heldout_accuracy"] if evals else None,
         "heldout_accuracy_ci95": _accuracy_intervals(evals),
         **({"heldout_accuracy_by": _accuracy_by_group(evals)} if eval_group is not None and evals else {}),
-        "heldout": {**heldout_source,
+        "heldout": {**setup.heldout_source,
                     "accuracy": accuracy_means(cfg.rewards.accuracy_reward, cfg.rewards.accuracy_threshold)},
-        "train": train_source,
+        "train": setup.train_source,
         **({"best": {**best, "path": str(out / "best"), "note": _BEST_NOTE}} if best is not None else {}),
         "steps": cfg.trainer.steps,
         "cold_start": cold,
@@ -887,9 +932,9 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         "reward_failures": dict(rewards.failures),
         "reward_timeouts": dict(rewards.timeouts),
         "skipped_updates": _skipped_updates(out),
-        "skipped_prompts": {"train": skipped_train, "eval": skipped_eval},
+        "skipped_prompts": setup.skipped_prompts,
         "guard": None if guard is None else {"rollbacks": rollbacks, "lr_scale": lr_scale},
-        "unknown_character_rows": unknown,
+        "unknown_character_rows": setup.unknown,
     }
     if group.is_main:
         write_atomic(out / "summary.json", json.dumps(summary, indent=2))
@@ -897,7 +942,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
     return summary
 
 
-def _rows_line(source: dict) -> str:
+def rows_line(source: dict) -> str:
     """A data record (`gspo.data.DataSplits`) for the log: "N of M from WHERE" ("none" when there are no rows)."""
     if source.get("kind") == "none":
         return "none"

@@ -1,0 +1,280 @@
+"""`gspo train CONFIG --check`: what a run would check and do, before any GPU hour is spent on it.
+
+It runs the set-up a run runs (`gspo.trainer.prepare`: the config, the output folder and a resume's settings, the data
+and its held-out rows, the rewards' signatures and routes, the model, the chat template, the prompts' lengths) and
+then reports, computing nothing and writing nothing:
+
+- the rows: how many train and are held out (of how many), their prompts' lengths in tokens against the limit, the
+  held-out groups, and how wide a 95 % interval of held-out accuracy can be on that many rows;
+- **the rewards on known answers** (`reward_checks`): each row's own reference (its `solution`, else its `answer`)
+  should be judged solved, an empty completion and a neighbouring row's different reference should not. A verifier
+  that rejects the gold answers (a format it cannot parse) makes RL learn nothing; one that accepts an empty or a
+  wrong answer makes every reported accuracy meaningless — both are found here in seconds instead of after a run;
+- the plan: steps, completions, generated tokens at most, optimizer steps, evaluations, checkpoints, the model's
+  parameters and what its checkpoints take on disk.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+from gspo.checkpoint import find_latest_checkpoint
+from gspo.config import Config
+from gspo.data import subset_rows
+from gspo.evaluation import wilson_ci95
+from gspo.rewards import RewardRunner
+from gspo.rewards.thinking import final_answer
+
+__all__ = ["REFERENCE_ROWS", "check", "checkpoint_bytes", "format_report", "plan", "reference_text", "reward_checks"]
+
+REFERENCE_ROWS = 200
+"""Rows of each split whose references the check scores (a sample by prompt hash; all when there are fewer)."""
+
+
+def reference_text(row: dict, field: str, prompt: str, think_tags: tuple[str, str] | None) -> str | None:
+    """Row `field` (`solution` or `answer`) as a completion a correct policy could write, None where the row has no
+    text there (a multi-turn solution is a list of messages). Where the prompt opens a reasoning block (R1-style
+    templates), the completion must close it before it answers, so the reference follows a close tag."""
+    value = row.get(field)
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        return None
+    text = str(value)
+    if think_tags is not None and final_answer(prompt, text, think_tags) is None:
+        text = f"{think_tags[1]}{text}"
+    return text
+
+
+def reward_checks(rewards: RewardRunner, rows: Sequence[dict], accuracy: str | Sequence[str], threshold: float,
+                  limit: int = REFERENCE_ROWS) -> dict[str, Any] | None:
+    """The accuracy reward(s) on known answers, over a sample of at most `limit` of `rows` (by prompt hash): how many
+    rows' own reference is judged solved (`reference_solved` of `rows`; the first few that are not in `unsolved`), how
+    many are solved by an empty completion (`empty_solved`), and by the next sampled row's reference where it differs
+    from the row's own (`neighbour_solved` of `neighbour_rows`). The reference is each row's `solution`, or `answer`
+    where no row has a text solution. None when no row has either."""
+    rows = subset_rows(list(rows), limit)
+    field = next((f for f in ("solution", "answer")
+                  if any(reference_text(r, f, r["prompt"], None) is not None for r in rows)), None)
+    if field is None:
+        return None
+    tags = rewards.think_tags
+    refs = [(r, text) for r in rows if (text := reference_text(r, field, r["prompt"], tags)) is not None]
+    kept, texts = [r for r, _ in refs], [t for _, t in refs]
+    prompts = [r["prompt"] for r in kept]
+
+    def solved(completions: list[str], which: list[int]) -> list[bool]:
+        if not which:
+            return []
+        scores = rewards.score([prompts[i] for i in which], completions, [kept[i] for i in which])
+        return [bool(v) for v in scores.correct(accuracy, threshold).tolist()]
+
+    everyone = list(range(len(kept)))
+    own = solved(texts, everyone)
+    empty = solved([""] * len(kept), everyone)
+    # the next row's reference, where it is a different answer: a wrong answer the row's verifier must refuse
+    wrong = [i for i in everyone if len(kept) > 1 and texts[(i + 1) % len(kept)].strip() != texts[i].strip()]
+    neighbour = solved([texts[(i + 1) % len(kept)] for i in wrong], wrong)
+    unsolved = [{"row": i, "prompt": prompts[i][-80:], field: texts[i][:80]} for i, ok in enumerate(own) if not ok]
+    return {"field": field, "rows": len(kept), "reference_solved": sum(own), "unsolved": unsolved[:3],
+            "empty_solved": sum(empty), "neighbour_rows": len(wrong), "neighbour_solved": sum(neighbour)}
+
+
+def plan(cfg: Config, train_rows: int, eval_rows: int) -> dict[str, Any]:
+    """What `cfg` (trainer.steps resolved) will do: completions sampled and trained on, new tokens generated at most,
+    optimizer steps, the steps it evaluates at and checkpoints at (as `gspo.trainer.train` schedules them)."""
+    t, ro, al = cfg.trainer, cfg.rollout, cfg.algorithm
+    steps = t.steps
+    new_tokens = cfg.env.max_tokens if cfg.env else ro.max_new_tokens
+    evals = sorted({0, steps, *(range(t.eval_every, steps + 1, t.eval_every) if t.eval_every else ())}) \
+        if eval_rows else []
+    checkpoints = sorted({steps, *range(t.checkpoint_every, steps + 1, t.checkpoint_every)}) \
+        if t.checkpoint_every and steps else []
+    completions = steps * ro.prompts_per_step * ro.group_size
+    return {"steps": steps, "prompts_per_step": ro.prompts_per_step, "group_size": ro.group_size,
+            "completions": completions, "at_least": ro.dynamic_sampling,
+            "passes": steps * ro.prompts_per_step / train_rows, "new_tokens_per_completion": new_tokens,
+            "generated_tokens_max": completions * new_tokens,
+            "optimizer_steps": steps * al.minibatches * al.epochs, "evaluations": evals,
+            "eval_tokens_max": len(evals) * eval_rows * cfg.trainer.eval_samples
+            * (cfg.trainer.eval_max_new_tokens or new_tokens),
+            "checkpoints": checkpoints, "checkpoints_kept": min(len(checkpoints), t.keep_checkpoints)}
+
+
+def checkpoint_bytes(model: nn.Module) -> tuple[int, int, int]:
+    """(parameters, trainable parameters, bytes of a checkpoint): the weights as saved (a LoRA model saves its
+    adapters only) and AdamW's two moments per trainable weight (`gspo.checkpoint`), to within its small files."""
+    params = sum(p.numel() for p in model.parameters())
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    adapters = hasattr(model, "peft_config")
+    saved = trainable if adapters else list({id(p): p for p in model.parameters()}.values())
+    size = sum(p.numel() * p.element_size() for p in saved) + 2 * sum(p.numel() * p.element_size() for p in trainable)
+    return params, sum(p.numel() for p in trainable), size
+
+
+def check(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
+    """Run `gspo.trainer.prepare` and report what it found and what the run would do (module docstring). Raises as
+    the run would (ConfigError / ValueError / OSError) on anything that would stop it; writes nothing."""
+    from gspo.lora import apply_lora
+    from gspo.trainer import prepare
+
+    setup = prepare(cfg, resume=resume, overwrite=overwrite, create_out=False)
+    cfg, tokenizer, rewards = setup.cfg, setup.tokenizer, setup.rewards
+    model = setup.model if cfg.model.lora is None else apply_lora(setup.model, cfg.model.lora)
+    params, trainable, size = checkpoint_bytes(model)
+    accuracy, threshold = cfg.rewards.accuracy_reward, cfg.rewards.accuracy_threshold
+
+    def lengths(rows: list[dict]) -> dict[str, int] | None:
+        if not rows:
+            return None
+        ids = tokenizer([r["prompt"] for r in rows], add_special_tokens=False)["input_ids"]
+        n = sorted(len(x) for x in ids)
+        return {"min": n[0], "median": int(statistics.median(n)), "p95": n[math.ceil(0.95 * len(n)) - 1],
+                "max": n[-1]}
+
+    heldout_n = len(setup.eval_rows)
+    low, high = wilson_ci95(heldout_n // 2, heldout_n) if heldout_n else (math.nan, math.nan)
+    steps = plan(cfg, len(setup.train_rows), heldout_n)
+    train_lengths = lengths(setup.train_rows)
+    share = (cfg.rollout.prompts_per_step * cfg.rollout.group_size  # one process's rows of an update
+             // (cfg.algorithm.minibatches * setup.group.world_size))
+    latest = find_latest_checkpoint(setup.out) if resume else None
+    cs = cfg.cold_start
+    return {
+        "config": {"out": str(setup.out), "resume": resume, "changed": setup.changed,
+                   "resume_from": None if latest is None else latest.name},
+        "cold_start": None if cs is None else {"steps_max": cs.steps, "batch_size": cs.batch_size,
+                                               "target_loss": cs.target_loss},
+        "train": {**setup.train_source, "prompt_tokens": train_lengths,
+                  "prompt_limit": setup.prompt_limits[0], "skipped_long": setup.skipped_prompts["train"],
+                  "unknown_characters": setup.unknown["train"]},
+        "heldout": {**setup.heldout_source, "prompt_tokens": lengths(setup.eval_rows),
+                    "prompt_limit": setup.prompt_limits[1], "skipped_long": setup.skipped_prompts["eval"],
+                    "unknown_characters": setup.unknown["eval"],
+                    "groups": dict(Counter(setup.eval_group)) if setup.eval_group is not None else None,
+                    "ci95_half_width": (high - low) / 2 if heldout_n else None},
+        "rewards": {"functions": dict(zip(rewards.names, rewards.weights, strict=True)), "accuracy": accuracy,
+                    "threshold": threshold,
+                    "train": reward_checks(rewards, setup.train_rows, accuracy, threshold),
+                    "heldout": reward_checks(rewards, setup.eval_rows, accuracy, threshold)},
+        "plan": steps,
+        "model": {"name": cfg.model.name, "parameters": params, "trainable": trainable,
+                  "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+                  "checkpoint_bytes": size, "disk_bytes": size * (steps["checkpoints_kept"]),
+                  "update_rows": share,
+                  "update_row_tokens_max": train_lengths["max"] + steps["new_tokens_per_completion"],
+                  "micro_batch_tokens": cfg.trainer.micro_batch_tokens},
+    }
+
+
+def warnings(report: dict[str, Any]) -> list[str]:
+    """What in a `check` report makes the run's numbers doubtful: references judged wrong, empty or wrong answers
+    judged right, no held-out rows, prompts dropped as too long."""
+    found = []
+    for split in ("train", "heldout"):
+        r = report["rewards"][split]
+        name = "training" if split == "train" else "held-out"
+        if r is None:
+            continue
+        if r["reference_solved"] < r["rows"]:
+            first = r["unsolved"][0]
+            found.append(f"the accuracy reward judges {r['rows'] - r['reference_solved']} of {r['rows']} {name} rows' "
+                         f"own {r['field']} wrong (e.g. row {first['row']}: {first[r['field']]!r}): a policy "
+                         "writing the right answer that way would not be paid; check the reward's answer format")
+        if r["empty_solved"]:
+            found.append(f"the accuracy reward judges an empty completion solved on {r['empty_solved']} of {r['rows']} "
+                         f"{name} rows: accuracy would count answers never given")
+        if r["neighbour_solved"]:
+            found.append(f"the accuracy reward judges another row's {r['field']} solved on {r['neighbour_solved']} of "
+                         f"{r['neighbour_rows']} {name} rows: it does not compare with the row's own answer")
+    if report["heldout"].get("kind") == "none":
+        found.append("no held-out rows: the run reports training reward only, no held-out accuracy "
+                     "(data.eval_split, data.eval_path or data.eval_fraction)")
+    for split, name in (("train", "training"), ("heldout", "held-out")):
+        if report[split].get("skipped_long"):
+            found.append(f"{report[split]['skipped_long']} {name} prompts are longer than "
+                         f"{report[split]['prompt_limit']} tokens and are left out")
+        if report[split].get("unknown_characters"):
+            found.append(f"{report[split]['unknown_characters']} {name} rows have characters the tokenizer cannot "
+                         "encode")
+    return found
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,.0f}"
+
+
+def format_report(report: dict[str, Any]) -> list[str]:
+    """A `check` report as the lines `gspo train --check` prints."""
+    from gspo.trainer import rows_line
+
+    lines = []
+    for split, name in (("train", "training"), ("heldout", "held-out")):
+        s = report[split]
+        line = f"{name} rows: {rows_line(s)}"
+        if s.get("prompt_tokens"):
+            p = s["prompt_tokens"]
+            limit = "no limit" if s["prompt_limit"] is None else f"limit {s['prompt_limit']}"
+            line += (f"; prompts {p['min']}-{p['max']} tokens (median {p['median']}, 95th percentile {p['p95']}; "
+                     f"{limit})")
+        lines.append(line)
+    h = report["heldout"]
+    if h.get("ci95_half_width") is not None:
+        lines.append(f"  a held-out accuracy near 50 % on {h['rows']} rows has a 95 % interval of "
+                     f"±{h['ci95_half_width'] * 100:.1f} points")
+    if h.get("groups"):
+        lines.append("  held-out groups: " + ", ".join(f"{g}: {n}" for g, n in h["groups"].items()))
+    rw = report["rewards"]
+    accuracy = rw["accuracy"] if isinstance(rw["accuracy"], str) else ", ".join(rw["accuracy"])
+    lines.append(f"rewards: {', '.join(f'{n} × {w:g}' for n, w in rw['functions'].items())}; solved: {accuracy} "
+                 f"≥ {rw['threshold']:g}")
+    for split, name in (("train", "training"), ("heldout", "held-out")):
+        r = rw[split]
+        if r is None:
+            lines.append(f"  {name} rows: no `solution` or `answer` to check the accuracy reward on")
+            continue
+        of = report[split]["rows"]
+        sample = f" (a sample of {r['rows']} of {of})" if r["rows"] < of else ""
+        lines.append(f"  {name} rows{sample}: own {r['field']} judged solved {r['reference_solved']}/"
+                     f"{r['rows']}; an empty completion {r['empty_solved']}/{r['rows']}; another row's {r['field']} "
+                     f"{r['neighbour_solved']}/{r['neighbour_rows']}")
+    c = report["config"]
+    if c["resume"]:
+        lines.append(f"resume: from {c['resume_from'] or 'the start (no checkpoint yet)'}"
+                     + (f"; changed settings: {', '.join(c['changed'])}" if c["changed"] else ""))
+    if cs := report["cold_start"]:
+        until = f" (until the running loss reaches {cs['target_loss']:g})" if cs["target_loss"] else ""
+        lines.append(f"cold start: SFT on the rows' solutions, ≤ {cs['steps_max']} steps × {cs['batch_size']} "
+                     f"rows{until}")
+    p = report["plan"]
+    at_least = "at least " if p["at_least"] else ""
+    lines.append(f"plan: {p['steps']} steps × {p['prompts_per_step']} prompts × {p['group_size']} completions = "
+                 f"{at_least}{p['completions']:,} completions ({p['passes']:.2f} passes over the training rows)")
+    lines.append(f"  ≤ {p['new_tokens_per_completion']} new tokens each (≤ {_count(p['generated_tokens_max'])} "
+                 f"generated tokens), {p['optimizer_steps']:,} optimizer steps")
+    evals = p["evaluations"]
+    lines.append(f"  {len(evals)} evaluations" + (f" (steps {', '.join(map(str, evals[:3]))}"
+                                                   f"{', ...' if len(evals) > 3 else ''}) of {h['rows']} rows"
+                                                   if evals else "")
+                 + f", {len(p['checkpoints'])} checkpoints ({p['checkpoints_kept']} kept)")
+    m = report["model"]
+    lines.append(f"model: {m['name']}, {_count(m['parameters'])} parameters ({_count(m['trainable'])} trained), "
+                 f"{m['dtype']}; a checkpoint ≈ {_size(m['checkpoint_bytes'])}, the kept ones ≈ "
+                 f"{_size(m['disk_bytes'])}")
+    budget = m["micro_batch_tokens"]
+    rows, tokens = m["update_rows"], m["update_row_tokens_max"]
+    lines.append(f"  an update forward: {rows} rows × ≤ {tokens} tokens = ≤ {rows * tokens:,} padded tokens"
+                 + (f" (trainer.micro_batch_tokens={budget}: micro-batches of ≤ {budget})" if budget else ""))
+    return lines

@@ -1,0 +1,120 @@
+"""`gspo train CONFIG --check` (`gspo.preflight`): it refuses what the run refuses, writes nothing, predicts what the
+run then does (rows, evaluations, checkpoints and their size), and finds the accuracy rewards that would make a run's
+numbers meaningless — one that rejects the rows' own answers, one that accepts an empty or another row's answer."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import DEMO, tiny_overrides
+from gspo.checkpoint import checkpoint_path, list_checkpoints
+from gspo.cli import main
+from gspo.config import ConfigError, load_config
+from gspo.preflight import check, reference_text, reward_checks, warnings
+from gspo.rewards import RewardRunner
+from gspo.tracking import read_metrics
+from gspo.trainer import train
+
+REWARDS = '''
+def boxed(prompt, completion, answer, **row):
+    """Wants \\\\boxed{answer}; the rows' solutions are plain numbers."""
+    return float("\\\\boxed{" + answer + "}" in completion)
+
+def anything(prompt, completion, **row):
+    """Pays for any answer at all, right or wrong."""
+    return float(bool(completion.strip()))
+
+def always(prompt, completion, **row):
+    return 1.0
+'''
+
+
+def own_rows(tmp_path: Path) -> list[str]:
+    """Overrides for a user's jsonl files (60 training, 20 held-out addition rows) and a reward module."""
+    def write(name: str, first: int, count: int) -> Path:
+        rows = [{"question": f"{a}+{a % 7}=", "result": str(a + a % 7)} for a in range(first, first + count)]
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return tmp_path / name
+
+    (tmp_path / "rw.py").write_text(REWARDS)
+    return [*tiny_overrides(tmp_path / "run", "cold_start=null"), f"data.path={write('train.jsonl', 0, 60)}",
+            f"data.eval_path={write('heldout.jsonl', 100, 20)}", "data.task=null", "data.train_size=null",
+            "data.eval_size=null", "data.fields={prompt: question, answer: result, solution: result}"]
+
+
+def test_check_writes_nothing_and_predicts_the_run(tmp_path):
+    """The report's rows, evaluation steps, checkpoints and checkpoint size are those the run then has."""
+    cfg = load_config(DEMO, tiny_overrides(tmp_path / "run", "cold_start=null", "trainer.checkpoint_every=2",
+                                           "trainer.keep_checkpoints=1"))
+    report = check(cfg)
+    assert not (tmp_path / "run").exists()
+    summary = train(cfg)
+    run = tmp_path / "run"
+    plan = report["plan"]
+    assert plan["evaluations"] == [r["step"] for r in read_metrics(run / "eval.jsonl")] == [0, 2, 3]
+    assert plan["checkpoints"] == [2, 3] and plan["checkpoints_kept"] == 1 == len(list_checkpoints(run))
+    assert plan["completions"] == 3 * 4 * 4 and plan["optimizer_steps"] == 3 * 4
+    assert report["train"]["rows"] == summary["train"]["rows"] == 200
+    assert report["heldout"]["rows"] == summary["heldout"]["rows"] == 16
+    saved = sum(f.stat().st_size for f in checkpoint_path(run, 3).rglob("*") if f.is_file())
+    assert abs(report["model"]["checkpoint_bytes"] - saved) / saved < 0.05
+    r = report["rewards"]["heldout"]  # the built-in addition verifier on the task's own answers
+    assert (r["field"], r["rows"], r["reference_solved"], r["empty_solved"], r["neighbour_solved"]) == \
+        ("solution", 16, 16, 0, 0)
+    assert r["neighbour_rows"] > 0 and warnings(report) == []
+
+
+@pytest.mark.parametrize(("reward", "finding"), [
+    ("boxed", r"judges 60 of 60 training rows' own solution wrong \(e\.g\. row 0: '0'\)"),
+    ("anything", r"judges another row's solution solved on \d+ of \d+ training rows"),
+    ("always", r"judges an empty completion solved on 60 of 60 training rows"),
+])
+def test_an_accuracy_reward_that_cannot_tell_right_from_wrong_is_found(tmp_path, capsys, reward, finding):
+    args = [*own_rows(tmp_path), f"rewards.functions={{{tmp_path / 'rw.py'}:{reward}: 1.0}}"]
+    report = check(load_config(DEMO, args))
+    assert any(re.search(finding, w) for w in warnings(report)), warnings(report)
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text(DEMO.read_text())
+    assert main(["train", str(cfg_file), "--check", *args]) == 1  # the run would start; its numbers would not hold
+    err = capsys.readouterr().err
+    assert "warning: the accuracy reward judges" in err and "nothing was computed or written" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_clean_check_exits_0_and_an_error_exits_2_as_the_run_would(tmp_path, capsys):
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text(DEMO.read_text())
+    args = own_rows(tmp_path)  # the built-in addition verifier: the rows' answers are right, others are not
+    assert main(["train", str(cfg_file), "--check", *args]) == 0
+    out = capsys.readouterr().out
+    assert "training rows: 60 from" in out and "own solution judged solved 60/60" in out and "plan: 3 steps" in out
+    assert main(["train", str(cfg_file), "--check", *args, "rollout.group_size=0"]) == 2
+    assert "rollout.group_size" in capsys.readouterr().err
+
+
+def test_check_refuses_what_a_resume_would_refuse_and_names_the_checkpoint_it_would_take(tmp_path):
+    args = tiny_overrides(tmp_path / "run", "cold_start=null", "trainer.eval_every=0")
+    train(load_config(DEMO, args))
+    with pytest.raises(ValueError, match="--resume"):  # a run is there: resume or overwrite it
+        check(load_config(DEMO, args))
+    with pytest.raises(ConfigError, match=r"algorithm\.loss"):
+        check(load_config(DEMO, [*args, "algorithm.loss=grpo"]), resume=True)
+    report = check(load_config(DEMO, [*args, "trainer.steps=5"]), resume=True)
+    assert report["config"]["resume_from"] == checkpoint_path(tmp_path / "run", 3).name
+    assert report["config"]["changed"] == ["trainer.steps"]
+
+
+def test_a_reference_closes_the_thought_a_prompt_opens():
+    """An R1-style prompt ends with <think>: a correct completion closes it before answering, so the check scores
+    the reference that way (else every reference would read as an unfinished thought, i.e. no answer)."""
+    assert reference_text({"answer": 42}, "answer", "q<think>\n", ("<think>", "</think>")) == "</think>42"
+    assert reference_text({"answer": 42}, "answer", "q", ("<think>", "</think>")) == "42"
+    assert reference_text({"solution": [{"role": "assistant"}]}, "solution", "q", None) is None
+    rows = [{"prompt": f"{a}+1=<think>", "answer": str(a + 1)} for a in range(8)]
+    found = reward_checks(RewardRunner({"addition": 1.0}), rows, "addition", 1.0)
+    assert (found["field"], found["reference_solved"], found["empty_solved"], found["neighbour_solved"]) == \
+        ("answer", 8, 0, 0)
