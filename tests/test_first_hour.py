@@ -21,7 +21,7 @@ import yaml
 from conftest import DEMO, tiny_overrides
 from gspo.cli import main
 from gspo.config import ConfigError, DataConfig, config_to_dict, load_config
-from gspo.data import load_data, load_rows, split_by_fraction
+from gspo.data import load_data, load_rows, near_key, split_by_fraction
 from gspo.evaluation import evaluate
 from gspo.models import build_preset, load_model
 from gspo.rewards import RewardRunner
@@ -83,6 +83,28 @@ def test_eval_path_rows_that_are_training_prompts_are_left_out_and_counted(tmp_p
                                                "data.eval_size=100")))
     assert summary["heldout"] == {"kind": "eval_path", "path": str(heldout_file), "rows": 10, "of": 10,
                                   "dropped_training_prompts": 10, "accuracy": "addition >= 1"}
+
+
+def test_a_held_out_prompt_that_differs_from_a_training_prompt_only_in_case_or_spacing_is_not_held_out(tmp_path):
+    """Before, only an identical prompt was left out: "What is 7 + 3?" in the training file and "what is 7 +  3? " in
+    the held-out one counted as held out, so the model was scored on a problem it trained on. Now prompts are compared
+    case-folded with whitespace collapsed (also across the sides of data.eval_fraction, which kept only identical
+    prompts together), in conversations too."""
+    assert near_key("What is 7 + 3?") == near_key(" what is 7 +  3?\n") != near_key("What is 7 + 4?")
+    assert near_key([{"role": "user", "content": "Hi  there"}]) == near_key([{"content": "hi there", "role": "user"}])
+    train_rows = [{"q": f"What is {a} + 3?", "a": str(a + 3)} for a in range(40)]
+    held = [{"q": f" what is {a} +  3? ", "a": str(a + 3)} for a in range(30, 50)]  # 30-39: training problems
+    fields = {"prompt": "q", "answer": "a"}
+    data = load_data(DataConfig(path=str(write_jsonl(tmp_path / "t.jsonl", train_rows)),
+                                eval_path=str(write_jsonl(tmp_path / "h.jsonl", held)), fields=fields), seed=0)
+    assert data.heldout_source["dropped_training_prompts"] == 10 and len(data.heldout) == 10
+    assert {near_key(r["prompt"]) for r in data.heldout}.isdisjoint(near_key(r["prompt"]) for r in data.train)
+
+    variants = [{"q": text.format(a), "a": str(a)} for a in range(200) for text in ("Solve {}.", "solve  {}. ")]
+    mixed = load_data(DataConfig(path=str(write_jsonl(tmp_path / "m.jsonl", variants)), eval_fraction=0.2,
+                                 fields=fields), seed=0)
+    assert mixed.heldout_source["dropped_training_prompts"] > 0  # variants that hashed to the other side
+    assert {near_key(r["prompt"]) for r in mixed.heldout}.isdisjoint(near_key(r["prompt"]) for r in mixed.train)
 
 
 def test_a_file_is_used_whole_unless_capped_and_a_cap_is_a_sample_not_the_first_rows(tmp_path):

@@ -14,7 +14,7 @@ from conftest import DEMO, tiny_overrides
 from gspo.checkpoint import checkpoint_path, list_checkpoints
 from gspo.cli import main
 from gspo.config import ConfigError, load_config
-from gspo.preflight import check, reference_text, reward_checks, warnings
+from gspo.preflight import check, reference_text, reward_checks, shared_passages, warnings
 from gspo.rewards import RewardRunner
 from gspo.tracking import read_metrics
 from gspo.trainer import train
@@ -118,3 +118,19 @@ def test_a_reference_closes_the_thought_a_prompt_opens():
     found = reward_checks(RewardRunner({"addition": 1.0}), rows, "addition", 1.0)
     assert (found["field"], found["reference_solved"], found["empty_solved"], found["neighbour_solved"]) == \
         ("answer", 8, 0, 0)
+
+
+def test_held_out_rows_that_share_a_passage_with_a_training_prompt_are_found_but_not_a_shared_template():
+    """A held-out problem copied into the training data with other wording around it (another dataset's copy) is
+    reported; the instruction every row carries is not (it is in more than 1 % of the rows, and at least 5)."""
+    template = "Solve the problem and put your final answer within a box at the very end. "
+    problem = "A train leaves the station at noon travelling at sixty miles per hour towards the city"
+    train = [{"prompt": template + f"Problem {i}: add {i} and {i + 1} then double it."} for i in range(300)]
+    train[123] = {"prompt": f"Here is a question. {problem.upper()}; when does it arrive?"}
+    held = [{"prompt": template + f"Problem {i}: multiply {i} by {i + 2} and halve it."} for i in range(50)]
+    held[7] = {"prompt": template + problem + ". How far has it gone by 3 pm?"}
+    found = shared_passages(train, held)
+    assert found["rows"] == 1 and found["examples"][0]["heldout_row"] == 7
+    assert found["examples"][0]["training_row"] == 123
+    assert found["examples"][0]["passage"] in problem.casefold()
+    assert shared_passages(train, held, n=40)["rows"] == 0  # no passage that long is shared

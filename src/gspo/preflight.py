@@ -5,7 +5,9 @@ and its held-out rows, the rewards' signatures and routes, the model, the chat t
 then reports, computing nothing and writing nothing:
 
 - the rows: how many train and are held out (of how many), their prompts' lengths in tokens against the limit, the
-  held-out groups, and how wide a 95 % interval of held-out accuracy can be on that many rows;
+  held-out groups, how wide a 95 % interval of held-out accuracy can be on that many rows, and the held-out rows
+  that share an 8-word passage with a training prompt (`shared_passages`: a problem reworded or copied between
+  datasets, which the split's check of equal prompts cannot see);
 - **the rewards on known answers** (`reward_checks`): each row's own reference (its `solution`, else its `answer`)
   should be judged solved, an empty completion and a neighbouring row's different reference should not. A verifier
   that rejects the gold answers (a format it cannot parse) makes RL learn nothing; one that accepts an empty or a
@@ -17,6 +19,7 @@ then reports, computing nothing and writing nothing:
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from collections import Counter
 from collections.abc import Sequence
@@ -31,7 +34,8 @@ from gspo.evaluation import wilson_ci95
 from gspo.rewards import RewardRunner
 from gspo.rewards.thinking import final_answer
 
-__all__ = ["REFERENCE_ROWS", "check", "checkpoint_bytes", "format_report", "plan", "reference_text", "reward_checks"]
+__all__ = ["PASSAGE_WORDS", "REFERENCE_ROWS", "check", "checkpoint_bytes", "format_report", "plan", "reference_text",
+           "reward_checks", "shared_passages", "warnings"]
 
 REFERENCE_ROWS = 200
 """Rows of each split whose references the check scores (a sample by prompt hash; all when there are fewer)."""
@@ -82,6 +86,45 @@ def reward_checks(rewards: RewardRunner, rows: Sequence[dict], accuracy: str | S
     unsolved = [{"row": i, "prompt": prompts[i][-80:], field: texts[i][:80]} for i, ok in enumerate(own) if not ok]
     return {"field": field, "rows": len(kept), "reference_solved": sum(own), "unsolved": unsolved[:3],
             "empty_solved": sum(empty), "neighbour_rows": len(wrong), "neighbour_solved": sum(neighbour)}
+
+
+PASSAGE_WORDS = 8
+"""How many consecutive words a held-out prompt must share with a training prompt to be reported (open-r1's
+decontamination uses 8-grams too)."""
+
+
+def _passages(text: str, n: int) -> list[tuple[str, ...]]:
+    """`text`'s passages of `n` consecutive words (case-folded), the i-th starting at its i-th word."""
+    words = re.findall(r"\w+", text.casefold())
+    return [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
+
+
+def shared_passages(train_rows: Sequence[dict], eval_rows: Sequence[dict], n: int = PASSAGE_WORDS) -> dict[str, Any]:
+    """Held-out rows that share a passage of `n` consecutive words (case-folded) with a training prompt: the same
+    problem reworded, or copied between datasets, which the split check (equal prompts up to case and whitespace,
+    `gspo.data.near_key`) cannot see. A passage in more than max(5, 1 %) of the training or of the held-out rows is
+    a template (a system prompt, an instruction every row carries); a shared passage counts only where it has no word
+    of a template (so "…the very end. Problem 12" is not one problem). Returns `rows` (how many held-out rows share
+    one) and up to three `examples` (held-out row, training row, the passage)."""
+    held = [_passages(r["prompt"], n) for r in eval_rows]
+    wanted = {g for grams in held for g in grams}
+    in_train: Counter = Counter()
+    first: dict[tuple[str, ...], int] = {}
+    for j, row in enumerate(train_rows):
+        for gram in set(_passages(row["prompt"], n)) & wanted:
+            in_train[gram] += 1
+            first.setdefault(gram, j)
+    in_held = Counter(g for grams in held for g in set(grams))
+    template = {g for g in wanted if in_train[g] > max(5, len(train_rows) // 100)
+                or in_held[g] > max(5, len(eval_rows) // 100)}
+    found = []
+    for i, grams in enumerate(held):
+        covered = {k for start, g in enumerate(grams) if g in template for k in range(start, start + n)}
+        shared = [g for start, g in enumerate(grams) if g in first and g not in template
+                  and covered.isdisjoint(range(start, start + n))]
+        if shared:
+            found.append({"heldout_row": i, "training_row": first[shared[0]], "passage": " ".join(shared[0])})
+    return {"words": n, "rows": len(found), "examples": found[:3]}
 
 
 def plan(cfg: Config, train_rows: int, eval_rows: int) -> dict[str, Any]:
@@ -156,7 +199,8 @@ def check(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[st
                     "prompt_limit": setup.prompt_limits[1], "skipped_long": setup.skipped_prompts["eval"],
                     "unknown_characters": setup.unknown["eval"],
                     "groups": dict(Counter(setup.eval_group)) if setup.eval_group is not None else None,
-                    "ci95_half_width": (high - low) / 2 if heldout_n else None},
+                    "ci95_half_width": (high - low) / 2 if heldout_n else None,
+                    "shared_passages": shared_passages(setup.train_rows, setup.eval_rows)},
         "rewards": {"functions": dict(zip(rewards.names, rewards.weights, strict=True)), "accuracy": accuracy,
                     "threshold": threshold,
                     "train": reward_checks(rewards, setup.train_rows, accuracy, threshold),
@@ -191,6 +235,13 @@ def warnings(report: dict[str, Any]) -> list[str]:
         if r["neighbour_solved"]:
             found.append(f"the accuracy reward judges another row's {r['field']} solved on {r['neighbour_solved']} of "
                          f"{r['neighbour_rows']} {name} rows: it does not compare with the row's own answer")
+    shared = report["heldout"]["shared_passages"]
+    if shared["rows"]:
+        e = shared["examples"][0]
+        found.append(f"{shared['rows']} held-out rows share a passage of {shared['words']} words with a training "
+                     f"prompt (e.g. held-out row {e['heldout_row']} and training row {e['training_row']}: "
+                     f"{e['passage']!r}): the same problem reworded or copied is not held out; only prompts equal up "
+                     "to case and whitespace are left out")
     if report["heldout"].get("kind") == "none":
         found.append("no held-out rows: the run reports training reward only, no held-out accuracy "
                      "(data.eval_split, data.eval_path or data.eval_fraction)")
@@ -234,6 +285,9 @@ def format_report(report: dict[str, Any]) -> list[str]:
     if h.get("ci95_half_width") is not None:
         lines.append(f"  a held-out accuracy near 50 % on {h['rows']} rows has a 95 % interval of "
                      f"±{h['ci95_half_width'] * 100:.1f} points")
+    if h.get("shared_passages") and h["rows"]:
+        lines.append(f"  held-out rows sharing an {h['shared_passages']['words']}-word passage with a training prompt: "
+                     f"{h['shared_passages']['rows']}")
     if h.get("groups"):
         lines.append("  held-out groups: " + ", ".join(f"{g}: {n}" for g, n in h["groups"].items()))
     rw = report["rewards"]

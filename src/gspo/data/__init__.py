@@ -10,6 +10,7 @@ from gspo.data.heldout import (
     eval_group_field,
     eval_groups,
     load_data,
+    near_key,
     split_by_fraction,
     subset_rows,
 )
@@ -17,5 +18,5 @@ from gspo.data.tasks import SPLITS, TASKS, Task, make_task, split_of
 
 __all__ = [
     "SPLITS", "TASKS", "TASK_ROWS", "DataSplits", "Task", "eval_group_field", "eval_groups", "load_data", "load_rows",
-    "make_task", "render_chat", "render_prompts", "split_by_fraction", "split_of", "subset_rows",
+    "make_task", "near_key", "render_chat", "render_prompts", "split_by_fraction", "split_of", "subset_rows",
 ]

@@ -32,7 +32,7 @@ from gspo.data.files import load_rows
 from gspo.data.tasks import make_task
 
 __all__ = ["DATA_SOURCE", "EVAL_SET", "MAX_GROUPS", "TASK_ROWS", "DataSplits", "eval_group_field", "eval_groups",
-           "holdout_bucket", "load_data", "source_names", "split_by_fraction", "subset_rows"]
+           "holdout_bucket", "load_data", "near_key", "source_names", "split_by_fraction", "subset_rows"]
 
 # Problems an embedded task draws when data.train_size / data.eval_size are not set (a file or dataset: all rows).
 TASK_ROWS = {"train": 20000, "eval": 200}
@@ -61,6 +61,19 @@ def _prompt_key(prompt: Any) -> str:
     return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
 
 
+def near_key(prompt: Any) -> str:
+    """A prompt as the split check compares it with the training prompts: case-folded, every run of whitespace one
+    space, stripped (each message's text, for a conversation). "What is 2+3?" and "what is  2+3? " are one prompt to
+    it: a held-out row that differs from a training row only so is not held out."""
+    def fold(value: Any) -> Any:
+        return " ".join(value.casefold().split()) if isinstance(value, str) else value
+
+    if isinstance(prompt, str):
+        return fold(prompt)
+    return json.dumps([{k: fold(v) for k, v in m.items()} if isinstance(m, dict) else fold(m) for m in prompt],
+                      sort_keys=True)
+
+
 def holdout_bucket(prompt: Any, salt: bytes = b"") -> float:
     """A number in [0, 1) that is a pure function of the prompt (SHA-256, the same on every machine and process);
     another `salt` gives another number, independent of this one (`subset_rows`'s sample vs the held-out side)."""
@@ -80,13 +93,14 @@ def split_by_fraction(rows: list[dict], fraction: float) -> tuple[list[dict], li
 
 
 def _drop_training_prompts(heldout: list[dict], train: list[dict], where: str) -> tuple[list[dict], int]:
-    """Held-out rows without those whose prompt is also a training prompt, and how many were dropped."""
-    seen = {_prompt_key(r["prompt"]) for r in train}
-    kept = [r for r in heldout if _prompt_key(r["prompt"]) not in seen]
+    """Held-out rows without those whose prompt is also a training prompt, up to case and whitespace (`near_key`),
+    and how many were dropped."""
+    seen = {near_key(r["prompt"]) for r in train}
+    kept = [r for r in heldout if near_key(r["prompt"]) not in seen]
     dropped = len(heldout) - len(kept)
     if dropped:
-        log.warning("%s: %d of %d held-out rows have a prompt that is also a training prompt; they are left out of "
-                    "the held-out evaluation", where, dropped, len(heldout))
+        log.warning("%s: %d of %d held-out rows have a prompt that is also a training prompt (up to case and "
+                    "whitespace); they are left out of the held-out evaluation", where, dropped, len(heldout))
     if not kept:
         raise ValueError(f"{where}: every held-out row's prompt is also a training prompt, so nothing is held out: "
                          "use a separate file (data.eval_path) or data.eval_fraction")
@@ -227,11 +241,13 @@ def _load_data(data, seed: int) -> DataSplits:
         if not train or not heldout:
             raise ValueError(f"data.eval_fraction={data.eval_fraction:g} of the {len(rows)} rows of {data.path} "
                              f"leaves {len(train)} training and {len(heldout)} held-out rows; both must be non-empty")
+        # the same prompt lands on one side; one that differs only in case or spacing may not
+        heldout, dropped = _drop_training_prompts(heldout, train, f"data.eval_fraction of {data.path}")
         train, train_source = _drawn({"kind": "eval_fraction_rest", "path": data.path, "split": data.split},
                                      train, data.train_size, "training")
         heldout, heldout_source = _drawn({"kind": "eval_fraction", "path": data.path, "fraction": data.eval_fraction},
                                          heldout, data.eval_size, "held-out")
-        return DataSplits(train, heldout, {**heldout_source, "dropped_training_prompts": 0}, train_source)
+        return DataSplits(train, heldout, {**heldout_source, "dropped_training_prompts": dropped}, train_source)
     every_train = _load_paths(data, data.split)
     train, train_source = _drawn({"kind": "path", "path": data.path, "split": data.split}, every_train,
                                  data.train_size, "training")
