@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -156,6 +157,26 @@ def test_gspo_eval_scores_every_row_of_a_file_unless_told_and_says_of_how_many(t
     captured = capsys.readouterr()
     result = json.loads(captured.out)
     assert result["rows"] == 50 and result["source"]["of"] == 600 and "on 50 of 600 rows" in captured.err
+
+
+def test_gspo_eval_of_a_run_folder_is_its_final_model_on_its_held_out_rows(tmp_path, capsys):
+    """`gspo eval RUN` is what a user types first; it failed with "has no config.json". Now it means RUN/final
+    with --config RUN/config.yaml (said on stderr), and a run without a final model names what to evaluate."""
+    run = tmp_path / "run"
+    train(load_config(DEMO, tiny_overrides(run, "cold_start=null", "trainer.steps=1", "trainer.eval_every=0")))
+    assert main(["eval", str(run / "final"), "--config", str(run / "config.yaml")]) == 0
+    explicit = json.loads(capsys.readouterr().out)
+    assert main(["eval", str(run), "--baseline", str(run)]) == 0
+    captured = capsys.readouterr()
+    short = json.loads(captured.out)
+    assert f"{run} is a training run: evaluating {run / 'final'}" in captured.err
+    assert (short["model"], short["baseline"]["model"]) == (str(run / "final"), str(run / "final"))
+    assert short["rows"] == explicit["rows"] == 16 and short["accuracy"] == explicit["accuracy"]
+    assert short["accuracy_change"] == 0
+    shutil.rmtree(run / "final")
+    assert main(["eval", str(run)]) == 2
+    assert f"without a final model (it stopped or is still running): name its latest checkpoint, {run}" \
+        in capsys.readouterr().err
 
 
 def test_an_eval_file_that_is_the_training_file_is_refused(tmp_path):

@@ -258,6 +258,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from gspo.parallel import resolve_device
     from gspo.rollout import HFSampler, SamplingParams
 
+    _eval_run_folders(args)
     n, temperature, top_p, ks = _eval_sampling(args)
     if args.max_batch_rows is not None and args.max_batch_rows < 1:
         raise ConfigError(f"--max-batch-rows must be >= 1, got {args.max_batch_rows}")
@@ -326,6 +327,36 @@ def _cmd_eval(args: argparse.Namespace) -> int:
               "reward (--reward) and the rows' fields (--fields)", file=sys.stderr)
         return 1
     return 0
+
+
+def _eval_run_folders(args: argparse.Namespace) -> None:
+    """`gspo eval RUN` for a run folder (it has config.yaml, not config.json): its final model, and its config's
+    held-out rows unless --config, --data or --task say otherwise; `--baseline RUN2` is RUN2's final model and
+    `--config RUN` is RUN/config.yaml. A run without final/ (stopped or still training) is refused with what to name
+    instead."""
+    def final(path: str, what: str) -> str:
+        run = Path(path)
+        if not (run / "config.yaml").is_file() or (run / "config.json").is_file():
+            return path
+        if not (run / "final").is_dir():
+            kept = sorted((run / "checkpoints").glob("step_*/model"))
+            hint = f"its latest checkpoint, {kept[-1]}" if kept else "a model folder"
+            raise ConfigError(f"{what} {path} is a training run without a final model (it stopped or is still "
+                              f"running): name {hint}{' or ' + str(run / 'best') if (run / 'best').is_dir() else ''}"
+                              f", with --config {run / 'config.yaml'} for its held-out rows")
+        return str(run / "final")
+
+    if args.config is not None and Path(args.config).is_dir():
+        args.config = str(Path(args.config) / "config.yaml")
+    model = final(args.model, "MODEL")
+    if model != args.model and args.config is None and args.data is None and args.task is None:
+        args.config = str(Path(args.model) / "config.yaml")
+    if model != args.model:
+        print(f"gspo eval: {args.model} is a training run: evaluating {model}"
+              + (f" on the held-out rows of {args.config}" if args.config else ""), file=sys.stderr)
+    args.model = model
+    if args.baseline is not None:
+        args.baseline = final(args.baseline, "--baseline")
 
 
 def _write_rows(path: Path, shown: list[dict], values: list[float], groups: list[str] | None,
@@ -487,7 +518,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="accuracy of a model on held-out rows (a task, a dataset, or a config's): greedy, "
                                     "or pass@k / maj@k over --samples N sampled completions per row")
-    p.add_argument("model", help="preset, local HF directory (e.g. RUN/final) or hub id")
+    p.add_argument("model", help="preset, local HF directory (e.g. RUN/best), hub id, or a run folder RUN: its final "
+                                  "model on its config's held-out rows (RUN/final --config RUN/config.yaml)")
     p.add_argument("--config", default=None,
                    help="a training config (e.g. RUN/config.yaml): its held-out rows, fields, rewards and accuracy")
     p.add_argument("--by", default=None,
