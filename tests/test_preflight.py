@@ -65,7 +65,7 @@ def test_check_writes_nothing_and_predicts_the_run(tmp_path):
     r = report["rewards"]["heldout"]  # the built-in addition verifier on the task's own answers
     assert (r["field"], r["rows"], r["reference_solved"], r["empty_solved"], r["neighbour_solved"]) == \
         ("solution", 16, 16, 0, 0)
-    assert r["neighbour_rows"] > 0 and warnings(report) == []
+    assert r["neighbour_rows"] > 0 and r["seconds_per_completion"] > 0 and warnings(report) == []
 
 
 @pytest.mark.parametrize(("reward", "finding"), [

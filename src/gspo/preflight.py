@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import re
 import statistics
+import time
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -59,8 +60,8 @@ def reward_checks(rewards: RewardRunner, rows: Sequence[dict], accuracy: str | S
     """The accuracy reward(s) on known answers, over a sample of at most `limit` of `rows` (by prompt hash): how many
     rows' own reference is judged solved (`reference_solved` of `rows`; the first few that are not in `unsolved`), how
     many are solved by an empty completion (`empty_solved`), and by the next sampled row's reference where it differs
-    from the row's own (`neighbour_solved` of `neighbour_rows`). The reference is each row's `solution`, or `answer`
-    where no row has a text solution. None when no row has either."""
+    from the row's own (`neighbour_solved` of `neighbour_rows`), and the rewards' time per completion. The reference
+    is each row's `solution`, or `answer` where no row has a text solution. None when no row has either."""
     rows = subset_rows(list(rows), limit)
     field = next((f for f in ("solution", "answer")
                   if any(reference_text(r, f, r["prompt"], None) is not None for r in rows)), None)
@@ -71,10 +72,14 @@ def reward_checks(rewards: RewardRunner, rows: Sequence[dict], accuracy: str | S
     kept, texts = [r for r, _ in refs], [t for _, t in refs]
     prompts = [r["prompt"] for r in kept]
 
+    scored = [0, 0.0]  # completions, seconds
+
     def solved(completions: list[str], which: list[int]) -> list[bool]:
         if not which:
             return []
+        t0 = time.perf_counter()
         scores = rewards.score([prompts[i] for i in which], completions, [kept[i] for i in which])
+        scored[0], scored[1] = scored[0] + len(which), scored[1] + time.perf_counter() - t0
         return [bool(v) for v in scores.correct(accuracy, threshold).tolist()]
 
     everyone = list(range(len(kept)))
@@ -85,7 +90,8 @@ def reward_checks(rewards: RewardRunner, rows: Sequence[dict], accuracy: str | S
     neighbour = solved([texts[(i + 1) % len(kept)] for i in wrong], wrong)
     unsolved = [{"row": i, "prompt": prompts[i][-80:], field: texts[i][:80]} for i, ok in enumerate(own) if not ok]
     return {"field": field, "rows": len(kept), "reference_solved": sum(own), "unsolved": unsolved[:3],
-            "empty_solved": sum(empty), "neighbour_rows": len(wrong), "neighbour_solved": sum(neighbour)}
+            "empty_solved": sum(empty), "neighbour_rows": len(wrong), "neighbour_solved": sum(neighbour),
+            "seconds_per_completion": scored[1] / scored[0]}
 
 
 PASSAGE_WORDS = 8
@@ -304,6 +310,11 @@ def format_report(report: dict[str, Any]) -> list[str]:
         lines.append(f"  {name} rows{sample}: own {r['field']} judged solved {r['reference_solved']}/"
                      f"{r['rows']}; an empty completion {r['empty_solved']}/{r['rows']}; another row's {r['field']} "
                      f"{r['neighbour_solved']}/{r['neighbour_rows']}")
+    timed = [r["seconds_per_completion"] for r in (rw["train"], rw["heldout"]) if r is not None]
+    if timed:
+        per, step = max(timed), report["plan"]["prompts_per_step"] * report["plan"]["group_size"]
+        lines.append(f"  scoring took {per * 1e3:.2g} ms per completion here: ≈ {per * step:.2g} s per step of "
+                     f"{step:,} completions")
     c = report["config"]
     if c["resume"]:
         lines.append(f"resume: from {c['resume_from'] or 'the start (no checkpoint yet)'}"
