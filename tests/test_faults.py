@@ -93,6 +93,7 @@ def test_consecutive_bad_steps_stop_the_run_with_a_report(tmp_path, nan_loss_on_
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "failed" and "stopped at step 4" in summary["error"]
     assert summary["steps_done"] == 4 and summary["skipped_updates"] == 3 * MINIBATCHES
+    assert summary["last_checkpoint"] == 4  # what --resume (after a fix) continues from
     assert not (tmp_path / "final").exists()
 
 

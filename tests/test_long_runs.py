@@ -257,6 +257,10 @@ def test_guard_rolls_back_once_then_stops_with_status_collapsed(tmp_path, counte
         train(load_config(DEMO, tiny_overrides(out, *GUARDED)))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "collapsed" and "reward" in summary["error"] and summary["guard"]["rollbacks"] == 1
+    # what the stopped run has to show: its held-out accuracy before RL and at its last evaluation, its checkpoint
+    assert summary["last_checkpoint"] == max(list_checkpoints(out))
+    assert summary["heldout_accuracy_last"]["step"] == 0  # eval_every=0: only before RL
+    assert summary["heldout_accuracy_before_rl"] == summary["heldout_accuracy_last"]["accuracy"]
     [event] = read_metrics(out / "guard.jsonl")
     # the reward fell to 0 from step 11: steps 11-12 anomalous, rollback to a checkpoint that step 11 did not see
     assert event["first_anomalous_step"] == 11 and event["to_checkpoint"] <= 9 and event["lr_scale"] == 0.5

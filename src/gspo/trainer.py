@@ -839,13 +839,25 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         error = (f"collapse at step {verdict.step} (anomalous since step {verdict.first_step}): {verdict.reason}; "
                  f"stopped, since {why}")
         if group.is_main:
-            write_atomic(out / "summary.json", json.dumps({
-                "status": "collapsed", "error": error, "steps_done": verdict.step, "steps": cfg.trainer.steps,
-                "guard": {"rollbacks": rollbacks, "lr_scale": lr_scale, "reason": verdict.reason,
-                          "first_anomalous_step": verdict.first_step},
-                "wall_seconds": time.perf_counter() - wall0}, indent=2))
-            _plot_run(cfg, out, evals)
+            stopped_summary("collapsed", error, verdict.step, guard={
+                "rollbacks": rollbacks, "lr_scale": lr_scale, "reason": verdict.reason,
+                "first_anomalous_step": verdict.first_step})
         return RunCollapsed(error)
+
+    def stopped_summary(status: str, error: str, steps_done: int, **extra) -> None:
+        """summary.json (and curves.png) of a run that stopped before its last step: why, and what it has to show —
+        the held-out accuracy before RL and at its last evaluation, OUT/best (trainer.save_best), the checkpoint
+        a resume continues from."""
+        latest = list_checkpoints(out)
+        write_atomic(out / "summary.json", json.dumps({
+            "status": status, "error": error, "steps_done": steps_done, "steps": cfg.trainer.steps, **extra,
+            "heldout_accuracy_before_rl": evals[0]["heldout_accuracy"] if evals else None,
+            "heldout_accuracy_last": {"step": evals[-1]["step"], "accuracy": evals[-1]["heldout_accuracy"]}
+            if evals else None,
+            **({"best": {**best, "path": str(out / "best"), "note": _BEST_NOTE}} if best is not None else {}),
+            "last_checkpoint": latest[-1] if latest else None,
+            "wall_seconds": time.perf_counter() - wall0}, indent=2))
+        _plot_run(cfg, out, evals)
 
     # ------------------------------------------------------------------------------------------------------ loop
     done = start
@@ -894,11 +906,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
                          f"skipped for a non-finite loss or gradient norm, so the weights stopped changing; "
                          f"lower optim.lr, keep optim.grad_clip, or check the rewards and the model's dtype")
                 if group.is_main:
-                    write_atomic(out / "summary.json", json.dumps({
-                        "status": "failed", "error": error, "steps_done": done, "steps": cfg.trainer.steps,
-                        "skipped_updates": _skipped_updates(out), "wall_seconds": time.perf_counter() - wall0,
-                    }, indent=2))
-                    _plot_run(cfg, out, evals)
+                    stopped_summary("failed", error, done, skipped_updates=_skipped_updates(out))
                 raise TrainingError(error)
             for callback in callbacks:
                 callback(done, metrics)
