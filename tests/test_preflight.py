@@ -134,3 +134,14 @@ def test_held_out_rows_that_share_a_passage_with_a_training_prompt_are_found_but
     assert found["examples"][0]["training_row"] == 123
     assert found["examples"][0]["passage"] in problem.casefold()
     assert shared_passages(train, held, n=40)["rows"] == 0  # no passage that long is shared
+
+
+def test_a_multi_turn_demonstration_is_checked_by_its_answer(tmp_path):
+    """The calculator task's tool-use rows have a list of messages as their solution: their reference is the answer
+    the final reply must give; the direct rows' is their text solution."""
+    config = Path(__file__).parents[1] / "configs" / "calculator.yaml"
+    report = check(load_config(config, [f"trainer.out={tmp_path / 'run'}", "data.train_size=300",
+                                        "data.eval_size=20"]))
+    r = report["rewards"]["train"]
+    assert r["field"] == "solution or answer" and r["rows"] == r["sampled"] == 200
+    assert (r["reference_solved"], r["empty_solved"], r["neighbour_solved"]) == (200, 0, 0)

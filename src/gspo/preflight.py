@@ -60,16 +60,23 @@ def reward_checks(rewards: RewardRunner, rows: Sequence[dict], accuracy: str | S
     """The accuracy reward(s) on known answers, over a sample of at most `limit` of `rows` (by prompt hash): how many
     rows' own reference is judged solved (`reference_solved` of `rows`; the first few that are not in `unsolved`), how
     many are solved by an empty completion (`empty_solved`), and by the next sampled row's reference where it differs
-    from the row's own (`neighbour_solved` of `neighbour_rows`), and the rewards' time per completion. The reference
-    is each row's `solution`, or `answer` where no row has a text solution. None when no row has either."""
+    from the row's own (`neighbour_solved` of `neighbour_rows`), and the rewards' time per completion. A row's
+    reference is its `solution` where that is text, else its `answer` (`field` says which were used; a multi-turn
+    demonstration is a list of messages, its `answer` is what the final reply must say). None when no sampled row
+    has either."""
     rows = subset_rows(list(rows), limit)
-    field = next((f for f in ("solution", "answer")
-                  if any(reference_text(r, f, r["prompt"], None) is not None for r in rows)), None)
-    if field is None:
-        return None
     tags = rewards.think_tags
-    refs = [(r, text) for r in rows if (text := reference_text(r, field, r["prompt"], tags)) is not None]
-    kept, texts = [r for r, _ in refs], [t for _, t in refs]
+    refs = []  # (row, field, reference)
+    for r in rows:
+        for f in ("solution", "answer"):
+            if (text := reference_text(r, f, r["prompt"], tags)) is not None:
+                refs.append((r, f, text))
+                break
+    if not refs:
+        return None
+    kept, texts = [r for r, _, _ in refs], [t for _, _, t in refs]
+    used = {f for _, f, _ in refs}
+    field = " or ".join(f for f in ("solution", "answer") if f in used)
     prompts = [r["prompt"] for r in kept]
 
     scored = [0, 0.0]  # completions, seconds
@@ -88,9 +95,11 @@ def reward_checks(rewards: RewardRunner, rows: Sequence[dict], accuracy: str | S
     # the next row's reference, where it is a different answer: a wrong answer the row's verifier must refuse
     wrong = [i for i in everyone if len(kept) > 1 and texts[(i + 1) % len(kept)].strip() != texts[i].strip()]
     neighbour = solved([texts[(i + 1) % len(kept)] for i in wrong], wrong)
-    unsolved = [{"row": i, "prompt": prompts[i][-80:], field: texts[i][:80]} for i, ok in enumerate(own) if not ok]
-    return {"field": field, "rows": len(kept), "reference_solved": sum(own), "unsolved": unsolved[:3],
-            "empty_solved": sum(empty), "neighbour_rows": len(wrong), "neighbour_solved": sum(neighbour),
+    unsolved = [{"row": i, "prompt": prompts[i][-80:], "reference": texts[i][:80]} for i, ok in enumerate(own)
+                if not ok]
+    return {"field": field, "sampled": len(rows), "rows": len(kept), "reference_solved": sum(own),
+            "unsolved": unsolved[:3], "empty_solved": sum(empty), "neighbour_rows": len(wrong),
+            "neighbour_solved": sum(neighbour),
             "seconds_per_completion": scored[1] / scored[0]}
 
 
@@ -233,7 +242,7 @@ def warnings(report: dict[str, Any]) -> list[str]:
         if r["reference_solved"] < r["rows"]:
             first = r["unsolved"][0]
             found.append(f"the accuracy reward judges {r['rows'] - r['reference_solved']} of {r['rows']} {name} rows' "
-                         f"own {r['field']} wrong (e.g. row {first['row']}: {first[r['field']]!r}): a policy "
+                         f"own {r['field']} wrong (e.g. row {first['row']}: {first['reference']!r}): a policy "
                          "writing the right answer that way would not be paid; check the reward's answer format")
         if r["empty_solved"]:
             found.append(f"the accuracy reward judges an empty completion solved on {r['empty_solved']} of {r['rows']} "
@@ -306,7 +315,9 @@ def format_report(report: dict[str, Any]) -> list[str]:
             lines.append(f"  {name} rows: no `solution` or `answer` to check the accuracy reward on")
             continue
         of = report[split]["rows"]
-        sample = f" (a sample of {r['rows']} of {of})" if r["rows"] < of else ""
+        sample = f" (a sample of {r['sampled']} of {of})" if r["sampled"] < of else ""
+        if r["rows"] < r["sampled"]:
+            sample = f" ({r['rows']} with a text {r['field']}{sample.replace(' (', ', ').rstrip(')')})"
         lines.append(f"  {name} rows{sample}: own {r['field']} judged solved {r['reference_solved']}/"
                      f"{r['rows']}; an empty completion {r['empty_solved']}/{r['rows']}; another row's {r['field']} "
                      f"{r['neighbour_solved']}/{r['neighbour_rows']}")
