@@ -145,3 +145,14 @@ def test_a_multi_turn_demonstration_is_checked_by_its_answer(tmp_path):
     r = report["rewards"]["train"]
     assert r["field"] == "solution or answer" and r["rows"] == r["sampled"] == 200
     assert (r["reference_solved"], r["empty_solved"], r["neighbour_solved"]) == (200, 0, 0)
+
+
+def test_solutions_longer_than_the_new_token_budget_are_warned_about(tmp_path):
+    """A budget that cannot hold the demonstrated answers (and the end token) cuts every such completion off; the
+    training rows' two-digit answers need 3 tokens with it, the limit here is 2."""
+    report = check(load_config(DEMO, [*own_rows(tmp_path), "rollout.max_new_tokens=2",
+                                      "trainer.eval_max_new_tokens=4"]))
+    t = report["train"]["solution_tokens"]
+    assert t["over"] == sum(len(str(a + a % 7)) + 1 > 2 for a in range(60)) > 0 and t["budget"] == 2
+    assert report["heldout"]["solution_tokens"]["over"] == 0  # held-out: 4 new tokens
+    assert any("training rows' solutions need more than rollout.max_new_tokens=2" in w for w in warnings(report))

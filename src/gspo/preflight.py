@@ -186,13 +186,16 @@ def check(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[st
     params, trainable, size = checkpoint_bytes(model)
     accuracy, threshold = cfg.rewards.accuracy_reward, cfg.rewards.accuracy_threshold
 
-    def lengths(rows: list[dict]) -> dict[str, int] | None:
-        if not rows:
+    def lengths(rows: list[dict], field: str = "prompt", budget: int | None = None) -> dict[str, int] | None:
+        """Token counts of the rows' text `field` (min, median, 95th percentile, max, rows); with `budget`, how many
+        need more than it with their end token (`over`)."""
+        texts = [r[field] for r in rows if isinstance(r.get(field), str)]
+        if not texts:
             return None
-        ids = tokenizer([r["prompt"] for r in rows], add_special_tokens=False)["input_ids"]
-        n = sorted(len(x) for x in ids)
-        return {"min": n[0], "median": int(statistics.median(n)), "p95": n[math.ceil(0.95 * len(n)) - 1],
-                "max": n[-1]}
+        n = sorted(len(x) for x in tokenizer(texts, add_special_tokens=False)["input_ids"])
+        found = {"min": n[0], "median": int(statistics.median(n)), "p95": n[math.ceil(0.95 * len(n)) - 1],
+                 "max": n[-1], "rows": len(n)}
+        return found if budget is None else {**found, "budget": budget, "over": sum(k + 1 > budget for k in n)}
 
     heldout_n = len(setup.eval_rows)
     low, high = wilson_ci95(heldout_n // 2, heldout_n) if heldout_n else (math.nan, math.nan)
@@ -208,9 +211,11 @@ def check(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[st
         "cold_start": None if cs is None else {"steps_max": cs.steps, "batch_size": cs.batch_size,
                                                "target_loss": cs.target_loss},
         "train": {**setup.train_source, "prompt_tokens": train_lengths,
+                  "solution_tokens": lengths(setup.train_rows, "solution", steps["new_tokens_per_completion"]),
                   "prompt_limit": setup.prompt_limits[0], "skipped_long": setup.skipped_prompts["train"],
                   "unknown_characters": setup.unknown["train"]},
         "heldout": {**setup.heldout_source, "prompt_tokens": lengths(setup.eval_rows),
+                    "solution_tokens": lengths(setup.eval_rows, "solution", setup.eval_tokens),
                     "prompt_limit": setup.prompt_limits[1], "skipped_long": setup.skipped_prompts["eval"],
                     "unknown_characters": setup.unknown["eval"],
                     "groups": dict(Counter(setup.eval_group)) if setup.eval_group is not None else None,
@@ -260,7 +265,13 @@ def warnings(report: dict[str, Any]) -> list[str]:
     if report["heldout"].get("kind") == "none":
         found.append("no held-out rows: the run reports training reward only, no held-out accuracy "
                      "(data.eval_split, data.eval_path or data.eval_fraction)")
-    for split, name in (("train", "training"), ("heldout", "held-out")):
+    for split, name, key in (("train", "training", "rollout.max_new_tokens"),
+                             ("heldout", "held-out", "trainer.eval_max_new_tokens")):
+        t = report[split].get("solution_tokens")
+        if t and t["over"] > t["rows"] / 100:
+            found.append(f"{t['over']} of {t['rows']} {name} rows' solutions need more than {key}={t['budget']} "
+                         f"tokens with their end token (the longest {t['max']}): completions like them are cut off "
+                         "before they answer")
         if report[split].get("skipped_long"):
             found.append(f"{report[split]['skipped_long']} {name} prompts are longer than "
                          f"{report[split]['prompt_limit']} tokens and are left out")
@@ -296,6 +307,9 @@ def format_report(report: dict[str, Any]) -> list[str]:
             line += (f"; prompts {p['min']}-{p['max']} tokens (median {p['median']}, 95th percentile {p['p95']}; "
                      f"{limit})")
         lines.append(line)
+        if t := s.get("solution_tokens"):
+            lines.append(f"  solutions {t['min']}-{t['max']} tokens (median {t['median']}, 95th percentile "
+                         f"{t['p95']}): {t['over']} of {t['rows']} need more than the {t['budget']} new tokens")
     h = report["heldout"]
     if h.get("ci95_half_width") is not None:
         lines.append(f"  a held-out accuracy near 50 % on {h['rows']} rows has a 95 % interval of "
@@ -342,7 +356,8 @@ def format_report(report: dict[str, Any]) -> list[str]:
                  f"generated tokens), {p['optimizer_steps']:,} optimizer steps")
     evals = p["evaluations"]
     lines.append(f"  {len(evals)} evaluations" + (f" (steps {', '.join(map(str, evals[:3]))}"
-                                                   f"{', ...' if len(evals) > 3 else ''}) of {h['rows']} rows"
+                                                   f"{', ...' if len(evals) > 3 else ''}) of {h['rows']} rows "
+                                                   f"(≤ {_count(p['eval_tokens_max'])} generated tokens)"
                                                    if evals else "")
                  + f", {len(p['checkpoints'])} checkpoints ({p['checkpoints_kept']} kept)")
     m = report["model"]
