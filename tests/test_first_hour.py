@@ -249,6 +249,26 @@ def test_gspo_eval_exits_1_when_the_reward_fails_on_every_row(tmp_path, capsys):
     assert "failed on every one of the 2 rows" in captured.err
 
 
+def test_gspo_eval_checks_its_reward_on_the_rows_own_answers(tmp_path, capsys):
+    """A verifier that cannot parse the rows' answers gave 0 % with exit 0: a number that measures nothing. Now
+    `gspo eval` scores the rows' own answers too (`gspo.preflight.reward_checks`): none judged solved exits 1, and a
+    reward that pays for another row's answer is warned about."""
+    (tmp_path / "rw.py").write_text("def boxed(prompt, completion, answer, **row):\n"
+                                    "    return float('\\\\boxed{' + answer + '}' in completion)\n"
+                                    "def anything(prompt, completion, **row):\n"
+                                    "    return float(bool(completion.strip()))\n")
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"{a}+1=", "answer": str(a + 1)} for a in range(12)])
+    base = ["eval", "tiny-moe", "--data", str(data), "--max-new-tokens", "2"]
+    assert main([*base, "--reward", f"{tmp_path / 'rw.py'}:boxed"]) == 1
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["reward_check"]["reference_solved"] == 0
+    assert "judges none of the 12 checked rows' own answer solved" in captured.err
+    assert main([*base, "--reward", f"{tmp_path / 'rw.py'}:anything"]) == 0
+    assert "warning: the accuracy reward judges another row's answer solved on 12 of 12" in capsys.readouterr().err
+    assert main([*base, "--reward", "addition"]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_gspo_eval_reuses_a_training_config(tmp_path, capsys):
     heldout_file = write_jsonl(tmp_path / "heldout.jsonl", addition_rows(100, 12))
     overrides = own_data(tmp_path, f"data.eval_path={heldout_file}", "trainer.steps=1", "data.eval_size=12")

@@ -256,6 +256,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from gspo.evaluation import evaluate, paired_change_ci95
     from gspo.models import load_model
     from gspo.parallel import resolve_device
+    from gspo.preflight import reward_checks, reward_warnings
     from gspo.rollout import HFSampler, SamplingParams
 
     _eval_run_folders(args)
@@ -271,13 +272,17 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     sampling = {} if n == 1 else {"samples_per_prompt": n, "temperature": temperature, "top_p": top_p, "ks": ks,
                                   "seed": args.seed}
     completions = len(data.heldout) * n
+    checked: dict | None = None
 
     def run(name: str) -> tuple[dict, list[float], dict[str, int], list[dict]]:
         """Evaluate model `name` on the rows (rendered with its own chat template): its result (each interval as one
         [low, high] pair), each row's solved fraction, its reward failures per function, and with --rows-out each
         row's first completion with its rewards and verdict."""
+        nonlocal checked
         model, tokenizer = load_model(name)
         rows = render_chat(data, data_cfg, tokenizer, tools=tools).heldout
+        if checked is None:  # the verifier on the rows' own answers, an empty one and another row's (gspo.preflight)
+            checked = reward_checks(rewards, rows, accuracy_reward, threshold) or {}
         model = model.to(resolve_device(args.device))
         engine = episodes = None
         if make_env is not None:
@@ -317,14 +322,22 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     print(json.dumps({"model": args.model, "rows": len(values), "source": data.heldout_source,
                       "samples_per_prompt": n, "temperature": temperature, "top_p": top_p, **result, **counts,
                       "accuracy_means": accuracy_means(accuracy_reward, threshold), "reward_failures": failures,
-                      "reward_timeouts": dict(rewards.timeouts), **comparison, **by}))
+                      "reward_timeouts": dict(rewards.timeouts), **comparison, **by,
+                      "reward_check": checked or None}))
     print(_eval_line(result, len(values), data.heldout_source.get("of"), n, new_tokens, comparison),
           *_group_lines(by.get("by", {})), sep="\n", file=sys.stderr)  # stdout stays JSON
+    for line in reward_warnings(checked or None, "evaluated"):
+        print(f"gspo eval: warning: {line}", file=sys.stderr)
     if failed_all:
         print(f"gspo eval: error: a reward function failed on every one of the {completions} "
               f"{'rows' if n == 1 else 'completions'} of a model "
               f"(failures by function: {dict(rewards.failures)}); the accuracy above measures nothing. Check the "
               "reward (--reward) and the rows' fields (--fields)", file=sys.stderr)
+        return 1
+    if checked and checked["reference_solved"] == 0:
+        print(f"gspo eval: error: the accuracy reward judges none of the {checked['rows']} checked rows' own "
+              f"{checked['field']} solved, so the accuracy above measures nothing. Check the reward (--reward) "
+              "and the rows' answer field (--fields)", file=sys.stderr)
         return 1
     return 0
 

@@ -36,7 +36,7 @@ from gspo.rewards import RewardRunner
 from gspo.rewards.thinking import final_answer
 
 __all__ = ["PASSAGE_WORDS", "REFERENCE_ROWS", "check", "checkpoint_bytes", "format_report", "plan", "reference_text",
-           "reward_checks", "shared_passages", "warnings"]
+           "reward_checks", "reward_warnings", "shared_passages", "warnings"]
 
 REFERENCE_ROWS = 200
 """Rows of each split whose references the check scores (a sample by prompt hash; all when there are fewer)."""
@@ -235,26 +235,32 @@ def check(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[st
     }
 
 
+def reward_warnings(r: dict[str, Any] | None, name: str) -> list[str]:
+    """What a `reward_checks` result of the `name` rows ("training", "held-out") says is wrong with the accuracy
+    reward: references judged wrong, an empty or another row's answer judged right."""
+    found = []
+    if r is None:
+        return found
+    if r["reference_solved"] < r["rows"]:
+        first = r["unsolved"][0]
+        found.append(f"the accuracy reward judges {r['rows'] - r['reference_solved']} of {r['rows']} {name} rows' "
+                     f"own {r['field']} wrong (e.g. row {first['row']}: {first['reference']!r}): a completion "
+                     "giving the right answer that way is scored wrong; check the reward's answer format")
+    if r["empty_solved"]:
+        found.append(f"the accuracy reward judges an empty completion solved on {r['empty_solved']} of {r['rows']} "
+                     f"{name} rows: accuracy would count answers never given")
+    if r["neighbour_solved"]:
+        found.append(f"the accuracy reward judges another row's {r['field']} solved on {r['neighbour_solved']} of "
+                     f"{r['neighbour_rows']} {name} rows: it does not compare with the row's own answer")
+    return found
+
+
 def warnings(report: dict[str, Any]) -> list[str]:
     """What in a `check` report makes the run's numbers doubtful: references judged wrong, empty or wrong answers
     judged right, no held-out rows, prompts dropped as too long."""
     found = []
-    for split in ("train", "heldout"):
-        r = report["rewards"][split]
-        name = "training" if split == "train" else "held-out"
-        if r is None:
-            continue
-        if r["reference_solved"] < r["rows"]:
-            first = r["unsolved"][0]
-            found.append(f"the accuracy reward judges {r['rows'] - r['reference_solved']} of {r['rows']} {name} rows' "
-                         f"own {r['field']} wrong (e.g. row {first['row']}: {first['reference']!r}): a policy "
-                         "writing the right answer that way would not be paid; check the reward's answer format")
-        if r["empty_solved"]:
-            found.append(f"the accuracy reward judges an empty completion solved on {r['empty_solved']} of {r['rows']} "
-                         f"{name} rows: accuracy would count answers never given")
-        if r["neighbour_solved"]:
-            found.append(f"the accuracy reward judges another row's {r['field']} solved on {r['neighbour_solved']} of "
-                         f"{r['neighbour_rows']} {name} rows: it does not compare with the row's own answer")
+    for split, name in (("train", "training"), ("heldout", "held-out")):
+        found += reward_warnings(report["rewards"][split], name)
     shared = report["heldout"]["shared_passages"]
     if shared["rows"]:
         e = shared["examples"][0]
