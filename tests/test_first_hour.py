@@ -526,7 +526,7 @@ def test_save_best_keeps_the_policy_of_the_best_evaluation_and_says_it_is_optimi
     out = tmp_path / "run"
     summary = train(load_config(DEMO, tiny_overrides(
         out, "cold_start=null", "data.eval_size=8", "trainer.steps=2", "trainer.eval_every=1",
-        "trainer.checkpoint_every=1", "trainer.save_best=true", "optim.lr=3e-3",
+        "trainer.checkpoint_every=1", "trainer.save_best=true", "optim.lr=3e-3", "rewards.check=false",  # counted
         f"rewards.functions={{conftest:varied_reward: 1.0, {tmp_path / 'rw.py'}:later: 0.0}}",
         f"rewards.accuracy_reward={tmp_path / 'rw.py'}:later")))
     assert [e["heldout_accuracy"] for e in read_metrics(out / "eval.jsonl")] == [0.0, 1.0, 1.0]

@@ -246,8 +246,8 @@ def counted_reward(monkeypatch):
     return calls
 
 
-GUARDED = ["rewards.functions={fading: 1.0}", "trainer.steps=24", "trainer.eval_every=0", "data.eval_size=4",
-           "trainer.checkpoint_every=2", "trainer.keep_checkpoints=3", "trainer.guard.window=6",
+GUARDED = ["rewards.functions={fading: 1.0}", "rewards.check=false", "trainer.steps=24", "trainer.eval_every=0",
+           "data.eval_size=4", "trainer.checkpoint_every=2", "trainer.keep_checkpoints=3", "trainer.guard.window=6",
            "trainer.guard.warmup=4", "trainer.guard.patience=2", "trainer.guard.max_rollbacks=1"]
 
 

@@ -14,8 +14,9 @@ from conftest import DEMO, tiny_overrides
 from gspo.checkpoint import checkpoint_path, list_checkpoints
 from gspo.cli import main
 from gspo.config import ConfigError, load_config
-from gspo.preflight import check, reference_text, reward_checks, shared_passages, warnings
-from gspo.rewards import RewardRunner
+from gspo.preflight import check, shared_passages, warnings
+from gspo.rewards import RewardFailure, RewardRunner
+from gspo.rewards.checks import reference_text, reward_checks, reward_warnings
 from gspo.tracking import read_metrics
 from gspo.trainer import train
 
@@ -156,3 +157,31 @@ def test_solutions_longer_than_the_new_token_budget_are_warned_about(tmp_path):
     assert t["over"] == sum(len(str(a + a % 7)) + 1 > 2 for a in range(60)) > 0 and t["budget"] == 2
     assert report["heldout"]["solution_tokens"]["over"] == 0  # held-out: 4 new tokens
     assert any("training rows' solutions need more than rollout.max_new_tokens=2" in w for w in warnings(report))
+
+
+def test_a_run_checks_its_accuracy_reward_at_the_start_and_says_so_in_its_summary(tmp_path, caplog):
+    """Without --check, a run whose verifier rejects every gold answer trained on zero rewards and reported 0 %
+    accuracy without a word. Now it warns at the start and summary.json keeps the finding."""
+    args = [*own_rows(tmp_path), f"rewards.functions={{{tmp_path / 'rw.py'}:boxed: 1.0}}", "trainer.steps=1"]
+    summary = train(load_config(DEMO, args))
+    found = summary["reward_check"]
+    assert found["train"]["reference_solved"] == 0 == found["heldout"]["reference_solved"]
+    assert "rewards.check: the accuracy reward judges 60 of 60 training rows' own solution wrong" in caplog.text
+    off = train(load_config(DEMO, [*args, f"trainer.out={tmp_path / 'off'}", "rewards.check=false"]))
+    assert off["reward_check"] is None
+
+
+def test_a_reward_that_raises_on_an_empty_completion_is_found_and_the_runs_counters_do_not_see_the_check():
+    def strict(prompt, completion, answer, **row):
+        return float(int(completion) == int(answer))  # int("") raises
+
+    runner = RewardRunner({strict: 1.0})
+    rows = [{"prompt": f"{a}+1=", "answer": str(a + 1)} for a in range(10)]
+    before = runner.state_dict()
+    found = reward_checks(runner, rows, runner.names[0], 1.0)
+    assert found["failed"] == {"reference": 0, "empty": 10, "neighbour": 0} and found["reference_solved"] == 10
+    assert runner.state_dict() == before and runner.on_error == "fail"
+    with pytest.raises(RewardFailure):  # the run's own calls fail as configured
+        runner.score(["1+1="], [""], [{"answer": "2"}])
+    assert any("fails on an empty completion (10 of 10 training rows): with rewards.on_error=fail a run stops" in w
+               for w in reward_warnings(found, "training"))

@@ -256,7 +256,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from gspo.evaluation import evaluate, paired_change_ci95
     from gspo.models import load_model
     from gspo.parallel import resolve_device
-    from gspo.preflight import reward_checks, reward_warnings
+    from gspo.rewards.checks import reward_checks, reward_warnings
     from gspo.rollout import HFSampler, SamplingParams
 
     _eval_run_folders(args)

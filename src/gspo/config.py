@@ -182,6 +182,10 @@ class RewardConfig(_Section):
     on_error: Literal["fail", "zero"] = "fail"
     timeout_s: float | None = Field(30.0, gt=0, allow_inf_nan=False)
     workers: int = Field(1, ge=1)
+    # At the start of a run (and of a resume), score the accuracy reward on up to 200 rows' own answers, an empty
+    # completion and another row's answer (gspo.rewards.checks): warnings in the log, `reward_check` in
+    # summary.json. Off: for a reward whose calls are costly or counted.
+    check: bool = True
     # What counts as solved (held-out accuracy, pass/fail counts): the unweighted value of `accuracy_reward` is at
     # least `accuracy_threshold`. None: the only function, or the only built-in verifier among several (with routes:
     # the built-in verifiers); so the weights of the other rewards (format, length, ...) never change what accuracy

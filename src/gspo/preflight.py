@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 import re
 import statistics
-import time
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -30,78 +29,10 @@ from torch import nn
 
 from gspo.checkpoint import find_latest_checkpoint
 from gspo.config import Config
-from gspo.data import subset_rows
 from gspo.evaluation import wilson_ci95
-from gspo.rewards import RewardRunner
-from gspo.rewards.thinking import final_answer
+from gspo.rewards.checks import reward_checks, reward_warnings
 
-__all__ = ["PASSAGE_WORDS", "REFERENCE_ROWS", "check", "checkpoint_bytes", "format_report", "plan", "reference_text",
-           "reward_checks", "reward_warnings", "shared_passages", "warnings"]
-
-REFERENCE_ROWS = 200
-"""Rows of each split whose references the check scores (a sample by prompt hash; all when there are fewer)."""
-
-
-def reference_text(row: dict, field: str, prompt: str, think_tags: tuple[str, str] | None) -> str | None:
-    """Row `field` (`solution` or `answer`) as a completion a correct policy could write, None where the row has no
-    text there (a multi-turn solution is a list of messages). Where the prompt opens a reasoning block (R1-style
-    templates), the completion must close it before it answers, so the reference follows a close tag."""
-    value = row.get(field)
-    if isinstance(value, bool) or not isinstance(value, str | int | float):
-        return None
-    text = str(value)
-    if think_tags is not None and final_answer(prompt, text, think_tags) is None:
-        text = f"{think_tags[1]}{text}"
-    return text
-
-
-def reward_checks(rewards: RewardRunner, rows: Sequence[dict], accuracy: str | Sequence[str], threshold: float,
-                  limit: int = REFERENCE_ROWS) -> dict[str, Any] | None:
-    """The accuracy reward(s) on known answers, over a sample of at most `limit` of `rows` (by prompt hash): how many
-    rows' own reference is judged solved (`reference_solved` of `rows`; the first few that are not in `unsolved`), how
-    many are solved by an empty completion (`empty_solved`), and by the next sampled row's reference where it differs
-    from the row's own (`neighbour_solved` of `neighbour_rows`), and the rewards' time per completion. A row's
-    reference is its `solution` where that is text, else its `answer` (`field` says which were used; a multi-turn
-    demonstration is a list of messages, its `answer` is what the final reply must say). None when no sampled row
-    has either."""
-    rows = subset_rows(list(rows), limit)
-    tags = rewards.think_tags
-    refs = []  # (row, field, reference)
-    for r in rows:
-        for f in ("solution", "answer"):
-            if (text := reference_text(r, f, r["prompt"], tags)) is not None:
-                refs.append((r, f, text))
-                break
-    if not refs:
-        return None
-    kept, texts = [r for r, _, _ in refs], [t for _, _, t in refs]
-    used = {f for _, f, _ in refs}
-    field = " or ".join(f for f in ("solution", "answer") if f in used)
-    prompts = [r["prompt"] for r in kept]
-
-    scored = [0, 0.0]  # completions, seconds
-
-    def solved(completions: list[str], which: list[int]) -> list[bool]:
-        if not which:
-            return []
-        t0 = time.perf_counter()
-        scores = rewards.score([prompts[i] for i in which], completions, [kept[i] for i in which])
-        scored[0], scored[1] = scored[0] + len(which), scored[1] + time.perf_counter() - t0
-        return [bool(v) for v in scores.correct(accuracy, threshold).tolist()]
-
-    everyone = list(range(len(kept)))
-    own = solved(texts, everyone)
-    empty = solved([""] * len(kept), everyone)
-    # the next row's reference, where it is a different answer: a wrong answer the row's verifier must refuse
-    wrong = [i for i in everyone if len(kept) > 1 and texts[(i + 1) % len(kept)].strip() != texts[i].strip()]
-    neighbour = solved([texts[(i + 1) % len(kept)] for i in wrong], wrong)
-    unsolved = [{"row": i, "prompt": prompts[i][-80:], "reference": texts[i][:80]} for i, ok in enumerate(own)
-                if not ok]
-    return {"field": field, "sampled": len(rows), "rows": len(kept), "reference_solved": sum(own),
-            "unsolved": unsolved[:3], "empty_solved": sum(empty), "neighbour_rows": len(wrong),
-            "neighbour_solved": sum(neighbour),
-            "seconds_per_completion": scored[1] / scored[0]}
-
+__all__ = ["PASSAGE_WORDS", "check", "checkpoint_bytes", "format_report", "plan", "shared_passages", "warnings"]
 
 PASSAGE_WORDS = 8
 """How many consecutive words a held-out prompt must share with a training prompt to be reported (open-r1's
@@ -235,26 +166,6 @@ def check(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[st
     }
 
 
-def reward_warnings(r: dict[str, Any] | None, name: str) -> list[str]:
-    """What a `reward_checks` result of the `name` rows ("training", "held-out") says is wrong with the accuracy
-    reward: references judged wrong, an empty or another row's answer judged right."""
-    found = []
-    if r is None:
-        return found
-    if r["reference_solved"] < r["rows"]:
-        first = r["unsolved"][0]
-        found.append(f"the accuracy reward judges {r['rows'] - r['reference_solved']} of {r['rows']} {name} rows' "
-                     f"own {r['field']} wrong (e.g. row {first['row']}: {first['reference']!r}): a completion "
-                     "giving the right answer that way is scored wrong; check the reward's answer format")
-    if r["empty_solved"]:
-        found.append(f"the accuracy reward judges an empty completion solved on {r['empty_solved']} of {r['rows']} "
-                     f"{name} rows: accuracy would count answers never given")
-    if r["neighbour_solved"]:
-        found.append(f"the accuracy reward judges another row's {r['field']} solved on {r['neighbour_solved']} of "
-                     f"{r['neighbour_rows']} {name} rows: it does not compare with the row's own answer")
-    return found
-
-
 def warnings(report: dict[str, Any]) -> list[str]:
     """What in a `check` report makes the run's numbers doubtful: references judged wrong, empty or wrong answers
     judged right, no held-out rows, prompts dropped as too long."""
@@ -299,6 +210,9 @@ def _count(n: float) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,.0f}"
 
 
+_KINDS = {"reference": "own answers", "empty": "empty completions", "neighbour": "other rows' answers"}
+
+
 def format_report(report: dict[str, Any]) -> list[str]:
     """A `check` report as the lines `gspo train --check` prints."""
     from gspo.trainer import rows_line
@@ -340,7 +254,10 @@ def format_report(report: dict[str, Any]) -> list[str]:
             sample = f" ({r['rows']} with a text {r['field']}{sample.replace(' (', ', ').rstrip(')')})"
         lines.append(f"  {name} rows{sample}: own {r['field']} judged solved {r['reference_solved']}/"
                      f"{r['rows']}; an empty completion {r['empty_solved']}/{r['rows']}; another row's {r['field']} "
-                     f"{r['neighbour_solved']}/{r['neighbour_rows']}")
+                     f"{r['neighbour_solved']}/{r['neighbour_rows']}"
+                     + ("; a function failed on " + ", ".join(f"{n} {_KINDS[kind]}" for kind, n in r["failed"].items()
+                                                              if n)
+                        if any(r["failed"].values()) else ""))
     timed = [r["seconds_per_completion"] for r in (rw["train"], rw["heldout"]) if r is not None]
     if timed:
         per, step = max(timed), report["plan"]["prompts_per_step"] * report["plan"]["group_size"]

@@ -62,7 +62,8 @@ RESUMABLE = ("trainer.steps", "trainer.epochs", "trainer.save_best", "trainer.th
              "trainer.device", "trainer.micro_batch_tokens",
              "cold_start.micro_batch_tokens", "trainer.gradient_checkpointing", "rollout.max_batch_rows",
              "trainer.guard.*", "log.*",
-             "rewards.timeout_s", "rewards.workers", "rewards.reward_model.batch_size", "rewards.reward_model.device",
+             "rewards.timeout_s", "rewards.workers", "rewards.check", "rewards.reward_model.batch_size",
+             "rewards.reward_model.device",
              "rollout.vllm.server_url", "rollout.vllm.weight_sync_dir",
              "rollout.vllm.request_timeout", "rollout.vllm.max_concurrent_requests")
 

@@ -63,6 +63,7 @@ from gspo.optim import check_update_precision, make_optimizer, scale_lr
 from gspo.parallel import ProcessGroup, init_distributed, wrap_frozen, wrap_policy
 from gspo.parallel.state import FullModelView, full_state, load_state, save_state
 from gspo.rewards import RewardRunner, drop_unscored, score_trajectory
+from gspo.rewards.checks import reward_checks, reward_warnings
 from gspo.rollout import RolloutEngine, make_engine, policy_weights, unwrap_model
 from gspo.rollout.dynamic import NoSignal, Scored, keep_informative
 from gspo.rollout.workers import (
@@ -93,8 +94,8 @@ from gspo.sft import cold_start
 from gspo.tracking import MetricsLogger, Progress, check_trackers, plot_curves, read_metrics
 from gspo.trajectory import Trajectory
 
-__all__ = ["Collected", "RLStep", "RunCollapsed", "RunInterrupted", "Setup", "TrainingError", "collect",
-           "default_hooks", "learn_settings", "prepare", "rl_step", "rollout_records", "sync", "train"]
+__all__ = ["Collected", "RLStep", "RunCollapsed", "RunInterrupted", "Setup", "TrainingError", "check_rewards",
+           "collect", "default_hooks", "learn_settings", "prepare", "rl_step", "rollout_records", "sync", "train"]
 
 log = logging.getLogger(__name__)
 
@@ -559,6 +560,18 @@ def prepare(cfg: Config, resume: bool = False, overwrite: bool = False, create_o
                  skipped_prompts={"train": skipped_train, "eval": skipped_eval}, unknown=unknown, wall0=wall0)
 
 
+def check_rewards(setup: Setup) -> dict[str, dict | None]:
+    """The accuracy reward on the training and held-out rows' own answers, an empty completion and another row's
+    answer (`gspo.rewards.checks`), each split's findings logged as warnings."""
+    r = setup.cfg.rewards
+    found = {}
+    for split, rows, name in (("train", setup.train_rows, "training"), ("heldout", setup.eval_rows, "held-out")):
+        found[split] = reward_checks(setup.rewards, rows, r.accuracy_reward, r.accuracy_threshold)
+        for line in reward_warnings(found[split], name):
+            log.warning("rewards.check: %s", line)
+    return found
+
+
 def train(cfg: Config, resume: bool = False, overwrite: bool = False,
           callbacks: Sequence[StepCallback] = ()) -> dict:
     """Run (or resume) a GSPO training run as configured; returns the summary (also written to OUT/summary.json).
@@ -583,6 +596,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
     model, tokenizer, train_rows, eval_rows, eval_group = (setup.model, setup.tokenizer, setup.train_rows,
                                                            setup.eval_rows, setup.eval_group)
     make_env, ro, eval_tokens, wall0 = setup.make_env, cfg.rollout, setup.eval_tokens, setup.wall0
+    reward_check = check_rewards(setup) if cfg.rewards.check and group.is_main else None
 
     # every check passed: from here on the run writes into its folder
     if group.is_main:
@@ -943,6 +957,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         "skipped_prompts": setup.skipped_prompts,
         "guard": None if guard is None else {"rollbacks": rollbacks, "lr_scale": lr_scale},
         "unknown_character_rows": setup.unknown,
+        "reward_check": reward_check,
     }
     if group.is_main:
         write_atomic(out / "summary.json", json.dumps(summary, indent=2))

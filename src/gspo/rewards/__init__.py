@@ -17,6 +17,7 @@ and the `code` reward runs model-written programs in a sandboxed child process (
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
@@ -26,7 +27,7 @@ import math
 import numbers
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -349,8 +350,22 @@ class RewardRunner:
         self.failures: dict[str, int] = dict.fromkeys(self.names, 0)
         self.timeouts: dict[str, int] = dict.fromkeys(self.names, 0)
         self._warned: set[tuple[str, str]] = set()
+        self._quiet = False  # `probing`: failures are not logged
         self._pool = DeadlinePool(workers, self.timeout_s) if self.timeout_s is not None or workers > 1 else None
         self._agreed = self.state_dict()  # the counters as every process last agreed on them (`sync_counts`)
+
+    @contextlib.contextmanager
+    def probing(self) -> Iterator[None]:
+        """Calls that are not the run's (`gspo.rewards.checks`): a failure scores 0 and is not logged, whatever
+        `on_error` says, and afterwards the counters, `on_error` and the first-failure logs are as they were."""
+        saved = self.on_error, self.state_dict(), set(self._warned), dict(self._agreed)
+        self.on_error, self._quiet = "zero", True
+        try:
+            yield
+        finally:
+            self.on_error, counts, self._warned, agreed = saved
+            self.failures, self.timeouts = dict(counts["failures"]), dict(counts["timeouts"])
+            self._agreed, self._quiet = agreed, False
 
     @classmethod
     def from_config(cls, settings: Any, device: str | torch.device | None = None,
@@ -438,7 +453,7 @@ class RewardRunner:
         )
         if self.on_error == "fail":
             raise RewardFailure(message) from cause
-        if (name, kind) not in self._warned:
+        if (name, kind) not in self._warned and not self._quiet:
             self._warned.add((name, kind))
             logger.warning(
                 "%s. Scoring it 0; further %s failures of %r are counted but not logged.", message, kind, name
