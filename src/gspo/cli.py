@@ -45,8 +45,10 @@ def _check(cfg, args: argparse.Namespace) -> int:
     from gspo.preflight import check, format_report, warnings
 
     report = check(cfg, resume=args.resume, overwrite=args.overwrite)
-    print("\n".join(format_report(report)))
     found = warnings(report)
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun: one report
+        return 1 if found else 0
+    print("\n".join(format_report(report)))
     for line in found:
         print(f"warning: {line}", file=sys.stderr)
     command = "gspo demo" if args.command == "demo" else f"gspo train {args.config}"
