@@ -160,7 +160,7 @@ def test_trainer_logs_the_unfinished_rate_of_each_step(tmp_path, caplog):
     cfg = load_config(DEMO, tiny_overrides(
         tmp_path, "cold_start=null", f"trainer.steps={steps}", "trainer.eval_every=0", f"data.eval_size={eval_rows}",
         "rewards.functions={addition: 1.0, test_thinking:recording_reward: 0.0}", "rewards.accuracy_reward=addition",
-        "rewards.think_tags=[a, b]", "rewards.timeout_s=null"))
+        "rewards.think_tags=[a, b]", "rewards.timeout_s=null", "rewards.check=false"))  # counts its calls
     train(cfg)
     n = cfg.rollout.prompts_per_step * cfg.rollout.group_size
     assert len(RECORDED) == eval_rows + steps * n + eval_rows  # evaluations at step 0 and at the last step
