@@ -3,7 +3,11 @@ checked, GSM8K preparation, and the vLLM engines' pure parts (batch layout, rout
 
 from __future__ import annotations
 
+import http.server
 import importlib.util
+import json
+import socket
+import threading
 from pathlib import Path
 
 import pytest
@@ -18,10 +22,12 @@ from gspo.data import load_rows
 from gspo.models import build_preset, build_tokenizer
 from gspo.moe import FREE
 from gspo.parallel import ProcessGroup
+from gspo.preflight import check
 from gspo.rewards import math_reward
 from gspo.rollout import HFSampler, make_engine
 from gspo.rollout.assemble import Sample, assemble, place_routing
 from gspo.rollout.weights import checkpoint_layout, policy_weights, write_safetensors
+from gspo.trainer import train
 from gspo.trajectory import NO_VERSION
 
 ROOT = Path(__file__).parent.parent
@@ -76,6 +82,44 @@ def test_engine_factory_builds_the_hf_engine(tmp_path):
     engine = make_engine(cfg, model, tokenizer, out=tmp_path)
     assert isinstance(engine, HFSampler) and engine.model is model and engine.shares_weights
     assert engine.params.max_new_tokens == cfg.rollout.max_new_tokens and engine.version == 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_a_vllm_engine_without_vllm_is_refused_at_the_start_not_after_the_cold_start(tmp_path):
+    """Before, the missing package surfaced when the engine was built: after the cold start's SFT."""
+    with pytest.raises(ConfigError, match=r"rollout\.engine=vllm needs vLLM"):
+        train(load_config(DEMO, tiny_overrides(tmp_path / "run", "rollout.engine=vllm")))
+    assert not (tmp_path / "run" / "config.yaml").exists()
+
+
+def test_a_vllm_server_that_does_not_answer_is_refused_at_the_start(tmp_path):
+    """A vllm_server run probes each server (GET /v1/models) before anything is computed; one that answers passes."""
+    with socket.socket() as s:  # a port with nothing listening on it
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    server = ["rollout.engine=vllm_server", f"rollout.vllm.server_url=http://127.0.0.1:{closed}"]
+    with pytest.raises(ConfigError, match=rf"server_url: vLLM server at http://127\.0\.0\.1:{closed} is not reachable"):
+        train(load_config(DEMO, tiny_overrides(tmp_path / "run", *server)))
+    assert not (tmp_path / "run" / "config.yaml").exists()
+
+    class Models(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = json.dumps({"data": [{"id": "m", "max_model_len": 256}]}).encode()
+            self.send_response(200 if self.path == "/v1/models" else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Models) as httpd:
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        report = check(load_config(DEMO, tiny_overrides(tmp_path / "run", server[0],
+                                                        f"rollout.vllm.server_url={url}")))
+        httpd.shutdown()
+    assert report["plan"]["steps"] == 3
 
 
 # ------------------------------------------------------------------------------------------------------- GSM8K

