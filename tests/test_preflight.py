@@ -63,6 +63,8 @@ def test_check_writes_nothing_and_predicts_the_run(tmp_path):
     assert report["heldout"]["rows"] == summary["heldout"]["rows"] == 16
     saved = sum(f.stat().st_size for f in checkpoint_path(run, 3).rglob("*") if f.is_file())
     assert abs(report["model"]["checkpoint_bytes"] - saved) / saved < 0.05
+    folder = sum(f.stat().st_size for f in run.rglob("*") if f.is_file())  # 1 checkpoint, final, logs
+    assert saved < folder <= report["model"]["disk_bytes"]  # (while step 3's was written, step 2's was still there)
     r = report["rewards"]["heldout"]  # the built-in addition verifier on the task's own answers
     assert (r["field"], r["rows"], r["reference_solved"], r["empty_solved"], r["neighbour_solved"]) == \
         ("solution", 16, 16, 0, 0)
@@ -84,6 +86,13 @@ def test_an_accuracy_reward_that_cannot_tell_right_from_wrong_is_found(tmp_path,
     err = capsys.readouterr().err
     assert "warning: the accuracy reward judges" in err and "nothing was computed or written" in err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_run_folder_on_a_disk_without_room_for_its_checkpoints_is_warned_about(tmp_path, monkeypatch):
+    monkeypatch.setattr("gspo.preflight._free_bytes", lambda out: 10_000_000)  # 10 MB: less than one checkpoint
+    report = check(load_config(DEMO, tiny_overrides(tmp_path / "run", "cold_start=null")))
+    assert report["model"]["disk_bytes"] > report["model"]["disk_free_bytes"] == 10_000_000
+    assert any("a checkpoint will fail to be written" in w for w in warnings(report))
 
 
 def test_a_clean_check_exits_0_and_an_error_exits_2_as_the_run_would(tmp_path, capsys):

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import math
 import re
+import shutil
 import statistics
 from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from torch import nn
@@ -94,15 +96,31 @@ def plan(cfg: Config, train_rows: int, eval_rows: int) -> dict[str, Any]:
             "checkpoints": checkpoints, "checkpoints_kept": min(len(checkpoints), t.keep_checkpoints)}
 
 
-def checkpoint_bytes(model: nn.Module) -> tuple[int, int, int]:
-    """(parameters, trainable parameters, bytes of a checkpoint): the weights as saved (a LoRA model saves its
-    adapters only) and AdamW's two moments per trainable weight (`gspo.checkpoint`), to within its small files."""
+def checkpoint_bytes(model: nn.Module) -> tuple[int, int, int, int]:
+    """(parameters, trainable parameters, bytes of the weights as saved, bytes of a checkpoint): a LoRA model saves
+    its adapters only; a checkpoint adds AdamW's two moments per trainable weight (`gspo.checkpoint`), to within its
+    small files."""
     params = sum(p.numel() for p in model.parameters())
     trainable = [p for p in model.parameters() if p.requires_grad]
     adapters = hasattr(model, "peft_config")
     saved = trainable if adapters else list({id(p): p for p in model.parameters()}.values())
-    size = sum(p.numel() * p.element_size() for p in saved) + 2 * sum(p.numel() * p.element_size() for p in trainable)
-    return params, sum(p.numel() for p in trainable), size
+    weights = sum(p.numel() * p.element_size() for p in saved)
+    return params, sum(p.numel() for p in trainable), weights, weights + 2 * sum(p.numel() * p.element_size()
+                                                                                  for p in trainable)
+
+
+def disk_needed(cfg: Config, weights: int, checkpoint: int, checkpoints: int) -> int:
+    """Bytes a run's folder holds at most: of its `checkpoints`, trainer.keep_checkpoints and the one being written
+    before the oldest is pruned; the final model, and OUT/best and OUT/cold_start when configured (model folders of
+    `weights` bytes). Logs, metrics and a guard's extra checkpoints are not counted."""
+    keep = cfg.trainer.keep_checkpoints
+    held = checkpoints if checkpoints <= keep else keep + 1
+    return held * checkpoint + (1 + cfg.trainer.save_best + (cfg.cold_start is not None)) * weights
+
+
+def _free_bytes(out: Path) -> int:
+    """Free bytes on the file system that holds `out` (or would: its nearest existing folder)."""
+    return shutil.disk_usage(next(p for p in [out, *out.parents] if p.exists())).free
 
 
 def check(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
@@ -114,7 +132,7 @@ def check(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[st
     setup = prepare(cfg, resume=resume, overwrite=overwrite, create_out=False)
     cfg, tokenizer, rewards = setup.cfg, setup.tokenizer, setup.rewards
     model = setup.model if cfg.model.lora is None else apply_lora(setup.model, cfg.model.lora)
-    params, trainable, size = checkpoint_bytes(model)
+    params, trainable, weights, size = checkpoint_bytes(model)
     accuracy, threshold = cfg.rewards.accuracy_reward, cfg.rewards.accuracy_threshold
 
     def lengths(rows: list[dict], field: str = "prompt", budget: int | None = None) -> dict[str, int] | None:
@@ -159,7 +177,8 @@ def check(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[st
         "plan": steps,
         "model": {"name": cfg.model.name, "parameters": params, "trainable": trainable,
                   "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-                  "checkpoint_bytes": size, "disk_bytes": size * (steps["checkpoints_kept"]),
+                  "checkpoint_bytes": size, "disk_bytes": disk_needed(cfg, weights, size, len(steps["checkpoints"])),
+                  "disk_free_bytes": _free_bytes(setup.out),
                   "update_rows": share,
                   "update_row_tokens_max": train_lengths["max"] + steps["new_tokens_per_completion"],
                   "micro_batch_tokens": cfg.trainer.micro_batch_tokens},
@@ -179,6 +198,11 @@ def warnings(report: dict[str, Any]) -> list[str]:
                      f"prompt (e.g. held-out row {e['heldout_row']} and training row {e['training_row']}: "
                      f"{e['passage']!r}): the same problem reworded or copied is not held out; only prompts equal up "
                      "to case and whitespace are left out")
+    m = report["model"]
+    if m["disk_bytes"] > m["disk_free_bytes"]:
+        found.append(f"the run's checkpoints and models take up to ≈ {_size(m['disk_bytes'])} and "
+                     f"{report['config']['out']} has {_size(m['disk_free_bytes'])} free: a checkpoint will fail to be "
+                     "written (trainer.keep_checkpoints, trainer.checkpoint_every, or another trainer.out)")
     if report["heldout"].get("kind") == "none":
         found.append("no held-out rows: the run reports training reward only, no held-out accuracy "
                      "(data.eval_split, data.eval_path or data.eval_fraction)")
@@ -285,8 +309,8 @@ def format_report(report: dict[str, Any]) -> list[str]:
                  + f", {len(p['checkpoints'])} checkpoints ({p['checkpoints_kept']} kept)")
     m = report["model"]
     lines.append(f"model: {m['name']}, {_count(m['parameters'])} parameters ({_count(m['trainable'])} trained), "
-                 f"{m['dtype']}; a checkpoint ≈ {_size(m['checkpoint_bytes'])}, the kept ones ≈ "
-                 f"{_size(m['disk_bytes'])}")
+                 f"{m['dtype']}; a checkpoint ≈ {_size(m['checkpoint_bytes'])}; the run's folder takes up to ≈ "
+                 f"{_size(m['disk_bytes'])} ({_size(m['disk_free_bytes'])} free there)")
     budget = m["micro_batch_tokens"]
     rows, tokens = m["update_rows"], m["update_row_tokens_max"]
     lines.append(f"  an update forward: {rows} rows × ≤ {tokens} tokens = ≤ {rows * tokens:,} padded tokens"
