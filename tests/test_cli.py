@@ -40,6 +40,15 @@ def test_train_writes_metrics_and_prints_the_summary(tmp_path, capsys):
     assert (f"held-out accuracy: {before:.1%} before RL → {after:.1%} after RL ({(after - before) * 100:+.1f} points; "
             f"95% CI {low * 100:+.1f} to {high * 100:+.1f} on the same rows)") in printed.err
     assert (out / "final" / "config.json").is_file()
+    # the cold start's own effect: the held-out accuracy of the model it began from, and the change it made to the
+    # accuracy before RL, on the same rows (the verdicts are in OUT/cold_start/sft.json)
+    cold = summary["cold_start"]["before"]
+    assert cold["heldout_accuracy_change"] == pytest.approx(before - cold["heldout_accuracy"])
+    assert cold["heldout_accuracy_change_ci95"][0] <= cold["heldout_accuracy_change"] <= \
+        cold["heldout_accuracy_change_ci95"][1]
+    assert len(json.loads((out / "cold_start" / "sft.json").read_text())["before"]["rows"]) == 16
+    assert (f"cold start: {cold['heldout_accuracy']:.1%} before → {before:.1%} after "
+            f"{summary['cold_start']['steps']} SFT steps") in printed.err
 
     # a second fresh run into the same folder is refused (exit 2, nothing touched) ...
     before = (out / "metrics.jsonl").read_text()

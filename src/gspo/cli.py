@@ -68,13 +68,28 @@ def _accuracy_line(summary: dict, before_label: str, after_label: str) -> str | 
         interval = f"; 95% CI {pair[0] * 100:+.1f} to {pair[1] * 100:+.1f}" if pair else ""
         return f"({(after - before) * 100:+.1f} points{interval}"
 
-    lines = [f"held-out accuracy: {before:.1%} {before_label} → {after:.1%} {after_label} "
+    lines = _cold_start_line(summary, before)
+    lines += [f"held-out accuracy: {before:.1%} {before_label} → {after:.1%} {after_label} "
              f"{change(before, after, summary.get('heldout_accuracy_ci95'))} on the same rows) in "
              f"{summary['wall_seconds']:.0f} s"]
     for group, entry in (summary.get("heldout_accuracy_by") or {}).items():  # data.eval_by
         lines.append(f"  {group} ({entry['rows']} rows): {entry['before_rl']:.1%} → {entry['after_rl']:.1%} "
                      f"{change(entry['before_rl'], entry['after_rl'], entry['ci95'])})")
     return "\n".join(lines)
+
+
+def _cold_start_line(summary: dict, after: float) -> list[str]:
+    """The held-out accuracy the cold start began from and what it made of it (with the paired 95% interval of the
+    change), as a line; none when the run had no cold start or did not measure it (a resumed cold start)."""
+    cold = summary.get("cold_start") or {}
+    before = cold.get("before")
+    if not before:
+        return []
+    pair = before.get("heldout_accuracy_change_ci95")
+    change = (f" ({(after - before['heldout_accuracy']) * 100:+.1f} points; 95% CI {pair[0] * 100:+.1f} to "
+              f"{pair[1] * 100:+.1f} on the same rows)") if pair else ""
+    return [f"cold start: {before['heldout_accuracy']:.1%} before → {after:.1%} after {cold['steps']} SFT steps"
+            f"{change}"]
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ import json
 import logging
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -138,10 +139,12 @@ def sft(
     return losses
 
 
-def cold_start(cfg: Config, out: Path, model: nn.Module, tokenizer, train_rows: list[dict]) -> dict:
+def cold_start(cfg: Config, out: Path, model: nn.Module, tokenizer, train_rows: list[dict],
+               before: Callable[[nn.Module], dict] | None = None) -> dict:
     """The run's `cold_start` section: SFT `model` (in place) on the rows' solutions once and save it to
     OUT/cold_start/ (written to a temporary name, then renamed); a complete OUT/cold_start/ is loaded instead, so a
-    resumed run does not redo it. Returns what it did: {"steps", "final_loss"} (also OUT/cold_start/sft.json)."""
+    resumed run does not redo it. Returns what it did: {"steps", "final_loss"} (also OUT/cold_start/sft.json), and
+    `before(model)`'s result as "before" when given (the trainer's held-out evaluation of the model before SFT)."""
     target = out / "cold_start"
     if (target / "sft.json").exists():
         loaded, _ = load_model(str(target), dtype=cfg.model.dtype)
@@ -149,11 +152,13 @@ def cold_start(cfg: Config, out: Path, model: nn.Module, tokenizer, train_rows: 
         log.info("reusing cold-start model %s", target)
         return json.loads((target / "sft.json").read_text())
     cs = cfg.cold_start
+    measured = before(model) if before is not None else None
     losses = sft(model, tokenizer, train_rows, steps=cs.steps, batch_size=cs.batch_size, lr=cs.lr,
                  warmup_steps=cs.warmup_steps, seed=derive_seed(cfg.trainer.seed, "sft"),
                  target_loss=cs.target_loss, progress=cfg.log.progress, mixed_precision=cfg.trainer.mixed_precision,
                  chat_format=run_chat_format(cfg, tokenizer), micro_batch_tokens=cs.micro_batch_tokens)
-    info = {"steps": len(losses), "final_loss": sum(losses[-20:]) / len(losses[-20:])}
+    info = {"steps": len(losses), "final_loss": sum(losses[-20:]) / len(losses[-20:]),
+            **({"before": measured} if measured is not None else {})}
     log.info("cold-start SFT: %d steps, final loss %.3f", info["steps"], info["final_loss"])
     tmp = out / "cold_start.tmp"
     shutil.rmtree(tmp, ignore_errors=True)  # what a crash during an earlier save left

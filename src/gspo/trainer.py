@@ -631,11 +631,31 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         model = model.to(group.device)
 
     checkpoint = group.main_first(lambda: find_latest_checkpoint(out)) if resume else None  # rank 0 repairs first
+    n_eval = cfg.trainer.eval_samples  # > 1: sampled evaluation with pass@k / maj@k (gspo.evaluation)
+    sampled_eval = {} if n_eval == 1 else {
+        "samples_per_prompt": n_eval, "temperature": cfg.trainer.eval_temperature, "seed": cfg.trainer.seed,
+        "ks": sorted({*(2 ** i for i in range(n_eval.bit_length()) if 2 ** i <= n_eval), n_eval})}
+    rows_digest = hashlib.sha256(json.dumps([r["prompt"] for r in eval_rows]).encode()).hexdigest()
+
+    def before_sft(m: nn.Module) -> dict:
+        """The held-out accuracy of the model the cold start begins from (rank 0, the built-in sampler, the run's
+        evaluation settings; its reward calls are not the run's): each row's solved fraction, for the change the
+        cold start made (`_cold_start_change`)."""
+        values: list[float] = []
+        with rewards.probing():
+            scores = evaluate(m, tokenizer, eval_rows, rewards, eval_tokens, row_values=values,
+                              accuracy_reward=cfg.rewards.accuracy_reward,
+                              accuracy_threshold=cfg.rewards.accuracy_threshold, **sampled_eval)
+        return {"heldout_accuracy": sum(values) / len(values), "heldout_accuracy_ci95": list(accuracy_ci95(values)),
+                "rows": values, "digest": rows_digest, **({"reward_failure_rate": scores["reward_failure_rate"]}
+                                                           if scores["reward_failure_rate"] else {})}
     # on a resume the checkpoint's weights replace the cold-start ones, but the KL reference is the cold-start model
     cold = None  # rank 0 trains and saves it; the other processes then load it
     if cfg.cold_start is not None:
         try:
-            cold = group.main_first(lambda: cold_start(cfg, out, model, tokenizer, train_rows))
+            measure = before_sft if eval_rows and make_env is None else None  # episodes need the run's engine
+            cold = group.main_first(lambda: cold_start(cfg, out, model, tokenizer, train_rows,
+                                                       before=measure if group.is_main else None))
         except RuntimeError as e:
             if not _out_of_memory(e):
                 raise
@@ -720,16 +740,11 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
     evals, samples = ([r for r in read_metrics(out / name) if r["step"] <= start]
                       if start > 0 and (out / name).exists() else [] for name in ("eval.jsonl", "samples.jsonl"))
 
-    n_eval = cfg.trainer.eval_samples  # > 1: sampled evaluation with pass@k / maj@k (gspo.evaluation)
-    sampled_eval = {} if n_eval == 1 else {
-        "samples_per_prompt": n_eval, "temperature": cfg.trainer.eval_temperature, "seed": cfg.trainer.seed,
-        "ks": sorted({*(2 ** i for i in range(n_eval.bit_length()) if 2 ** i <= n_eval), n_eval})}
 
     # Each held-out row's solved fraction at the run's first evaluation (kept in checkpoints): every later evaluation
     # reports its change since then with the interval of the paired difference (gspo.evaluation.paired_change_ci95).
     first_rows: list[float] | None = state.get("heldout_first_rows")
     # ... of these very rows: resumed with other held-out rows (the data or its selection changed), the pairs are lost
-    rows_digest = hashlib.sha256(json.dumps([r["prompt"] for r in eval_rows]).encode()).hexdigest()
     if first_rows is not None and state.get("heldout_digest") != rows_digest:
         log.warning("the held-out rows differ from those of the run's first evaluation (the data, or how rows are "
                     "chosen, changed since): later evaluations report no change since then")
@@ -968,7 +983,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         "train": setup.train_source,
         **({"best": {**best, "path": str(out / "best"), "note": _BEST_NOTE}} if best is not None else {}),
         "steps": cfg.trainer.steps,
-        "cold_start": cold,
+        "cold_start": _cold_start_summary(cold, first_rows, rows_digest),
         "wall_seconds": time.perf_counter() - wall0,
         "reward_failures": dict(rewards.failures),
         "reward_timeouts": dict(rewards.timeouts),
@@ -982,6 +997,20 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         write_atomic(out / "summary.json", json.dumps(summary, indent=2))
     group.barrier()  # no process returns before the final model and summary exist
     return summary
+
+
+def _cold_start_summary(cold: dict | None, first_rows: list[float] | None, digest: str) -> dict | None:
+    """summary.json's `cold_start`: its steps and loss, the held-out accuracy of the model before it with its
+    interval, and the change to the first evaluation after it (before RL) with the paired interval, when both
+    evaluations scored the same rows (each row's verdicts are kept in OUT/cold_start/sft.json, not here)."""
+    if cold is None or "before" not in cold:
+        return cold
+    before = dict(cold["before"])
+    rows, same = before.pop("rows"), before.pop("digest") == digest
+    if first_rows is not None and same and len(first_rows) == len(rows):
+        change, low, high = paired_change_ci95(rows, first_rows)
+        before |= {"heldout_accuracy_change": change, "heldout_accuracy_change_ci95": [low, high]}
+    return {**cold, "before": before}
 
 
 def rows_line(source: dict) -> str:
