@@ -4,16 +4,20 @@ It runs the set-up a run runs (`gspo.trainer.prepare`: the config, the output fo
 and its held-out rows, the rewards' signatures and routes, the model, the chat template, the prompts' lengths) and
 then reports, computing nothing and writing nothing:
 
-- the rows: how many train and are held out (of how many), their prompts' lengths in tokens against the limit, the
+- the rows: how many train and are held out (of how many), their prompts' lengths in tokens against the limit, their
+  solutions' lengths against the new-token budget (a budget that cannot hold the answers cuts every one off), the
   held-out groups, how wide a 95 % interval of held-out accuracy can be on that many rows, and the held-out rows
   that share an 8-word passage with a training prompt (`shared_passages`: a problem reworded or copied between
   datasets, which the split's check of equal prompts cannot see);
-- **the rewards on known answers** (`reward_checks`): each row's own reference (its `solution`, else its `answer`)
-  should be judged solved, an empty completion and a neighbouring row's different reference should not. A verifier
-  that rejects the gold answers (a format it cannot parse) makes RL learn nothing; one that accepts an empty or a
-  wrong answer makes every reported accuracy meaningless — both are found here in seconds instead of after a run;
+- **the rewards on known answers** (`gspo.rewards.checks`, which every run also does): each row's own reference
+  (its `solution`, else its `answer`) should be judged solved, an empty completion and another row's different
+  reference should not. A verifier that rejects the gold answers (a format it cannot parse) makes RL learn nothing;
+  one that accepts an empty or a wrong answer makes every reported accuracy meaningless — both are found here in
+  seconds instead of after a run;
 - the plan: steps, completions, generated tokens at most, optimizer steps, evaluations, checkpoints, the model's
-  parameters and what its checkpoints take on disk.
+  parameters, and what the run folder takes on disk against the free space there.
+
+`warnings` lists what makes the run's numbers doubtful; `gspo train --check` exits 1 when there is any.
 """
 
 from __future__ import annotations
