@@ -595,9 +595,11 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
           callbacks: Sequence[StepCallback] = ()) -> dict:
     """Run (or resume) a GSPO training run as configured; returns the summary (also written to OUT/summary.json).
 
-    Everything that can be checked without compute is checked first (the output folder, the data and its held-out
-    rows, the reward functions against a data row, the trackers), then the model is built and checked; only then
-    is anything written, so a start that fails leaves nothing that blocks the corrected command (`gspo.runfolder`).
+    Everything that can be checked without compute is checked first (`prepare`: the output folder, the data and its
+    held-out rows, the reward functions against a data row, the trackers, the rollout engine), then the model is
+    built and checked, and the accuracy reward is scored on the rows' own answers (`check_rewards`, warnings only);
+    only then is anything written, so a start that fails leaves nothing that blocks the corrected command
+    (`gspo.runfolder`).
     `overwrite` deletes a previous run in trainer.out first; `resume` continues it (a config that differs only in
     `gspo.runfolder.RESUMABLE` settings is accepted, e.g. more `trainer.steps` to extend a finished run).
     `callbacks` are called with (step, metrics) after each step is logged, evaluated and checkpointed as scheduled;
