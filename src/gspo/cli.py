@@ -298,9 +298,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         nonlocal checked
         model, tokenizer = load_model(name)
         rows = render_chat(data, data_cfg, tokenizer, tools=tools).heldout
-        if checked is None:  # the verifier on the rows' own answers, an empty one and another row's; a config's
-            checked = ((reward_checks(rewards, rows, accuracy_reward, threshold)  # rewards.check=false: not
-                        if cfg is None or cfg.rewards.check else None) or {})
+        if checked is None:  # the verifier on the rows' own answers, an empty one and another row's
+            wanted = cfg is None or cfg.rewards.check  # a config's rewards.check=false turns it off
+            checked = (reward_checks(rewards, rows, accuracy_reward, threshold) if wanted else None) or {}
         model = model.to(resolve_device(args.device))
         engine = episodes = None
         if make_env is not None:
