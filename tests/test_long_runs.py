@@ -275,6 +275,39 @@ def test_guard_rolls_back_once_then_stops_with_status_collapsed(tmp_path, counte
     assert lrs[event["to_checkpoint"] + 1] < event["discarded"][0]["lr"]  # the replayed step runs at the lower lr
 
 
+def test_a_best_policy_from_steps_the_guard_rolled_back_is_labelled(tmp_path, counted_reward, monkeypatch):
+    """trainer.save_best keeps OUT/best when the guard discards the steps it came from (it was measured; its weights
+    are real), but its evaluation then leaves eval.jsonl: summary.json says so instead of naming a step whose record
+    is gone. The accuracy reward here solves the held-out rows only once the training reward has collapsed, so the
+    best evaluation is one of the steps the rollback discards."""
+    def write(name: str, first: int, count: int, mark: str) -> str:
+        rows = [{"question": f"{a}+{a % 7}=", "result": str(a + a % 7), "mark": mark}
+                for a in range(first, first + count)]
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(tmp_path / name)
+
+    def collapsed_held_out(prompt: str, completion: str, mark: str = "", **row) -> float:
+        return float(mark == "heldout" and counted_reward["n"] > 16 * counted_reward["healthy"])
+
+    monkeypatch.setitem(REWARDS, "late", collapsed_held_out)
+    out = tmp_path / "run"
+    with pytest.raises(RunCollapsed):
+        train(load_config(DEMO, tiny_overrides(
+            out, *GUARDED, "cold_start=null", "trainer.eval_every=1", "trainer.save_best=true",
+            "rewards.functions={fading: 1.0, late: 0.0}", "rewards.accuracy_reward=late", "data.task=null",
+            f"data.path={write('train.jsonl', 0, 200, 'train')}", "data.train_size=null", "data.eval_size=null",
+            f"data.eval_path={write('heldout.jsonl', 300, 4, 'heldout')}",
+            "data.fields={prompt: question, answer: result}")))
+    summary = json.loads((out / "summary.json").read_text())
+    rollback = read_metrics(out / "guard.jsonl")[0]
+    best = summary["best"]
+    assert best["heldout_accuracy"] == 1.0 and best["step"] > rollback["to_checkpoint"]
+    assert best["discarded_by_rollback"] is True and "rolled back by the collapse guard" in best["note"]
+    discarded = {r["step"]: r for r in rollback["discarded"]}
+    assert discarded[best["step"]]["heldout_accuracy"] == 1.0  # where its evaluation is kept
+    assert (out / "best" / "config.json").is_file()
+
+
 def test_guard_rolls_back_a_slow_slide_to_the_best_checkpoint_kept_from_pruning(tmp_path, monkeypatch):
     """The reward holds at 0.8 for about 8 steps, then loses 0.05 a step: the guard flags it at step 16 (below half
     the best baseline), when the latest clean checkpoint (14) already scores about 0.5. The run rolls back to

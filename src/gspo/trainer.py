@@ -456,6 +456,13 @@ _BEST_NOTE = ("chosen as the best of the evaluations on the held-out rows, so it
               "optimistic (the maximum of noisy measurements): measure it on other rows before reporting it")
 
 
+def _best_record(best: dict, out: Path) -> dict:
+    """summary.json's `best` (trainer.save_best): its step, accuracy and folder, and what that accuracy means."""
+    note = _BEST_NOTE + (("; its step was later rolled back by the collapse guard: its evaluation is in guard.jsonl's "
+                          "discarded steps, not in eval.jsonl") if best.get("discarded_by_rollback") else "")
+    return {**best, "path": str(out / "best"), "note": note}
+
+
 def _accuracy_intervals(evals: list[dict], group: str | None = None) -> dict[str, list[float] | None] | None:
     """The summary's 95% intervals: of the accuracy before and after RL, and of the change between them on the same
     rows (paired; None when the first evaluation's rows are unknown, e.g. resumed from an older checkpoint); of one
@@ -846,7 +853,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         trainer.guard.lr_factor; returns its step (None: no rollback, the run stops). Later checkpoints, metrics and
         evaluations are discarded (OUT/guard.jsonl keeps the discarded metrics), and the restored checkpoint is saved
         again with the guard's new state, so that a crash from here resumes with the lower learning rate."""
-        nonlocal rollbacks, lr_scale, bad_steps, rollouts
+        nonlocal rollbacks, lr_scale, bad_steps, rollouts, best
         steps, baselines = group.main_first(lambda: (list_checkpoints(out), _checkpoint_baselines(out)))
         back = good_checkpoint(steps, verdict.first_step, baselines, gc.reward_drop / 4)
         if gc.action != "rollback" or rollbacks >= gc.max_rollbacks or back is None:
@@ -866,6 +873,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
                                     "lr_scale": lr_scale, "rollback": rollbacks, "discarded": discarded}) + "\n")
             logger.rewind(back)
         evals[:] = [r for r in evals if r["step"] <= back]
+        if best is not None and best["step"] > back:  # OUT/best stays, but its evaluation is no longer in eval.jsonl
+            best = {**best, "discarded_by_rollback": True}
         samples[:] = [r for r in samples if r["step"] <= back]
         if group.is_main:
             write_jsonl(out / "eval.jsonl", evals)
@@ -904,7 +913,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
             "heldout_accuracy_before_rl": evals[0]["heldout_accuracy"] if evals else None,
             "heldout_accuracy_last": {"step": evals[-1]["step"], "accuracy": evals[-1]["heldout_accuracy"]}
             if evals else None,
-            **({"best": {**best, "path": str(out / "best"), "note": _BEST_NOTE}} if best is not None else {}),
+            **({"best": _best_record(best, out)} if best is not None else {}),
             "last_checkpoint": latest[-1] if latest else None,
             "wall_seconds": time.perf_counter() - wall0}, indent=2))
         _plot_run(cfg, out, evals)
@@ -983,7 +992,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         "heldout": {**setup.heldout_source,
                     "accuracy": accuracy_means(cfg.rewards.accuracy_reward, cfg.rewards.accuracy_threshold)},
         "train": setup.train_source,
-        **({"best": {**best, "path": str(out / "best"), "note": _BEST_NOTE}} if best is not None else {}),
+        **({"best": _best_record(best, out)} if best is not None else {}),
         "steps": cfg.trainer.steps,
         "cold_start": _cold_start_summary(cold, first_rows, rows_digest),
         "wall_seconds": time.perf_counter() - wall0,
