@@ -14,7 +14,7 @@ from conftest import DEMO, tiny_overrides
 from gspo.checkpoint import checkpoint_path, list_checkpoints
 from gspo.cli import main
 from gspo.config import ConfigError, load_config
-from gspo.preflight import check, shared_passages, warnings
+from gspo.preflight import check, measure, shared_passages, warnings
 from gspo.rewards import RewardFailure, RewardRunner
 from gspo.rewards.checks import reference_text, reward_checks, reward_warnings
 from gspo.tracking import read_metrics
@@ -208,3 +208,23 @@ def test_a_lora_run_is_planned_with_its_adapters(tmp_path):
     saved = sum(f.stat().st_size for f in checkpoint_path(tmp_path / "run", 1).rglob("*") if f.is_file())
     assert abs(m["checkpoint_bytes"] - saved) / saved < 0.25  # small adapters: the tokenizer and JSON files count
     assert m["checkpoint_bytes"] < report["model"]["parameters"] * 4 / 2  # far below the full model's weights
+
+
+def test_measure_times_a_few_steps_elsewhere_and_estimates_the_run(tmp_path, capsys):
+    """`--measure` runs a few steps of the config in a temporary folder (trainer.out untouched) and scales them to the
+    planned run: the first step, the others at the measured median pace, and every planned evaluation."""
+    args = tiny_overrides(tmp_path / "run", "trainer.steps=40", "trainer.eval_every=10")
+    cfg = load_config(DEMO, args)
+    report = check(cfg)
+    t = measure(cfg, report["plan"], steps=3)
+    assert not (tmp_path / "run").exists()
+    assert t["step_seconds"] == pytest.approx(t["rollout_seconds"] + t["update_seconds"]) and t["step_seconds"] > 0
+    assert t["eval_seconds"] > 0 and 0 < t["response_length"] <= 4  # rollout.max_new_tokens=4
+    assert report["plan"]["evaluations"] == [0, 10, 20, 30, 40]
+    assert t["run_seconds"] == pytest.approx(t["first_step_seconds"] + 39 * t["step_seconds"] + 5 * t["eval_seconds"])
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text(DEMO.read_text())
+    assert main(["train", str(cfg_file), "--measure", *args]) == 0
+    captured = capsys.readouterr()
+    assert "measured (5 steps of the model as loaded, no cold start)" in captured.out and "the run ≈" in captured.out
+    assert "nothing was written to trainer.out" in captured.err and not (tmp_path / "run").exists()

@@ -25,7 +25,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from gspo.trainer import train
 
     cfg = load_config(args.config, args.overrides)
-    if args.check:
+    if args.check or args.measure:
         return _check(cfg, args)
     summary = train(cfg, resume=args.resume, overwrite=args.overwrite)
     # under torchrun: leave the process group cleanly, after success only. On a failure the error propagates with the
@@ -40,11 +40,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _check(cfg, args: argparse.Namespace) -> int:
-    """`--check`: the run's set-up and a report (`gspo.preflight`), nothing computed or written. Exit 0: ready; 1:
-    the run would start, but something makes its numbers doubtful (printed); errors exit 2 as the run would."""
-    from gspo.preflight import check, format_report, warnings
+    """`--check`: the run's set-up and a report (`gspo.preflight`), nothing computed or written (`--measure`: and a
+    few RL steps timed in a temporary folder). Exit 0: ready; 1: the run would start, but something makes its numbers
+    doubtful (printed); errors exit 2 as the run would."""
+    from gspo.preflight import check, format_report, measure, warnings
 
     report = check(cfg, resume=args.resume, overwrite=args.overwrite)
+    if args.measure:
+        report["measured"] = measure(cfg, report["plan"])
     found = warnings(report)
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun: one report
         return 1 if found else 0
@@ -52,7 +55,9 @@ def _check(cfg, args: argparse.Namespace) -> int:
     for line in found:
         print(f"warning: {line}", file=sys.stderr)
     command = "gspo demo" if args.command == "demo" else f"gspo train {args.config}"
-    print(f"{command} --check: {len(found)} warning(s); nothing was computed or written", file=sys.stderr)
+    done = ("nothing was written to trainer.out (the timed steps ran in a temporary folder)" if args.measure
+            else "nothing was computed or written")
+    print(f"{command} --check: {len(found)} warning(s); {done}", file=sys.stderr)
     return 1 if found else 0
 
 
@@ -99,7 +104,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if args.steps is not None:
         overrides.append(f"trainer.steps={args.steps}")
     cfg = load_config(demo_config_path(), overrides)
-    if args.check:
+    if args.check or args.measure:
         return _check(cfg, args)
     cs = cfg.cold_start
     until = f"until loss {cs.target_loss}, at most " if cs is not None and cs.target_loss else ""
@@ -509,6 +514,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     p.add_argument("--overwrite", action="store_true", help="delete the run in --out first and start over")
     p.add_argument("--check", action="store_true", help="as gspo train --check: the checks and the plan, no compute")
+    p.add_argument("--measure", action="store_true", help="as gspo train --measure: --check and a few timed steps")
     p.add_argument("overrides", nargs="*", help="dotted.key=value config overrides")
     p.set_defaults(func=_cmd_demo)
 
@@ -520,6 +526,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true",
                    help="check everything the run checks, score the accuracy reward on the rows' known answers, "
                         "print the plan; compute and write nothing (exit 0 ready, 1 warnings, 2 errors)")
+    p.add_argument("--measure", action="store_true",
+                   help="--check, and time a few RL steps (in a temporary folder, the model as loaded) to estimate "
+                        "the run's duration")
     p.set_defaults(func=_cmd_train)
 
     def data_args(p: argparse.ArgumentParser, task_size: int, more: str = "") -> None:

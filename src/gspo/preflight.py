@@ -26,6 +26,7 @@ import math
 import re
 import shutil
 import statistics
+import tempfile
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,7 +39,8 @@ from gspo.config import Config
 from gspo.evaluation import wilson_ci95
 from gspo.rewards.checks import reward_checks, reward_warnings
 
-__all__ = ["PASSAGE_WORDS", "check", "checkpoint_bytes", "format_report", "plan", "shared_passages", "warnings"]
+__all__ = ["MEASURE_STEPS", "PASSAGE_WORDS", "check", "checkpoint_bytes", "format_report", "measure", "plan",
+           "shared_passages", "warnings"]
 
 PASSAGE_WORDS = 8
 """How many consecutive words a held-out prompt must share with a training prompt to be reported (open-r1's
@@ -189,6 +191,43 @@ def check(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[st
     }
 
 
+MEASURE_STEPS = 5
+"""RL steps `measure` times (the first pays for warm-up; the others' medians give the time per step)."""
+
+
+def measure(cfg: Config, planned: dict[str, Any], steps: int = MEASURE_STEPS) -> dict[str, Any]:
+    """Time `steps` RL steps of `cfg` in a temporary folder, then the duration of the run `planned` (`plan`) at that
+    pace: the policy is the model as loaded (no cold start), nothing is checkpointed or logged beyond metrics, and
+    trainer.out is not touched. Returns the median seconds per step after the first (rollout and update), the first
+    step's, an evaluation's (the held-out rows, at the last step), the completions' mean length, and
+    `run_seconds`: the first step + the others at the measured pace + the planned evaluations (not the cold
+    start)."""
+    from gspo.tracking import read_metrics
+    from gspo.trainer import train
+
+    t = cfg.trainer
+    with tempfile.TemporaryDirectory(prefix="gspo-measure-") as tmp:
+        trial = cfg.model_copy(update={
+            "cold_start": None,
+            "trainer": t.model_copy(update={"out": tmp, "steps": steps, "epochs": None, "eval_every": 0,
+                                            "checkpoint_every": 0, "save_best": False}),
+            "rewards": cfg.rewards.model_copy(update={"check": False}),
+            "log": cfg.log.model_copy(update={"tensorboard": False, "wandb": None, "mlflow": None, "progress": False,
+                                              "samples": 0, "rollouts": 0})})
+        train(trial)
+        records = read_metrics(Path(tmp) / "metrics.jsonl")
+    later = records[1:] or records
+    rollout = statistics.median(r["time_rollout"] for r in later)
+    update = statistics.median(r["time_update"] for r in later)
+    evaluation = records[-1].get("time_eval")
+    first = records[0]["time_rollout"] + records[0]["time_update"]
+    return {"steps": steps, "step_seconds": rollout + update, "rollout_seconds": rollout, "update_seconds": update,
+            "first_step_seconds": first, "eval_seconds": evaluation,
+            "response_length": statistics.fmean(r["response_length"] for r in records),
+            "run_seconds": first + (planned["steps"] - 1) * (rollout + update)
+            + len(planned["evaluations"]) * (evaluation or 0.0)}
+
+
 def warnings(report: dict[str, Any]) -> list[str]:
     """What in a `check` report makes the run's numbers doubtful: references judged wrong, empty or wrong answers
     judged right, no held-out rows, prompts dropped as too long."""
@@ -232,6 +271,11 @@ def _size(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     raise AssertionError
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min" if seconds < 7200 else \
+        f"{seconds / 3600:.1f} h"
 
 
 def _count(n: float) -> str:
@@ -315,6 +359,13 @@ def format_report(report: dict[str, Any]) -> list[str]:
     lines.append(f"model: {m['name']}, {_count(m['parameters'])} parameters ({_count(m['trainable'])} trained), "
                  f"{m['dtype']}; a checkpoint ≈ {_size(m['checkpoint_bytes'])}; the run's folder takes up to ≈ "
                  f"{_size(m['disk_bytes'])} ({_size(m['disk_free_bytes'])} free there)")
+    if t := report.get("measured"):
+        lines.append(f"measured ({t['steps']} steps of the model as loaded, no cold start): {t['step_seconds']:.3g} s "
+                     f"per step (rollout {t['rollout_seconds']:.3g}, update {t['update_seconds']:.3g}; the first "
+                     f"{t['first_step_seconds']:.3g})"
+                     + (f", an evaluation {t['eval_seconds']:.3g} s" if t["eval_seconds"] is not None else "")
+                     + f"; completions of {t['response_length']:.1f} tokens on average → the run ≈ "
+                     f"{_duration(t['run_seconds'])} at that pace")
     budget = m["micro_batch_tokens"]
     rows, tokens = m["update_rows"], m["update_row_tokens_max"]
     lines.append(f"  an update forward: {rows} rows × ≤ {tokens} tokens = ≤ {rows * tokens:,} padded tokens"
