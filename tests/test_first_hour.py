@@ -22,7 +22,7 @@ import yaml
 from conftest import DEMO, tiny_overrides
 from gspo.cli import main
 from gspo.config import ConfigError, DataConfig, config_to_dict, load_config
-from gspo.data import load_data, load_rows, near_key, split_by_fraction
+from gspo.data import load_data, load_rows, make_task, near_key, split_by_fraction
 from gspo.evaluation import evaluate
 from gspo.models import build_preset, load_model
 from gspo.rewards import RewardRunner
@@ -83,7 +83,7 @@ def test_eval_path_rows_that_are_training_prompts_are_left_out_and_counted(tmp_p
     summary = train(load_config(DEMO, own_data(tmp_path, f"data.eval_path={heldout_file}", "trainer.steps=1",
                                                "data.eval_size=100")))
     assert summary["heldout"] == {"kind": "eval_path", "path": str(heldout_file), "rows": 10, "of": 10,
-                                  "dropped_training_prompts": 10, "accuracy": "addition >= 1"}
+                                  "repeated_prompts": 0, "dropped_training_prompts": 10, "accuracy": "addition >= 1"}
 
 
 def test_a_held_out_prompt_that_differs_from_a_training_prompt_only_in_case_or_spacing_is_not_held_out(tmp_path):
@@ -106,6 +106,23 @@ def test_a_held_out_prompt_that_differs_from_a_training_prompt_only_in_case_or_s
                                  fields=fields), seed=0)
     assert mixed.heldout_source["dropped_training_prompts"] > 0  # variants that hashed to the other side
     assert {near_key(r["prompt"]) for r in mixed.heldout}.isdisjoint(near_key(r["prompt"]) for r in mixed.train)
+
+
+def test_held_out_problems_are_distinct_so_none_counts_twice(tmp_path):
+    """Before, the demo's 300 held-out problems were 300 draws with replacement from the 1,041 two-digit test
+    problems: 261 distinct, four of them counted three times, and an interval that took 300 independent rows. Now a
+    task's held-out split draws distinct problems, and a held-out file's repeated prompts (up to case and whitespace)
+    are evaluated once and counted (`repeated_prompts`)."""
+    drawn = make_task("addition", split="test", size=300, seed=0, digits=2)
+    assert len({r["prompt"] for r in drawn}) == 261  # the old draw
+    demo = load_data(load_config(DEMO).data, seed=0)
+    assert len(demo.heldout) == 300 == len({r["prompt"] for r in demo.heldout})
+    rows = [*addition_rows(0, 10), {"question": " 3+3= ", "result": "6"}, {"question": "3+3=", "result": "6"}]
+    data = load_data(DataConfig(path=str(write_jsonl(tmp_path / "t.jsonl", addition_rows(100, 20))),
+                                eval_path=str(write_jsonl(tmp_path / "h.jsonl", rows)),
+                                fields={"prompt": "question", "answer": "result"}), seed=0)
+    assert len(data.heldout) == 10 and data.heldout_source["repeated_prompts"] == 2
+    assert data.heldout_source["rows"] == data.heldout_source["of"] == 10
 
 
 def test_a_file_is_used_whole_unless_capped_and_a_cap_is_a_sample_not_the_first_rows(tmp_path):

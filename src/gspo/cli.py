@@ -226,7 +226,8 @@ def _eval_setup(args: argparse.Namespace):
         source = {"kind": "file", "path": args.data, "split": args.split, "rows": len(rows), "of": len(every)}
     else:
         task = args.task or "addition"
-        rows = make_task(task, split=args.split or "test", size=500 if args.size is None else args.size, seed=args.seed)
+        rows = make_task(task, split=args.split or "test", size=500 if args.size is None else args.size, seed=args.seed,
+                         distinct=True)  # each problem once
         source = {"kind": "task_split", "task": task, "split": args.split or "test"}
     data = DataSplits(train=[], heldout=rows, heldout_source=source)
     names = args.reward or [args.task or "addition"]

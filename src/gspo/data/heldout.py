@@ -120,12 +120,33 @@ def subset_rows(rows: list[dict], size: int | None) -> list[dict]:
 
 
 def _drawn(kind: dict[str, Any], rows: list[dict], size: int | None, what: str) -> tuple[list[dict], dict[str, Any]]:
-    """`subset_rows(rows, size)` and the record of it: `rows` kept, `of` how many there were (logged when fewer)."""
+    """`subset_rows(rows, size)` and the record of it: `rows` kept, `of` how many there were (logged when fewer).
+    Held-out rows are first kept once per prompt (`_once`; `repeated_prompts` counts the others)."""
+    repeated = {}
+    if what == "held-out":
+        rows, n = _once(rows, kind.get("path") or kind.get("task"))
+        repeated = {"repeated_prompts": n}
     kept = subset_rows(rows, size)
     if len(kept) < len(rows):
         log.info("%s rows: %d of %d (data.%s_size), a sample by prompt hash", what, len(kept), len(rows),
                  "train" if what == "training" else "eval")
-    return kept, {**kind, "rows": len(kept), "of": len(rows)}
+    return kept, {**kind, "rows": len(kept), "of": len(rows), **repeated}
+
+
+def _once(rows: list[dict], where: Any) -> tuple[list[dict], int]:
+    """Held-out `rows` with each prompt once (the first row of each `near_key`), and how many repeats were left out:
+    a problem listed twice would count twice in the accuracy, and its interval would assume two independent rows."""
+    seen: set[str] = set()
+    kept = []
+    for row in rows:
+        key = near_key(row["prompt"])
+        if key not in seen:
+            seen.add(key)
+            kept.append(row)
+    if len(kept) < len(rows):
+        log.info("held-out rows of %s: %d repeat an earlier row's prompt (up to case and whitespace) and are "
+                 "evaluated once", where, len(rows) - len(kept))
+    return kept, len(rows) - len(kept)
 
 
 def source_names(paths: list[str]) -> list[str]:
@@ -232,7 +253,8 @@ def _load_data(data, seed: int) -> DataSplits:
         train_source = {"kind": "task_split", "task": data.task, "split": data.split, "rows": len(train)}
         if data.eval_split is None:
             return DataSplits(train, [], {"kind": "none"}, train_source)
-        heldout = make_task(data.task, split=data.eval_split, size=sizes["eval"], seed=seed, **data.task_options)
+        heldout = make_task(data.task, split=data.eval_split, size=sizes["eval"], seed=seed, distinct=True,
+                            **data.task_options)  # distinct problems: each counts once
         return DataSplits(train, heldout, {"kind": "task_split", "task": data.task, "split": data.eval_split,
                                            "rows": len(heldout), "dropped_training_prompts": 0}, train_source)
     if data.eval_fraction is not None:

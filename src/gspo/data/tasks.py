@@ -205,8 +205,10 @@ def _resolve_options(task: Task, options: Mapping[str, Any]) -> dict[str, int]:
     return merged
 
 
-def make_task(name: str, split: str = "train", size: int = 1000, seed: int = 0, **options: int) -> list[dict]:
-    """Draw `size` problems of task `name` from `split` ("train" or "test"), deterministically from `seed`.
+def make_task(name: str, split: str = "train", size: int = 1000, seed: int = 0, distinct: bool = False,
+              **options: int) -> list[dict]:
+    """Draw `size` problems of task `name` from `split` ("train" or "test"), deterministically from `seed`; with
+    `distinct`, each problem at most once (held-out rows: a problem drawn twice would count twice in an accuracy).
 
     `options` are the task's integer options (see `TASKS[name].defaults`), e.g. `digits=4` for addition.
     Raises ValueError for an unknown task, split or option, a size < 1, or a problem space too small to fill the
@@ -226,10 +228,12 @@ def make_task(name: str, split: str = "train", size: int = 1000, seed: int = 0, 
     # A string seed is hashed with SHA-512 by `random.Random`, so the stream is stable across processes.
     rng = random.Random(f"gspo/{name}/{split}/{seed}/{sorted(resolved.items())}")
     rows: list[dict] = []
+    seen: set[str] = set()
     max_draws = 100 * size + 10_000  # the test split keeps ~1 draw in TEST_BUCKETS; this leaves a wide margin
     for _ in range(max_draws):
         row = task.sample(rng, resolved)
-        if row is not None and split_of(row["prompt"]) == split:
+        if row is not None and split_of(row["prompt"]) == split and not (distinct and row["prompt"] in seen):
+            seen.add(row["prompt"])
             rows.append({**row, "task": name})
             if len(rows) == size:
                 return rows
