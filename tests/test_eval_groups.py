@@ -65,10 +65,10 @@ def test_several_held_out_files_are_groups_each_capped_and_cleaned_on_its_own(tm
     assert [r["eval_set"] for r in data.heldout] == ["gsm"] * 20 + ["math"] * 12
     assert [r["data_source"] for r in data.heldout] == ["gsm"] * 20 + ["math"] * 12  # as data.path lists name them
     assert data.heldout_source["sets"]["gsm"] == {"kind": "eval_path", "path": str(a), "rows": 20, "of": 30,
-                                                  "dropped_training_prompts": 5}
+                                                  "repeated_prompts": 0, "dropped_training_prompts": 5}
     assert data.heldout_source["sets"]["math"]["rows"] == data.heldout_source["sets"]["math"]["of"] == 12
-    assert (data.heldout_source["rows"], data.heldout_source["of"], data.heldout_source["dropped_training_prompts"]) \
-        == (32, 42, 5)
+    assert (data.heldout_source["rows"], data.heldout_source["of"], data.heldout_source["dropped_training_prompts"],
+            data.heldout_source["repeated_prompts"]) == (32, 42, 5, 0)
 
     same_stem = write_jsonl(tmp_path / "other" / "gsm.jsonl", rows(300, 4, 0))  # two files named gsm: paths name them
     data = load_data(load_config(None, [f"data.path={train_file}", f"data.eval_path=[{a}, {same_stem}]"]).data, seed=0)

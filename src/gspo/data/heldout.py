@@ -192,7 +192,8 @@ def _eval_files(data, every_train: list[dict]) -> tuple[list[dict], dict[str, An
     if not several:
         return rows, next(iter(records.values()))
     return rows, {"kind": "eval_path", "path": paths, **{key: sum(r[key] for r in records.values())
-                                                         for key in ("rows", "of", "dropped_training_prompts")},
+                                                         for key in ("rows", "of", "dropped_training_prompts",
+                                                                     "repeated_prompts")},
                   "sets": records}
 
 
