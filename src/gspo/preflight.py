@@ -37,7 +37,7 @@ from torch import nn
 from gspo.checkpoint import find_latest_checkpoint
 from gspo.config import Config
 from gspo.evaluation import wilson_ci95
-from gspo.rewards.checks import reward_checks, reward_warnings
+from gspo.rewards.checks import split_warnings
 
 __all__ = ["MEASURE_STEPS", "PASSAGE_WORDS", "check", "checkpoint_bytes", "format_report", "measure", "plan",
            "shared_passages", "warnings"]
@@ -133,7 +133,7 @@ def check(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[st
     """Run `gspo.trainer.prepare` and report what it found and what the run would do (module docstring). Raises as
     the run would (ConfigError / ValueError / OSError) on anything that would stop it; writes nothing."""
     from gspo.lora import apply_lora
-    from gspo.trainer import prepare
+    from gspo.trainer import check_rewards, prepare
 
     setup = prepare(cfg, resume=resume, overwrite=overwrite, create_out=False)
     cfg, tokenizer, rewards = setup.cfg, setup.tokenizer, setup.rewards
@@ -177,9 +177,7 @@ def check(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[st
                     "ci95_half_width": (high - low) / 2 if heldout_n else None,
                     "shared_passages": shared_passages(setup.train_rows, setup.eval_rows)},
         "rewards": {"functions": dict(zip(rewards.names, rewards.weights, strict=True)), "accuracy": accuracy,
-                    "threshold": threshold,
-                    "train": reward_checks(rewards, setup.train_rows, accuracy, threshold),
-                    "heldout": reward_checks(rewards, setup.eval_rows, accuracy, threshold)},
+                    "threshold": threshold, **check_rewards(setup)},
         "plan": steps,
         "model": {"name": cfg.model.name, "parameters": params, "trainable": trainable,
                   "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
@@ -231,9 +229,7 @@ def measure(cfg: Config, planned: dict[str, Any], steps: int = MEASURE_STEPS) ->
 def warnings(report: dict[str, Any]) -> list[str]:
     """What in a `check` report makes the run's numbers doubtful: references judged wrong, empty or wrong answers
     judged right, no held-out rows, prompts dropped as too long."""
-    found = []
-    for split, name in (("train", "training"), ("heldout", "held-out")):
-        found += reward_warnings(report["rewards"][split], name)
+    found = split_warnings(report["rewards"])
     shared = report["heldout"]["shared_passages"]
     if shared["rows"]:
         e = shared["examples"][0]

@@ -64,7 +64,7 @@ from gspo.optim import check_update_precision, make_optimizer, scale_lr
 from gspo.parallel import ProcessGroup, init_distributed, wrap_frozen, wrap_policy
 from gspo.parallel.state import FullModelView, full_state, load_state, save_state
 from gspo.rewards import RewardRunner, drop_unscored, score_trajectory
-from gspo.rewards.checks import reward_checks, reward_warnings
+from gspo.rewards.checks import reward_checks, split_warnings
 from gspo.rollout import RolloutEngine, make_engine, policy_weights, unwrap_model
 from gspo.rollout.dynamic import NoSignal, Scored, keep_informative
 from gspo.rollout.workers import (
@@ -588,14 +588,10 @@ def prepare(cfg: Config, resume: bool = False, overwrite: bool = False, create_o
 
 def check_rewards(setup: Setup) -> dict[str, dict | None]:
     """The accuracy reward on the training and held-out rows' own answers, an empty completion and another row's
-    answer (`gspo.rewards.checks`), each split's findings logged as warnings."""
+    answer (`gspo.rewards.checks`), by split (`split_warnings` says what is wrong)."""
     r = setup.cfg.rewards
-    found = {}
-    for split, rows, name in (("train", setup.train_rows, "training"), ("heldout", setup.eval_rows, "held-out")):
-        found[split] = reward_checks(setup.rewards, rows, r.accuracy_reward, r.accuracy_threshold)
-        for line in reward_warnings(found[split], name):
-            log.warning("rewards.check: %s", line)
-    return found
+    return {split: reward_checks(setup.rewards, rows, r.accuracy_reward, r.accuracy_threshold)
+            for split, rows in (("train", setup.train_rows), ("heldout", setup.eval_rows))}
 
 
 def train(cfg: Config, resume: bool = False, overwrite: bool = False,
@@ -625,6 +621,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
                                                            setup.eval_rows, setup.eval_group)
     make_env, ro, eval_tokens, wall0 = setup.make_env, cfg.rollout, setup.eval_tokens, setup.wall0
     reward_check = check_rewards(setup) if cfg.rewards.check and group.is_main else None
+    for line in split_warnings(reward_check or {}):
+        log.warning("rewards.check: %s", line)
 
     # every check passed: from here on the run writes into its folder
     if group.is_main:
@@ -649,7 +647,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
     def before_sft(m: nn.Module) -> dict:
         """The held-out accuracy of the model the cold start begins from (rank 0, the built-in sampler, the run's
         evaluation settings; its reward calls are not the run's): each row's solved fraction, for the change the
-        cold start made (`_cold_start_change`)."""
+        cold start made (`_cold_start_summary`)."""
         values: list[float] = []
         with rewards.probing():
             scores = evaluate(m, tokenizer, eval_rows, rewards, eval_tokens, row_values=values,

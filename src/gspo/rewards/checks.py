@@ -7,17 +7,19 @@ writes. `gspo train` runs it at the start (rewards.check) and `--check`, and `gs
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gspo.data import subset_rows
 from gspo.rewards import RewardRunner
 from gspo.rewards.thinking import final_answer
 
-__all__ = ["REFERENCE_ROWS", "reference_text", "reward_checks", "reward_warnings"]
+__all__ = ["REFERENCE_ROWS", "SPLIT_NAMES", "reference_text", "reward_checks", "reward_warnings", "split_warnings"]
 
 REFERENCE_ROWS = 200
 """Rows of each split whose references the check scores (a sample by prompt hash; all when there are fewer)."""
+SPLIT_NAMES = {"train": "training", "heldout": "held-out"}
+"""A run's splits, as `gspo.trainer.check_rewards` keys their results, and as the warnings name them."""
 
 
 def reference_text(row: dict, field: str, prompt: str, think_tags: tuple[str, str] | None) -> str | None:
@@ -111,3 +113,8 @@ def reward_warnings(r: dict[str, Any] | None, name: str) -> list[str]:
         found.append(f"the accuracy reward judges another row's {r['field']} solved on {r['neighbour_solved']} of "
                      f"{r['neighbour_rows']} {name} rows: it does not compare with the row's own answer")
     return found
+
+
+def split_warnings(found: Mapping[str, dict[str, Any] | None]) -> list[str]:
+    """`reward_warnings` of each split's `reward_checks` result in `found` (keys `SPLIT_NAMES`)."""
+    return [line for split, name in SPLIT_NAMES.items() for line in reward_warnings(found.get(split), name)]
