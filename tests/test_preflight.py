@@ -228,3 +228,13 @@ def test_measure_times_a_few_steps_elsewhere_and_estimates_the_run(tmp_path, cap
     captured = capsys.readouterr()
     assert "measured (5 steps of the model as loaded, no cold start)" in captured.out and "the run ≈" in captured.out
     assert "nothing was written to trainer.out" in captured.err and not (tmp_path / "run").exists()
+
+
+def test_measure_under_torchrun_is_refused_before_anything_runs(tmp_path, capsys, monkeypatch):
+    """Every torchrun process would time steps in a folder of its own, with collectives over different runs."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text(DEMO.read_text())
+    assert main(["train", str(cfg_file), "--measure", *tiny_overrides(tmp_path / "run")]) == 2
+    assert "--measure times steps in one process" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

@@ -45,6 +45,8 @@ def _check(cfg, args: argparse.Namespace) -> int:
     doubtful (printed); errors exit 2 as the run would."""
     from gspo.preflight import check, format_report, measure, warnings
 
+    if args.measure and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # each process would time its own folder
+        raise ConfigError("--measure times steps in one process: run it without torchrun (--check works under it)")
     report = check(cfg, resume=args.resume, overwrite=args.overwrite)
     if args.measure:
         report["measured"] = measure(cfg, report["plan"])
