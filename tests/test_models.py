@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import shutil
@@ -201,6 +202,35 @@ def test_load_model_bfloat16(tmp_path) -> None:
     assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
     preset_bf16, _ = build_preset("tiny-dense", seed=2, dtype=torch.bfloat16)
     assert next(preset_bf16.parameters()).dtype == torch.bfloat16
+
+
+def test_attention_implementation_is_chosen_at_load_and_gives_the_same_log_probs(tmp_path) -> None:
+    """model.attn_implementation: eager and sdpa compute the same log-probs of left-padded prompts (the masks and
+    positions agree), for a saved folder and a preset; an unknown or unavailable kernel is refused at load, naming
+    the key."""
+    from gspo.logprobs import completion_logprobs
+
+    model, tok = build_preset("tiny-moe", seed=3)
+    save_model(model, tok, tmp_path)
+    prompts = tok(["12+34=", "5+6="], padding=True, return_tensors="pt")
+    completion = torch.tensor([[_ids(tok, "4")[0], _ids(tok, "6")[0], 1], [_ids(tok, "1")[0], 1, 0]])
+    c_mask = (torch.arange(3) < torch.tensor([[3], [2]])).long()
+    results = {}
+    for impl in ("sdpa", "eager"):
+        for name in (str(tmp_path), "tiny-moe"):
+            loaded, _ = load_model(name, seed=3, attn_implementation=impl)
+            assert loaded.config._attn_implementation == impl
+            with torch.no_grad():
+                results[impl, name] = completion_logprobs(loaded.eval(), prompts.input_ids, prompts.attention_mask,
+                                                          completion, c_mask)[0]
+    reference = results["sdpa", str(tmp_path)]
+    assert all(torch.allclose(lp, reference, atol=1e-5) for lp in results.values())
+    assert load_model(str(tmp_path))[0].config._attn_implementation == "sdpa"  # None: the model's default
+    with pytest.raises(ValueError, match=r"model.attn_implementation='bogus' cannot be used .* not supported"):
+        load_model(str(tmp_path), attn_implementation="bogus")
+    if importlib.util.find_spec("flash_attn") is None:
+        with pytest.raises(ValueError, match=r"flash_attention_2.*(?i:not be installed|n't seem to be installed)"):
+            load_model("tiny-dense", attn_implementation="flash_attention_2")
 
 
 def test_load_model_missing_dir(tmp_path) -> None:

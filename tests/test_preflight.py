@@ -102,6 +102,7 @@ def test_a_clean_check_exits_0_and_an_error_exits_2_as_the_run_would(tmp_path, c
     assert main(["train", str(cfg_file), "--check", *args]) == 0
     out = capsys.readouterr().out
     assert "training rows: 60 from" in out and "own solution judged solved 60/60" in out and "plan: 3 steps" in out
+    assert "float32, sdpa attention" in out  # model.attn_implementation=None: the model's default
     assert main(["train", str(cfg_file), "--check", *args, "rollout.group_size=0"]) == 2
     assert "rollout.group_size" in capsys.readouterr().err
 

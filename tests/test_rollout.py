@@ -563,6 +563,11 @@ def test_decode_modes_are_checked(tok, tiny):
     assert resolve_decode("auto", tiny["dense"], "cuda") == "compiled"
     assert resolve_decode("auto", tiny["moe"], "cuda") == "dynamic"  # not capturable in a CUDA graph (docstring)
     assert resolve_decode("static", tiny["moe"], "cuda") == "static"
+    eager = build_model("dense", len(tok))
+    eager.set_attn_implementation("eager")
+    assert resolve_decode("auto", eager, "cuda") == "compiled"
+    eager.config._attn_implementation = "flash_attention_2"  # (the package is not installed here)
+    assert resolve_decode("auto", eager, "cuda") == "dynamic"  # compiled decode was measured with sdpa only
     with pytest.raises(ValueError, match="cannot be captured in a CUDA graph"):
         resolve_decode("compiled", tiny["moe"], "cuda")
     assert resolve_decode("compiled", tiny["moe"], "cpu") == "compiled"  # inductor alone: no graph capture

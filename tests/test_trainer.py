@@ -272,6 +272,30 @@ def test_recompute_makes_the_first_minibatch_exactly_on_policy(tmp_path, spy_obj
     assert all(r["rollout_logprob_diff"] < 1e-4 for r in records)
 
 
+@pytest.mark.parametrize(("overrides", "problem"), [
+    (["trainer.device=cpu"], "this run's device is cpu"),
+    (["trainer.device=cuda"], "training forwards compute in float32"),
+    (["trainer.device=cuda", "trainer.mixed_precision=bfloat16"], "built-in sampler computes in float32"),
+    (["trainer.device=cuda", "trainer.mixed_precision=bfloat16", "rollout.dtype=bfloat16"], "before-SFT evaluation"),
+    (["trainer.device=cuda", "trainer.mixed_precision=bfloat16", "rollout.dtype=bfloat16", "cold_start=null"], None),
+    (["trainer.device=cuda", "model.dtype=bfloat16"], None),
+    (["trainer.device=cuda", "trainer.mixed_precision=bfloat16", "rollout.engine=vllm", "cold_start=null"], None),
+])
+def test_flash_attention_is_refused_where_its_kernel_would_get_float32_or_a_cpu(tmp_path, overrides, problem):
+    """flash-attn raises at its first forward on a CPU or in float32 (transformers casts float32 inputs to the
+    autocast dtype, else the weights'): the run refuses such a config before the cold start instead."""
+    from gspo.trainer import _flash_attention_checks
+
+    cfg = cfg_for(tmp_path, "model.attn_implementation=flash_attention_2", *overrides)
+    device = torch.device(cfg.trainer.device)
+    if problem is None:
+        _flash_attention_checks(cfg, device)
+    else:
+        with pytest.raises(ConfigError, match=f"model.attn_implementation=flash_attention_2: .*{problem}"):
+            _flash_attention_checks(cfg, device)
+    _flash_attention_checks(load_config(DEMO, tiny_overrides(tmp_path, "trainer.device=cpu")), torch.device("cpu"))
+
+
 @pytest.mark.parametrize("disable", [True, False])
 def test_a_model_with_dropout_trains_without_it(tmp_path, spy_objective, caplog, disable):
     """A model folder whose config has dropout (attention_dropout 0.5): RL turns it off (trainer.disable_dropout), so

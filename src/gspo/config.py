@@ -65,6 +65,10 @@ class ModelConfig(_Section):
     name: str = "tiny-moe"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     trust_remote_code: bool = False
+    # the attention kernel of the trainer's forwards and the built-in sampler (transformers' attn_implementation):
+    # None = the model's default (sdpa where it supports it); eager, sdpa, flash_attention_2 (the flash-attn package,
+    # CUDA, bf16/fp16 compute), flex_attention, ... Checked when the model loads, before any compute.
+    attn_implementation: str | None = Field(None, min_length=1)
     lora: LoraConfig | None = None  # train LoRA adapters instead of the full model (see LoraConfig)
 
 

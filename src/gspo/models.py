@@ -294,6 +294,7 @@ def load_model(
     dtype: str | torch.dtype = "float32",
     trust_remote_code: bool = False,
     seed: int = 0,
+    attn_implementation: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer.
 
@@ -302,7 +303,8 @@ def load_model(
     id. `seed` only matters for presets. Remote code is only run when
     `trust_remote_code=True`. Weights are only read from safetensors files (`use_safetensors=True`): a directory or
     hub repository with only pickle weights (pytorch_model.bin) is refused, since unpickling can run code. A
-    tokenizer without a pad token gets its EOS token as pad.
+    tokenizer without a pad token gets its EOS token as pad. `attn_implementation` (`model.attn_implementation`):
+    the attention kernel, set by `set_attention`; None keeps the model's default (sdpa where it supports it).
 
     The model is returned as constructed: presets are in train mode and `from_pretrained` models in eval mode, so
     callers that care (the trainer, evaluation) set the mode themselves.
@@ -313,15 +315,29 @@ def load_model(
     if not isinstance(name_or_path, str) or not name_or_path.strip():
         raise ValueError(f"load_model: name_or_path must be a non-empty string, got {name_or_path!r}")
     torch_dtype = resolve_dtype(dtype)
-    if name_or_path in PRESETS:
-        return build_preset(name_or_path, seed=seed, dtype=torch_dtype)
-
     path = Path(name_or_path).expanduser()
-    if (path.exists() or _looks_like_local_path(name_or_path)) and _is_adapter_folder(path):
-        return _load_adapter_folder(path, dtype=dtype, trust_remote_code=trust_remote_code, seed=seed)
-    model, tokenizer, _ = load_pretrained(name_or_path, AutoModelForCausalLM, dtype=torch_dtype,
-                                          trust_remote_code=trust_remote_code)
+    if name_or_path in PRESETS:
+        model, tokenizer = build_preset(name_or_path, seed=seed, dtype=torch_dtype)
+    elif (path.exists() or _looks_like_local_path(name_or_path)) and _is_adapter_folder(path):
+        model, tokenizer = _load_adapter_folder(path, dtype=dtype, trust_remote_code=trust_remote_code, seed=seed)
+    else:
+        model, tokenizer, _ = load_pretrained(name_or_path, AutoModelForCausalLM, dtype=torch_dtype,
+                                              trust_remote_code=trust_remote_code)
+    if attn_implementation is not None:
+        set_attention(model, attn_implementation)
     return model, tokenizer
+
+
+def set_attention(model: PreTrainedModel, implementation: str) -> None:
+    """Switch `model`'s attention kernel to `implementation` (transformers' `attn_implementation`: eager, sdpa,
+    flash_attention_2, flex_attention, ...), checked by transformers now rather than at the first forward. Raises
+    ValueError naming `model.attn_implementation` and what transformers said: an unknown name, a kernel whose package
+    is not installed (flash-attn), or one this model's class does not support."""
+    try:
+        model.set_attn_implementation(implementation)
+    except (ValueError, ImportError) as e:
+        raise ValueError(f"model.attn_implementation={implementation!r} cannot be used with "
+                         f"{type(model).__name__}: {e}") from None
 
 
 def load_pretrained(

@@ -181,6 +181,7 @@ def check(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[st
         "plan": steps,
         "model": {"name": cfg.model.name, "parameters": params, "trainable": trainable,
                   "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+                  "attention": getattr(model.config, "_attn_implementation", None),
                   "checkpoint_bytes": size, "disk_bytes": disk_needed(cfg, weights, size, len(steps["checkpoints"])),
                   "disk_free_bytes": _free_bytes(setup.out),
                   "update_rows": share,
@@ -353,7 +354,7 @@ def format_report(report: dict[str, Any]) -> list[str]:
                  + f", {len(p['checkpoints'])} checkpoints ({p['checkpoints_kept']} kept)")
     m = report["model"]
     lines.append(f"model: {m['name']}, {_count(m['parameters'])} parameters ({_count(m['trainable'])} trained), "
-                 f"{m['dtype']}; a checkpoint ≈ {_size(m['checkpoint_bytes'])}; the run's folder takes up to ≈ "
+                 f"{m['dtype']}, {m['attention']} attention; a checkpoint ≈ {_size(m['checkpoint_bytes'])}; the run's folder takes up to ≈ "
                  f"{_size(m['disk_bytes'])} ({_size(m['disk_free_bytes'])} free there)")
     if t := report.get("measured"):
         lines.append(f"measured ({t['steps']} steps of the model as loaded, no cold start): {t['step_seconds']:.3g} s "

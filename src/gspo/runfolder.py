@@ -59,7 +59,7 @@ RUN_FILES = ("config.yaml", "metrics.jsonl", "eval.jsonl", "samples.jsonl", "rol
 # Config keys (fnmatch patterns) a resume may change: none of them changes what the optimizer computes.
 RESUMABLE = ("trainer.steps", "trainer.epochs", "trainer.save_best", "trainer.threads", "trainer.out",
              "trainer.eval_every", "trainer.checkpoint_every", "trainer.keep_checkpoints", "trainer.max_bad_steps",
-             "trainer.device", "trainer.micro_batch_tokens",
+             "trainer.device", "trainer.micro_batch_tokens", "model.attn_implementation",
              "cold_start.micro_batch_tokens", "trainer.gradient_checkpointing", "rollout.max_batch_rows",
              "trainer.guard.*", "log.*",
              "rewards.timeout_s", "rewards.workers", "rewards.check", "rewards.reward_model.batch_size",

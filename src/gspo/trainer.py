@@ -554,7 +554,7 @@ def prepare(cfg: Config, resume: bool = False, overwrite: bool = False, create_o
     set_seed(cfg.trainer.seed)
 
     model, tokenizer = load_model(cfg.model.name, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code,
-                                  seed=cfg.trainer.seed)
+                                  seed=cfg.trainer.seed, attn_implementation=cfg.model.attn_implementation)
     _model_checks(cfg, model, group)
     # message prompts → the model's chat template (gspo.data.chat), with the tools' schemas for tool use
     data = render_chat(data, cfg.data, tokenizer, tools=tool_schemas)
@@ -1046,6 +1046,7 @@ def _model_checks(cfg: Config, model: nn.Module, group: ProcessGroup) -> None:
             check_update_precision([p for p in model.parameters() if p.requires_grad], lr)
         except ValueError as e:
             raise ConfigError(f"{key}: {e}") from None
+    _flash_attention_checks(cfg, group.device)
     try:
         if cfg.algorithm.routing_replay != "none":  # a hub model's family is only known now
             require_replay_support(model, cfg.algorithm.routing_replay)
@@ -1056,6 +1057,32 @@ def _model_checks(cfg: Config, model: nn.Module, group: ProcessGroup) -> None:
                              "use trainer.parallel=ddp, or rollout.engine=hf or vllm_server")
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def _flash_attention_checks(cfg: Config, device: torch.device) -> None:
+    """FlashAttention kernels (`model.attn_implementation=flash_attention_*`) run on CUDA in bfloat16/float16 only,
+    and flash-attn raises at the first forward otherwise (after a cold start may have run): refuse such a run now.
+    transformers casts float32 attention inputs to the autocast dtype, else to the weights' dtype, so float32 weights
+    need trainer.mixed_precision for the training forwards and a bfloat16/float16 `rollout.dtype` for the built-in
+    sampler; the cold start's before-SFT evaluation samples with the policy itself, so it needs half weights."""
+    impl = cfg.model.attn_implementation or ""
+    if not impl.startswith("flash_attention"):
+        return
+    half = ("bfloat16", "float16")
+    problem = None
+    if device.type != "cuda":
+        problem = f"this run's device is {device.type} (trainer.device={cfg.trainer.device})"
+    elif cfg.model.dtype not in half:
+        if cfg.trainer.mixed_precision is None:
+            problem = "the training forwards compute in float32: set model.dtype=bfloat16 or trainer.mixed_precision"
+        elif cfg.rollout.engine == "hf" and cfg.rollout.dtype not in half:
+            problem = "the built-in sampler computes in float32: set rollout.dtype=bfloat16 (or model.dtype)"
+        elif cfg.cold_start is not None:
+            problem = ("the cold start's before-SFT evaluation samples with the float32 policy: set "
+                       "model.dtype=bfloat16")
+    if problem:
+        raise ConfigError(f"model.attn_implementation={impl}: FlashAttention runs on CUDA in bfloat16/float16 only, "
+                          f"and {problem}")
 
 
 def _checkpoint_baselines(out: Path) -> dict[int, float | None]:

@@ -157,7 +157,7 @@ def build_cold_start(cfg: Config, target: Path) -> dict:
         torch.set_num_threads(cfg.trainer.threads)
     set_seed(cfg.trainer.seed)
     model, tokenizer = load_model(cfg.model.name, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code,
-                                  seed=cfg.trainer.seed)
+                                  seed=cfg.trainer.seed, attn_implementation=cfg.model.attn_implementation)
     model = model.to(resolve_device(cfg.trainer.device))
     rows = load_data(cfg.data, cfg.trainer.seed).train
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -95,7 +95,9 @@ def sample_from_logits(
 def resolve_decode(decode: str, model: PreTrainedModel, device: torch.device | str,
                    record_routing: bool = False) -> str:
     """The decode mode `HFSampler` runs for `rollout.decode` (DECODE_MODES or "auto"): auto is compiled on CUDA for a
-    dense model that supports a static cache, else dynamic. Raises ValueError for a static mode the model or the
+    dense model with sdpa or eager attention that supports a static cache, else dynamic (a compiled decode step was
+    measured with sdpa only: other kernels, e.g. `model.attn_implementation=flash_attention_2`, decode dynamically
+    unless rollout.decode says otherwise). Raises ValueError for a static mode the model or the
     routing recording cannot run, and for compiled on CUDA with an MoE model: transformers' expert kernel reads the
     expert offsets on the host (`offs.tolist()` in its grouped-mm fallback, transformers 5.17), which a CUDA graph
     cannot capture (measured on an H100: "Cannot copy between CPU and CUDA tensors during CUDA graph capture")."""
@@ -103,7 +105,8 @@ def resolve_decode(decode: str, model: PreTrainedModel, device: torch.device | s
     cuda = torch.device(device).type == "cuda"
     moe_on_cuda = cuda and config_has_experts(getattr(model, "config", None))
     if decode == "auto":
-        return "compiled" if cuda and static_ok and not moe_on_cuda and not record_routing else "dynamic"
+        measured = getattr(getattr(unwrap_model(model), "config", None), "_attn_implementation", "sdpa") in ("sdpa", "eager")
+        return "compiled" if cuda and static_ok and measured and not moe_on_cuda and not record_routing else "dynamic"
     if decode not in DECODE_MODES:
         raise ValueError(f"rollout.decode must be auto or one of {', '.join(DECODE_MODES)}, got {decode!r}")
     if decode == "compiled" and moe_on_cuda:
