@@ -162,6 +162,24 @@ def test_over_long_prompts_are_skipped_counted_logged_and_reported(tmp_path, cap
     assert "skipped 3 of 8 prompts of the training rows: longer than 10 tokens" in messages
 
 
+def test_gspo_eval_of_a_run_scores_the_rows_the_run_scored(tmp_path, capsys):
+    """The run drops held-out prompts over its limit; `gspo eval RUN` (its config's rows) must drop the same ones: a
+    reward that pays exactly the long prompt would otherwise report 1 of 3 solved where the run reported 0 of 3."""
+    (tmp_path / "rw.py").write_text("def long_prompt(prompt, completion, **row):\n    return float(len(prompt) > 10)\n")
+    data = write_rows(tmp_path / "rows.jsonl", ["1+1=", "2+1=", "3+1=", "4+1="])
+    heldout = write_rows(tmp_path / "heldout.jsonl", ["2+2=", "2" * 12 + "+1=", "3+3=", "4+4="])
+    run = tmp_path / "run"
+    summary = train(cfg_for(run, "trainer.steps=1", f"data.path={data}", "data.task=null", f"data.eval_path={heldout}",
+                            "data.max_prompt_tokens=10", "rewards.check=false",
+                            f"rewards.functions={{{tmp_path / 'rw.py'}:long_prompt: 1.0}}"))
+    assert summary["skipped_prompts"]["eval"] == 1 and summary["heldout_accuracy_after_rl"] == 0.0
+    assert main(["eval", str(run), "--device", "cpu"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert (result["rows"], result["skipped_prompts"], result["accuracy"]) == (3, 1, 0.0)
+    assert main(["eval", str(run), "--max-new-tokens", "0"]) == 2  # not silently the default
+    assert "--max-new-tokens must be >= 1" in capsys.readouterr().err
+
+
 def test_default_prompt_limit_is_the_model_context_minus_the_new_tokens(tmp_path):
     """tiny-moe has 256 positions and the rollout generates 4 tokens: a 253-token prompt cannot be sampled."""
     data = write_rows(tmp_path / "rows.jsonl", ["1+1=", "1" * 250 + "+1=", "1" * 249 + "+1="])

@@ -340,6 +340,25 @@ def test_resume_accepts_what_does_not_change_the_math_and_names_what_it_refuses(
         train(load_config(DEMO, tiny_overrides(moved, *base, "trainer.steps=2")), resume=True)
 
 
+def test_a_resume_with_other_held_out_rows_does_not_claim_a_change_on_the_same_rows(tmp_path, capsys):
+    """The held-out file edited between a run and its resume: before and after RL are then on different rows, so the
+    summary says so, reports no paired interval, and the printed line does not claim "on the same rows"."""
+    heldout = write_jsonl(tmp_path / "heldout.jsonl", addition_rows(100, 8))
+    args = own_data(tmp_path, f"data.eval_path={heldout}", "trainer.checkpoint_every=1", "trainer.eval_every=1")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(DEMO.read_text())
+    assert main(["train", str(cfg), *args, "trainer.steps=2"]) == 0
+    first = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert first["heldout_same_rows"] is True and first["heldout_accuracy_ci95"]["change"] is not None
+    assert "on the same rows" in capsys.readouterr().err  # the line for people (stdout is the summary's JSON)
+    write_jsonl(heldout, addition_rows(200, 8))
+    assert main(["train", str(cfg), *args, "trainer.steps=3", "--resume"]) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["heldout_same_rows"] is False and summary["heldout_accuracy_ci95"]["change"] is None
+    line = capsys.readouterr().err
+    assert "NOT on the same rows" in line and "on the same rows)" not in line.replace("NOT on the same rows", "")
+
+
 def test_a_resume_may_change_the_cold_starts_micro_batch_budget_not_its_batch(tmp_path):
     """The saved config of a run with a cold start against a new one (`check_resume_config`, what `--resume` runs)."""
     saved = load_config(DEMO, tiny_overrides(tmp_path))

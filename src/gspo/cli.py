@@ -12,7 +12,7 @@ import time
 from importlib import resources
 from pathlib import Path
 
-from gspo.config import ConfigError, accuracy_means, load_config
+from gspo.config import Config, ConfigError, accuracy_means, load_config
 
 
 def demo_config_path() -> Path:
@@ -75,9 +75,11 @@ def _accuracy_line(summary: dict, before_label: str, after_label: str) -> str | 
         interval = f"; 95% CI {pair[0] * 100:+.1f} to {pair[1] * 100:+.1f}" if pair else ""
         return f"({(after - before) * 100:+.1f} points{interval}"
 
+    same = summary.get("heldout_same_rows", True)  # False: a resume changed the held-out rows (no paired change)
+    rows = "on the same rows" if same else "NOT on the same rows: the held-out rows changed since the first evaluation"
     lines = _cold_start_line(summary, before)
     lines += [f"held-out accuracy: {before:.1%} {before_label} → {after:.1%} {after_label} "
-             f"{change(before, after, summary.get('heldout_accuracy_ci95'))} on the same rows) in "
+             f"{change(before, after, summary.get('heldout_accuracy_ci95'))} {rows}) in "
              f"{summary['wall_seconds']:.0f} s"]
     for group, entry in (summary.get("heldout_accuracy_by") or {}).items():  # data.eval_by
         lines.append(f"  {group} ({entry['rows']} rows): {entry['before_rl']:.1%} → {entry['after_rl']:.1%} "
@@ -288,6 +290,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     n, temperature, top_p, ks = _eval_sampling(args)
     if args.max_batch_rows is not None and args.max_batch_rows < 1:
         raise ConfigError(f"--max-batch-rows must be >= 1, got {args.max_batch_rows}")
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.rows_out:  # an unwritable place fails now, not after the evaluation
         Path(args.rows_out).parent.mkdir(parents=True, exist_ok=True)
     data, rewards, accuracy_reward, threshold, new_tokens, data_cfg, cfg, groups = _eval_setup(args)
@@ -296,23 +300,28 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     make_env, tools = build_env(cfg) if cfg is not None else (None, None)  # env: the rows are episodes
     sampling = {} if n == 1 else {"samples_per_prompt": n, "temperature": temperature, "top_p": top_p, "ks": ks,
                                   "seed": args.seed}
-    completions = len(data.heldout) * n
+    sampling["stop"] = cfg.rollout.stop if cfg is not None else []  # a run's completions end at its stop strings
     checked: dict | None = None
+    kept: list[int] | None = None  # the rows evaluated: with --config, those its run evaluates (_rows_the_run_keeps)
 
     def run(name: str) -> tuple[dict, list[float], dict[str, int], list[dict]]:
         """Evaluate model `name` on the rows (rendered with its own chat template): its result (each interval as one
         [low, high] pair), each row's solved fraction, its reward failures per function, and with --rows-out each
         row's first completion with its rewards and verdict."""
-        nonlocal checked
+        nonlocal checked, kept
         model, tokenizer = load_model(name)
         rows = render_chat(data, data_cfg, tokenizer, tools=tools).heldout
+        if kept is None:  # decided with the evaluated model's tokenizer; a --baseline gets the same rows
+            kept = _rows_the_run_keeps(cfg, model, tokenizer, rows, new_tokens)
+        rows = [rows[i] for i in kept]
         if checked is None:  # the verifier on the rows' own answers, an empty one and another row's
             wanted = cfg is None or cfg.rewards.check  # a config's rewards.check=false turns it off
             checked = (reward_checks(rewards, rows, accuracy_reward, threshold) if wanted else None) or {}
         model = model.to(resolve_device(args.device))
         engine = episodes = None
         if make_env is not None:
-            engine = HFSampler(model, tokenizer, SamplingParams(max_new_tokens=new_tokens))
+            params = SamplingParams(max_new_tokens=new_tokens, stop=tuple(sampling["stop"]))
+            engine = HFSampler(model, tokenizer, params)
             episodes = make_episode_runner(cfg, engine, tokenizer, make_env)
         values: list[float] = []
         shown: list[dict] = []
@@ -327,6 +336,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         return result, values, {k: v - before.get(k, 0) for k, v in rewards.failures.items()}, shown
 
     result, values, failures, shown = run(args.model)
+    skipped = len(data.heldout) - len(values)
+    if groups is not None:
+        groups = [groups[i] for i in kept]
+    completions = len(values) * n
     failed = round(result["reward_failure_rate"] * completions)
     counts = ({"solved": round(result["accuracy"] * len(values)), "rows_with_reward_failures": failed} if n == 1 else
               {"solved_samples": round(result["accuracy"] * completions), "samples_with_reward_failures": failed})
@@ -346,6 +359,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if args.rows_out:
         _write_rows(Path(args.rows_out), shown, values, groups, base_shown, base_values)
     print(json.dumps({"model": args.model, "rows": len(values), "source": data.heldout_source,
+                      **({"skipped_prompts": skipped} if skipped else {}),
                       "samples_per_prompt": n, "temperature": temperature, "top_p": top_p, **result, **counts,
                       "accuracy_means": accuracy_means(accuracy_reward, threshold), "reward_failures": failures,
                       "reward_timeouts": dict(rewards.timeouts), **comparison, **by,
@@ -366,6 +380,20 @@ def _cmd_eval(args: argparse.Namespace) -> int:
               "and the rows' answer field (--fields)", file=sys.stderr)
         return 1
     return 0
+
+
+def _rows_the_run_keeps(cfg: Config | None, model, tokenizer, rows: list[dict], new_tokens: int) -> list[int]:
+    """The indices of the held-out `rows` a run of `cfg` evaluates: those whose prompt fits its prompt-token limit
+    (`data.max_prompt_tokens`, and what the model's positions leave after `new_tokens`, or a multi-turn episode's
+    `env.max_tokens`), as `gspo.trainer.prepare` keeps them, so that `gspo eval RUN` scores the run's rows. All of
+    them without a config (--data, --task)."""
+    from gspo.schedule import drop_long_prompts, prompt_token_limit
+
+    if cfg is None:
+        return list(range(len(rows)))
+    limit = prompt_token_limit(cfg, model, cfg.env.max_tokens if cfg.env else new_tokens)
+    short = {id(row) for row in drop_long_prompts(rows, tokenizer, limit, "held-out")[0]}
+    return [i for i, row in enumerate(rows) if id(row) in short]
 
 
 def _eval_run_folders(args: argparse.Namespace) -> None:

@@ -171,11 +171,14 @@ def evaluate(model, tokenizer, rows: list[dict], rewards: RewardRunner, max_new_
              n_samples: int = 0, *, samples_per_prompt: int = 1, temperature: float = 1.0, top_p: float = 1.0,
              ks: Sequence[int] = (1,), seed: int = 0,
              answer_of: Callable[[str], Hashable | None] | None = None, episodes=None,
-             row_values: list[float] | None = None, row_offset: int = 0) -> dict[str, float]:
-    """Greedy decoding on `rows`, scored by `rewards`. Returns row means: `accuracy` (the fraction solved: the
-    unweighted value of `accuracy_reward` (default: the only function, or the only built-in verifier) is at least
-    `accuracy_threshold`, so other rewards' weights do not change it; several for mixed data: each that scores the
-    row, `RewardScores.correct`), `reward_mean` (the weighted sum),
+             row_values: list[float] | None = None, row_offset: int = 0,
+             stop: Sequence[str] = ()) -> dict[str, float]:
+    """Greedy decoding on `rows`, scored by `rewards`; a completion ends at EOS, after `max_new_tokens`, or at the
+    first of the `stop` strings (the run's `rollout.stop`: held-out completions end where training ones do).
+    Returns row means: `accuracy` (the fraction solved: the unweighted value of `accuracy_reward` (default: the only
+    function, or the only built-in verifier) is at least `accuracy_threshold`, so other rewards' weights do not
+    change it; several for mixed data: each that scores the row, `RewardScores.correct`), `reward_mean` (the weighted
+    sum),
     `reward_failure_rate` (rows on which some reward function failed), `response_length`, `truncation_rate`; and
     `accuracy_ci95_low` / `accuracy_ci95_high` (`accuracy_ci95`); with a reward that judges the answer after a
     reasoning block (`gspo.rewards.thinking`), `unfinished_thinking_rate`, the fraction of completions whose
@@ -215,9 +218,9 @@ def evaluate(model, tokenizer, rows: list[dict], rewards: RewardRunner, max_new_
         raise ValueError(f"evaluate: every k in ks must be an int in [1, samples_per_prompt={n}], got {ks}")
     ks = sorted(set(ks))
     if n == 1:
-        params = SamplingParams(top_k=1, max_new_tokens=max_new_tokens)  # greedy
+        params = SamplingParams(top_k=1, max_new_tokens=max_new_tokens, stop=tuple(stop))  # greedy
     else:
-        params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
+        params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, stop=tuple(stop))
     sampler = sampler or HFSampler(model, tokenizer, params)
     accuracy_reward = resolve_accuracy_reward(rewards.names, accuracy_reward, key="evaluate(accuracy_reward=...)")
     judges = [accuracy_reward] if isinstance(accuracy_reward, str) else accuracy_reward  # several: mixed data

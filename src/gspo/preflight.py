@@ -354,7 +354,8 @@ def format_report(report: dict[str, Any]) -> list[str]:
                  + f", {len(p['checkpoints'])} checkpoints ({p['checkpoints_kept']} kept)")
     m = report["model"]
     lines.append(f"model: {m['name']}, {_count(m['parameters'])} parameters ({_count(m['trainable'])} trained), "
-                 f"{m['dtype']}, {m['attention']} attention; a checkpoint ≈ {_size(m['checkpoint_bytes'])}; the run's folder takes up to ≈ "
+                 f"{m['dtype']}, {m['attention']} attention; a checkpoint ≈ {_size(m['checkpoint_bytes'])}; "
+                 "the run's folder takes up to ≈ "
                  f"{_size(m['disk_bytes'])} ({_size(m['disk_free_bytes'])} free there)")
     if t := report.get("measured"):
         lines.append(f"measured ({t['steps']} steps of the model as loaded, no cold start): {t['step_seconds']:.3g} s "

@@ -639,9 +639,10 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
 
     checkpoint = group.main_first(lambda: find_latest_checkpoint(out)) if resume else None  # rank 0 repairs first
     n_eval = cfg.trainer.eval_samples  # > 1: sampled evaluation with pass@k / maj@k (gspo.evaluation)
-    sampled_eval = {} if n_eval == 1 else {
+    eval_settings = {} if n_eval == 1 else {
         "samples_per_prompt": n_eval, "temperature": cfg.trainer.eval_temperature, "seed": cfg.trainer.seed,
         "ks": sorted({*(2 ** i for i in range(n_eval.bit_length()) if 2 ** i <= n_eval), n_eval})}
+    eval_settings["stop"] = cfg.rollout.stop  # held-out completions end where the training ones do
     rows_digest = hashlib.sha256(json.dumps([r["prompt"] for r in eval_rows]).encode()).hexdigest()
 
     def before_sft(m: nn.Module) -> dict:
@@ -652,7 +653,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         with rewards.probing():
             scores = evaluate(m, tokenizer, eval_rows, rewards, eval_tokens, row_values=values,
                               accuracy_reward=cfg.rewards.accuracy_reward,
-                              accuracy_threshold=cfg.rewards.accuracy_threshold, **sampled_eval)
+                              accuracy_threshold=cfg.rewards.accuracy_threshold, **eval_settings)
         return {"heldout_accuracy": sum(values) / len(values), "heldout_accuracy_ci95": list(accuracy_ci95(values)),
                 "rows": values, "digest": rows_digest, **({"reward_failure_rate": scores["reward_failure_rate"]}
                                                            if scores["reward_failure_rate"] else {})}
@@ -784,7 +785,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         scores = group.evaluate(lambda part, offset: evaluate(
             model, tokenizer, part, rewards, eval_tokens, sampler=engine, episodes=episodes,
             accuracy_reward=cfg.rewards.accuracy_reward, accuracy_threshold=cfg.rewards.accuracy_threshold,
-            samples=shown, n_samples=cfg.log.samples, row_values=mine, row_offset=offset, **sampled_eval), eval_rows,
+            samples=shown, n_samples=cfg.log.samples, row_values=mine, row_offset=offset, **eval_settings), eval_rows,
             after=lambda: rewards.sync_counts(group.all_sum))  # rank 0: the first rows
         every = mine
         if group.enabled:  # row-weighted means are right for pass@k and maj@k, not for the interval bounds
@@ -792,7 +793,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
             every = [v for part in group.all_gather_object(mine) for v in part]  # every process's rows, in order
             scores["accuracy_ci95_low"], scores["accuracy_ci95_high"] = accuracy_ci95(every)
             if n_eval > 1:
-                scores.update(pass_at_k_ci95(every, n_eval, sampled_eval["ks"]))
+                scores.update(pass_at_k_ci95(every, n_eval, eval_settings["ks"]))
         since = first_rows if evals and first_rows is not None and len(first_rows) == len(every) else None
         if not evals:  # the run's first evaluation (a resume has the earlier ones)
             first_rows = every
@@ -986,6 +987,9 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         "heldout_accuracy_before_rl": evals[0]["heldout_accuracy"] if evals else None,
         "heldout_accuracy_after_rl": evals[-1]["heldout_accuracy"] if evals else None,
         "heldout_accuracy_ci95": _accuracy_intervals(evals),
+        # before and after RL on the same rows (a resume with other held-out rows, or from a checkpoint that did not
+        # keep them, compares different or unknown rows: no paired change then)
+        "heldout_same_rows": bool(evals) and (len(evals) == 1 or first_rows is not None),
         **({"heldout_accuracy_by": _accuracy_by_group(evals)} if eval_group is not None and evals else {}),
         "heldout": {**setup.heldout_source,
                     "accuracy": accuracy_means(cfg.rewards.accuracy_reward, cfg.rewards.accuracy_threshold)},

@@ -2,8 +2,10 @@
 
 Every task draws problems from a seeded `random.Random`, so `make_task(name, split, size, seed)` is a pure function of
 its arguments. Train and test never share a problem, for any seeds: a problem belongs to the test split exactly when a
-stable hash of its prompt falls in one of `TEST_BUCKETS` buckets (`split_of`), and each split only keeps its own
-problems. Problems are drawn with replacement, so a split may repeat a problem when its problem space is small.
+stable hash of its key falls in one of `TEST_BUCKETS` buckets (`split_of`), and each split only keeps its own
+problems. The key is what makes two prompts the same problem (`Task.key`): `12+34=` and `34+12=` are one addition,
+`2,4,5:40=` and `4,5,2:40=` one countdown, so a test problem's commuted or reordered twin is never a training row.
+Problems are drawn with replacement, so a split may repeat a problem when its problem space is small.
 
 Rows are plain dicts: `prompt` (what the model sees), `answer` (the gold final answer, a string), `solution` (one
 correct completion, without EOS, for supervised cold start; for `multiply`, possibly a multi-turn tool-use
@@ -24,12 +26,12 @@ SPLITS: tuple[str, ...] = ("train", "test")
 TEST_BUCKETS = 10  # one problem in TEST_BUCKETS (by prompt hash) is held out for the test split
 
 
-def split_of(prompt: str) -> str:
-    """The split ("train" or "test") that the problem with this prompt belongs to.
+def split_of(key: str) -> str:
+    """The split ("train" or "test") that the problem with this key (`Task.key` of its row) belongs to.
 
     Uses SHA-256 (not Python's salted `hash`), so the assignment is the same in every process and on every machine.
     """
-    digest = hashlib.sha256(prompt.encode("utf-8")).digest()
+    digest = hashlib.sha256(key.encode("utf-8")).digest()
     return "test" if int.from_bytes(digest[:8], "big") % TEST_BUCKETS == 0 else "train"
 
 
@@ -40,12 +42,25 @@ class Task:
     `sample(rng, options)` returns one row without the `task` field, or None to ask for another draw; it must be a
     function of the RNG state alone.
     `check(options)` raises ValueError for option values the sampler cannot handle.
+    `key(row)` names the problem a row poses, the same for every prompt that poses it (the split and `distinct`
+    follow it); by default the prompt.
     """
 
     name: str
     defaults: Mapping[str, int]
     check: Callable[[Mapping[str, int]], None]
     sample: Callable[[random.Random, Mapping[str, int]], dict[str, Any] | None]
+    key: Callable[[dict[str, Any]], str] = lambda row: row["prompt"]
+
+
+def _operands_key(op: str) -> Callable[[dict[str, Any]], str]:
+    """The key of a commutative `a op b` problem: its operands in order, so that `b op a` is the same problem."""
+    return lambda row: op.join(map(str, sorted((row["a"], row["b"]))))
+
+
+def _countdown_key(row: dict[str, Any]) -> str:
+    """A countdown problem is its multiset of numbers and its target, whatever order the prompt shows them in."""
+    return ",".join(map(str, sorted(row["numbers"]))) + ":" + row["answer"]
 
 
 # ---- addition --------------------------------------------------------------------------------------------------------
@@ -176,18 +191,21 @@ TASKS: dict[str, Task] = {
         defaults={"digits": 3},
         check=_check_addition,
         sample=_sample_addition,
+        key=_operands_key("+"),
     ),
     "multiply": Task(
         name="multiply",
         defaults={"digits_a": 3, "digits_b": 2, "tool_share": 50},
         check=_check_multiply,
         sample=_sample_multiply,
+        key=_operands_key("*"),
     ),
     "countdown": Task(
         name="countdown",
         defaults={"min_count": 3, "max_count": 4, "max_number": 20, "max_target": 100},
         check=_check_countdown,
         sample=_sample_countdown,
+        key=_countdown_key,
     ),
 }
 
@@ -208,7 +226,8 @@ def _resolve_options(task: Task, options: Mapping[str, Any]) -> dict[str, int]:
 def make_task(name: str, split: str = "train", size: int = 1000, seed: int = 0, distinct: bool = False,
               **options: int) -> list[dict]:
     """Draw `size` problems of task `name` from `split` ("train" or "test"), deterministically from `seed`; with
-    `distinct`, each problem at most once (held-out rows: a problem drawn twice would count twice in an accuracy).
+    `distinct`, each problem (`Task.key`) at most once (held-out rows: a problem drawn twice, or its commuted twin,
+    would count twice in an accuracy).
 
     `options` are the task's integer options (see `TASKS[name].defaults`), e.g. `digits=4` for addition.
     Raises ValueError for an unknown task, split or option, a size < 1, or a problem space too small to fill the
@@ -232,11 +251,12 @@ def make_task(name: str, split: str = "train", size: int = 1000, seed: int = 0, 
     max_draws = 100 * size + 10_000  # the test split keeps ~1 draw in TEST_BUCKETS; this leaves a wide margin
     for _ in range(max_draws):
         row = task.sample(rng, resolved)
-        if row is not None and split_of(row["prompt"]) == split and not (distinct and row["prompt"] in seen):
-            seen.add(row["prompt"])
-            rows.append({**row, "task": name})
-            if len(rows) == size:
-                return rows
+        if row is None or split_of(key := task.key(row)) != split or (distinct and key in seen):
+            continue
+        seen.add(key)
+        rows.append({**row, "task": name})
+        if len(rows) == size:
+            return rows
     raise ValueError(
         f"make_task({name!r}, split={split!r}): only {len(rows)} of {size} problems found in {max_draws} draws with "
         f"options {resolved}; the problem space is too small for this split, use larger options"

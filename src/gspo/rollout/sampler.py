@@ -105,7 +105,8 @@ def resolve_decode(decode: str, model: PreTrainedModel, device: torch.device | s
     cuda = torch.device(device).type == "cuda"
     moe_on_cuda = cuda and config_has_experts(getattr(model, "config", None))
     if decode == "auto":
-        measured = getattr(getattr(unwrap_model(model), "config", None), "_attn_implementation", "sdpa") in ("sdpa", "eager")
+        attention = getattr(getattr(unwrap_model(model), "config", None), "_attn_implementation", "sdpa")
+        measured = attention in ("sdpa", "eager")
         return "compiled" if cuda and static_ok and measured and not moe_on_cuda and not record_routing else "dynamic"
     if decode not in DECODE_MODES:
         raise ValueError(f"rollout.decode must be auto or one of {', '.join(DECODE_MODES)}, got {decode!r}")
