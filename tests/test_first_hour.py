@@ -264,6 +264,11 @@ def test_gspo_eval_exits_1_when_the_reward_fails_on_every_row(tmp_path, capsys):
     result = json.loads(captured.out)
     assert result["rows_with_reward_failures"] == 2 and result["reward_failures"] == {"addition": 2}
     assert "failed on every one of the 2 rows" in captured.err
+    # with --baseline each model's counters are its own, not the sum over both models' calls
+    assert main(["eval", "tiny-moe", "--data", str(data), "--reward", "addition", "--baseline", "tiny-dense"]) == 1
+    result = json.loads(capsys.readouterr().out)
+    assert result["reward_failures"] == result["baseline"]["reward_failures"] == {"addition": 2}
+    assert result["reward_timeouts"] == result["baseline"]["reward_timeouts"] == {"addition": 0}
 
 
 def test_gspo_eval_checks_its_reward_on_the_rows_own_answers(tmp_path, capsys):

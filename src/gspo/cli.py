@@ -304,10 +304,11 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     checked: dict | None = None
     kept: list[int] | None = None  # the rows evaluated: with --config, those its run evaluates (_rows_the_run_keeps)
 
-    def run(name: str) -> tuple[dict, list[float], dict[str, int], list[dict]]:
+    def run(name: str) -> tuple[dict, list[float], dict[str, dict[str, int]], list[dict]]:
         """Evaluate model `name` on the rows (rendered with its own chat template): its result (each interval as one
-        [low, high] pair), each row's solved fraction, its reward failures per function, and with --rows-out each
-        row's first completion with its rewards and verdict."""
+        [low, high] pair), each row's solved fraction, its own reward failures and timeouts per function
+        ({"reward_failures": ..., "reward_timeouts": ...}), and with --rows-out each row's first completion with its
+        rewards and verdict."""
         nonlocal checked, kept
         model, tokenizer = load_model(name)
         rows = render_chat(data, data_cfg, tokenizer, tools=tools).heldout
@@ -325,7 +326,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             episodes = make_episode_runner(cfg, engine, tokenizer, make_env)
         values: list[float] = []
         shown: list[dict] = []
-        before = dict(rewards.failures)
+        before = {"reward_failures": dict(rewards.failures), "reward_timeouts": dict(rewards.timeouts)}
         result = evaluate(model, tokenizer, rows, rewards, new_tokens, batch_size=batch,
                           accuracy_reward=accuracy_reward, accuracy_threshold=threshold, sampler=engine,
                           episodes=episodes, row_values=values, samples=shown,
@@ -333,7 +334,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         result = {key.removesuffix("_low"): [value, result[key.replace("_low", "_high")]]
                   if key.endswith("_ci95_low") else value
                   for key, value in result.items() if not key.endswith("_ci95_high")}
-        return result, values, {k: v - before.get(k, 0) for k, v in rewards.failures.items()}, shown
+        now = {"reward_failures": rewards.failures, "reward_timeouts": rewards.timeouts}
+        own = {kind: {k: v - before[kind].get(k, 0) for k, v in now[kind].items()} for kind in now}
+        return result, values, own, shown
 
     result, values, failures, shown = run(args.model)
     skipped = len(data.heldout) - len(values)
@@ -343,7 +346,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     failed = round(result["reward_failure_rate"] * completions)
     counts = ({"solved": round(result["accuracy"] * len(values)), "rows_with_reward_failures": failed} if n == 1 else
               {"solved_samples": round(result["accuracy"] * completions), "samples_with_reward_failures": failed})
-    comparison, failed_all = {}, failed == completions
+    comparison, failed_all, failures_shown = {}, failed == completions, failures["reward_failures"]
     base_values: list[float] | None = None
     base_shown: list[dict] = []
     if args.baseline is not None:  # the same rows, rewards and sampling: the change with its paired interval
@@ -351,18 +354,18 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         change, low, high = paired_change_ci95(base_values, values)
         comparison = {"baseline": {"model": args.baseline, "accuracy": base["accuracy"],
                                    "accuracy_ci95": base["accuracy_ci95"], "reward_mean": base["reward_mean"],
-                                   "reward_failures": base_failures,
+                                   **base_failures,
                                    **{k: base[k] for k in ("unfinished_thinking_rate",) if k in base}},
                       "accuracy_change": change, "accuracy_change_ci95": [low, high]}
-        failed_all = failed_all or round(base["reward_failure_rate"] * completions) == completions
+        if round(base["reward_failure_rate"] * completions) == completions and not failed_all:
+            failed_all, failures_shown = True, base_failures["reward_failures"]
     by = {} if groups is None else {"by": _by_group(values, groups, base_values)}
     if args.rows_out:
         _write_rows(Path(args.rows_out), shown, values, groups, base_shown, base_values)
     print(json.dumps({"model": args.model, "rows": len(values), "source": data.heldout_source,
                       **({"skipped_prompts": skipped} if skipped else {}),
                       "samples_per_prompt": n, "temperature": temperature, "top_p": top_p, **result, **counts,
-                      "accuracy_means": accuracy_means(accuracy_reward, threshold), "reward_failures": failures,
-                      "reward_timeouts": dict(rewards.timeouts), **comparison, **by,
+                      "accuracy_means": accuracy_means(accuracy_reward, threshold), **failures, **comparison, **by,
                       "reward_check": checked or None}))
     print(_eval_line(result, len(values), data.heldout_source.get("of"), n, new_tokens, comparison),
           *_group_lines(by.get("by", {})), sep="\n", file=sys.stderr)  # stdout stays JSON
@@ -371,7 +374,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if failed_all:
         print(f"gspo eval: error: a reward function failed on every one of the {completions} "
               f"{'rows' if n == 1 else 'completions'} of a model "
-              f"(failures by function: {dict(rewards.failures)}); the accuracy above measures nothing. Check the "
+              f"(failures by function: {failures_shown}); the accuracy above measures nothing. Check the "
               "reward (--reward) and the rows' fields (--fields)", file=sys.stderr)
         return 1
     if checked and checked["reference_solved"] == 0:
