@@ -264,6 +264,14 @@ def test_gspo_eval_exits_1_when_the_reward_fails_on_every_row(tmp_path, capsys):
     result = json.loads(captured.out)
     assert result["rows_with_reward_failures"] == 2 and result["reward_failures"] == {"addition": 2}
     assert "failed on every one of the 2 rows" in captured.err
+    # a file that lists a problem twice: kept (--rows-out rows are the file's), but the JSON and a warning say so
+    repeated = write_jsonl(tmp_path / "r.jsonl", [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"},
+                                                   {"prompt": " 1+1= ", "answer": "2"}])
+    assert main(["eval", "tiny-moe", "--data", str(repeated), "--reward", "addition"]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    assert result["rows"] == 3 and result["source"]["repeated_prompts"] == 1
+    assert "1 of the 3 rows repeat an earlier row's prompt" in captured.err
     # with --baseline each model's counters are its own, not the sum over both models' calls
     assert main(["eval", "tiny-moe", "--data", str(data), "--reward", "addition", "--baseline", "tiny-dense"]) == 1
     result = json.loads(capsys.readouterr().out)

@@ -193,7 +193,16 @@ def _eval_setup(args: argparse.Namespace):
     (message prompts rendered with the model's chat template) and no config; each row's group for the split of the
     accuracy (data.eval_by / --by; None: no split)."""
     from gspo.config import DataConfig, check_model_threshold, resolve_accuracy_reward
-    from gspo.data import DataSplits, eval_group_field, eval_groups, load_data, load_rows, make_task, subset_rows
+    from gspo.data import (
+        DataSplits,
+        eval_group_field,
+        eval_groups,
+        load_data,
+        load_rows,
+        make_task,
+        near_key,
+        subset_rows,
+    )
     from gspo.parallel import resolve_device
     from gspo.rewards import RewardRunner
 
@@ -228,6 +237,12 @@ def _eval_setup(args: argparse.Namespace):
         every = load_rows(args.data, split=args.split, fields=_fields(args))
         rows = subset_rows(every, args.size)  # --size N: a sample by prompt hash, never the first N rows
         source = {"kind": "file", "path": args.data, "split": args.split, "rows": len(rows), "of": len(every)}
+        repeats = len(rows) - len({near_key(r["prompt"]) for r in rows})
+        if repeats:  # kept (--rows-out's `row` is the file's row), but said: such a problem weighs more
+            source["repeated_prompts"] = repeats
+            print(f"gspo eval: warning: {repeats} of the {len(rows)} rows repeat an earlier row's prompt (up to case "
+                  "and whitespace): each counts in the accuracy, so those problems weigh more (a run's held-out "
+                  "rows keep each prompt once)", file=sys.stderr)
     else:
         task = args.task or "addition"
         rows = make_task(task, split=args.split or "test", size=500 if args.size is None else args.size, seed=args.seed,
