@@ -39,6 +39,13 @@ REL_TOL = 1e-3  # per tensor: ‖W₂ − W₁‖ / ‖W₁‖ (Frobenius) after
 # on a one-GPU machine with a warning). The one-process reference trains on the same kind of device.
 TWO_PROCESS_DEVICE = "cuda" if torch.cuda.device_count() >= 2 else "cpu"
 FALLBACK_WARNING = "every process trains on the CPU (gloo)"
+# The update metrics a step logs (the learner combines them over the processes as one process computes them), and how
+# far apart the two runs' are: their weights differ by rounding (measured on the CPU: ≤ 2e-6 relative; before the
+# metrics were combined by their counts and extrema, the gaps were 1e-2 to 2e-1, and 3e-5 for the entropy). CUDA's
+# kernels round differently from one batch composition to the next: a looser bound there.
+UPDATE_METRICS = ("ratio_max", "ratio_min", "ratio_mean", "clip_frac_tokens", "clip_frac_seqs", "approx_kl", "entropy",
+                  "clip_frac_tokens_first_mb")
+METRICS_REL_TOL = 1e-5 if TWO_PROCESS_DEVICE == "cpu" else 1e-3
 
 
 def torchrun(tmp: Path, *args: str, fail: bool = False) -> str:
@@ -92,10 +99,17 @@ def assert_same_run(one: Path, two: Path, final: str = "final") -> None:
 
 def test_ddp_two_processes_match_one(one_process, tmp_path):
     """`torchrun --nproc_per_node=2 -m gspo train ...` (DDP) trains the weights of the one-process run, here with
-    micro-batches of at most MICRO tokens (gradients accumulated without sync, then one all-reduce)."""
+    micro-batches of at most MICRO tokens (gradients accumulated without sync, then one all-reduce), and logs its update
+    metrics: ratio_max is the largest ratio of either process's shares, clip_frac_tokens the clipped fraction of all
+    their tokens, the entropy that of all the first minibatch's tokens (not means of per-process values)."""
     out = tmp_path / "ddp"
     torchrun(tmp_path, "-m", "gspo", "train", str(DEMO), *tiny_overrides(out, *RUN, "trainer.device=auto", MICRO))
     assert_same_run(one_process, out)
+    m1, m2 = read_metrics(one_process / "metrics.jsonl"), read_metrics(out / "metrics.jsonl")
+    for r1, r2 in zip(m1, m2, strict=True):
+        for key in UPDATE_METRICS:
+            assert r2[key] == pytest.approx(r1[key], rel=METRICS_REL_TOL, abs=1e-6), f"step {r1['step']}: {key}"
+    assert any(r["clip_frac_tokens"] > 0 for r in m1) and any(r["ratio_max"] > 1.01 for r in m1)  # not vacuous
 
 
 def test_two_passes_per_batch_under_ddp_match_one_process(tmp_path):
@@ -287,9 +301,50 @@ def test_one_process_is_the_identity():
     assert d.all_sum([2.0, 3.0]) == [2.0, 3.0] and d.all_finite(torch.tensor(1.0))
     assert not d.all_finite(torch.tensor(float("nan")))
     assert d.mean_metrics({"a": 1.5}) == {"a": 1.5}
+    assert all(d.reduce_metrics({"a": 1.5}, op) == {"a": 1.5} for op in ("sum", "mean", "max", "min"))
+    with pytest.raises(ValueError, match="op must be"):
+        d.reduce_metrics({"a": 1.5}, "median")
     t = torch.arange(6.0)
     assert d.merge_rows(t, [torch.tensor([0, 1])]) is t
     assert d.main_first(lambda: 7) == 7
+
+
+REDUCE = '''
+import math, torch.distributed as dist
+from gspo.parallel import ProcessGroup
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+group = ProcessGroup(rank=rank, world_size=2)
+mine = {"a": [1.0, 4.0][rank], "b": [-2.0, 0.5][rank], "nan_first": [math.nan, 1.0][rank],
+        "nan_last": [1.0, math.nan][rank]}
+want = {"sum": {"a": 5.0, "b": -1.5}, "mean": {"a": 2.5, "b": -0.75}, "max": {"a": 4.0, "b": 0.5},
+        "min": {"a": 1.0, "b": -2.0}}
+for op, values in want.items():
+    got = group.reduce_metrics(mine, op)
+    assert {k: got[k] for k in values} == values, (op, got)
+    assert math.isnan(got["nan_first"]) and math.isnan(got["nan_last"]), (op, got)  # whichever rank has it
+assert group.reduce_metrics({}, "max") == {}
+try:
+    group.reduce_metrics({"a": 1.0} if rank else {"b": 1.0}, "sum")
+except RuntimeError as e:
+    assert "different metrics" in str(e)
+else:
+    raise AssertionError("different keys were reduced")
+dist.destroy_process_group()
+open(f"ok{rank}", "w").close()
+'''
+
+
+def test_metrics_reduced_over_two_processes(tmp_path):
+    """`ProcessGroup.reduce_metrics` under torchrun (gloo): each key's sum, mean, max or min over the processes; NaN
+    where either process has NaN (gloo's max and min keep or drop it by rank order); different keys are an error."""
+    (tmp_path / "reduce.py").write_text(REDUCE)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "reduce.py"]
+    done = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert (tmp_path / "ok0").is_file() and (tmp_path / "ok1").is_file()  # every check ran on both processes
 
 
 ROUTED = '''

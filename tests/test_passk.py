@@ -352,18 +352,16 @@ def test_evaluate_ends_completions_at_the_runs_stop_strings(tiny, n):
     stop string, cut right after its first occurrence (the audit found evaluation decoding on to the token budget)."""
     model, tokenizer = tiny
     rows = [{"prompt": f"{i}+{i}=", "id": i} for i in range(8)]
-    got: dict[tuple, list[str]] = {}
-    for stop in ((), None):
+
+    def completions(stop: tuple[str, ...]) -> list[str]:
         seen: list[tuple[int, str, float]] = []
         rewards = RewardRunner([(make_recorder(seen), 1.0)], timeout_s=None)
-        if stop is None:  # the commonest character of the free completions: most of them contain it
-            text = "".join(c for _, c, _ in seen_free)
-            stop = (max(set(text), key=text.count),)
         evaluate(model, tokenizer, rows, rewards, 12, samples_per_prompt=n, ks=(n,), stop=stop, batch_size=4 * n)
-        got[stop] = [c for _, c, _ in sorted(seen, key=lambda t: t[0])]
-        seen_free = seen
-    (free, stopped), mark = got.values(), stop[0]
-    assert sum(mark in c[:-1] for c in free) >= 2  # the free completions run past the mark, so the check can fail
-    for a, b in zip(free, stopped, strict=True):
-        assert b == (a[:a.index(mark) + 1] if mark in a else a)
+        return [c for _, c, _ in sorted(seen, key=lambda t: t[0])]  # row order; a row's samples in their order
 
+    free = completions(())
+    text = "".join(free)
+    mark = max(set(text), key=text.count)  # the commonest character of the free completions
+    assert sum(mark in c[:-1] for c in free) >= 2  # the free completions run past the mark, so the check can fail
+    for a, b in zip(free, completions((mark,)), strict=True):
+        assert b == (a[:a.index(mark) + 1] if mark in a else a)

@@ -1,7 +1,7 @@
 """Learner hooks: what runs around the learner's forwards besides the paper's algorithm.
 
 A hook can wrap each π_old forward and each π_θ forward in a context (MoE routing capture and replay), add per-process
-metrics of an update (averaged over processes with the step's other metrics), and add batch metrics once the step's
+metrics of an update (averaged over the processes as they give them), and add batch metrics once the step's
 updates are done. `gspo.learner.learn` calls them; the trainer chooses which to install:
 
     MoERouting        §5.3: records π_old's routing, replays it (R2) or the engine's (R3) in the training forwards,

@@ -32,7 +32,7 @@ from torch import nn
 from gspo.correction import Correction, apply_correction, mismatch_metrics
 from gspo.hooks import LearnHook
 from gspo.logprobs import completion_logprobs
-from gspo.objectives import Objective, kl_to_reference, process_normaliser
+from gspo.objectives import COUNT_KEYS, METRIC_AGGREGATION, Metrics, Objective, kl_to_reference, process_normaliser
 from gspo.parallel import ProcessGroup, autocast, gradient_sync
 from gspo.trajectory import Trajectory
 
@@ -94,15 +94,80 @@ def _equalise(micros: list[torch.Tensor], count: int) -> list[torch.Tensor]:
     return micros
 
 
+_NO_EXTREMUM = {"max": -math.inf, "min": math.inf}  # the max / min of no entries (yet)
+
+
+def _extremum(how: str, a: float, b: float) -> float:
+    """max(a, b) ("max") or min(a, b) ("min"); NaN if either is (Python's max and min may drop a NaN)."""
+    if math.isnan(a) or math.isnan(b):
+        return math.nan
+    return max(a, b) if how == "max" else min(a, b)
+
+
+class _StepMetrics:
+    """A step's update metrics, accumulated update by update on each process, then combined over the processes: the
+    same whatever the number of processes and micro-batches, and meaning what their names say.
+
+        counted    a mean over entries, given with their count: the objective's (`METRIC_AGGREGATION`: fractions and
+                   means over tokens, sequences or ratios) and the first update's `entropy`; the step's value is
+                   Σ mean·count / Σ count over every update and process, the mean over all their entries
+        extremum   `ratio_max` / `ratio_min`: the max / min over every update and process that has entries
+        averaged   `loss`, `kl_ref` and what else the objective gives without a count: averaged over the updates, then
+                   over the processes (a process's loss is W × its share's sum / the minibatch's count, so the mean
+                   over the W processes is the minibatch's loss); a hook's update metrics: as the hook gives them,
+                   averaged over the processes
+
+    Over no entries at all, a counted metric or an extremum is the value the objective gives for none."""
+
+    def __init__(self, updates: int) -> None:
+        self.updates = updates
+        self.averaged: dict[str, float] = {}
+        self.totals: dict[str, float] = {}  # Σ mean·count
+        self.counts: dict[str, float] = {}  # Σ count
+        self.extrema: dict[str, dict[str, float]] = {"max": {}, "min": {}}
+        self.empty: dict[str, float] = {}  # the value given over no entries
+
+    def add(self, key: str, value: float, how: str = "mean", count: float = 1.0) -> None:
+        """`value`, the mean ("mean"), max or min ("max", "min") of `count` entries."""
+        if count == 0:
+            self.empty[key] = value
+        if how == "mean":
+            self.totals[key] = self.totals.get(key, 0.0) + (value * count if count else 0.0)
+            self.counts[key] = self.counts.get(key, 0.0) + count
+        else:
+            seen = self.extrema[how].get(key, _NO_EXTREMUM[how])
+            self.extrema[how][key] = _extremum(how, seen, value) if count else seen
+
+    def update(self, metrics: Metrics) -> None:
+        """One update's metrics: the objective's (with their counts), `loss`, `kl_ref`."""
+        for key, value in metrics.items():
+            if key in METRIC_AGGREGATION:
+                how, count_key = METRIC_AGGREGATION[key]
+                self.add(key, value, how, metrics.get(count_key, 1.0))
+            elif key not in COUNT_KEYS:
+                self.averaged[key] = self.averaged.get(key, 0.0) + value / self.updates
+
+    def combine(self, group: ProcessGroup) -> dict[str, float]:
+        """The step's metrics, from every process's: sums and counts summed, extrema by max / min, the rest averaged."""
+        metrics = group.reduce_metrics(self.averaged, "mean")
+        totals, counts = group.reduce_metrics(self.totals, "sum"), group.reduce_metrics(self.counts, "sum")
+        metrics.update({k: totals[k] / counts[k] if counts[k] else self.empty[k] for k in totals})
+        for how, values in self.extrema.items():
+            metrics.update({k: self.empty.get(k, v) if v == _NO_EXTREMUM[how] else v
+                            for k, v in group.reduce_metrics(values, how).items()})
+        return metrics
+
+
 def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: Trajectory, advantages: torch.Tensor,
           minibatches: Sequence[torch.Tensor], settings: LearnSettings, group: ProcessGroup | None = None,
           ref_model: nn.Module | None = None, hooks: Sequence[LearnHook] = (),
           later_epochs: Sequence[Sequence[torch.Tensor]] = ()) -> dict[str, float]:
     """One update per minibatch of `traj` (each process: its share of each minibatch's row indices), then one per
     minibatch of each of `later_epochs` (further passes over the same rows, each split its own way, against the same
-    π_old); returns the step's metrics: the objective's metrics averaged over the updates (and the processes), `loss`,
-    `entropy` (first update), `clip_frac_tokens_first_mb`, `grad_norm`, `skipped_updates`, `lr`, `micro_batches`
-    (forwards per update, 1 without a budget), the hooks' metrics; with π_old
+    π_old); returns the step's metrics: the objective's metrics over the entries of every update and process (e.g.
+    clip_frac_tokens: clipped tokens / tokens, ratio_max: the largest ratio; `_StepMetrics`), `loss` (averaged over
+    the updates), `entropy` and `clip_frac_tokens_first_mb` (over the first update's tokens), `grad_norm`,
+    `skipped_updates`, `lr`, `micro_batches` (forwards per update, 1 without a budget), the hooks' metrics; with π_old
     recomputed, the train–inference mismatch (`gspo.correction.mismatch_metrics`) and what its correction masked and
     truncated (0 when off)."""
     s, group = settings, group or ProcessGroup()
@@ -169,8 +234,8 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
             kept = loss_mask.any(-1) | ~mask.any(-1)
             batch_metrics.update(fracs)
 
-    sums: dict[str, float] = {}
     grad_norms, skipped, n = [], 0, len(updates)
+    step_metrics = _StepMetrics(n)
     logprobs = torch.zeros_like(old_logprobs)  # π_θ of this process's rows, filled micro-batch by micro-batch
     entropy = torch.zeros_like(old_logprobs)
     with_ref = ref_model is not None and s.kl_beta > 0
@@ -212,9 +277,11 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
             loss = loss.detach() + s.kl_beta * kl
             m["kl_ref"] = float(kl)
         for hook in hooks:
-            sums.update(hook.update_metrics(k, mb, logprobs[mb], old_logprobs))
-        if k == 0:
-            m["entropy"] = float(entropy[mb][mask[mb]].mean())
+            step_metrics.averaged.update(hook.update_metrics(k, mb, logprobs[mb], old_logprobs))
+        if k == 0:  # the on-policy minibatch: when π_old is recomputed its ratios are exactly 1 and nothing is clipped
+            first = entropy[mb][mask[mb]]
+            step_metrics.add("entropy", float(first.mean()), count=first.numel())
+            step_metrics.add("clip_frac_tokens_first_mb", m["clip_frac_tokens"], count=m.get("count_tokens", 1.0))
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip if s.grad_clip else float("inf"))
         if group.all_finite(loss.detach(), grad_norm):  # every process steps, or none does
             optimizer.step()
@@ -226,13 +293,8 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
             scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         m["loss"] = float(loss.detach())
-        for key, v in m.items():
-            sums[key] = sums.get(key, 0.0) + v / n
-        if k == 0:  # the on-policy minibatch: when π_old is recomputed its ratios are exactly 1 and nothing is clipped
-            sums["clip_frac_tokens_first_mb"] = m["clip_frac_tokens"]
-    if "entropy" in sums:
-        sums["entropy"] *= n  # logged from the first minibatch only
-    metrics = group.mean_metrics(sums)
+        step_metrics.update(m)
+    metrics = step_metrics.combine(group)
     metrics.update(grad_norm=sum(grad_norms) / len(grad_norms) if grad_norms else math.nan,
                    skipped_updates=float(skipped), lr=scheduler.get_last_lr()[0],
                    micro_batches=sum(map(len, micros_of)) / n, **batch_metrics)

@@ -6,7 +6,9 @@ Every objective takes
     old_logprobs   [B, T]  log π_old of the same tokens (no gradient is taken through them)
     advantages     [B]     Â_i (or [B, T] Â_{i,t} where the objective allows it)
     mask           [B, T]  1 / True on response tokens, 0 / False on padding
-and returns `(loss, metrics)`: `loss` is the scalar to minimise (−J); `metrics` is a dict of floats.
+and returns `(loss, metrics)`: `loss` is the scalar to minimise (−J); `metrics` is a dict of floats, the metrics of
+these tensors and the counts of the entries they are taken over (`METRIC_AGGREGATION`: how the metrics of several
+calls, a step's minibatches or the processes' shares of one, combine into those of all their entries).
 
 Registry: `OBJECTIVES` maps a name to an `Objective`, the loss function with what the rest of gspo needs to know about
 it: its paper's ε defaults, its normaliser (what the sum over tokens is divided by), whether it takes per-token
@@ -154,7 +156,8 @@ def _clipped_surrogate(
 def _token_metrics(
     log_ratio: torch.Tensor, clipped_tokens: torch.Tensor, mask: torch.Tensor
 ) -> Metrics:
-    """Token-level clip fraction, sequence clip fraction (any token clipped) and k3 KL(π_old‖π_θ) per token."""
+    """Token-level clip fraction, sequence clip fraction (any token clipped) and k3 KL(π_old‖π_θ) per token (0 over no
+    token), with the counts of masked tokens and of non-empty sequences they are over."""
     n_tok = mask.sum().clamp(min=1)
     nonempty = mask.any(-1)
     clipped_tokens = clipped_tokens & mask
@@ -163,15 +166,36 @@ def _token_metrics(
         "clip_frac_tokens": float(clipped_tokens.sum() / n_tok),
         "clip_frac_seqs": float((clipped_tokens.any(-1) & nonempty).sum() / nonempty.sum().clamp(min=1)),
         "approx_kl": float(kl.sum() / n_tok),
+        "count_tokens": float(mask.sum()),
+        "count_seqs": float(nonempty.sum()),
     }
 
 
 def _ratio_metrics(ratio: torch.Tensor, valid: torch.Tensor) -> Metrics:
-    """Mean / min / max of the ratio the objective clips, over valid entries (1.0 if there are none)."""
+    """Mean / min / max of the ratio the objective clips, over valid entries (1.0 if there are none), with their
+    count."""
     r = ratio.detach()[valid]
     if r.numel() == 0:
-        return {"ratio_mean": 1.0, "ratio_min": 1.0, "ratio_max": 1.0}
-    return {"ratio_mean": float(r.mean()), "ratio_min": float(r.min()), "ratio_max": float(r.max())}
+        return {"ratio_mean": 1.0, "ratio_min": 1.0, "ratio_max": 1.0, "count_ratios": 0.0}
+    return {"ratio_mean": float(r.mean()), "ratio_min": float(r.min()), "ratio_max": float(r.max()),
+            "count_ratios": float(r.numel())}
+
+
+METRIC_AGGREGATION: dict[str, tuple[Literal["mean", "max", "min"], str]] = {
+    "clip_frac_tokens": ("mean", "count_tokens"),  # fraction of the masked tokens that are clipped
+    "approx_kl": ("mean", "count_tokens"),  # k3 KL(π_old‖π_θ) per masked token
+    "clip_frac_seqs": ("mean", "count_seqs"),  # fraction of the non-empty sequences with a clipped token
+    "ratio_mean": ("mean", "count_ratios"),  # over the valid ratios: s_i of the non-empty sequences (ratio_level
+    "ratio_min": ("min", "count_ratios"),  # "sequence") or w_{i,t} of the masked tokens ("token")
+    "ratio_max": ("max", "count_ratios"),
+}
+"""What each of the objectives' metrics is over: key → (how, count key). A metric is a mean ("mean") or an extremum
+("max", "min") over the entries counted by the metrics' `count key` (`COUNT_KEYS`). The metrics of several calls (a
+step's minibatches, the processes' shares of one) so combine into those of all their entries: a mean as
+Σ mean·count / Σ count, an extremum as the calls' extremum, a call with a count of 0 left out (over no entries at all:
+what a call gives for none, 0, and 1 for the ratios). `gspo.learner.learn` logs a step's metrics so; a registered
+objective's metric without a count here is averaged over the calls."""
+COUNT_KEYS = ("count_tokens", "count_seqs", "count_ratios")
 
 
 # --------------------------------------------------------------------------------------------------------------------

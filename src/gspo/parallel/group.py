@@ -11,8 +11,9 @@ What makes N processes train exactly like one (up to floating-point summation or
   the π_old and π_θ forwards of its share only. Each objective is normalised by its *global* count (sequences,
   tokens or B·L, summed over the shares with `all_sum`: see `gspo.objectives.Objective.count`), and DDP/FSDP average
   gradients over processes, so the gradient is the one-process gradient whatever the shares hold.
-* **Consistency.** An update is skipped on every process or on none (`all_finite`); per-minibatch metrics are
-  averaged over processes (`mean_metrics`); per-row results of the shares are gathered back (`merge_rows`).
+* **Consistency.** An update is skipped on every process or on none (`all_finite`); the update metrics are combined
+  over processes as one process would have computed them, sums and counts summed, extrema by max or min
+  (`reduce_metrics`); per-row results of the shares are gathered back (`merge_rows`).
 * **Files.** Only rank 0 writes run files; evaluation is sharded over processes and combined by row count
   (`evaluate`).
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 import datetime
 import gc
 import logging
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -215,14 +217,32 @@ class ProcessGroup:
             return ok
         return self.all_sum([0.0 if ok else 1.0])[0] == 0
 
-    def mean_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Average per-process metrics over processes (same keys everywhere)."""
+    def reduce_metrics(self, metrics: dict[str, float], op: str) -> dict[str, float]:
+        """Per-process metrics combined over processes by `op`: each key's "sum", "mean", "max" or "min" (float64;
+        NaN where a process has NaN). Every process must pass the same keys (checked: the values are reduced by
+        position)."""
+        if op not in ("sum", "mean", "max", "min"):
+            raise ValueError(f"reduce_metrics: op must be sum, mean, max or min, got {op!r}")
         if not self.enabled:
-            return metrics
+            return dict(metrics)
         keys = sorted(metrics)
         if any(k != keys for k in self.all_gather_object(keys)):
             raise RuntimeError(f"processes logged different metrics; rank {self.rank} has {keys}")
-        return {k: v / self.world_size for k, v in zip(keys, self.all_sum([metrics[k] for k in keys]), strict=True)}
+        if not keys:
+            return {}
+        t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=self.device)
+        nan = t.isnan().to(torch.float64)
+        dist.all_reduce(t, op={"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}.get(op, dist.ReduceOp.SUM))
+        if op in ("max", "min"):  # gloo's and NCCL's max and min keep or drop a NaN depending on the rank order
+            dist.all_reduce(nan)
+            t[nan > 0] = math.nan
+        if op == "mean":
+            t /= self.world_size
+        return dict(zip(keys, t.tolist(), strict=True))
+
+    def mean_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Average per-process metrics over processes (same keys everywhere): `reduce_metrics(metrics, "mean")`."""
+        return self.reduce_metrics(metrics, "mean")
 
     # ----------------------------------------------------------------------------------------- rollouts
 

@@ -1,0 +1,133 @@
+"""A step's update metrics mean what their names say, over every minibatch of the step: ratio_max / ratio_min are the
+largest / smallest ratio of any update, the fractions and means are over all the step's tokens, sequences or ratios
+(not means of per-minibatch values), an update with no entries leaves them alone, and micro-batches change nothing.
+(The same across processes: tests/test_distributed.py.)"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from conftest import DEMO, ragged_trajectory, tiny_overrides
+from gspo.config import load_config
+from gspo.learner import LearnSettings, learn
+from gspo.models import build_preset
+from gspo.objectives import LOG_RATIO_CLAMP, OBJECTIVES
+from gspo.tracking import read_metrics
+from gspo.trainer import train
+
+pytestmark = pytest.mark.usefixtures("test_rewards")
+
+STEPS, MINIBATCHES = 2, 4  # the demo's 4 minibatches of 4 rows (TINY: 4 prompts × 4 completions)
+RUN = ["cold_start=null", f"trainer.steps={STEPS}", "rewards.functions={varied: 1.0}", "optim.lr=3e-3",
+       "optim.warmup_steps=0", "algorithm.mismatch=off", "trainer.eval_every=0", "data.eval_size=1"]
+UPDATE_METRICS = ("ratio_max", "ratio_min", "ratio_mean", "clip_frac_tokens", "clip_frac_seqs", "approx_kl", "entropy",
+                  "clip_frac_tokens_first_mb", "loss")
+
+
+def record_calls(monkeypatch: pytest.MonkeyPatch, name: str) -> list[dict]:
+    """Every call of the registered objective `name`: its tensors, ε and the metrics it returned."""
+    calls, inner = [], OBJECTIVES[name]
+
+    def spy(logprobs, old_logprobs, advantages, mask, **kw):
+        loss, metrics = inner.loss(logprobs, old_logprobs, advantages, mask, **kw)
+        calls.append({"logprobs": logprobs.detach().clone(), "old": old_logprobs.clone(), "adv": advantages.clone(),
+                      "mask": mask.bool().clone(), "eps_low": kw["eps_low"], "eps_high": kw["eps_high"],
+                      "metrics": metrics})
+        return loss, metrics
+
+    monkeypatch.setitem(OBJECTIVES, name, dataclasses.replace(inner, loss=spy))
+    return calls
+
+
+def recomputed(call: dict, level: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From one call's tensors, independently of the objective: its valid ratios (s_i of the non-empty sequences, or
+    w_{i,t} of the masked tokens), which masked tokens are clipped, and the k3 KL of each masked token."""
+    mask, adv = call["mask"], call["adv"]
+    log_w = torch.where(mask, call["logprobs"] - call["old"], 0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    if level == "sequence":
+        nonempty = mask.any(-1)
+        s = torch.exp(log_w.sum(-1) / mask.sum(-1).clamp(min=1))
+        clipped = ((adv > 0) & (s > 1 + call["eps_high"])) | ((adv < 0) & (s < 1 - call["eps_low"]))
+        ratios, clipped = s[nonempty], (clipped & nonempty)[:, None] & mask
+    else:
+        w, a = torch.exp(log_w), adv[:, None]
+        clipped = ((a > 0) & (w > 1 + call["eps_high"])) | ((a < 0) & (w < 1 - call["eps_low"]))
+        ratios, clipped = w[mask], clipped & mask
+    return ratios, clipped, (torch.expm1(log_w) - log_w)[mask]
+
+
+@pytest.mark.parametrize("loss", ["gspo", "grpo"])
+def test_a_steps_metrics_are_over_all_its_minibatches(tmp_path, monkeypatch, loss):
+    """The logged ratio_max / ratio_min are the extrema of every ratio the step's updates saw (not the mean of the
+    minibatches' extrema), clip_frac_tokens is clipped tokens / tokens of the step, approx_kl the KL per token of the
+    step, clip_frac_seqs and ratio_mean over its sequences / ratios: recomputed from the objective's inputs."""
+    calls = record_calls(monkeypatch, loss)
+    train(load_config(DEMO, tiny_overrides(tmp_path, *RUN, f"algorithm.loss={loss}")))
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert len(calls) == STEPS * MINIBATCHES and len(records) == STEPS
+    level = OBJECTIVES[loss].ratio_level
+    spread = 0.0
+    for step, record in enumerate(records):
+        step_calls = calls[step * MINIBATCHES:(step + 1) * MINIBATCHES]
+        parts = [recomputed(call, level) for call in step_calls]
+        ratios = torch.cat([r for r, _, _ in parts])
+        clipped = sum(int(c.sum()) for _, c, _ in parts)
+        tokens = sum(int(call["mask"].sum()) for call in step_calls)
+        seqs = [(c.any(-1), call["mask"].any(-1)) for (_, c, _), call in zip(parts, step_calls, strict=True)]
+        assert record["ratio_max"] == pytest.approx(float(ratios.max()), rel=1e-6)
+        assert record["ratio_min"] == pytest.approx(float(ratios.min()), rel=1e-6)
+        assert record["ratio_mean"] == pytest.approx(float(ratios.double().mean()), rel=1e-6)
+        assert record["clip_frac_tokens"] == pytest.approx(clipped / tokens, rel=1e-9)
+        assert record["clip_frac_seqs"] == pytest.approx(
+            sum(int(c.sum()) for c, _ in seqs) / sum(int(n.sum()) for _, n in seqs), rel=1e-9)
+        assert record["approx_kl"] == pytest.approx(float(torch.cat([k for _, _, k in parts]).double().mean()),
+                                                    rel=1e-5, abs=1e-9)
+        maxima = [call["metrics"]["ratio_max"] for call in step_calls]  # the objective's, minibatch by minibatch
+        assert max(maxima) == pytest.approx(float(ratios.max()), rel=1e-6)
+        spread = max(spread, max(maxima) - sum(maxima) / len(maxima))
+    assert spread > 1e-3  # the minibatches' maxima differ: their mean would not pass the checks above
+    assert any(r["clip_frac_tokens"] > 0 for r in records)
+
+
+def test_an_update_without_entries_leaves_the_metrics_alone(monkeypatch):
+    """The second minibatch's rows have no response token left in the loss mask: its ratios (the objective's 1.0 over
+    nothing) and its empty token counts change neither ratio_max, ratio_min nor any fraction, which are the first
+    minibatch's. π_old is the rollout's (the model's log-probabilities plus noise), so the first minibatch's ratios are
+    not 1 and the empty update's 1.0 would move both extrema."""
+    model, _ = build_preset("tiny-dense", seed=1)
+    traj = ragged_trajectory(model)
+    first, second = torch.tensor([0, 2, 4, 6]), torch.tensor([1, 3, 5, 7])
+    loss_mask = traj.loss_mask.clone()
+    loss_mask[second] = 0
+    traj = dataclasses.replace(traj, loss_mask=loss_mask)
+    calls = record_calls(monkeypatch, "gspo")
+    spec = OBJECTIVES["gspo"]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    metrics = learn(model, optimizer, scheduler, traj, torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.25, -0.25]),
+                    [first, second], LearnSettings(objective=spec, eps_low=spec.eps_low, eps_high=spec.eps_high,
+                                                   old_logprobs="rollout", max_new_tokens=12))
+    (one, empty) = (c["metrics"] for c in calls)
+    assert empty["count_ratios"] == empty["count_tokens"] == 0 and empty["ratio_max"] == empty["ratio_min"] == 1.0
+    assert one["ratio_min"] < 1 < one["ratio_max"] and 0 < one["clip_frac_tokens"] < 1  # so the checks can fail
+    for key in ("ratio_max", "ratio_min", "ratio_mean", "clip_frac_tokens", "clip_frac_seqs", "approx_kl"):
+        assert metrics[key] == one[key], key
+    assert metrics["clip_frac_tokens_first_mb"] == one["clip_frac_tokens"]
+    assert not any(key.startswith("count_") for key in metrics)  # the counts weigh the metrics, they are not logged
+
+
+def test_micro_batches_do_not_change_a_steps_metrics(tmp_path):
+    """The same run with micro-batches of at most 18 tokens (rows of 8-11 tokens: one or two rows a forward) logs the
+    update metrics of the run without, to the rounding by which the two runs' weights differ."""
+    runs = {}
+    for name, extra in (("whole", []), ("micro", ["trainer.micro_batch_tokens=18"])):
+        train(load_config(DEMO, tiny_overrides(tmp_path / name, *RUN, "trainer.device=cpu", *extra)))
+        runs[name] = read_metrics(tmp_path / name / "metrics.jsonl")
+    assert [r["micro_batches"] for r in runs["whole"]] == [1.0] * STEPS
+    assert all(r["micro_batches"] > 1 for r in runs["micro"])
+    for whole, micro in zip(runs["whole"], runs["micro"], strict=True):
+        for key in UPDATE_METRICS:
+            assert micro[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-6), key
