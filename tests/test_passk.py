@@ -8,6 +8,7 @@ import math
 from fractions import Fraction
 
 import pytest
+import torch
 
 from conftest import varied_reward
 from gspo.cli import main
@@ -365,3 +366,29 @@ def test_evaluate_ends_completions_at_the_runs_stop_strings(tiny, n):
     assert sum(mark in c[:-1] for c in free) >= 2  # the free completions run past the mark, so the check can fail
     for a, b in zip(free, completions((mark,)), strict=True):
         assert b == (a[:a.index(mark) + 1] if mark in a else a)
+
+
+def test_shards_of_an_evaluation_merge_into_the_evaluation_of_all_rows():
+    """Several processes evaluate shards; their merge must equal one evaluation of every row. Tool-call fractions are
+    over calls, not rows: a shard without calls (validity NaN) used to turn the merged validity into NaN, and shards
+    with unequal calls were weighted by rows."""
+    from gspo.agent.episodes import EPISODE_COUNTS, count_metrics
+    from gspo.evaluation import merge_shards
+
+    keys = (*EPISODE_COUNTS, "tool_calls", "invalid_calls", "tool_failures")
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randint(0, 4, (10, len(keys)), generator=gen)
+    rows[6:, keys.index("tool_calls")] = 0  # the last shard calls no tool
+    rows[:, keys.index("invalid_calls")] = torch.minimum(rows[:, keys.index("invalid_calls")],
+                                                         rows[:, keys.index("tool_calls")])
+    rows[:, keys.index("tool_failures")] = torch.minimum(rows[:, keys.index("tool_failures")],
+                                                         rows[:, keys.index("tool_calls")]
+                                                         - rows[:, keys.index("invalid_calls")])
+    whole = count_metrics(rows, keys)
+    shards = [(count_metrics(rows[a:b], keys), b - a) for a, b in ((0, 2), (2, 6), (6, 10))]
+    assert math.isnan(shards[2][0]["tool_call_validity"]) and not math.isnan(whole["tool_call_validity"])
+    merged = merge_shards([*shards, ({}, 0)])  # a process with no rows adds nothing
+    assert merged.keys() == whole.keys()
+    assert all(merged[k] == pytest.approx(whole[k], abs=1e-6) for k in whole)
+    assert math.isnan(merge_shards([shards[2]])["tool_call_validity"])  # no call anywhere: still NaN
+

@@ -165,6 +165,30 @@ def accuracy_by_group(row_values: Sequence[float], groups: Sequence[str],
     return metrics
 
 
+CALL_FRACTIONS = ("tool_call_validity", "tool_failures")
+"""Evaluation metrics that are fractions of tool calls, not means over rows (`gspo.agent.episodes.count_metrics`):
+`tool_call_validity` of the call attempts (NaN without any), `tool_failures` of the well-formed calls (0 without)."""
+
+
+def merge_shards(shards: Sequence[tuple[dict[str, float], int]]) -> dict[str, float]:
+    """`evaluate`'s results on shards of the rows (result, rows), as one call on all of them gives them: row means
+    weighted by rows, the tool-call fractions (CALL_FRACTIONS) by the calls they are over (a shard without calls, whose
+    validity is NaN, adds nothing). Shards with no rows are left out; the keys are those of the first that has rows.
+    Not the intervals: recompute those from every row's values (see `evaluate`)."""
+    shards = [(result, rows) for result, rows in shards if rows]
+    merged = {}
+    for key in shards[0][0]:
+        weights = []
+        for result, rows in shards:
+            calls = result.get("tool_calls", 0.0) * rows
+            valid = calls * result["tool_call_validity"] if calls else 0.0
+            weights.append(calls if key == "tool_call_validity" else valid if key == "tool_failures" else rows)
+        total = sum(weights)
+        merged[key] = (sum(r[key] * w for (r, _), w in zip(shards, weights, strict=True) if w) / total if total
+                       else math.nan if key == "tool_call_validity" else 0.0)
+    return merged
+
+
 def evaluate(model, tokenizer, rows: list[dict], rewards: RewardRunner, max_new_tokens: int,
              batch_size: int = 256, sampler=None, accuracy_reward: str | Sequence[str] | None = None,
              accuracy_threshold: float = 1.0, samples: list[dict] | None = None,

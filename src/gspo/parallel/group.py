@@ -293,17 +293,17 @@ class ProcessGroup:
 
     def evaluate(self, fn: Callable[[list[dict], int], dict[str, float]], rows: list[dict],
                  after: Callable[[], None] = lambda: None) -> dict[str, float]:
-        """`fn(part, offset)` (row-mean metrics of the rows `part`, which start at position `offset` of `rows`) over
-        `rows`, sharded over processes and combined by row count; with several processes every one then calls `after`
-        (a collective, e.g. syncing the reward runner's counters)."""
+        """`fn(part, offset)` (`gspo.evaluation.evaluate`'s metrics of the rows `part`, which start at position
+        `offset` of `rows`) over `rows`, sharded over processes and combined as one call on all the rows gives them
+        (`gspo.evaluation.merge_shards`: row means by rows, tool-call fractions by calls); with several processes every
+        one then calls `after` (a collective, e.g. syncing the reward runner's counters)."""
+        from gspo.evaluation import merge_shards
+
         if not self.enabled:
             return fn(rows, 0)
         share = self._uneven_shard(len(rows))
         part = rows[share]
         result = fn(part, share.start) if part else {}
         after()
-        keys = [sorted(result)]
-        dist.broadcast_object_list(keys, src=0)  # rank 0's share is never empty
-        sums = self.all_sum([result[k] * len(part) if part else 0.0 for k in keys[0]])
-        return {k: v / len(rows) for k, v in zip(keys[0], sums, strict=True)}
+        return merge_shards(self.all_gather_object((result, len(part))))  # rank 0's share is never empty
 
