@@ -22,7 +22,7 @@ import yaml
 from conftest import DEMO, tiny_overrides
 from gspo.cli import main
 from gspo.config import ConfigError, DataConfig, config_to_dict, load_config
-from gspo.data import load_data, load_rows, make_task, near_key, split_by_fraction
+from gspo.data import TASKS, load_data, load_rows, make_task, near_key, split_by_fraction
 from gspo.evaluation import evaluate
 from gspo.models import build_preset, load_model
 from gspo.rewards import RewardRunner
@@ -114,9 +114,10 @@ def test_held_out_problems_are_distinct_so_none_counts_twice(tmp_path):
     task's held-out split draws distinct problems, and a held-out file's repeated prompts (up to case and whitespace)
     are evaluated once and counted (`repeated_prompts`)."""
     drawn = make_task("addition", split="test", size=300, seed=0, digits=2)
-    assert len({r["prompt"] for r in drawn}) == 261  # the old draw
+    assert len({r["prompt"] for r in drawn}) < 300  # a draw with replacement repeats problems (261 of 300 then)
     demo = load_data(load_config(DEMO).data, seed=0)
     assert len(demo.heldout) == 300 == len({r["prompt"] for r in demo.heldout})
+    assert len({TASKS["addition"].key(r) for r in demo.heldout}) == 300  # and no two are one problem (a+b, b+a)
     rows = [*addition_rows(0, 10), {"question": " 3+3= ", "result": "6"}, {"question": "3+3=", "result": "6"}]
     data = load_data(DataConfig(path=str(write_jsonl(tmp_path / "t.jsonl", addition_rows(100, 20))),
                                 eval_path=str(write_jsonl(tmp_path / "h.jsonl", rows)),
