@@ -171,3 +171,21 @@ def test_gspo_eval_writes_each_rows_completion_rewards_and_verdict(tmp_path, cap
     assert sum(r["solved"] for r in records) == result["solved"] == 5
     assert main(["eval", "tiny-moe", "--data", str(data), "--reward", reward, "--rows-out",
                  str(data / "rows.jsonl")]) == 2  # a file as the folder: refused before evaluating
+
+
+def test_a_prompt_in_several_held_out_files_is_counted_and_warned_about(tmp_path, caplog):
+    """Each file's accuracy keeps its rows; a prompt in two files then counts twice in the pooled accuracy, which the
+    record (`prompts_in_several_sets`) and a warning say."""
+    train_file = write_jsonl(tmp_path / "train.jsonl", rows(0, 40, 20))
+    a = write_jsonl(tmp_path / "a.jsonl", rows(100, 8, 6))
+    b = write_jsonl(tmp_path / "b.jsonl", rows(104, 8, 2))  # its first 4 prompts are a's last 4
+    cfg = load_config(DEMO, tiny_overrides(tmp_path / "run", "cold_start=null", f"data.path={train_file}",
+                                           "data.task=null", f"data.eval_path=[{a}, {b}]"))
+    with caplog.at_level("WARNING", logger="gspo.data.heldout"):
+        data = load_data(cfg.data, seed=0)
+    assert len(data.heldout) == 16 and data.heldout_source["prompts_in_several_sets"] == 4
+    assert "4 held-out prompts are in more than one of the data.eval_path files" in caplog.text
+    c = write_jsonl(tmp_path / "c.jsonl", rows(200, 8, 2))
+    clean = load_data(cfg.model_copy(update={"data": cfg.data.model_copy(update={"eval_path": [str(a), str(c)]})}).data,
+                      seed=0)
+    assert clean.heldout_source["prompts_in_several_sets"] == 0

@@ -191,10 +191,17 @@ def _eval_files(data, every_train: list[dict]) -> tuple[list[dict], dict[str, An
         records[name] = {**record, "dropped_training_prompts": dropped}
     if not several:
         return rows, next(iter(records.values()))
+    files_of: dict[str, set[str]] = {}
+    for r in rows:
+        files_of.setdefault(near_key(r["prompt"]), set()).add(r[EVAL_SET])
+    shared = sum(len(names) > 1 for names in files_of.values())
+    if shared:  # kept in each file's accuracy, where each belongs; the pooled one then counts them once per file
+        log.warning("%d held-out prompts are in more than one of the data.eval_path files: each file's accuracy "
+                    "counts them, and the pooled heldout_accuracy counts them once per file", shared)
     return rows, {"kind": "eval_path", "path": paths, **{key: sum(r[key] for r in records.values())
                                                          for key in ("rows", "of", "dropped_training_prompts",
                                                                      "repeated_prompts")},
-                  "sets": records}
+                  "prompts_in_several_sets": shared, "sets": records}
 
 
 def eval_group_field(data) -> str | None:
