@@ -3,7 +3,8 @@ held-out rows came from (it goes to summary.json next to the accuracy measured o
 
 The held-out rows come from exactly one place:
 
-* an embedded task's test split: disjoint by construction (`gspo.data.tasks.split_of`);
+* an embedded task's test split: disjoint by construction, as problems (`gspo.data.tasks.split_of` of `Task.key`:
+  `12+34=` and `34+12=` are one problem, on one side);
 * `data.eval_split` of a dataset that has splits (a saved DatasetDict, a hub id, a folder of split files);
 * `data.eval_path`: a separate file or dataset;
 * `data.eval_fraction` of `data.path`'s rows, chosen by a hash of the prompt (`holdout_bucket`), so the same prompt
