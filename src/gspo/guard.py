@@ -6,18 +6,21 @@ importance ratios jump, or the numbers stop being finite. `CollapseGuard.observe
 the median and the robust spread (1.4826 · median absolute deviation) of the last `window` healthy steps:
 
     reward_mean        below   R − max(z·σ, reward_drop·|R|), R = max(M, the best M of the run so far)
-    entropy            below   M − max(z·σ, (1 − 1/entropy_factor)·M)  or above  M + max(z·σ, (entropy_factor − 1)·M)
+    entropy            below   M − max(z·σ, (1 − 1/entropy_factor)·M, entropy_floor)
+                       or above  M + max(z·σ, (entropy_factor − 1)·M, entropy_floor)
     clip_frac_tokens   above   M + max(z·σ, clip_jump)
     |log ratio_max|    above   max(M + z·σ, ratio_jump·M, ratio_floor)   (M, σ of |log ratio_max|; ratio_min mirrored)
     non-finite         loss, grad_norm, reward_mean or entropy not finite, or an update skipped for it
 
-Both a statistical (z·σ) and a practical (relative) margin must be exceeded, and a ratio within `ratio_floor` of 1
-is never an anomaly (the trainer: log(max(1 + ε_high, trainer.guard.ratio_floor)); token-level objectives move single
+Both a statistical (z·σ) and a practical (relative) margin must be exceeded. A ratio within `ratio_floor` of 1 is
+never an anomaly (the trainer: log(max(1 + ε_high, trainer.guard.ratio_floor)); token-level objectives move single
 tokens to the clip range by design, GRPO's ratio_max of 1.1 was a false alarm, and so was GSPO's sequence ratio of
-1.15 on healthy off-policy steps of an async run), so neither noise in a short window nor
-a tiny but stable spread raises an alarm. The relative rules start once `warmup` healthy steps are in the window; the
-non-finite rule from the first step. A non-finite step is reported but is neither a collapse step nor a baseline
-step: the trainer's `max_bad_steps` decides about steps whose updates were skipped for it. A step that breaks a rule
+1.15 on healthy off-policy steps of an async run), nor an entropy within `entropy_floor` nats of its baseline (a
+near-deterministic policy's entropy doubling from 0.013 to 0.041 rolled back a multi-turn run already at 100 %
+held-out accuracy). So neither noise in a short window nor a tiny but stable spread raises an alarm. The relative
+rules start once `warmup` healthy steps are in the window; the non-finite rule from the first step. A non-finite
+step is reported but is neither a collapse step nor a baseline step: the trainer's `max_bad_steps` decides about
+steps whose updates were skipped for it. A step that breaks a rule
 is not added to the baseline. `patience` consecutive anomalous steps are a collapse, which began at the first
 anomalous step not followed by `patience` healthy ones: the trainer then rolls back to the last checkpoint that no
 step since then saw and whose recent reward is within reward_drop / 4 of the best such checkpoint's (a slow slide
@@ -49,6 +52,7 @@ class GuardSettings:
     z: float = 3.0
     reward_drop: float = 0.5
     entropy_factor: float = 2.0
+    entropy_floor: float = 0.0  # nats per token: an entropy this close to its baseline median is never anomalous
     clip_jump: float = 0.25
     ratio_jump: float = 10.0
     ratio_floor: float = 0.0  # |log ratio| never anomalous (the trainer: log(max(1 + ε_high, guard.ratio_floor)))
@@ -131,8 +135,8 @@ class CollapseGuard:
                                    f"best {ref:.4g})")
         if (b := baseline("entropy")) is not None:
             m, sd = b
-            low = m - max(s.z * sd, (1 - 1 / s.entropy_factor) * m)
-            high = m + max(s.z * sd, (s.entropy_factor - 1) * m)
+            low = m - max(s.z * sd, (1 - 1 / s.entropy_factor) * m, s.entropy_floor)
+            high = m + max(s.z * sd, (s.entropy_factor - 1) * m, s.entropy_floor)
             x = metrics["entropy"]
             if not low <= x <= high:
                 flags["entropy"] = f"entropy {x:.4g} outside [{low:.4g}, {high:.4g}] (baseline median {m:.4g})"

@@ -178,7 +178,8 @@ def guard_settings(cfg: Config) -> GuardSettings:
     sequence ratios move that far on healthy steps)."""
     gc = cfg.trainer.guard
     return GuardSettings(window=gc.window, warmup=gc.warmup, patience=gc.patience, z=gc.z, reward_drop=gc.reward_drop,
-                         entropy_factor=gc.entropy_factor, clip_jump=gc.clip_jump, ratio_jump=gc.ratio_jump,
+                         entropy_factor=gc.entropy_factor, entropy_floor=gc.entropy_floor, clip_jump=gc.clip_jump,
+                         ratio_jump=gc.ratio_jump,
                          ratio_floor=max(math.log1p(cfg.algorithm.eps_high), math.log(gc.ratio_floor)))
 
 
