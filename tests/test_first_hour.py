@@ -356,7 +356,8 @@ def test_resume_accepts_what_does_not_change_the_math_and_names_what_it_refuses(
 
 def test_a_resume_with_other_held_out_rows_does_not_claim_a_change_on_the_same_rows(tmp_path, capsys):
     """The held-out file edited between a run and its resume: before and after RL are then on different rows, so the
-    summary says so, reports no paired interval, and the printed line does not claim "on the same rows"."""
+    summary says so, reports no paired interval, and the printed line does not claim "on the same rows". An edited
+    training file is said too (`train.changed_on_resume`)."""
     heldout = write_jsonl(tmp_path / "heldout.jsonl", addition_rows(100, 8))
     args = own_data(tmp_path, f"data.eval_path={heldout}", "trainer.checkpoint_every=1", "trainer.eval_every=1")
     cfg = tmp_path / "c.yaml"
@@ -371,6 +372,10 @@ def test_a_resume_with_other_held_out_rows_does_not_claim_a_change_on_the_same_r
     assert summary["heldout_same_rows"] is False and summary["heldout_accuracy_ci95"]["change"] is None
     line = capsys.readouterr().err
     assert "NOT on the same rows" in line and "on the same rows)" not in line.replace("NOT on the same rows", "")
+    assert "changed_on_resume" not in summary["train"]  # the training rows are those the run began with
+    write_jsonl(tmp_path / "train.jsonl", addition_rows(300, 60))  # now they are not: said, not silently trained on
+    assert main(["train", str(cfg), *args, "trainer.steps=4", "--resume"]) == 0
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["train"]["changed_on_resume"] is True
 
 
 def test_a_resume_may_change_the_cold_starts_micro_batch_budget_not_its_batch(tmp_path):

@@ -647,6 +647,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         "ks": sorted({*(2 ** i for i in range(n_eval.bit_length()) if 2 ** i <= n_eval), n_eval})}
     eval_settings["stop"] = cfg.rollout.stop  # held-out completions end where the training ones do
     rows_digest = hashlib.sha256(json.dumps([r["prompt"] for r in eval_rows]).encode()).hexdigest()
+    train_digest = hashlib.sha256(json.dumps([r["prompt"] for r in train_rows]).encode()).hexdigest()
 
     def before_sft(m: nn.Module) -> dict:
         """The held-out accuracy of the model the cold start begins from (rank 0, the built-in sampler, the run's
@@ -761,6 +762,12 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
                     "chosen, changed since): later evaluations report no change since then")
         first_rows = None
     best: dict | None = state.get("best")  # trainer.save_best: the step and accuracy of OUT/best
+    # resumed on other training rows (the data, its selection, or an embedded task's split changed since): said
+    train_changed = state.get("train_digest", train_digest) != train_digest
+    if train_changed:
+        log.warning("the training rows differ from those the run trained on before its checkpoint (the data, how "
+                    "rows are chosen, or an embedded task's split changed since): the rest of the run trains on the "
+                    "new rows (summary.json: train.changed_on_resume)")
 
     def publish_model(name: str) -> None:
         """The policy as a model folder OUT/`name` (written aside, then swapped in): a transformers model, or with
@@ -831,7 +838,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
                           **{f"reward_{kind}": counts for kind, counts in rewards.state_dict().items()},
                           **({"heldout_first_rows": first_rows, "heldout_digest": rows_digest}
                              if first_rows is not None else {}),
-                          **({"best": best} if best is not None else {}),
+                          **({"best": best} if best is not None else {}), "train_digest": train_digest,
                           "wall_seconds": time.perf_counter() - wall0},
                    keep_last=cfg.trainer.keep_checkpoints + doubted_checkpoints(), keep=best_kept())
 
@@ -996,7 +1003,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         **({"heldout_accuracy_by": _accuracy_by_group(evals)} if eval_group is not None and evals else {}),
         "heldout": {**setup.heldout_source,
                     "accuracy": accuracy_means(cfg.rewards.accuracy_reward, cfg.rewards.accuracy_threshold)},
-        "train": setup.train_source,
+        "train": {**setup.train_source, **({"changed_on_resume": True} if train_changed else {})},
         **({"best": _best_record(best, out)} if best is not None else {}),
         "steps": cfg.trainer.steps,
         "cold_start": _cold_start_summary(cold, first_rows, rows_digest),
