@@ -64,9 +64,13 @@ def torchrun(tmp: Path, *args: str, fail: bool = False) -> str:
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
-    """The reference: the run in this process (world size 1), on the kind of device the two processes get."""
+    """The reference: the run in this process (world size 1), on the kind of device the two processes get, with one
+    thread as each of theirs has (`torchrun`): left at whatever thread count earlier tests set, its rounding depended
+    on the test order (approx_kl 1.3e-6 apart at step 3 after some orders, beyond METRICS_REL_TOL)."""
     out = tmp_path_factory.mktemp("one")
-    train(load_config(DEMO, tiny_overrides(out, *RUN, f"trainer.device={TWO_PROCESS_DEVICE}")))
+    threads = torch.get_num_threads()
+    train(load_config(DEMO, tiny_overrides(out, *RUN, f"trainer.device={TWO_PROCESS_DEVICE}", "trainer.threads=1")))
+    torch.set_num_threads(threads)  # the tests after it keep theirs
     return out
 
 
@@ -300,7 +304,6 @@ def test_one_process_is_the_identity():
     assert torch.equal(d.share(idx), idx) and d.shard(5) == slice(0, 5)
     assert d.all_sum([2.0, 3.0]) == [2.0, 3.0] and d.all_finite(torch.tensor(1.0))
     assert not d.all_finite(torch.tensor(float("nan")))
-    assert d.mean_metrics({"a": 1.5}) == {"a": 1.5}
     assert all(d.reduce_metrics({"a": 1.5}, op) == {"a": 1.5} for op in ("sum", "mean", "max", "min"))
     with pytest.raises(ValueError, match="op must be"):
         d.reduce_metrics({"a": 1.5}, "median")

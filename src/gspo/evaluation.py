@@ -165,16 +165,12 @@ def accuracy_by_group(row_values: Sequence[float], groups: Sequence[str],
     return metrics
 
 
-CALL_FRACTIONS = ("tool_call_validity", "tool_failures")
-"""Evaluation metrics that are fractions of tool calls, not means over rows (`gspo.agent.episodes.count_metrics`):
-`tool_call_validity` of the call attempts (NaN without any), `tool_failures` of the well-formed calls (0 without)."""
-
-
 def merge_shards(shards: Sequence[tuple[dict[str, float], int]]) -> dict[str, float]:
     """`evaluate`'s results on shards of the rows (result, rows), as one call on all of them gives them: row means
-    weighted by rows, the tool-call fractions (CALL_FRACTIONS) by the calls they are over (a shard without calls, whose
-    validity is NaN, adds nothing). Shards with no rows are left out; the keys are those of the first that has rows.
-    Not the intervals: recompute those from every row's values (see `evaluate`)."""
+    weighted by rows, the tool-call fractions of `gspo.agent.episodes.count_metrics` by the calls they are over
+    (`tool_call_validity` of the call attempts, NaN without any: a shard without calls adds nothing; `tool_failures`
+    of the well-formed calls, 0 without). Shards with no rows are left out; the keys are those of the first that has
+    rows. Not the intervals: recompute those from every row's values (see `evaluate`)."""
     shards = [(result, rows) for result, rows in shards if rows]
     merged = {}
     for key in shards[0][0]:

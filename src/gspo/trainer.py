@@ -459,6 +459,11 @@ _BEST_NOTE = ("chosen as the best of the evaluations on the held-out rows, so it
               "optimistic (the maximum of noisy measurements): measure it on other rows before reporting it")
 
 
+def _prompts_digest(rows: list[dict]) -> str:
+    """A digest of the rows' prompts in order: a checkpoint keeps it, so that a resume knows if its rows changed."""
+    return hashlib.sha256(json.dumps([r["prompt"] for r in rows]).encode()).hexdigest()
+
+
 def _best_record(best: dict, out: Path) -> dict:
     """summary.json's `best` (trainer.save_best): its step, accuracy and folder, and what that accuracy means."""
     note = _BEST_NOTE + (("; its step was later rolled back by the collapse guard: its evaluation is in guard.jsonl's "
@@ -646,8 +651,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         "samples_per_prompt": n_eval, "temperature": cfg.trainer.eval_temperature, "seed": cfg.trainer.seed,
         "ks": sorted({*(2 ** i for i in range(n_eval.bit_length()) if 2 ** i <= n_eval), n_eval})}
     eval_settings["stop"] = cfg.rollout.stop  # held-out completions end where the training ones do
-    rows_digest = hashlib.sha256(json.dumps([r["prompt"] for r in eval_rows]).encode()).hexdigest()
-    train_digest = hashlib.sha256(json.dumps([r["prompt"] for r in train_rows]).encode()).hexdigest()
+    rows_digest, train_digest = _prompts_digest(eval_rows), _prompts_digest(train_rows)  # what a resume compares
 
     def before_sft(m: nn.Module) -> dict:
         """The held-out accuracy of the model the cold start begins from (rank 0, the built-in sampler, the run's

@@ -14,8 +14,8 @@ What makes N processes train exactly like one (up to floating-point summation or
 * **Consistency.** An update is skipped on every process or on none (`all_finite`); the update metrics are combined
   over processes as one process would have computed them, sums and counts summed, extrema by max or min
   (`reduce_metrics`); per-row results of the shares are gathered back (`merge_rows`).
-* **Files.** Only rank 0 writes run files; evaluation is sharded over processes and combined by row count
-  (`evaluate`).
+* **Files.** Only rank 0 writes run files; evaluation is sharded over processes and combined as one evaluation of
+  all the rows (`evaluate`, `gspo.evaluation.merge_shards`).
 
 Wrapping the policy (DDP / FSDP2) is `gspo.parallel.wrap`; the training state of a wrapped policy (checkpoints, the
 final model) is `gspo.parallel.state`.
@@ -239,10 +239,6 @@ class ProcessGroup:
         if op == "mean":
             t /= self.world_size
         return dict(zip(keys, t.tolist(), strict=True))
-
-    def mean_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Average per-process metrics over processes (same keys everywhere): `reduce_metrics(metrics, "mean")`."""
-        return self.reduce_metrics(metrics, "mean")
 
     # ----------------------------------------------------------------------------------------- rollouts
 
