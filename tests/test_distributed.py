@@ -305,6 +305,7 @@ def test_one_process_is_the_identity():
     assert d.all_sum([2.0, 3.0]) == [2.0, 3.0] and d.all_finite(torch.tensor(1.0))
     assert not d.all_finite(torch.tensor(float("nan")))
     assert all(d.reduce_metrics({"a": 1.5}, op) == {"a": 1.5} for op in ("sum", "mean", "max", "min"))
+    assert d.reduce_metrics_by_op({"max": {"a": 1.5}, "sum": {"a": 2.0}}) == {"max": {"a": 1.5}, "sum": {"a": 2.0}}
     with pytest.raises(ValueError, match="op must be"):
         d.reduce_metrics({"a": 1.5}, "median")
     t = torch.arange(6.0)
@@ -328,6 +329,13 @@ for op, values in want.items():
     assert {k: got[k] for k in values} == values, (op, got)
     assert math.isnan(got["nan_first"]) and math.isnan(got["nan_last"]), (op, got)  # whichever rank has it
 assert group.reduce_metrics({}, "max") == {}
+# several ops at once (the learner's one reduction per step): each dict by its own op, the same key in several
+got = group.reduce_metrics_by_op({"min": {"a": mine["a"], "nan_last": mine["nan_last"]}, "mean": {"b": mine["b"]},
+                                  "max": {"a": mine["a"]}, "sum": {}})
+assert list(got) == ["min", "mean", "max", "sum"] and got["sum"] == {}, got
+assert got["min"]["a"] == 1.0 and math.isnan(got["min"]["nan_last"]), got
+assert got["mean"] == {"b": -0.75} and got["max"] == {"a": 4.0}, got
+assert group.reduce_metrics_by_op({"max": {"x": -math.inf}})["max"]["x"] == -math.inf  # no entries on any process
 try:
     group.reduce_metrics({"a": 1.0} if rank else {"b": 1.0}, "sum")
 except RuntimeError as e:

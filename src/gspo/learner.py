@@ -149,12 +149,14 @@ class _StepMetrics:
 
     def combine(self, group: ProcessGroup) -> dict[str, float]:
         """The step's metrics, from every process's: sums and counts summed, extrema by max / min, the rest averaged."""
-        metrics = group.reduce_metrics(self.averaged, "mean")
-        totals, counts = group.reduce_metrics(self.totals, "sum"), group.reduce_metrics(self.counts, "sum")
-        metrics.update({k: totals[k] / counts[k] if counts[k] else self.empty[k] for k in totals})
-        for how, values in self.extrema.items():
-            metrics.update({k: self.empty.get(k, v) if v == _NO_EXTREMUM[how] else v
-                            for k, v in group.reduce_metrics(values, how).items()})
+        sums = {**{f"total:{k}": v for k, v in self.totals.items()},
+                **{f"count:{k}": v for k, v in self.counts.items()}}
+        reduced = group.reduce_metrics_by_op({"mean": self.averaged, "sum": sums, **self.extrema})
+        metrics, sums = reduced["mean"], reduced["sum"]
+        metrics.update({k: sums[f"total:{k}"] / sums[f"count:{k}"] if sums[f"count:{k}"] else self.empty[k]
+                        for k in self.totals})
+        for how in self.extrema:
+            metrics.update({k: self.empty.get(k, v) if v == _NO_EXTREMUM[how] else v for k, v in reduced[how].items()})
         return metrics
 
 
