@@ -48,12 +48,19 @@ UPDATE_METRICS = ("ratio_max", "ratio_min", "ratio_mean", "clip_frac_tokens", "c
 METRICS_REL_TOL = 1e-5 if TWO_PROCESS_DEVICE == "cpu" else 1e-3
 
 
+def torchrun_command(tmp: Path, *args: str) -> list[str]:
+    """`torchrun --standalone --nproc_per_node=2 ARGS`, its logs under `tmp` (by default torchrun leaves a
+    torchelastic_* folder in the system's temporary folder at every launch)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+            f"--log-dir={tmp / 'torchrun-logs'}", *args]
+
+
 def torchrun(tmp: Path, *args: str, fail: bool = False) -> str:
     """Run `torchrun --standalone --nproc_per_node=2 ARGS` (gloo, one thread per process); returns its stderr.
     Asserts that it succeeded (`fail`: that it failed)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}  # a C++ crash prints the Python stacks
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
+    cmd = torchrun_command(tmp, *args)
     done = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=300)
     assert (done.returncode != 0) == fail, f"torchrun exit {done.returncode}:\n{done.stdout[-3000:]}\n" \
                                            f"{done.stderr[-6000:]}"
@@ -352,7 +359,7 @@ def test_metrics_reduced_over_two_processes(tmp_path):
     where either process has NaN (gloo's max and min keep or drop it by rank order); different keys are an error."""
     (tmp_path / "reduce.py").write_text(REDUCE)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "reduce.py"]
+    cmd = torchrun_command(tmp_path, "reduce.py")
     done = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-4000:]
     assert (tmp_path / "ok0").is_file() and (tmp_path / "ok1").is_file()  # every check ran on both processes
