@@ -111,6 +111,13 @@ def test_unknown_key_in_the_yaml_file_is_an_error(tmp_path):
         ("rewards.on_error=ignore", "rewards.on_error"),
         ("rewards.timeout_s=0", "rewards.timeout_s"),
         ("rewards.timeout_s=.inf", "rewards.timeout_s"),
+        ("optim.lr=.inf", "optim.lr"),  # trained a model of NaN weights to "completed"
+        ("optim.weight_decay=.inf", "optim.weight_decay"),
+        ("cold_start.lr=.nan", "cold_start.lr"),
+        ("rollout.temperature=.inf", "rollout.temperature"),
+        ("algorithm.kl_beta=.inf", "algorithm.kl_beta"),
+        ("rollout.stop=['']", "rollout.stop"),  # would end every completion before its first token
+        ("rewards.functions={addition: 0}", "rewards.functions"),  # every advantage 0: nothing trains
         ("rewards.workers=0", "rewards.workers"),
         ("data.max_prompt_tokens=0", "data.max_prompt_tokens"),
         ("trainer.max_bad_steps=0", "trainer.max_bad_steps"),
@@ -144,7 +151,6 @@ def test_all_errors_are_reported_at_once():
         (["rollout.prompts_per_step=3", "rollout.group_size=3"], ["algorithm.minibatches=4", "9 completions"]),
         (["data.path=train.jsonl"], ["data.task", "data.path"]),  # both (the demo sets data.task)
         (["data.task=null"], ["data.task", "data.path"]),  # neither
-        (["data.task=null", "data.path=train.jsonl"], ["cold_start", "solution"]),  # SFT without demonstrations
         (["rollout.max_batch_rows=7", "rollout.group_size=8"], ["max_batch_rows=7", "one group"]),
         (["rollout.max_batch_rows=64", "rollout.engine=vllm"], ["max_batch_rows", "max_num_seqs"]),
     ],

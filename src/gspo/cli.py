@@ -138,6 +138,9 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     if args.micro_batch_tokens is not None and args.micro_batch_tokens < 1:
         raise ConfigError(f"sft: --micro-batch-tokens must be >= 1, got {args.micro_batch_tokens}")
     _check_size(args)
+    if Path(args.out).exists() and not Path(args.out).is_dir():  # found before training, not when saving after it
+        raise ConfigError(f"sft: --out {args.out} exists and is not a folder")
+    device = resolve_device(args.device, key="--device")
     if args.data is not None:  # every row, or --size N of them chosen by prompt hash
         rows = subset_rows(load_rows(args.data, split=args.split or "train", fields=_fields(args)), args.size)
     else:
@@ -145,7 +148,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
                          seed=args.seed)
     set_seed(args.seed)
     model, tokenizer = load_model(args.model, seed=args.seed)
-    model = model.to(resolve_device(args.device))
+    model = model.to(device)
     rows = render_chat(DataSplits(train=rows, heldout=[]), DataConfig(), tokenizer).train  # message prompts
     t0 = time.perf_counter()
     losses = sft(model, tokenizer, rows, steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
@@ -220,7 +223,7 @@ def _eval_setup(args: argparse.Namespace):
             raise ConfigError(f"{args.config} holds out no rows (data.eval_split is null and no data.eval_path / "
                               "data.eval_fraction): set one with an override, e.g. data.eval_path=FILE")
         r = cfg.rewards
-        runner = RewardRunner.from_config(r, resolve_device(args.device), on_error="zero")
+        runner = RewardRunner.from_config(r, resolve_device(args.device, key="--device"), on_error="zero")
         tokens = args.max_new_tokens or cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens
         heldout = DataSplits(train=[], heldout=data.heldout, heldout_source=data.heldout_source)
         groups = eval_groups(data.heldout, eval_group_field(cfg.data))
@@ -251,7 +254,8 @@ def _eval_setup(args: argparse.Namespace):
     data = DataSplits(train=[], heldout=rows, heldout_source=source)
     names = args.reward or [args.task or "addition"]
     runner = RewardRunner({name: 1.0 for name in names}, on_error="zero", timeout_s=args.timeout,
-                          model_options={"device": resolve_device(args.device)}, think_tags=_think_tags(args))
+                          model_options={"device": resolve_device(args.device, key="--device")},
+                          think_tags=_think_tags(args))
     accuracy = resolve_accuracy_reward(names, args.accuracy_reward, key="--accuracy-reward")
     if args.accuracy_threshold is None:
         check_model_threshold(accuracy, "--accuracy-threshold")
@@ -333,7 +337,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         if checked is None:  # the verifier on the rows' own answers, an empty one and another row's
             wanted = cfg is None or cfg.rewards.check  # a config's rewards.check=false turns it off
             checked = (reward_checks(rewards, rows, accuracy_reward, threshold) if wanted else None) or {}
-        model = model.to(resolve_device(args.device))
+        model = model.to(resolve_device(args.device, key="--device"))
         engine = episodes = None
         if make_env is not None:
             params = SamplingParams(max_new_tokens=new_tokens, stop=tuple(sampling["stop"]))

@@ -24,8 +24,9 @@ def _allows_bool(annotation: Any) -> bool:
 
 
 class _Section(BaseModel):
-    # Numbers are accepted for string fields: an override `trainer.out=2024` is parsed as YAML, i.e. as an int.
-    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True)
+    # Numbers are accepted for string fields: an override `trainer.out=2024` is parsed as YAML, i.e. as an int. No
+    # number may be infinite or NaN (YAML's .inf / .nan): `optim.lr=.inf` used to train a model of NaN weights.
+    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True, allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -213,6 +214,9 @@ class RewardConfig(_Section):
     def _nonempty(self) -> RewardConfig:
         if not self.functions:
             raise ValueError("rewards.functions must name at least one reward function")
+        if not any(self.functions.values()):
+            raise ValueError(f"rewards.functions: every weight is 0 ({self.functions}), so every reward and advantage "
+                             "would be 0 and nothing would train")
         check_think_tags(self.think_tags, "rewards.think_tags")
         for spec in self.functions:
             if spec.startswith(MODEL_PREFIX) and not spec[len(MODEL_PREFIX):].strip():
@@ -344,6 +348,13 @@ class RolloutConfig(_Section):
     # Leave completions cut at max_new_tokens out of the loss (TRL's mask_truncated_completions, DAPO's overlong
     # filtering): their reward judges an unfinished answer. They still count in their group's advantages.
     overlong_filter: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _stops_nonempty(cls, stop: list[str]) -> list[str]:
+        if any(not s for s in stop):
+            raise ValueError(f"an empty stop string would end every completion before its first token: {stop}")
+        return stop
 
     @model_validator(mode="after")
     def _decode_is_for_the_built_in_engine(self) -> RolloutConfig:
@@ -640,8 +651,6 @@ class Config(_Section):
                 "algorithm.old_logprobs=rollout takes π_old from the sampler, whose top-p/top-k truncated distribution "
                 "is not the policy π_θ is trained as: use top_p=1 and top_k=0, or old_logprobs=recompute"
             )
-        if self.cold_start is not None and self.data.task is None and "solution" not in self.data.fields:
-            raise ValueError("cold_start needs demonstrations: map a `solution` column in data.fields")
         replay = self.algorithm.routing_replay
         if replay == "r2" and self.algorithm.old_logprobs != "recompute":
             raise ValueError("algorithm.routing_replay=r2 replays the routing of the trainer's π_old forward, which "

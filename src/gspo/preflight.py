@@ -132,7 +132,9 @@ def _free_bytes(out: Path) -> int:
 def check(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """Run `gspo.trainer.prepare` and report what it found and what the run would do (module docstring). Raises as
     the run would (ConfigError / ValueError / OSError) on anything that would stop it; writes nothing."""
+    from gspo.agent import run_chat_format
     from gspo.lora import apply_lora
+    from gspo.sft import over_positions
     from gspo.trainer import check_rewards, prepare
 
     setup = prepare(cfg, resume=resume, overwrite=overwrite, create_out=False)
@@ -160,11 +162,15 @@ def check(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[st
              // (cfg.algorithm.minibatches * setup.group.world_size))
     latest = find_latest_checkpoint(setup.out) if resume else None
     cs = cfg.cold_start
+    demonstrated = [r for r in setup.train_rows if isinstance(r.get("solution"), (str, list))]
+    too_long = len(over_positions(model, tokenizer, demonstrated, chat_format=run_chat_format(cfg, tokenizer))
+                   if cs is not None else [])
     return {
         "config": {"out": str(setup.out), "resume": resume, "changed": setup.changed,
                    "resume_from": None if latest is None else latest.name},
         "cold_start": None if cs is None else {"steps_max": cs.steps, "batch_size": cs.batch_size,
-                                               "target_loss": cs.target_loss},
+                                               "target_loss": cs.target_loss, "rows": len(demonstrated),
+                                               "over_positions": too_long},
         "train": {**setup.train_source, "prompt_tokens": train_lengths,
                   "solution_tokens": lengths(setup.train_rows, "solution", steps["new_tokens_per_completion"]),
                   "prompt_limit": setup.prompt_limits[0], "skipped_long": setup.skipped_prompts["train"],
@@ -238,6 +244,9 @@ def warnings(report: dict[str, Any]) -> list[str]:
                      f"prompt (e.g. held-out row {e['heldout_row']} and training row {e['training_row']}: "
                      f"{e['passage']!r}): the same problem reworded or copied is not held out; only prompts equal up "
                      "to case and whitespace are left out")
+    if (cs := report["cold_start"]) and cs["over_positions"]:
+        found.append(f"{cs['over_positions']} of {cs['rows']} training rows' prompt + solution are longer than the "
+                     "model's positions (max_position_embeddings): the cold start leaves them out")
     m = report["model"]
     if m["disk_bytes"] > m["disk_free_bytes"]:
         found.append(f"the run's checkpoints and models take up to ≈ {_size(m['disk_bytes'])} and "

@@ -179,7 +179,14 @@ def check_resume_config(out: Path, cfg_dict: dict[str, Any]) -> list[str]:
     saved_path = out / "config.yaml"
     if not saved_path.exists():
         return []
-    saved = yaml.safe_load(saved_path.read_text())
+    try:
+        saved = yaml.safe_load(saved_path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot resume in {out}: its saved {saved_path.name} is not readable YAML ({e}); restore "
+                          "it, or start a new run (another trainer.out, or --overwrite)") from None
+    if not isinstance(saved, dict):
+        raise ConfigError(f"cannot resume in {out}: its saved {saved_path.name} holds {type(saved).__name__}, not a "
+                          "config; restore it, or start a new run (another trainer.out, or --overwrite)")
     with contextlib.suppress(ConfigError):  # a run saved before a key existed had that key's default
         saved = config_to_dict(validate_config(saved))
     diff = config_diff(saved, cfg_dict)

@@ -57,6 +57,28 @@ def encode_pairs(
     return prompt_ids, prompt_mask, completion_ids, completion_mask, pad_right(l_ids, 0)[0]
 
 
+def over_positions(model: nn.Module, tokenizer, rows: list[dict], solution_field: str = "solution",
+                   chat_format: ChatFormat | None = None) -> list[int]:
+    """Indices of the rows whose prompt + demonstration (with its end token) exceed the model's
+    max_position_embeddings: trained, such a row would crash a learned position embedding (an index out of range deep
+    in torch) or silently train past the positions the model was built for. None are when the limit is unknown."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if limit is None or not rows:
+        return []
+    prompts = tokenizer([r["prompt"] for r in rows], add_special_tokens=False)["input_ids"]
+    texts = [i for i, r in enumerate(rows) if isinstance(r[solution_field], str)]
+    solved = dict(zip(texts, tokenizer([rows[i][solution_field] for i in texts], add_special_tokens=False)["input_ids"],
+                      strict=True)) if texts else {}
+    if len(solved) < len(rows):  # multi-turn demonstrations, laid out as sft trains them
+        chat_format = chat_format or ChatFormat(tokenizer)
+    over = []
+    for i, r in enumerate(rows):
+        n = len(solved[i]) + 1 if i in solved else len(encode_demonstration(chat_format, r[solution_field])[0])
+        if len(prompts[i]) + n > limit:
+            over.append(i)
+    return over
+
+
 def sft(
     model: nn.Module,
     tokenizer,
@@ -102,6 +124,16 @@ def sft(
                     encode_demonstration(chat_format, r[solution_field])
                 except ValueError as exc:
                     raise ValueError(f"cold-start SFT: row {i}'s {solution_field!r}: {exc}") from None
+    if over := over_positions(model, tokenizer, rows, solution_field, chat_format):
+        limit = model.config.max_position_embeddings
+        if len(over) == len(rows):
+            raise ValueError(f"cold-start SFT: every one of the {len(rows)} rows' prompt + {solution_field!r} is "
+                             f"longer than the model's {limit} positions (max_position_embeddings)")
+        log.warning("cold-start SFT leaves out %d of %d rows whose prompt + %r is longer than the model's %d positions "
+                    "(max_position_embeddings; row %d is the first)", len(over), len(rows), solution_field, limit,
+                    over[0])
+        left_out = set(over)
+        rows = [r for i, r in enumerate(rows) if i not in left_out]
     from tqdm.auto import tqdm
 
     optimizer, scheduler = make_optimizer(model, lr, steps, warmup_steps=warmup_steps, min_lr_ratio=0.0)

@@ -421,6 +421,8 @@ def _start_checks(cfg: Config, out: Path, cfg_dict: dict, resume: bool, overwrit
         raise ConfigError(f"{out} already holds a run: pass --resume to continue it, --overwrite to delete it and "
                           "start over, or choose another trainer.out")
     changed = check_resume_config(out, cfg_dict) if resume else []
+    if resume and not run_started(out):
+        log.warning("--resume: %s holds no run yet, so a new one starts there (is trainer.out right?)", out)
     if cfg.algorithm.routing_replay != "none":  # a preset or local directory, from its config (a hub id: after loading)
         error = replay_support_error(cfg.model.name, cfg.algorithm.routing_replay, cfg.model.trust_remote_code)
         if error:
@@ -551,6 +553,12 @@ def prepare(cfg: Config, resume: bool = False, overwrite: bool = False, create_o
     cfg_dict = config_to_dict(cfg)
     changed = group.main_first(lambda: _start_checks(cfg, out, cfg_dict, resume, overwrite, create_out))
     data = load_data(cfg.data, cfg.trainer.seed)
+    if cfg.cold_start is not None:  # found before the model is loaded, not after the before-SFT evaluation
+        lacking = [i for i, r in enumerate(data.train) if not isinstance(r.get("solution"), (str, list))]
+        if lacking:
+            raise ConfigError(f"cold_start trains on demonstrations: {len(lacking)} of {len(data.train)} training rows "
+                              f"have no `solution` (a string, or a list of messages), row {lacking[0]} first; add a "
+                              "`solution` column or map one in data.fields (e.g. data.fields={solution: response})")
     rewards = RewardRunner.from_config(cfg.rewards, group.device)
     rewards.check_rows(data.train, cfg.rewards.accuracy_reward, "training row")  # signatures, routes (mixed data)
     rewards.check_rows(data.heldout, cfg.rewards.accuracy_reward, "held-out row")
@@ -721,6 +729,10 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         rewards.load_state_dict({"failures": state.get("reward_failures", {}),
                                  "timeouts": state.get("reward_timeouts", {})})
         log.info("resumed from %s at step %d", checkpoint, start)
+    elif resume and (damaged := list_checkpoints(out)):  # starting over would overwrite the run's records
+        raise ConfigError(f"--resume: none of the {len(damaged)} checkpoints in {out / 'checkpoints'} (steps "
+                          f"{', '.join(map(str, damaged))}) is intact (the warnings above say why), so the run cannot "
+                          "continue; restore one, or start over with --overwrite")
     elif resume:
         log.info("no checkpoint in %s yet: starting the run over", out)
     sync(engine, model, start)  # the policy as it is now (cold start, resume), not what the engine was built from

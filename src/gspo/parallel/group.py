@@ -46,8 +46,10 @@ log = logging.getLogger(__name__)
 _TIMEOUT = datetime.timedelta(minutes=60)  # rank 0 alone runs cold-start SFT while the others wait at a barrier
 
 
-def resolve_device(device: str = "auto", local_rank: int = 0, local_world_size: int = 1) -> torch.device:
-    """What `trainer.device` means for process `local_rank` of the `local_world_size` processes on this machine.
+def resolve_device(device: str = "auto", local_rank: int = 0, local_world_size: int = 1,
+                   key: str = "trainer.device") -> torch.device:
+    """What `trainer.device` means for process `local_rank` of the `local_world_size` processes on this machine; `key`
+    names the setting in errors (a command's `--device`).
 
     cpu: the CPU. cuda: GPU `local_rank`; ConfigError if CUDA is unavailable or there are fewer visible GPUs than
     processes on the machine (one GPU per process: two processes on one GPU is refused, not shared). auto: GPU
@@ -56,14 +58,14 @@ def resolve_device(device: str = "auto", local_rank: int = 0, local_world_size: 
     if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise ConfigError("trainer.device=cuda, but CUDA is not available (torch.cuda.is_available() is False)")
+        raise ConfigError(f"{key}=cuda, but CUDA is not available (torch.cuda.is_available() is False)")
     gpus, processes = torch.cuda.device_count(), max(local_world_size, local_rank + 1)
     if processes > gpus:
         if device == "cuda":
-            raise ConfigError(f"trainer.device=cuda: {processes} processes on this machine (LOCAL_WORLD_SIZE) but only "
+            raise ConfigError(f"{key}=cuda: {processes} processes on this machine (LOCAL_WORLD_SIZE) but only "
                               f"{gpus} visible CUDA device(s), and each process needs one of its own: start at most "
                               f"{gpus} (torchrun --nproc_per_node={gpus}), make more GPUs visible "
-                              "(CUDA_VISIBLE_DEVICES), or set trainer.device=cpu")
+                              f"(CUDA_VISIBLE_DEVICES), or set {key}=cpu")
         if local_rank == 0:
             log.warning("trainer.device=auto: %d processes on this machine (LOCAL_WORLD_SIZE) but only %d visible CUDA "
                         "device(s): every process trains on the CPU (gloo). Start at most %d processes per machine "

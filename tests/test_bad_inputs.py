@@ -1,0 +1,130 @@
+"""Bad inputs a user gives in the first hour (an audit of the CLI, session 18): each is a clear error before compute,
+naming what was wrong and where, or is left out and counted — not a crash deep in torch, a model of NaN weights, or a
+run started over on top of the old one's records."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import gspo.trainer
+from conftest import DEMO, tiny_overrides
+from gspo.checkpoint import list_checkpoints
+from gspo.cli import main
+from gspo.config import ConfigError, config_to_dict, load_config
+from gspo.models import load_model
+from gspo.parallel import resolve_device
+from gspo.runfolder import check_resume_config
+from gspo.sft import over_positions, sft
+from gspo.trainer import train
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+# ------------------------------------------------------------------------- demonstrations longer than the positions
+
+
+def test_sft_leaves_out_and_counts_rows_longer_than_the_model_positions(caplog):
+    """A learned position embedding (GPT-2, 64 positions) indexed past its end raised `IndexError: index out of
+    range in self` from torch.embedding mid-SFT; such rows are now left out with a count, and a data set of only such
+    rows is refused."""
+    _, tokenizer = load_model("tiny-moe")
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=32, n_layer=1, n_head=2))
+    short, long = {"prompt": "1+2=", "solution": "3"}, {"prompt": "12+34=" * 20, "solution": "46"}
+    assert len(tokenizer.encode(long["prompt"], add_special_tokens=False)) > 64
+    assert over_positions(model, tokenizer, [short, long, short]) == [1]
+    with caplog.at_level(logging.WARNING, logger="gspo.sft"):
+        losses = sft(model, tokenizer, [short, long], steps=3, batch_size=8, lr=1e-3, warmup_steps=0,
+                     progress=False)
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+    assert "leaves out 1 of 2 rows" in caplog.text and "row 1 is the first" in caplog.text
+    with pytest.raises(ValueError, match=r"every one of the 1 rows.*64 positions"):
+        sft(model, tokenizer, [long], steps=1, batch_size=2, lr=1e-3, progress=False)
+
+
+# ------------------------------------------------------------------------------------------------- gspo sft arguments
+
+
+def test_sft_refuses_an_out_path_that_is_a_file_before_training(tmp_path, capsys):
+    """It trained every step and then failed to save, losing the model."""
+    taken = tmp_path / "notes.txt"
+    taken.write_text("mine")
+    steps = 100_000  # would run for hours if the check came after training
+    assert main(["sft", "--out", str(taken), "--steps", str(steps), "--batch-size", "8", "--size", "16"]) == 2
+    assert "--out" in capsys.readouterr().err and taken.read_text() == "mine"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_command_device_error_names_the_command_option():
+    with pytest.raises(ConfigError, match=r"^--device=cuda, but CUDA is not available"):
+        resolve_device("cuda", key="--device")
+    with pytest.raises(ConfigError, match=r"^trainer\.device=cuda"):
+        resolve_device("cuda")
+
+
+# ------------------------------------------------------------------------------------------------------ cold start
+
+
+def test_cold_start_uses_a_native_solution_column_and_refuses_rows_without_one_before_the_model(tmp_path,
+                                                                                               monkeypatch):
+    """A `solution` column needs no mapping (the config used to demand `data.fields={solution: ...}`, which then
+    failed on held-out files without one); training rows lacking it are found before any model is built."""
+    rows = [{"prompt": f"{a}+1=", "answer": str(a + 1), "solution": str(a + 1)} for a in range(40)]
+    held = [{"prompt": f"{a}+2=", "answer": str(a + 2)} for a in range(100, 108)]
+    overrides = [*tiny_overrides(tmp_path / "run"), "data.task=null", "trainer.steps=1", "trainer.eval_every=0",
+                 f"data.path={write_jsonl(tmp_path / 'train.jsonl', rows)}",
+                 f"data.eval_path={write_jsonl(tmp_path / 'held.jsonl', held)}"]
+    summary = train(load_config(DEMO, overrides))
+    assert summary["status"] == "completed" and summary["cold_start"]["steps"] >= 1
+
+    rows[7].pop("solution")
+    write_jsonl(tmp_path / "train.jsonl", rows)
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the data was checked")
+
+    monkeypatch.setattr(gspo.trainer, "load_model", no_model)
+    with pytest.raises(ConfigError, match=r"1 of 40 training rows have no `solution`.*row 7 first"):
+        train(load_config(DEMO, [*overrides, f"trainer.out={tmp_path / 'second'}"]))
+
+
+# --------------------------------------------------------------------------------------------------------- resuming
+
+
+@pytest.mark.parametrize(("text", "match"), [("model: [", "not readable YAML"), ("", "holds NoneType"),
+                                             ("garbage", "holds str"), (b"\xe9t\xe9: 1", "not readable YAML")])
+def test_resume_with_a_damaged_saved_config_is_a_clear_error(tmp_path, text, match):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.yaml").write_bytes(text if isinstance(text, bytes) else text.encode())
+    cfg_dict = config_to_dict(load_config(DEMO, tiny_overrides(out)))
+    with pytest.raises(ConfigError, match=f"cannot resume in .*config.yaml {match}" if "holds" in match
+                       else f"cannot resume in .*config.yaml is {match}"):
+        check_resume_config(out, cfg_dict)
+
+
+def test_resume_refuses_when_every_checkpoint_is_damaged_and_keeps_the_run(tmp_path):
+    """It used to start the run over from step 0 and rewrite metrics.jsonl, exit 0."""
+    out = tmp_path / "run"
+    overrides = tiny_overrides(out, "cold_start=null", "trainer.steps=2", "trainer.checkpoint_every=1",
+                               "trainer.eval_every=0")
+    train(load_config(DEMO, overrides))
+    steps = list_checkpoints(out)
+    assert steps
+    for step_dir in (out / "checkpoints").iterdir():
+        weights = step_dir / "model" / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:100])
+    records = (out / "metrics.jsonl").read_bytes()
+    with pytest.raises(ConfigError, match=rf"none of the {len(steps)} checkpoints .* is intact.*--overwrite"):
+        train(load_config(DEMO, [*overrides, "trainer.steps=3"]), resume=True)
+    assert (out / "metrics.jsonl").read_bytes() == records
