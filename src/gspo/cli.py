@@ -206,6 +206,7 @@ def _eval_setup(args: argparse.Namespace):
         near_key,
         subset_rows,
     )
+    from gspo.data.heldout import TRAINING_ONLY_FIELDS
     from gspo.parallel import resolve_device
     from gspo.rewards import RewardRunner
 
@@ -237,7 +238,8 @@ def _eval_setup(args: argparse.Namespace):
             raise ConfigError("--data needs --reward: the reward function(s) that score its rows (a registered "
                               "name such as math, or module:function / file.py:function), or reuse a training "
                               "config with --config")
-        every = load_rows(args.data, split=args.split, fields=_fields(args))
+        every = load_rows(args.data, split=args.split, fields=_fields(args),  # evaluated only: no solution needed
+                          optional=TRAINING_ONLY_FIELDS)
         rows = subset_rows(every, args.size)  # --size N: a sample by prompt hash, never the first N rows
         source = {"kind": "file", "path": args.data, "split": args.split, "rows": len(rows), "of": len(every)}
         repeats = len(rows) - len({near_key(r["prompt"]) for r in rows})

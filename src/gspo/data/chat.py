@@ -10,13 +10,15 @@ under `messages`, so a reward function can read the conversation it scores.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from string import Formatter
 from typing import Any, Literal
 
 from gspo.data.files import check_messages
 
-__all__ = ["CHAT_MODES", "apply_prompt_template", "render_chat", "render_prompts"]
+__all__ = ["CHAT_MODES", "apply_prompt_template", "check_prompt_template", "render_chat", "render_prompts"]
 
 log = logging.getLogger(__name__)
 
@@ -121,12 +123,12 @@ def render_chat(data: Any, data_cfg: Any, tokenizer: Any, tools: list[dict] | No
 
     kwargs = dict(mode=data_cfg.chat, system_prompt=data_cfg.system_prompt, chat_template=data_cfg.chat_template,
                   template_kwargs={**data_cfg.chat_template_kwargs, **({"tools": tools} if tools else {})})
-    template = getattr(data_cfg, "prompt_template", None)
+    template, fields = getattr(data_cfg, "prompt_template", None), getattr(data_cfg, "fields", None)
     if tools and data_cfg.chat == "auto" and not all(isinstance(r["prompt"], list) for r in data.train):
         log.warning("the tools are described to the model by the chat template, which renders only conversation rows "
                     "under data.chat: auto; string prompts are used as they are (data.chat: always renders them too)")
     try:
-        train, heldout = (apply_prompt_template(rows, template, where) if template else rows
+        train, heldout = (apply_prompt_template(rows, template, where, fields) if template else rows
                           for rows, where in ((data.train, "training rows"), (data.heldout, "held-out rows")))
         return replace(data, train=render_prompts(train, tokenizer, where="training rows", **kwargs),
                        heldout=render_prompts(heldout, tokenizer, where="held-out rows", **kwargs))
@@ -134,17 +136,70 @@ def render_chat(data: Any, data_cfg: Any, tokenizer: Any, tools: list[dict] | No
         raise ConfigError(f"data: {e}") from None
 
 
-def apply_prompt_template(rows: Sequence[Mapping[str, Any]], template: str, where: str = "data") -> list[dict]:
+def apply_prompt_template(rows: Sequence[Mapping[str, Any]], template: str, where: str = "data",
+                          fields: Mapping[str, str] | None = None) -> list[dict]:
     """New rows whose `prompt` is `template` filled in with the row's fields (`str.format`), e.g. "What is {a} + {b}?
     Answer with just the number." for the addition task's rows: a phrasing for chat models without a new dataset.
-    A field the template names that a row lacks is an error naming it and the row's fields."""
-    out = []
-    for i, row in enumerate(rows):
+
+    The template is checked first (`check_prompt_template`), then each row: a field the template names that a row
+    lacks, one it cannot reach into (`{prompt.x}` on a string), or a conversation (a list of messages, which
+    `str.format` would paste in as Python text) is a ValueError naming the row, the field and the template.
+    `fields` (data.fields) lets the error for a column that data.fields renamed name the field to write instead."""
+    names = check_prompt_template(template)
+    return [{**row, "prompt": _fill(template, names, row, i, where, fields or {})} for i, row in enumerate(rows)]
+
+
+def check_prompt_template(template: str) -> list[str]:
+    """The fields `template` names (`{a}` gives "a", `{meta[level]}` gives "meta[level]"), after checking that it is
+    a valid format string that names at least one field, each by name. A template that names none would make every
+    prompt the same text; a positional `{}` / `{0}` has nothing to fill it. Raises ValueError saying which."""
+    shown = f"data.prompt_template {template!r}"
+    try:
+        names = [name for _, name, _, _ in Formatter().parse(template) if name is not None]
+    except ValueError as e:
+        raise ValueError(f"{shown} is not a valid format string: {e}") from None
+    if not names:
+        raise ValueError(f"{shown} names no field, so every prompt would be this same text: name the rows' fields in "
+                         "braces, e.g. 'Q: {prompt}' (a literal brace is written {{ or }})")
+    positional = next((name for name in names if not _root(name) or _root(name).isdigit()), None)
+    if positional is not None:
+        raise ValueError(f"{shown} has the positional field {{{positional}}}: name a field of the rows instead, e.g. "
+                         "{prompt}")
+    return names
+
+
+def _root(name: str) -> str:
+    """The row field a format field starts from: "meta" for "meta[level]" or "meta.level"."""
+    return re.split(r"[.\[]", name, maxsplit=1)[0]
+
+
+def _fill(template: str, names: list[str], row: Mapping[str, Any], index: int, where: str,
+          fields: Mapping[str, str]) -> str:
+    """`template` filled in from `row` (row `index` of `where`), every field it names first checked to be there and to
+    be text (not a conversation). Raises ValueError naming the rows, the row and the field."""
+    shown = f"data.prompt_template {template!r}"
+    for name in names:
+        root = _root(name)
+        if root not in row:
+            renamed = {theirs: ours for ours, theirs in fields.items()}.get(root)
+            hint = f"; data.fields renames the column {root!r} to {renamed!r}: write {{{renamed}}}" if renamed else ""
+            raise ValueError(f"{where}: data.prompt_template names the field {root!r}, which row {index} does not have "
+                             f"(its fields: {sorted(row)}){hint}")
         try:
-            out.append({**row, "prompt": template.format(**row)})
-        except KeyError as e:
-            raise ValueError(f"{where}: data.prompt_template names the field {e.args[0]!r}, which row {i} does not "
-                             f"have (its fields: {sorted(row)})") from None
-        except (IndexError, ValueError) as e:
-            raise ValueError(f"data.prompt_template {template!r} is not a valid format string: {e}") from None
-    return out
+            value, _ = Formatter().get_field(name, (), row)
+        except (AttributeError, IndexError, KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{where}: {shown} cannot fill in {{{name}}} from row {index}'s {root!r} "
+                             f"({type(row[root]).__name__}): {type(e).__name__}: {e}") from None
+        if _is_conversation(value):
+            raise ValueError(f"{where}: {shown} fills in {{{name}}}, which in row {index} is a conversation (a list "
+                             "of messages), not text: data.prompt_template applies to string prompts (a conversation "
+                             "is rendered by the chat template; data.system_prompt adds a system message)")
+    try:
+        return template.format_map(row)
+    except (AttributeError, IndexError, KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {shown} cannot be filled in from row {index}: {type(e).__name__}: {e}") from None
+
+
+def _is_conversation(value: Any) -> bool:
+    """Whether `value` is a list of chat messages (objects with a role), as a conversation prompt is."""
+    return isinstance(value, list) and bool(value) and all(isinstance(m, Mapping) and "role" in m for m in value)

@@ -5,15 +5,17 @@ conversation, a list of messages `{"role": ..., "content": ...}` (also read from
 `prompt`) that `gspo.data.chat.render_prompts` later renders with the model's chat template. The fields that
 rewards and cold start read, when present, are checked too (`answer`: a non-empty string, numbers converted;
 `solution`: a non-empty string; `tests`: a non-empty string or list of strings). A bad row is reported by its 0-based
-index (and line number for JSON Lines) and by the field that is wrong, so a broken dataset fails at load time rather
-than deep inside training.
+index (and line number for JSON Lines) and by the field that is wrong, named as the source names it (the column that
+`fields` maps), so a broken dataset fails at load time rather than deep inside training.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
-from collections.abc import Iterable, Iterator, Mapping
+import re
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,14 @@ __all__ = ["ROLES", "check_messages", "load_rows"]
 _SAVED_DATASET_MARKERS = ("state.json", "dataset_info.json")
 _SAVED_DATASET_DICT_MARKER = "dataset_dict.json"
 _FILE_SUFFIXES = (".jsonl", ".parquet")
+# Suffixes of data files (ours and those `datasets.load_dataset` reads from a folder): a source ending with one is a
+# file, never a Hub dataset id, so a missing one is reported at once rather than looked up on the Hub.
+_DATA_SUFFIXES = (*_FILE_SUFFIXES, ".json", ".csv", ".tsv", ".txt", ".arrow")
+# The shape of a Hub dataset id (huggingface_hub's `validate_repo_id`): `name` or `org/name`, word characters,
+# `-` and `.`, starting with a word character. Anything else (`./x`, `/abs`, `~/x`, `a/b/c`, a backslash) is a path.
+_HUB_ID = re.compile(r"(\w[\w.-]*/)?\w[\w.-]*", re.ASCII)
+# Floats up to this size are exactly integers when integral, so 37.0 can be written "37" without inventing digits.
+_EXACT_INT = 2**53
 # The roles of OpenAI-style chat messages; a prompt must not end with "assistant" (the answer is not part of it).
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -58,8 +68,18 @@ def _where(index: int, line: int | None) -> str:
     return f"row {index}" + (f" (line {line})" if line is not None else "")
 
 
-def _normalize_row(raw: Any, index: int, line: int | None, fields: Mapping[str, str], source: str) -> dict[str, Any]:
-    """Rename mapped columns to our names and check that the required fields are present and valid."""
+def _named(field: str, fields: Mapping[str, str]) -> str:
+    """Our field `field` as an error names it: by the source's column when `fields` maps one to it ("'question'
+    (mapped to 'prompt')"), since that is the name the user sees in the file; else by itself."""
+    theirs = fields.get(field)
+    return f"{field!r}" if theirs is None or theirs == field else f"{theirs!r} (mapped to {field!r})"
+
+
+def _normalize_row(raw: Any, index: int, line: int | None, fields: Mapping[str, str], source: str,
+                   optional: Collection[str] = ()) -> dict[str, Any]:
+    """Rename mapped columns to our names and check that the required fields are present and valid. A mapped field
+    named in `optional` may be missing or null (the row then has no such field); every other mapped field is
+    required."""
     where = _where(index, line)
     if not isinstance(raw, Mapping):
         raise ValueError(f"{source}: {where} is a {type(raw).__name__}, expected an object with a 'prompt' field")
@@ -67,6 +87,8 @@ def _normalize_row(raw: Any, index: int, line: int | None, fields: Mapping[str, 
     row = {key: value for key, value in raw.items() if key not in renamed_from}
     for ours, theirs in fields.items():
         value = _lookup(raw, theirs)
+        if ours in optional and (value is _MISSING or value is None):
+            continue
         if value is _MISSING:
             raise ValueError(
                 f"{source}: {where} has no field {theirs!r} (mapped to {ours!r}); its fields are {sorted(raw)}"
@@ -82,15 +104,15 @@ def _normalize_row(raw: Any, index: int, line: int | None, fields: Mapping[str, 
             f"{source}: {where} has no field 'prompt' or 'messages' (map another column with "
             f"fields={{'prompt': ...}}); its fields are {sorted(raw)}"
         )
-    prompt = row["prompt"]
+    prompt, named = row["prompt"], _named(field, fields)
     if isinstance(prompt, list) or field == "messages":
-        row["prompt"] = check_messages(prompt, f"{source}: {where} field {field!r}")
+        row["prompt"] = check_messages(prompt, f"{source}: {where} field {named}")
     elif not isinstance(prompt, str):
-        raise ValueError(f"{source}: {where} field 'prompt' must be a string or a list of messages, got "
+        raise ValueError(f"{source}: {where} field {named} must be a string or a list of messages, got "
                          f"{type(prompt).__name__} {prompt!r}")
     elif not prompt.strip():
-        raise ValueError(f"{source}: {where} field 'prompt' is empty or whitespace")
-    _check_known_fields(row, f"{source}: {where}")
+        raise ValueError(f"{source}: {where} field {named} is empty or whitespace")
+    _check_known_fields(row, f"{source}: {where}", fields)
     return row
 
 
@@ -127,23 +149,37 @@ def check_messages(messages: Any, where: str) -> list[dict[str, Any]]:
     return checked
 
 
-def _check_known_fields(row: dict[str, Any], where: str) -> None:
+def _check_known_fields(row: dict[str, Any], where: str, fields: Mapping[str, str] | None = None) -> None:
     """Check (in place) the optional fields whose meaning we know, so that a wrong type is reported here, at its row,
-    instead of as a reward failure at every step that draws the row. A numeric `answer` (JSON `42`) becomes "42"."""
+    instead of as a reward failure at every step that draws the row. A numeric `answer` (JSON `42`) becomes text
+    (`_number_text`). Errors name a field by the source's column when `fields` maps one to it."""
+    fields = fields or {}
     answer = row.get("answer", "")
     if "answer" in row and isinstance(answer, (int, float)) and not isinstance(answer, bool) and math.isfinite(answer):
-        row["answer"] = answer = str(answer)
+        row["answer"] = answer = _number_text(answer)
     if "answer" in row and not (isinstance(answer, str) and answer.strip()):
-        raise ValueError(f"{where} field 'answer' must be a non-empty string or a number, got {_shown(answer)}")
+        raise ValueError(f"{where} field {_named('answer', fields)} must be a non-empty string or a number, got "
+                         f"{_shown(answer)}")
     solution = row.get("solution", "")
     if "solution" in row and not (isinstance(solution, str) and solution.strip()):
-        raise ValueError(f"{where} field 'solution' must be a non-empty string, got {_shown(solution)}")
+        raise ValueError(f"{where} field {_named('solution', fields)} must be a non-empty string, got "
+                         f"{_shown(solution)}")
     tests = row.get("tests", "")
     if "tests" in row and not (
         (isinstance(tests, str) and tests.strip())
         or (isinstance(tests, list) and tests and all(isinstance(t, str) for t in tests))
     ):
-        raise ValueError(f"{where} field 'tests' must be a non-empty string or list of strings, got {_shown(tests)}")
+        raise ValueError(f"{where} field {_named('tests', fields)} must be a non-empty string or list of strings, "
+                         f"got {_shown(tests)}")
+
+
+def _number_text(number: int | float) -> str:
+    """A numeric answer as the text an exact-match reward compares with: an integral float as the integer it is
+    (37.0 -> "37"; pandas stores an int column that has a null as float64, and a file may hold floats), since "37.0"
+    is never what a model writes for 37; any other number as Python writes it ("0.5", "1e+20")."""
+    if isinstance(number, float) and number.is_integer() and abs(number) < _EXACT_INT:
+        return str(int(number))
+    return str(number)
 
 
 def _shown(value: Any) -> str:
@@ -152,9 +188,20 @@ def _shown(value: Any) -> str:
 
 
 def _jsonl_records(path: Path) -> Iterator[tuple[Any, int]]:
-    """Yield (parsed object, 1-based line number) for each non-blank line of a JSON Lines file."""
-    with path.open(encoding="utf-8") as handle:
-        for line_no, text in enumerate(handle, start=1):
+    """Yield (parsed object, 1-based line number) for each non-blank line of a JSON Lines file.
+
+    Lines are decoded one at a time, so text that is not UTF-8 (a file saved as Latin-1) is reported by its line and
+    the byte's place in it rather than by an offset into a read buffer; a UTF-8 byte order mark at the start
+    (Windows editors write one) is skipped."""
+    with path.open("rb") as handle:
+        for line_no, data in enumerate(handle, start=1):
+            if line_no == 1 and data.startswith(codecs.BOM_UTF8):
+                data = data[len(codecs.BOM_UTF8):]
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{path}: line {line_no} is not UTF-8 text: its byte {exc.start + 1} is "
+                                 f"{data[exc.start]:#04x} ({exc.reason}); save the file as UTF-8") from None
             if not text.strip():
                 continue
             try:
@@ -209,15 +256,45 @@ def _saved_dataset_records(path: Path, split: str | None, limit: int | None,
 
 
 def _hub_records(source: str, split: str | None, limit: int | None) -> Iterator[tuple[Any, None]]:
+    """Rows of a local folder of data files or of a Hub dataset id, read by `datasets.load_dataset`. Its error says,
+    for a folder, what the file it could not read was wrong with (`_root_cause`), and for an id, that there is no
+    local file or folder of that name either (a typo in a path that has the shape of an id)."""
     import datasets
 
     try:
         loaded = datasets.load_dataset(source, split=split)  # split=None: all of them, then the only one
     except Exception as exc:
-        raise ValueError(
-            f"could not load dataset {source!r} (split {split!r}) with datasets.load_dataset: {exc}"
-        ) from exc
+        if Path(source).is_dir():
+            root = _root_cause(exc)
+            why = f"{exc}" if root is exc else f"{exc}: {type(root).__name__}: {root}"
+        else:
+            why = f"{exc} (and there is no local file or folder {str(Path(source).absolute())!r})"
+        raise ValueError(f"could not load dataset {source!r} (split {split!r}) with datasets.load_dataset: "
+                         f"{why}") from exc
     return _dataset_records(loaded if split is not None else _pick_split(loaded, source, None), limit)
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    """The innermost exception `exc` was raised from: `datasets` wraps a file it cannot read (not UTF-8, a bad CSV
+    line) in "An error occurred while generating the dataset", which alone does not say what is wrong."""
+    seen = {id(exc)}
+    while (inner := exc.__cause__ or exc.__context__) is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        exc = inner
+    return exc
+
+
+def _looks_like_path(source: str) -> bool:
+    """Whether `source` is meant as a local file or folder, never a Hub dataset id, so that a missing one is an
+    immediate error instead of a minute of Hub retries. It is when it is not shaped like a Hub id (`_HUB_ID`: it
+    starts with `/`, `./`, `../` or `~`, has more than one `/`, a backslash or a space), ends with a data-file suffix
+    (`_DATA_SUFFIXES`: `missing.csv`), or is `first/rest` where `first` is a local folder (`data/train` run beside a
+    `data/` folder). A Hub id such as `openai/gsm8k` or `gsm8k` is none of these, unless the working directory has a
+    folder named like its organization (`openai/`): the error then says so (`_missing`)."""
+    if not _HUB_ID.fullmatch(source) or Path(source).suffix.lower() in _DATA_SUFFIXES:
+        return True
+    first, slash, _ = source.partition("/")
+    return bool(slash) and Path(first).is_dir()
 
 
 def _single_split(source: str, split: str | None, kind: str, lone_split_ok: bool = False) -> None:
@@ -244,10 +321,23 @@ def _records(source: str, split: str | None, limit: int | None,
         (path / _SAVED_DATASET_DICT_MARKER).is_file() or all((path / m).is_file() for m in _SAVED_DATASET_MARKERS)
     ):
         return _saved_dataset_records(path, split, limit, lone_split_ok)
-    if path.suffix in _FILE_SUFFIXES and not path.exists():
-        raise FileNotFoundError(f"data file {source!r} does not exist")
-    # Anything else (a hub id, or a local folder of data files) is for `datasets.load_dataset`.
-    return _hub_records(source, split, limit)
+    if path.is_dir():  # a folder of data files (train.csv, test.jsonl, ...), for `datasets.load_dataset`
+        return _hub_records(str(path), split, limit)
+    if _looks_like_path(source):
+        raise _missing(source, path)
+    return _hub_records(source, split, limit)  # a Hub dataset id
+
+
+def _missing(source: str, path: Path) -> FileNotFoundError:
+    """The error for a local source that does not exist; when `source` has the shape of a Hub id and was taken for a
+    path only because a folder of its first part exists here, it says how to reach the Hub dataset instead."""
+    hint = ""
+    if _HUB_ID.fullmatch(source) and Path(source).suffix.lower() not in _DATA_SUFFIXES:
+        first = source.partition("/")[0]
+        hint = (f"; for the Hub dataset {source!r}, run from a folder without a {first + '/'!r} subfolder (that "
+                "folder makes it a local path)")
+    return FileNotFoundError(f"data file or folder {source!r} does not exist (there is nothing at "
+                             f"{path.absolute()}){hint}")
 
 
 def load_rows(
@@ -257,26 +347,31 @@ def load_rows(
     fields: dict[str, str] | None = None,
     limit: int | None = None,
     lone_split_ok: bool = False,
+    optional: Collection[str] = (),
 ) -> list[dict]:
     """Load rows from `source` and check that every row has a prompt: a non-empty string or a list of messages.
 
     `source` is a `.jsonl` file (one JSON object a line; blank lines skipped), a `.parquet` file, a directory written
     by `datasets` `save_to_disk`, or anything `datasets.load_dataset(source)` accepts (a hub id, a folder of data
-    files). `split` picks the split of a source that has several (None: its only one); a source without splits (a
-    file, a saved `Dataset`) is all one split, "train", and any other split is an error, never the training rows
-    (unless `lone_split_ok`: the source is a file of held-out rows, whose one split is meant whatever `split` says).
+    files such as `.csv` or `.json`; a single `.csv` or `.json` file is refused). `split` picks the split of a source
+    that has several (None: its only one); a source without splits (a file, a saved `Dataset`) is all one split,
+    "train", and any other split is an error, never the training rows (unless `lone_split_ok`: the source is a file
+    of held-out rows, whose one split is meant whatever `split` says).
 
     `fields` maps our field names to the source's column names, e.g. `{"prompt": "question", "answer": "final"}`:
     the mapped columns are renamed, all other columns are kept as they are. A dotted name reaches into nested objects
     (`{"answer": "reward_model.ground_truth"}` for verl's format; that column is then kept whole). Every field named in
-    `fields`, and `prompt`, is required. `limit` keeps only the first `limit` rows (rows after them are not read or
-    checked). A `prompt` may be a string or a conversation (a list of messages, see `check_messages`); a row
-    without `prompt` but with `messages` has that list moved to `prompt`. Conversations are rendered later, with the
-    model's chat template (`gspo.data.chat.render_prompts`).
+    `fields`, and `prompt`, is required, but for our names listed in `optional` (held-out rows need no `solution`):
+    such a field is renamed when a row has it and left out when it is missing or null. `limit` keeps only the first
+    `limit` rows (rows after them are not read or checked). A `prompt` may be a string or a conversation (a list of
+    messages, see `check_messages`); a row without `prompt` but with `messages` has that list moved to `prompt`.
+    Conversations are rendered later, with the model's chat template (`gspo.data.chat.render_prompts`). A numeric
+    `answer` becomes text, an integral float as an integer (37.0: "37").
 
-    Raises ValueError naming the source, the row (0-based index; line number for JSON Lines) and the field for a
-    missing field, a non-string or empty prompt, a malformed message list, a wrong-typed or empty `answer` /
-    `solution` / `tests`, or a malformed JSON line; FileNotFoundError for a missing data file;
+    Raises ValueError naming the source, the row (0-based index; line number for JSON Lines) and the field (as the
+    source names it) for a missing field, a non-string or empty prompt, a malformed message list, a wrong-typed or
+    empty `answer` / `solution` / `tests`, or a JSON line that is malformed or not UTF-8; FileNotFoundError for a
+    missing data file or folder (a source that can only be a path, `_looks_like_path`: never looked up on the Hub);
     ValueError if the source has no rows.
     """
     if not isinstance(source, str) or not source.strip():
@@ -291,7 +386,7 @@ def load_rows(
     for index, (raw, line) in enumerate(_records(source, split, limit, lone_split_ok)):
         if limit is not None and index >= limit:
             break
-        rows.append(_normalize_row(raw, index, line, mapping, source))
+        rows.append(_normalize_row(raw, index, line, mapping, source, optional))
     if not rows:
         raise ValueError(f"{source}: no rows found (split {split!r})")
     return rows

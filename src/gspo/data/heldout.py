@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gspo.data.chat import apply_prompt_template
 from gspo.data.files import load_rows
 from gspo.data.tasks import make_task
 
@@ -41,6 +42,9 @@ EVAL_SET = "eval_set"  # the field that a list of data.eval_path files gives eac
 DATA_SOURCE = "data_source"  # the field a list of data.path sources gives each row that has none: its source's name
 MAX_GROUPS = 64  # groups a held-out accuracy is split into at most (data.eval_by)
 SUBSET_SALT = b"gspo/subset\0"  # the hash that picks a capped sample, independent of the held-out side
+# Fields only training reads (the cold start's SFT targets): a held-out source need not have the column that
+# data.fields maps to them, so a held-out file without a `solution` column loads (its rows then have none).
+TRAINING_ONLY_FIELDS = ("solution",)
 
 log = logging.getLogger(__name__)
 
@@ -156,16 +160,18 @@ def source_names(paths: list[str]) -> list[str]:
     return [stem if stems.count(stem) == 1 else path for stem, path in zip(stems, paths, strict=True)]
 
 
-def _load_paths(data, split: str | None) -> list[dict]:
+def _load_paths(data, split: str | None, heldout: bool = False) -> list[dict]:
     """The rows of `data.path` (a file or dataset, or a list of them, concatenated in order) for `split`; with a list,
     each row without a `DATA_SOURCE` field gets its source's name there (`source_names`), so that `rewards.route_by`
-    and `data.eval_by` can tell the sources apart."""
+    and `data.eval_by` can tell the sources apart. `heldout`: the rows are only evaluated, so the data.fields
+    columns of `TRAINING_ONLY_FIELDS` may be missing."""
+    optional = TRAINING_ONLY_FIELDS if heldout else ()
     if isinstance(data.path, str):
-        return load_rows(data.path, split=split, fields=data.fields or None)
+        return load_rows(data.path, split=split, fields=data.fields or None, optional=optional)
     rows = []
     for path, name in zip(data.path, source_names(data.path), strict=True):
         rows += [r if DATA_SOURCE in r else {**r, DATA_SOURCE: name}
-                 for r in load_rows(path, split=split, fields=data.fields or None)]
+                 for r in load_rows(path, split=split, fields=data.fields or None, optional=optional)]
     return rows
 
 
@@ -179,7 +185,8 @@ def _eval_files(data, every_train: list[dict]) -> tuple[list[dict], dict[str, An
     paths = data.eval_path if several else [data.eval_path]
     rows, records = [], {}
     for path, name in zip(paths, source_names(paths), strict=True):
-        part = load_rows(path, split=data.eval_split, fields=data.fields or None, lone_split_ok=True)
+        part = load_rows(path, split=data.eval_split, fields=data.fields or None, lone_split_ok=True,
+                         optional=TRAINING_ONLY_FIELDS)  # held-out rows are not trained on: no solution needed
         part, dropped = _drop_training_prompts(part, every_train, f"data.eval_path {path}")
         part, record = _drawn({"kind": "eval_path", "path": path}, part, data.eval_size, "held-out")
         if several:
@@ -241,12 +248,20 @@ def load_data(data, seed: int) -> DataSplits:
     A file or dataset gives all its rows unless `data.train_size` / `data.eval_size` caps them; a cap keeps a sample
     by prompt hash (`subset_rows`), never the source's first rows. An embedded task draws `train_size` / `eval_size`
     problems (default `TASK_ROWS`). Training prompts are left out of the held-out rows before the cap. The held-out
-    rows' groups (`eval_group_field`, `eval_groups`) are checked here, before any compute.
+    rows' groups (`eval_group_field`, `eval_groups`) and `data.prompt_template` (on every row, `apply_prompt_template`;
+    the rows keep their prompts: the template is applied with the chat template, `gspo.data.render_chat`) are checked
+    here, before any compute or model loading. Held-out rows need not have the columns data.fields maps to
+    `TRAINING_ONLY_FIELDS`.
 
     Raises ValueError / FileNotFoundError naming the source and the setting when a split does not exist, a file is
-    missing or malformed, nothing is left to hold out, or a held-out row has no group."""
+    missing or malformed, nothing is left to hold out, a held-out row has no group, or the prompt template cannot
+    phrase a row."""
     splits = _load_data(data, seed)
     eval_groups(splits.heldout, eval_group_field(data))
+    template = getattr(data, "prompt_template", None)
+    if template:
+        for rows, where in ((splits.train, "training rows"), (splits.heldout, "held-out rows")):
+            apply_prompt_template(rows, template, where, data.fields)
     return splits
 
 
@@ -287,7 +302,7 @@ def _load_data(data, seed: int) -> DataSplits:
         return DataSplits(train, heldout, source, train_source)
     if data.eval_split is None:
         return DataSplits(train, [], {"kind": "none"}, train_source)
-    heldout = _load_paths(data, data.eval_split)
+    heldout = _load_paths(data, data.eval_split, heldout=True)
     heldout, dropped = _drop_training_prompts(heldout, every_train, f"data.path {data.path} split {data.eval_split!r}")
     heldout, source = _drawn({"kind": "dataset_split", "path": data.path, "split": data.eval_split}, heldout,
                              data.eval_size, "held-out")

@@ -1,0 +1,245 @@
+"""Bad and awkward data inputs get a clear error naming what and where, or load as meant: files that are not UTF-8
+(or start with a byte order mark), local paths that do not exist (never looked up on the Hub), integral float
+answers, data.prompt_template misuse, errors naming the user's own columns, and held-out files without the columns
+only training needs (gspo.data.files, gspo.data.chat, gspo.data.heldout)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import datasets
+import pandas as pd
+import pytest
+
+from gspo.config import ConfigError, DataConfig
+from gspo.data import DataSplits, load_data, load_rows, render_chat
+from gspo.data.chat import apply_prompt_template
+from gspo.models import build_tokenizer
+
+FIELDS = {"prompt": "question", "answer": "result"}
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return str(path)
+
+
+def _no_hub(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make any call of `datasets.load_dataset` fail the test: what must be a local path is never looked up."""
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"datasets.load_dataset was called with {args} {kwargs}")
+
+    monkeypatch.setattr(datasets, "load_dataset", refuse)
+
+
+# ---- 1. encodings ---------------------------------------------------------------------------------------------------
+
+
+def test_a_jsonl_that_is_not_utf8_is_named_by_path_and_line(tmp_path) -> None:
+    path = tmp_path / "latin1.jsonl"
+    lines = [json.dumps({"question": "1+1=", "result": "2"}), "", '{"question": "café?", "result": "3"}']
+    path.write_bytes("\n".join(lines).encode("latin-1") + b"\n")
+    with pytest.raises(ValueError, match=r"latin1\.jsonl: line 3 is not UTF-8 text: its byte 18 is 0xe9") as info:
+        load_rows(str(path), fields=FIELDS)
+    assert "position" not in str(info.value)  # not the offset into a read buffer
+
+
+def test_a_utf8_byte_order_mark_is_skipped(tmp_path) -> None:
+    rows = [{"question": "café=", "result": "1"}, {"question": "2+2=", "result": "4"}]
+    plain = _write_jsonl(tmp_path / "plain.jsonl", rows)
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + Path(plain).read_bytes())
+    assert load_rows(str(bom), fields=FIELDS) == load_rows(plain, fields=FIELDS)
+    assert load_rows(str(bom), fields=FIELDS)[0]["prompt"] == "café="
+
+
+# ---- 2. local paths that do not exist ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("source", ["missing.csv", "missing.json", "missing.jsonl", "missing.parquet", "dir/x.arrow",
+                                    "./train", "../nowhere/train", "a/b/c", "data/train", "folder/"])
+def test_a_missing_local_file_or_folder_is_an_immediate_error_not_a_hub_lookup(tmp_path, monkeypatch,
+                                                                               source: str) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()  # `data/train` beside an existing data/ folder is a path, not the Hub id data/train
+    _no_hub(monkeypatch)
+    with pytest.raises(FileNotFoundError, match=rf"data file or folder '{source}' does not exist"):
+        load_rows(source)
+
+
+def test_a_hub_shaped_source_taken_for_a_path_says_why_and_how_to_reach_the_hub(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "openai").mkdir()
+    _no_hub(monkeypatch)
+    with pytest.raises(FileNotFoundError, match=r"'openai/gsm8k' does not exist.*for the Hub dataset 'openai/gsm8k', "
+                                                r"run from a folder without a 'openai/' subfolder"):
+        load_rows("openai/gsm8k")
+
+
+def test_a_missing_absolute_or_home_path_is_an_immediate_error(tmp_path, monkeypatch) -> None:
+    _no_hub(monkeypatch)
+    with pytest.raises(FileNotFoundError, match=rf"nothing at {tmp_path}/train"):
+        load_rows(str(tmp_path / "train"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=rf"'~/gone' does not exist \(there is nothing at {tmp_path}/gone\)"):
+        load_rows("~/gone")
+
+
+@pytest.mark.parametrize("hub_id", ["openai/gsm8k", "gsm8k", "HuggingFaceH4/MATH-500", "org/name.v2", "org/data"])
+def test_hub_ids_still_go_to_the_hub(tmp_path, monkeypatch, hub_id: str) -> None:
+    monkeypatch.chdir(tmp_path)  # no local folder named like the id's org
+    calls = []
+
+    def fake_load_dataset(source, split=None):
+        calls.append((source, split))
+        return datasets.Dataset.from_list([{"prompt": "1+1=", "answer": "2"}])
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    assert load_rows(hub_id) == [{"prompt": "1+1=", "answer": "2"}]
+    assert calls == [(hub_id, "train")]
+
+
+def test_an_existing_folder_of_data_files_still_loads(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data" / "train").mkdir(parents=True)
+    _write_jsonl(tmp_path / "data" / "train" / "train.jsonl", [{"question": "1+1=", "result": "2"}])
+    assert load_rows("data/train", fields=FIELDS) == [{"prompt": "1+1=", "answer": "2"}]
+
+
+# ---- 3. integral float answers --------------------------------------------------------------------------------------
+
+
+ANSWERS = [37.0, 2.5, -4.0, 0.0, 1e20]
+ANSWER_TEXT = ["37", "2.5", "-4", "0", "1e+20"]  # 1e20 is past the exact integers of a float: kept as Python writes it
+
+
+def test_integral_float_answers_from_parquet_are_integers(tmp_path) -> None:
+    path = tmp_path / "floats.parquet"
+    pd.DataFrame({"question": [f"q{i}" for i in range(len(ANSWERS))], "result": ANSWERS}).to_parquet(path)
+    assert [r["answer"] for r in load_rows(str(path), fields=FIELDS)] == ANSWER_TEXT
+
+
+def test_integral_float_answers_from_csv_are_integers(tmp_path) -> None:
+    folder = tmp_path / "csv"
+    folder.mkdir()
+    # pandas writes 37.0 for an int column that has a gap; datasets reads the column back as float64
+    pd.DataFrame({"question": [f"q{i}" for i in range(len(ANSWERS))], "result": ANSWERS}).to_csv(
+        folder / "train.csv", index=False)
+    assert [r["answer"] for r in load_rows(str(folder), fields=FIELDS)] == ANSWER_TEXT
+
+
+def test_integral_float_answers_from_jsonl_are_integers(tmp_path) -> None:
+    src = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"q{i}", "answer": a} for i, a in enumerate(ANSWERS)])
+    assert [r["answer"] for r in load_rows(src)] == ANSWER_TEXT
+
+
+# ---- 4. data.prompt_template ----------------------------------------------------------------------------------------
+
+
+def test_a_template_that_reaches_into_a_string_is_a_clear_error() -> None:
+    rows = [{"prompt": "1+1=", "answer": "2"}]
+    with pytest.raises(ValueError, match=r"training rows: data\.prompt_template 'Q: \{prompt\.x\}' cannot fill in "
+                                         r"\{prompt\.x\} from row 0's 'prompt' \(str\): AttributeError"):
+        apply_prompt_template(rows, "Q: {prompt.x}", "training rows")
+    with pytest.raises(ValueError, match=r"cannot fill in \{answer\[x\]\} from row 0.*TypeError"):
+        apply_prompt_template(rows, "{answer[x]}")
+
+
+def test_a_template_on_conversation_prompts_is_refused() -> None:
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": [{"role": "user", "content": "2+2="}], "answer": "4"}]
+    with pytest.raises(ValueError, match=r"row 1 is a conversation.*applies to string prompts"):
+        apply_prompt_template(rows, "Q: {prompt}")
+    # one message's text is text: that is fine
+    assert apply_prompt_template(rows[1:], "Q: {prompt[0][content]}")[0]["prompt"] == "Q: 2+2="
+
+
+@pytest.mark.parametrize(("template", "reason"), [("Answer briefly.", "names no field"),
+                                                  ("{{prompt}}", "names no field"),
+                                                  ("Q: {0}", "positional field"),
+                                                  ("Q: {}", "positional field")])
+def test_a_template_that_names_no_row_field_is_refused(template: str, reason: str) -> None:
+    with pytest.raises(ValueError, match=reason):
+        apply_prompt_template([{"prompt": "a"}, {"prompt": "b"}], template)
+
+
+def test_a_template_still_phrases_rows_from_nested_and_plain_fields() -> None:
+    rows = [{"prompt": "1+1=", "meta": {"level": 3}}]
+    assert apply_prompt_template(rows, "[{meta[level]}] {prompt} {{ok}}")[0]["prompt"] == "[3] 1+1= {ok}"
+
+
+def test_a_template_naming_a_renamed_column_says_which_field_to_write() -> None:
+    with pytest.raises(ValueError, match=r"names the field 'question', which row 0 does not have.*data\.fields "
+                                         r"renames the column 'question' to 'prompt': write \{prompt\}"):
+        apply_prompt_template([{"prompt": "1+1=", "answer": "2"}], "Q: {question}", "training rows", FIELDS)
+
+
+def test_render_chat_reports_a_bad_template_as_a_config_error() -> None:
+    cfg = DataConfig(prompt_template="{prompt.x}")
+    with pytest.raises(ConfigError, match=r"data: training rows: .*row 0.*AttributeError"):
+        render_chat(DataSplits(train=[{"prompt": "1+1=", "answer": "2"}], heldout=[]), cfg, build_tokenizer())
+
+
+@pytest.mark.parametrize(("template", "reason"), [("{prompt.x}", "cannot fill in"), ("hello", "names no field"),
+                                                  ("{question}", "write \\{prompt\\}")])
+def test_load_data_checks_the_template_before_any_model_is_loaded(tmp_path, template: str, reason: str) -> None:
+    train = _write_jsonl(tmp_path / "train.jsonl", [{"question": f"{i}+1=", "result": str(i + 1)} for i in range(4)])
+    held = _write_jsonl(tmp_path / "held.jsonl", [{"question": "9+9=", "result": "18"}])
+    cfg = DataConfig(path=train, eval_path=held, fields=FIELDS, prompt_template=template)
+    with pytest.raises(ValueError, match=reason):
+        load_data(cfg, seed=0)
+    good = load_data(DataConfig(path=train, eval_path=held, fields=FIELDS, prompt_template="Q: {prompt}"), seed=0)
+    assert good.train[0]["prompt"].endswith("+1=")  # checked only: the template is applied with the chat template
+
+
+# ---- 5. errors name the user's columns ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("row", "message"), [
+    ({"question": " ", "result": "2"}, r"field 'question' \(mapped to 'prompt'\) is empty"),
+    ({"question": 5, "result": "2"}, r"field 'question' \(mapped to 'prompt'\) must be a string"),
+    ({"question": "1+1=", "result": ["2"]}, r"field 'result' \(mapped to 'answer'\) must be a non-empty string"),
+    ({"question": [], "result": "2"}, r"field 'question' \(mapped to 'prompt'\) is an empty list of messages"),
+])
+def test_row_errors_name_the_mapped_column(tmp_path, row: dict, message: str) -> None:
+    src = _write_jsonl(tmp_path / "d.jsonl", [{"question": "ok", "result": "1"}, row])
+    with pytest.raises(ValueError, match=rf"d\.jsonl: row 1 \(line 2\) {message}"):
+        load_rows(src, fields=FIELDS)
+
+
+def test_a_mapped_solution_column_is_named_in_its_error(tmp_path) -> None:
+    src = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1=", "worked": 2}])
+    with pytest.raises(ValueError, match=r"row 0 \(line 1\) field 'worked' \(mapped to 'solution'\) must be"):
+        load_rows(src, fields={"solution": "worked"})
+
+
+# ---- 6. held-out rows need no solution ------------------------------------------------------------------------------
+
+
+def test_held_out_files_need_not_have_the_mapped_solution_column(tmp_path) -> None:
+    train = _write_jsonl(tmp_path / "train.jsonl", [{"prompt": f"{i}+1=", "answer": str(i + 1), "worked": str(i + 1)}
+                                                    for i in range(4)])
+    held = _write_jsonl(tmp_path / "held.jsonl", [{"prompt": "9+1=", "answer": "10"}])
+    held_sol = _write_jsonl(tmp_path / "held_sol.jsonl", [{"prompt": "9+1=", "answer": "10", "worked": "10"}])
+    fields = {"solution": "worked"}
+    data = load_data(DataConfig(path=train, eval_path=held, fields=fields), seed=0)
+    assert data.heldout == [{"prompt": "9+1=", "answer": "10"}]
+    assert all(r["solution"] == r["answer"] for r in data.train)
+    data = load_data(DataConfig(path=train, eval_path=[held, held_sol], fields=fields), seed=0)
+    assert [r.get("solution") for r in data.heldout] == [None, "10"]  # renamed where a file has it
+    # training rows still need it: the cold start trains on it
+    with pytest.raises(ValueError, match=r"train2\.jsonl: row 0 \(line 1\) has no field 'worked'"):
+        load_data(DataConfig(path=_write_jsonl(tmp_path / "train2.jsonl", [{"prompt": "1+1=", "answer": "2"}]),
+                             eval_path=held_sol, fields=fields), seed=0)
+
+
+def test_a_held_out_split_need_not_have_the_mapped_solution_column(tmp_path) -> None:
+    saved = tmp_path / "saved"
+    datasets.DatasetDict({
+        "train": datasets.Dataset.from_list([{"prompt": f"{i}+1=", "answer": str(i + 1), "worked": str(i + 1)}
+                                             for i in range(4)]),
+        "test": datasets.Dataset.from_list([{"prompt": "9+1=", "answer": "10"}]),
+    }).save_to_disk(str(saved))
+    data = load_data(DataConfig(path=str(saved), fields={"solution": "worked"}), seed=0)
+    assert data.heldout == [{"prompt": "9+1=", "answer": "10"}]
+    assert [r["solution"] for r in data.train] == [r["answer"] for r in data.train]
