@@ -410,15 +410,6 @@ def test_workers_run_concurrently_and_keep_the_call_order() -> None:
     assert rewards.tolist() == [3.0, 1.0, 4.0, 1.0] and stats["reward_failures"] == 0.0
 
 
-def test_system_exit_in_a_reward_is_not_swallowed() -> None:
-    def leave(prompt: str, completion: str, **row) -> float:
-        raise SystemExit(3)
-
-    for timeout_s in (None, 5.0):
-        with pytest.raises(SystemExit):
-            RewardRunner([(leave, 1.0)], on_error="zero", timeout_s=timeout_s)(["p"], ["c"], [{}])
-
-
 def test_a_hung_reward_thread_does_not_keep_the_interpreter_alive() -> None:
     """The abandoned threads are daemons: a process whose reward hung still exits (a thread pool would join them)."""
     code = (

@@ -616,8 +616,9 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
 
     Everything that can be checked without compute is checked first (`prepare`: the output folder, the data and its
     held-out rows, the reward functions against a data row, the trackers, the rollout engine), then the model is
-    built and checked, and the accuracy reward is scored on the rows' own answers (`check_rewards`, warnings only);
-    only then is anything written, so a start that fails leaves nothing that blocks the corrected command
+    built and checked, and the accuracy reward is scored on the rows' own answers (`check_rewards`: warnings, or
+    `RewardCheckFailed` when, with rewards.on_error=fail, a function fails on every row's own answer); only then is
+    anything written, so a start that fails leaves nothing that blocks the corrected command
     (`gspo.runfolder`).
     `overwrite` deletes a previous run in trainer.out first; `resume` continues it (a config that differs only in
     `gspo.runfolder.RESUMABLE` settings is accepted, e.g. more `trainer.steps` to extend a finished run).

@@ -104,7 +104,7 @@ MODEL_PREFIX = "model:"  # `model:PATH` names a reward model (RewardModel) rathe
 
 
 class RewardFailure(RuntimeError):
-    """A reward function raised, timed out, or returned something that is not a finite number."""
+    """A reward function raised (or called sys.exit), timed out, or returned something that is not a finite number."""
 
 
 def batched(fn: Callable[..., Any]) -> RewardFn:
@@ -164,16 +164,23 @@ def resolve_reward(spec: str, model_options: Mapping[str, Any] | None = None) ->
         raise ValueError(f"reward spec {spec!r} is not of the form 'package.module:function'")
     try:
         target: Any = _import_module(module_name)
+    except SystemExit as exc:  # argparse at import: its usage line and exit 2 would read as gspo's own usage error
+        raise ValueError(
+            f"reward {spec!r}: importing module {module_name!r} called sys.exit({exc.code!r}) (does it parse "
+            "command-line arguments at import? Move that under `if __name__ == \"__main__\":`); any usage or error "
+            "lines printed above are the module's, not gspo's"
+        ) from exc
     except Exception as exc:
         raise ValueError(
             f"reward {spec!r}: cannot import module {module_name!r}: {type(exc).__name__}: {exc} "
-            f"(registered rewards: {sorted(REWARDS)})"
+            f"(registered rewards: {sorted(REWARDS)}){_local_file_hint(module_name, attr_path)}"
         ) from exc
     for attr in attr_path.split("."):
         try:
             target = getattr(target, attr)
         except AttributeError as exc:
-            raise ValueError(f"reward {spec!r}: {module_name!r} has no attribute {attr_path!r}") from exc
+            raise ValueError(f"reward {spec!r}: {module_name!r} has no attribute {attr_path!r}"
+                             f"{_local_file_hint(module_name, attr_path)}") from exc
     if not callable(target):
         raise ValueError(f"reward {spec!r} names a {type(target).__name__}, not a function")
     return target
@@ -202,6 +209,29 @@ def _import_module(name: str) -> Any:
     if cwd not in sys.path and "" not in sys.path and importlib.util.find_spec(name.split(".")[0]) is None:
         sys.path.append(cwd)
     return importlib.import_module(name)
+
+
+def _local_file_hint(module_name: str, attr_path: str) -> str:
+    """Why `module_name` may not be the user's file: when the working directory holds `<top>.py` (or a `<top>/`
+    package) but Python finds another `<top>` first (a standard-library or installed module, which a local file does
+    not shadow, see `_import_module`), a sentence saying so and naming the file form that loads the user's file;
+    else "". `<top>` is the name's first part: a submodule is only looked for in its parent package."""
+    if module_name.endswith(".py"):
+        return ""
+    top = module_name.split(".")[0]
+    local = next((p for p in (Path(f"{top}.py"), Path(top, "__init__.py")) if p.is_file()), None)
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return ""
+    origin = None if spec is None else spec.origin
+    if local is None or origin is None or Path(origin).resolve() == local.resolve():
+        return ""  # no such local file, or it is what Python imported: the problem is in it
+    parts = Path(*module_name.split("."))
+    file = next((p for p in (parts.with_suffix(".py"), parts / "__init__.py") if p.is_file()), None)
+    instead = f"name the file instead ({file.as_posix()}:{attr_path}) or rename it" if file else "rename it"
+    return (f". Note: Python imported its {top!r} module from {origin}, not ./{local.as_posix()}: a file in the "
+            f"working directory does not shadow an installed module of the same name; {instead}")
 
 
 def check_signature(fn: RewardFn, name: str, row: Mapping[str, Any]) -> None:
@@ -275,12 +305,14 @@ class RewardRunner:
     """Scores completions with a weighted sum of reward functions and accounts for their failures.
 
     `specs` maps reward specs (see `resolve_reward`; a callable is also accepted, named by its `__name__`) to finite
-    weights, as a dict or a list of `(spec, weight)` pairs. A function that raises, runs longer than `timeout_s`
-    seconds (None: no limit), or returns None, NaN, ±inf or a non-number, fails for that row: with `on_error="fail"`
-    a `RewardFailure` is raised naming the function, the row, the reason and the start of the completion; with
-    `on_error="zero"` the function contributes 0 for that row, the failure is counted (`self.failures`, cumulative
-    per function, and `reward_failures` in each call's stats) and a warning is logged once per function and kind of
-    failure. Timeouts are also counted in `self.timeouts` (and `reward_timeouts` in the stats).
+    weights, as a dict or a list of `(spec, weight)` pairs. A function that raises (SystemExit included: sys.exit()
+    in a reward is its own failure, not the end of the run; KeyboardInterrupt still stops it), runs longer than
+    `timeout_s` seconds (None: no limit), or returns None, NaN, ±inf or a non-number, fails for that row: with
+    `on_error="fail"` a `RewardFailure` is raised naming the function, the row, the reason and the start of the
+    completion; with `on_error="zero"` the function contributes 0 for that row, the failure is counted
+    (`self.failures`, cumulative per function, and `reward_failures` in each call's stats) and a warning is logged
+    once per function and kind of failure. Timeouts are also counted in `self.timeouts` (and `reward_timeouts` in
+    the stats).
 
     A batched function (`batched`) is one call per batch whose values are then judged row by row; a reward model
     (`model:PATH`, built with `model_options`, see `RewardModel`) is one too, run in the calling thread before the
@@ -351,21 +383,27 @@ class RewardRunner:
         self.timeouts: dict[str, int] = dict.fromkeys(self.names, 0)
         self._warned: set[tuple[str, str]] = set()
         self._quiet = False  # `probing`: failures are not logged
+        self._first_failures: dict[str, dict[str, Any]] | None = None  # `probing`: each function's first failure
         self._pool = DeadlinePool(workers, self.timeout_s) if self.timeout_s is not None or workers > 1 else None
         self._agreed = self.state_dict()  # the counters as every process last agreed on them (`sync_counts`)
 
     @contextlib.contextmanager
-    def probing(self) -> Iterator[None]:
+    def probing(self) -> Iterator[dict[str, dict[str, Any]]]:
         """Calls that are not the run's (`gspo.rewards.checks`): a failure scores 0 and is not logged, whatever
-        `on_error` says, and afterwards the counters, `on_error` and the first-failure logs are as they were."""
+        `on_error` says, and afterwards the counters, `on_error` and the first-failure logs are as they were.
+
+        Yields a dict that collects each function's first failure while probing, `{name: {"row", "reason",
+        "completion"}}` (the row's index in its batch, e.g. "raised KeyError: 'x'", the completion's start): the
+        caller, which sees no log, can then say which function failed and how (it may clear the dict between
+        batches)."""
         saved = self.on_error, self.state_dict(), set(self._warned), dict(self._agreed)
-        self.on_error, self._quiet = "zero", True
+        self.on_error, self._quiet, self._first_failures = "zero", True, {}
         try:
-            yield
+            yield self._first_failures
         finally:
             self.on_error, counts, self._warned, agreed = saved
             self.failures, self.timeouts = dict(counts["failures"]), dict(counts["timeouts"])
-            self._agreed, self._quiet = agreed, False
+            self._agreed, self._quiet, self._first_failures = agreed, False, None
 
     @classmethod
     def from_config(cls, settings: Any, device: str | torch.device | None = None,
@@ -414,7 +452,7 @@ class RewardRunner:
                 continue
             try:
                 outcomes[j] = Outcome(value=fn(*args, **kwargs))
-            except Exception as exc:
+            except (Exception, SystemExit) as exc:  # sys.exit() in a reward is its failure (`_score`); Ctrl-C is not
                 outcomes[j] = Outcome(error=exc)
         if not pooled:
             return outcomes
@@ -437,8 +475,12 @@ class RewardRunner:
             value, kind = None, "timeout"
             reason = (f"timed out after {self.timeout_s:g} s (rewards.timeout_s, one deadline for all of a batch's "
                       "reward calls: this call was abandoned or never started)")
+        elif isinstance(outcome.error, SystemExit):  # the function's failure, not a request to end the run
+            value, kind, cause = None, "exit", outcome.error
+            reason = (f"called sys.exit({outcome.error.code!r}) (a reward function must return a number, e.g. 0 for "
+                      "a completion it cannot judge)")
         elif outcome.error is not None:
-            if not isinstance(outcome.error, Exception):  # SystemExit from a reward function: not ours to swallow
+            if not isinstance(outcome.error, Exception):  # KeyboardInterrupt and the like: not the function's failure
                 raise outcome.error
             exc = outcome.error
             value, kind, reason, cause = None, "exception", f"raised {type(exc).__name__}: {exc}", exc
@@ -451,6 +493,9 @@ class RewardRunner:
             f"reward function {name!r} failed on row {index}: {reason}; "
             f"completion starts {completion[:_PREFIX_CHARS]!r}"
         )
+        if self._first_failures is not None:  # `probing`: the caller reports each function's first failure
+            self._first_failures.setdefault(name, {"row": index, "reason": reason,
+                                                   "completion": completion[:_PREFIX_CHARS]})
         if self.on_error == "fail":
             raise RewardFailure(message) from cause
         if (name, kind) not in self._warned and not self._quiet:

@@ -1,0 +1,213 @@
+"""Bad reward functions get a clear error naming them, or are isolated and counted; never a silent exit.
+
+A reward that calls sys.exit() while scoring is that function's failure (named, with the row), not the end of the
+process; one that calls sys.exit() (argparse) at import is a reward error, not a gspo usage error; a local file named
+like a standard-library module is said to be shadowed; a reward that fails on every row's own answer stops a
+rewards.on_error=fail run before any compute, with the function and its first exception named."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from conftest import DEMO, tiny_overrides
+from gspo.cli import main
+from gspo.config import ConfigError, load_config
+from gspo.rewards import RewardFailure, RewardRunner, batched, resolve_reward
+from gspo.rewards.checks import RewardCheckFailed, reward_checks, reward_warnings, split_warnings
+from gspo.trainer import train
+
+ROWS = [{"prompt": f"{a}+1=", "answer": str(a + 1)} for a in range(8)]
+
+
+def exits(prompt: str, completion: str, **row) -> float:
+    sys.exit(3)
+
+
+def interrupted(prompt: str, completion: str, **row) -> float:
+    raise KeyboardInterrupt
+
+
+def raises(prompt: str, completion: str, **row) -> float:
+    raise RuntimeError("boom")
+
+
+def exact(prompt: str, completion: str, answer: str, **row) -> float:
+    return float(completion.strip() == answer)
+
+
+def strict(prompt: str, completion: str, answer: str, **row) -> float:
+    """Right on the references, but int("") raises on an empty completion."""
+    return float(int(completion) == int(answer))
+
+
+def score(runner: RewardRunner, completions: list[str]) -> tuple:
+    rows = ROWS[: len(completions)]
+    return runner([r["prompt"] for r in rows], completions, rows)
+
+
+# ------------------------------------------------------------------------------------------- sys.exit while scoring
+
+
+@pytest.mark.parametrize("timeout_s", [None, 5.0])  # called inline, and in the deadline pool's threads
+def test_sys_exit_in_a_reward_is_its_named_failure_in_fail_mode(timeout_s):
+    runner = RewardRunner([(exits, 1.0)], on_error="fail", timeout_s=timeout_s)
+    with pytest.raises(RewardFailure, match=r"'exits' failed on row 0: called sys\.exit\(3\)") as info:
+        score(runner, ["2"])
+    assert isinstance(info.value.__cause__, SystemExit)
+    assert runner.failures == {"exits": 1}
+
+
+@pytest.mark.parametrize("timeout_s", [None, 5.0])
+def test_sys_exit_in_a_reward_is_isolated_and_counted_in_zero_mode(timeout_s):
+    runner = RewardRunner([(exits, 1.0), (exact, 1.0)], on_error="zero", timeout_s=timeout_s)
+    rewards, stats = score(runner, ["1", "3", "x"])
+    assert rewards.tolist() == [1.0, 0.0, 0.0]  # the other function's scores are kept
+    assert stats["reward_failures"] == 3 and runner.failures == {"exits": 3, "exact": 0}
+
+
+def test_sys_exit_in_a_batched_reward_fails_its_batch_rows():
+    runner = RewardRunner([(batched(lambda prompts, completions, **cols: sys.exit(1)), 1.0)], on_error="zero")
+    _, stats = score(runner, ["1", "2"])
+    assert stats["reward_failures"] == 2
+
+
+@pytest.mark.parametrize("on_error", ["fail", "zero"])
+@pytest.mark.parametrize("timeout_s", [None, 5.0])
+def test_ctrl_c_in_a_reward_still_stops_the_run(on_error, timeout_s):
+    with pytest.raises(KeyboardInterrupt):
+        score(RewardRunner([(interrupted, 1.0)], on_error=on_error, timeout_s=timeout_s), ["1"])
+
+
+def test_a_model_program_that_exits_is_a_wrong_answer_for_the_code_reward_not_a_failure():
+    """The sandbox runs the program in another process: its sys.exit is an exit status (score 0), never a SystemExit
+    in the trainer."""
+    runner = RewardRunner({"code": 1.0}, on_error="fail", timeout_s=30)
+    rewards, stats = runner(["p"], ["import sys\nsys.exit(0)\n"], [{"tests": "assert True"}])
+    assert rewards.tolist() == [0.0] and stats["reward_failures"] == 0
+
+
+# ------------------------------------------------------------------------------------------- sys.exit at import
+
+
+ARGPARSE = "import argparse\np = argparse.ArgumentParser()\np.add_argument('--data', required=True)\n" \
+           "args = p.parse_args()\ndef score(prompt, completion, **row): return 0.0\n"
+
+
+@pytest.mark.parametrize("form", ["file", "module"])
+def test_a_reward_module_that_exits_at_import_is_a_named_reward_error(tmp_path, monkeypatch, form):
+    name = f"argparse_rw_{form}"
+    (tmp_path / f"{name}.py").write_text(ARGPARSE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["gspo", "train", "c.yaml"])
+    spec = f"{tmp_path / name}.py:score" if form == "file" else f"{name}:score"
+    with pytest.raises(ValueError, match=r"importing module .* called sys\.exit\(2\) \(does it parse command-line"):
+        resolve_reward(spec)
+    assert name not in sys.modules  # a failed import leaves nothing behind: a fixed file loads on the next try
+    (tmp_path / f"{name}.py").write_text("def score(prompt, completion, **row): return 0.0\n")
+    assert resolve_reward(spec)("p", "c") == 0.0
+
+
+def test_gspo_train_says_the_reward_module_exited_not_that_gspo_was_misused(tmp_path, capsys):
+    (tmp_path / "argparse_rw_cli.py").write_text(ARGPARSE)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(DEMO.read_text())
+    code = main(["train", str(cfg), "--check", *tiny_overrides(tmp_path / "run", "cold_start=null"),
+                 f"rewards.functions={{{tmp_path / 'argparse_rw_cli.py'}:score: 1.0}}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "called sys.exit(2)" in err and "argparse_rw_cli.py" in err
+    assert "gspo train: error: reward" in err
+
+
+# --------------------------------------------------------------------------------- a local file named like stdlib
+
+
+def test_a_local_file_named_like_a_stdlib_module_is_said_to_be_shadowed(tmp_path, monkeypatch):
+    (tmp_path / "code.py").write_text("def exact(prompt, completion, answer, **row):\n    return 1.0\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"not \./code\.py.*name the file instead \(code\.py:exact\)"):
+        resolve_reward("code:exact")
+    assert resolve_reward("code.py:exact")("p", "c", answer="1") == 1.0  # the form the message suggests works
+
+
+def test_a_missing_function_in_the_users_own_module_gets_no_shadowing_note(tmp_path, monkeypatch):
+    (tmp_path / "own_rw_module.py").write_text("def other(prompt, completion, **row):\n    return 1.0\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="has no attribute 'exact'") as info:
+        resolve_reward("own_rw_module:exact")
+    assert "Note" not in str(info.value)
+
+
+# ------------------------------------------------------------------------------ failures on the known answers
+
+
+def test_a_reward_failing_on_every_reference_stops_a_fail_mode_run_naming_it_and_its_exception():
+    runner = RewardRunner([(raises, 1.0)], on_error="fail")
+    before = runner.state_dict()
+    with pytest.raises(RewardCheckFailed, match=r"'raises' fails on all 8 .*row 0 .*RuntimeError: boom") as info:
+        reward_checks(runner, ROWS, "raises", 1.0)
+    assert isinstance(info.value, ConfigError) and isinstance(info.value, RewardFailure)  # exit 2; what a run raises
+    assert runner.state_dict() == before and runner.on_error == "fail"  # the check's calls are not the run's
+
+
+def test_sys_exit_on_every_reference_stops_a_fail_mode_run_too():
+    with pytest.raises(RewardCheckFailed, match=r"'exits' .*called sys\.exit\(3\)"):
+        reward_checks(RewardRunner([(exits, 1.0)], on_error="fail"), ROWS, "exits", 1.0)
+
+
+def test_failures_are_one_warning_per_function_naming_it_and_its_first_exception():
+    """Zero mode: not fatal, but one line per function for both splits (was six unnamed lines), and a failed
+    verdict is not also reported as an answer judged wrong."""
+    runner = RewardRunner([(raises, 1.0), (strict, 1.0)], on_error="zero")
+    found = {split: reward_checks(runner, ROWS, "strict", 1.0) for split in ("train", "heldout")}
+    lines = split_warnings(found)
+    assert len(lines) == 2, lines
+    assert sum("'raises'" in line for line in lines) == sum("'strict'" in line for line in lines) == 1
+    boom = next(line for line in lines if "'raises'" in line)
+    assert "RuntimeError: boom" in boom and "8 of 8 training rows' own answer" in boom
+    assert "8 of 8 held-out rows' own answer" in boom and "counted and scored 0" in boom
+    assert "ValueError" in next(line for line in lines if "'strict'" in line)
+    assert found["train"]["reference_solved"] == 8 and found["train"]["failures"]["raises"]["reference"]["rows"] == 8
+    json.dumps(found)  # summary.json keeps it
+
+
+def test_a_reward_failing_on_some_references_is_a_warning_in_fail_mode():
+    def half(prompt: str, completion: str, answer: str, **row) -> float:
+        if int(answer) % 2:
+            raise KeyError("odd")
+        return float(completion == answer)
+
+    found = reward_checks(RewardRunner([(half, 1.0)], on_error="fail"), ROWS, "half", 1.0)
+    assert found["reference_wrong"] == 0  # the failed rows are failures, not answers judged wrong
+    (line,) = reward_warnings(found, "training")
+    assert "'half' fails on 4 of 8 training rows' own answer" in line and "KeyError: 'odd'" in line
+    assert "on_error=fail a run stops" in line
+
+
+def test_a_fail_mode_run_whose_reward_fails_on_every_answer_stops_before_any_compute(tmp_path, capsys):
+    (tmp_path / "bad_rw.py").write_text("def raises(prompt, completion, **row):\n    raise RuntimeError('boom')\n")
+    args = [*tiny_overrides(tmp_path / "run", "cold_start=null"),
+            f"rewards.functions={{{tmp_path / 'bad_rw.py'}:raises: 1.0}}"]
+    with pytest.raises(RewardCheckFailed, match="boom"):
+        train(load_config(DEMO, args))
+    assert not [p for p in (tmp_path / "run").rglob("*")]  # no config, metrics or evaluation written
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(DEMO.read_text())
+    assert main(["train", str(cfg), "--check", *args]) == 2
+    err = capsys.readouterr().err
+    assert "bad_rw.py:raises' fails on all" in err and "RuntimeError: boom" in err
+
+
+# ----------------------------------------------------------------------------------------------------- weights
+
+
+def test_all_zero_reward_weights_are_refused_before_anything_runs():
+    with pytest.raises(ConfigError, match="every weight is 0"):
+        load_config(DEMO, ["rewards.functions={addition: 0}"])
+
+
+def test_reward_check_results_name_no_function_when_none_fails():
+    found = reward_checks(RewardRunner([(exact, 1.0)]), ROWS, "exact", 1.0)
+    assert found["failures"] == {} and reward_warnings(found, "training") == []
