@@ -268,9 +268,9 @@ def test_load_rows_rejects_bad_arguments(tmp_path) -> None:
     src = _write_jsonl(tmp_path / "d.jsonl", SOURCE_ROWS)
     with pytest.raises(FileNotFoundError, match=r"nope\.jsonl.*does not exist"):
         load_rows(str(tmp_path / "nope.jsonl"))
-    (tmp_path / "d.csv").write_text("prompt\nhi\n")
-    with pytest.raises(ValueError, match=r"unsupported file type '\.csv'"):
-        load_rows(str(tmp_path / "d.csv"))
+    (tmp_path / "d.xml").write_text("<prompt>hi</prompt>\n")
+    with pytest.raises(ValueError, match=r"unsupported file type '\.xml'"):
+        load_rows(str(tmp_path / "d.xml"))
     for limit in (0, -1, 1.5):
         with pytest.raises(ValueError, match="limit"):
             load_rows(src, fields=FIELDS, limit=limit)

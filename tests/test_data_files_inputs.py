@@ -243,3 +243,16 @@ def test_a_held_out_split_need_not_have_the_mapped_solution_column(tmp_path) -> 
     data = load_data(DataConfig(path=str(saved), fields={"solution": "worked"}), seed=0)
     assert data.heldout == [{"prompt": "9+1=", "answer": "10"}]
     assert [r["solution"] for r in data.train] == [r["answer"] for r in data.train]
+
+
+def test_single_csv_tsv_and_json_files_load_as_the_same_rows_as_jsonl(tmp_path):
+    """One .csv / .tsv / .json file was refused as an unsupported file type (only a folder of them loaded)."""
+    rows = [{"prompt": f"{a}+1=", "answer": a + 1} for a in range(5)]
+    expected = load_rows(_write_jsonl(tmp_path / "d.jsonl", rows))
+    (tmp_path / "d.csv").write_text("prompt,answer\n" + "".join(f"{r['prompt']},{r['answer']}\n" for r in rows))
+    (tmp_path / "d.tsv").write_text("prompt\tanswer\n" + "".join(f"{r['prompt']}\t{r['answer']}\n" for r in rows))
+    (tmp_path / "d.json").write_text(json.dumps(rows))
+    for name in ("d.csv", "d.tsv", "d.json"):
+        assert load_rows(str(tmp_path / name)) == expected, name
+    with pytest.raises(ValueError, match=r"a single \.csv file has no splits, so no split 'test'"):
+        load_rows(str(tmp_path / "d.csv"), split="test")

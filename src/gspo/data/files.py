@@ -25,6 +25,7 @@ __all__ = ["ROLES", "check_messages", "load_rows"]
 _SAVED_DATASET_MARKERS = ("state.json", "dataset_info.json")
 _SAVED_DATASET_DICT_MARKER = "dataset_dict.json"
 _FILE_SUFFIXES = (".jsonl", ".parquet")
+_BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json"}  # other single files: the `datasets` builder reading them
 # Suffixes of data files (ours and those `datasets.load_dataset` reads from a folder): a source ending with one is a
 # file, never a Hub dataset id, so a missing one is reported at once rather than looked up on the Hub.
 _DATA_SUFFIXES = (*_FILE_SUFFIXES, ".json", ".csv", ".tsv", ".txt", ".arrow")
@@ -274,6 +275,23 @@ def _hub_records(source: str, split: str | None, limit: int | None) -> Iterator[
     return _dataset_records(loaded if split is not None else _pick_split(loaded, source, None), limit)
 
 
+def _data_file_records(path: Path, limit: int | None) -> Iterator[tuple[Any, None]]:
+    """Rows of one CSV, TSV or JSON file (an array of objects, or one object a line), read by the `datasets` builder
+    for its format, as a folder of such files is. Its column types are inferred (a number column gives numbers: an
+    `answer` becomes text in `_check_known_fields`)."""
+    import datasets
+
+    builder = _BUILDERS[path.suffix.lower()]
+    options = {"delimiter": "\t"} if path.suffix.lower() == ".tsv" else {}
+    try:
+        loaded = datasets.load_dataset(builder, data_files=str(path), split="train", **options)
+    except Exception as exc:
+        root = _root_cause(exc)
+        raise ValueError(f"{path}: could not read it as {builder.upper()} with datasets.load_dataset: "
+                         f"{type(root).__name__}: {root}") from exc
+    return _dataset_records(loaded, limit)
+
+
 def _root_cause(exc: BaseException) -> BaseException:
     """The innermost exception `exc` was raised from: `datasets` wraps a file it cannot read (not UTF-8, a bad CSV
     line) in "An error occurred while generating the dataset", which alone does not say what is wrong."""
@@ -316,7 +334,10 @@ def _records(source: str, split: str | None, limit: int | None,
             return _jsonl_records(path)
         if path.suffix == ".parquet":
             return _parquet_records(path, limit)
-        raise ValueError(f"{source}: unsupported file type {path.suffix!r}; expected one of {list(_FILE_SUFFIXES)}")
+        if path.suffix.lower() in _BUILDERS:
+            return _data_file_records(path, limit)
+        raise ValueError(f"{source}: unsupported file type {path.suffix!r}; expected one of "
+                         f"{[*_FILE_SUFFIXES, *_BUILDERS]}")
     if path.is_dir() and (
         (path / _SAVED_DATASET_DICT_MARKER).is_file() or all((path / m).is_file() for m in _SAVED_DATASET_MARKERS)
     ):
