@@ -38,6 +38,7 @@ TINY = [
     "trainer.eval_every=2",
     "cold_start.steps=5",
     "cold_start.batch_size=16",
+    "optim.warmup_steps=4",  # below the 12 optimizer steps (the demo's 200 would never reach optim.lr: a warning)
     "log.progress=false",
     "log.tensorboard=false",
 ]

@@ -5,6 +5,7 @@ numbers meaningless — one that rejects the rows' own answers, one that accepts
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -239,3 +240,16 @@ def test_measure_under_torchrun_is_refused_before_anything_runs(tmp_path, capsys
     assert main(["train", str(cfg_file), "--measure", *tiny_overrides(tmp_path / "run")]) == 2
     assert "--measure times steps in one process" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_warmup_as_long_as_the_run_is_warned_about_at_check_and_at_start(tmp_path, caplog):
+    """optim.warmup_steps counts optimizer steps (4 per RL step here): 200 of them in a 3-step run (12 optimizer
+    steps) keep the learning rate at 6 % of optim.lr at most, which --check and the run's log now say."""
+    cfg = load_config(DEMO, tiny_overrides(tmp_path / "run", "cold_start=null", "optim.warmup_steps=200"))
+    assert any(re.search(r"optim\.warmup_steps=200 is not below the run's 12 optimizer steps.*reaches 6% of", w)
+               for w in warnings(check(cfg))), warnings(check(cfg))
+    with caplog.at_level(logging.WARNING, logger="gspo.trainer"):
+        train(cfg)
+    assert "optim.warmup_steps=200 is not below the run's 12 optimizer steps" in caplog.text
+    assert not any("warmup_steps" in w for w in warnings(check(load_config(DEMO, tiny_overrides(
+        tmp_path / "other", "cold_start=null", "optim.warmup_steps=11")))))

@@ -22,6 +22,16 @@ def warmup_cosine(total_steps: int, warmup_steps: int, min_ratio: float, cosine:
     return factor
 
 
+def warmup_warning(warmup_steps: int, total_steps: int) -> str | None:
+    """What is wrong with a warm-up as long as the run (`optim.warmup_steps` counts optimizer steps: trainer.steps ×
+    algorithm.minibatches × algorithm.epochs, which is easy to mistake for RL steps), or None when it is shorter."""
+    if warmup_steps < total_steps or total_steps < 1:
+        return None
+    return (f"optim.warmup_steps={warmup_steps} is not below the run's {total_steps} optimizer steps (trainer.steps × "
+            f"algorithm.minibatches × algorithm.epochs): the learning rate rises for the whole run and reaches "
+            f"{total_steps / warmup_steps:.0%} of optim.lr at its end")
+
+
 def make_optimizer(
     model: nn.Module,
     lr: float,

@@ -37,6 +37,7 @@ from torch import nn
 from gspo.checkpoint import find_latest_checkpoint
 from gspo.config import Config
 from gspo.evaluation import wilson_ci95
+from gspo.optim import warmup_warning
 from gspo.rewards.checks import split_warnings
 
 __all__ = ["MEASURE_STEPS", "PASSAGE_WORDS", "check", "checkpoint_bytes", "format_report", "measure", "plan",
@@ -96,7 +97,8 @@ def plan(cfg: Config, train_rows: int, eval_rows: int) -> dict[str, Any]:
             "completions": completions, "at_least": ro.dynamic_sampling,
             "passes": steps * ro.prompts_per_step / train_rows, "new_tokens_per_completion": new_tokens,
             "generated_tokens_max": completions * new_tokens,
-            "optimizer_steps": steps * al.minibatches * al.epochs, "evaluations": evals,
+            "optimizer_steps": steps * al.minibatches * al.epochs, "warmup_steps": cfg.optim.warmup_steps,
+            "evaluations": evals,
             "eval_tokens_max": len(evals) * eval_rows * cfg.trainer.eval_samples
             * (cfg.trainer.eval_max_new_tokens or new_tokens),
             "checkpoints": checkpoints, "checkpoints_kept": min(len(checkpoints), t.keep_checkpoints)}
@@ -244,6 +246,8 @@ def warnings(report: dict[str, Any]) -> list[str]:
                      f"prompt (e.g. held-out row {e['heldout_row']} and training row {e['training_row']}: "
                      f"{e['passage']!r}): the same problem reworded or copied is not held out; only prompts equal up "
                      "to case and whitespace are left out")
+    if note := warmup_warning(report["plan"]["warmup_steps"], report["plan"]["optimizer_steps"]):
+        found.append(note)
     if (cs := report["cold_start"]) and cs["over_positions"]:
         found.append(f"{cs['over_positions']} of {cs['rows']} training rows' prompt + solution are longer than the "
                      "model's positions (max_position_embeddings): the cold start leaves them out")

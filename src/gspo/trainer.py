@@ -60,7 +60,7 @@ from gspo.lora import BaseReference, apply_lora, save_lora_final
 from gspo.models import disable_dropout, enable_gradient_checkpointing, load_model, save_model
 from gspo.moe import is_moe, replay_support_error, require_replay_support
 from gspo.objectives import OBJECTIVES
-from gspo.optim import check_update_precision, make_optimizer, scale_lr
+from gspo.optim import check_update_precision, make_optimizer, scale_lr, warmup_warning
 from gspo.parallel import ProcessGroup, init_distributed, wrap_frozen, wrap_policy
 from gspo.parallel.state import FullModelView, full_state, load_state, save_state
 from gspo.rewards import RewardRunner, drop_unscored, score_trajectory
@@ -714,6 +714,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
     else:
         ref_model = wrap_frozen(group, ref_model, cfg.trainer.mixed_precision)
     updates = cfg.algorithm.minibatches * cfg.algorithm.epochs  # optimizer steps per RL step
+    if (warmup_note := warmup_warning(cfg.optim.warmup_steps, cfg.trainer.steps * updates)) and group.is_main:
+        log.warning(warmup_note)
     optimizer, scheduler = make_optimizer(
         model, cfg.optim.lr, cfg.trainer.steps * updates, weight_decay=cfg.optim.weight_decay,
         betas=cfg.optim.betas, warmup_steps=cfg.optim.warmup_steps, min_lr_ratio=cfg.optim.min_lr_ratio,
