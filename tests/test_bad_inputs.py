@@ -128,3 +128,20 @@ def test_resume_refuses_when_every_checkpoint_is_damaged_and_keeps_the_run(tmp_p
     with pytest.raises(ConfigError, match=rf"none of the {len(steps)} checkpoints .* is intact.*--overwrite"):
         train(load_config(DEMO, [*overrides, "trainer.steps=3"]), resume=True)
     assert (out / "metrics.jsonl").read_bytes() == records
+
+
+def test_gspo_eval_of_a_config_with_relative_data_paths_says_where_they_are_read_from(tmp_path, monkeypatch,
+                                                                                      capsys):
+    """A run's config names its files as `gspo train` was given them; read from another folder, the error said only
+    that 'train.jsonl' does not exist."""
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    project.mkdir(), elsewhere.mkdir()
+    write_jsonl(project / "train.jsonl", [{"prompt": f"{a}+1=", "answer": str(a + 1)} for a in range(8)])
+    write_jsonl(project / "held.jsonl", [{"prompt": f"{a}+2=", "answer": str(a + 2)} for a in range(4)])
+    config = project / "config.yaml"
+    config.write_text("model: {name: tiny-moe}\ndata: {path: train.jsonl, eval_path: held.jsonl}\n"
+                      "rewards: {functions: {addition: 1.0}}\n")
+    monkeypatch.chdir(elsewhere)
+    assert main(["eval", "tiny-moe", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "train.jsonl" in err and f"read from the current folder ({elsewhere})" in err

@@ -219,7 +219,15 @@ def _eval_setup(args: argparse.Namespace):
                               "rewards.think_tags=null and data.eval_by=FIELD are overrides)")
         size = [] if args.size is None else [f"data.eval_size={args.size}"]  # default: the config's eval_size
         cfg = load_config(args.config, [*args.overrides, *size])
-        data = load_data(cfg.data, cfg.trainer.seed)
+        try:
+            data = load_data(cfg.data, cfg.trainer.seed)
+        except FileNotFoundError as e:  # a run's config names its files as `gspo train` was given them
+            named = [p for v in (cfg.data.path, cfg.data.eval_path) for p in ([v] if isinstance(v, str) else v or [])]
+            if all(Path(p).expanduser().is_absolute() for p in named):
+                raise
+            raise FileNotFoundError(f"{e}; relative data paths in {args.config} are read from the current folder "
+                                    f"({Path.cwd()}), and were written for the one `gspo train` ran in: run from "
+                                    "there, or override them (data.path=..., data.eval_path=...)") from None
         if not data.heldout:
             raise ConfigError(f"{args.config} holds out no rows (data.eval_split is null and no data.eval_path / "
                               "data.eval_fraction): set one with an override, e.g. data.eval_path=FILE")
