@@ -145,3 +145,14 @@ def test_gspo_eval_of_a_config_with_relative_data_paths_says_where_they_are_read
     assert main(["eval", "tiny-moe", "--config", str(config)]) == 2
     err = capsys.readouterr().err
     assert "train.jsonl" in err and f"read from the current folder ({elsewhere})" in err
+
+
+def test_gspo_eval_data_leaves_out_and_counts_a_prompt_longer_than_the_model_positions(tmp_path, capsys):
+    """One over-long prompt in `gspo eval --data` refused the whole evaluation; training leaves such prompts out
+    and counts them, and so does evaluation now (the tiny model has 256 positions)."""
+    rows = [{"prompt": f"{a}+1=", "answer": str(a + 1)} for a in range(6)] + [{"prompt": "1+" * 200 + "1=",
+                                                                              "answer": "201"}]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    assert main(["eval", "tiny-moe", "--data", str(data), "--reward", "addition", "--max-new-tokens", "2"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["rows"] == 6 and result["skipped_prompts"] == 1

@@ -417,13 +417,21 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def _rows_the_run_keeps(cfg: Config | None, model, tokenizer, rows: list[dict], new_tokens: int) -> list[int]:
     """The indices of the held-out `rows` a run of `cfg` evaluates: those whose prompt fits its prompt-token limit
     (`data.max_prompt_tokens`, and what the model's positions leave after `new_tokens`, or a multi-turn episode's
-    `env.max_tokens`), as `gspo.trainer.prepare` keeps them, so that `gspo eval RUN` scores the run's rows. All of
-    them without a config (--data, --task)."""
+    `env.max_tokens`), as `gspo.trainer.prepare` keeps them, so that `gspo eval RUN` scores the run's rows. Without
+    a config (--data, --task): those that fit the model's positions with `new_tokens` after them (one longer prompt
+    used to refuse the whole evaluation); the others are left out, warned about and counted (`skipped_prompts`)."""
     from gspo.schedule import drop_long_prompts, prompt_token_limit
 
     if cfg is None:
-        return list(range(len(rows)))
-    limit = prompt_token_limit(cfg, model, cfg.env.max_tokens if cfg.env else new_tokens)
+        positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        room = None if positions is None else positions - new_tokens
+        if room is not None and room < 1:
+            raise ConfigError(f"--max-new-tokens {new_tokens} leaves no room for a prompt in the model's "
+                              f"{positions} positions")
+        limit = (room, f"the model has {positions} positions and --max-new-tokens keeps {new_tokens} of them for "
+                       "the completion: shorten the prompts or lower --max-new-tokens")
+    else:
+        limit = prompt_token_limit(cfg, model, cfg.env.max_tokens if cfg.env else new_tokens)
     short = {id(row) for row in drop_long_prompts(rows, tokenizer, limit, "held-out")[0]}
     return [i for i, row in enumerate(rows) if id(row) in short]
 
