@@ -156,3 +156,13 @@ def test_gspo_eval_data_leaves_out_and_counts_a_prompt_longer_than_the_model_pos
     assert main(["eval", "tiny-moe", "--data", str(data), "--reward", "addition", "--max-new-tokens", "2"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["rows"] == 6 and result["skipped_prompts"] == 1
+
+
+def test_a_config_that_is_a_folder_or_not_utf8_is_named_as_such(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text("model: {name: tiny-moe}\n")
+    with pytest.raises(ConfigError, match=r"is a folder, not a YAML file \(a run's config is .*config\.yaml\)"):
+        load_config(tmp_path / "run")
+    (tmp_path / "latin1.yaml").write_bytes("# caf\u00e9\nmodel: {name: tiny-moe}\n# na\u00efve\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"latin1\.yaml: line 1 is not UTF-8 text"):
+        load_config(tmp_path / "latin1.yaml")

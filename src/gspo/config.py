@@ -782,12 +782,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            hint = f" (a run's config is {path / 'config.yaml'})" if (path / "config.yaml").is_file() else ""
+            raise ConfigError(f"config file {path} is a folder, not a YAML file{hint}")
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
         try:
-            data = _yaml_load(path.read_text()) or {}
+            data = _yaml_load(path.read_text(encoding="utf-8")) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        except UnicodeDecodeError as e:
+            line = path.read_bytes()[:e.start].count(b"\n") + 1
+            raise ConfigError(f"config file {path}: line {line} is not UTF-8 text ({e.reason}); save it as UTF-8") \
+                from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
     apply_overrides(data, overrides or [])
