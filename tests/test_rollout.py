@@ -619,3 +619,18 @@ def test_an_abandoned_weight_stream_leaves_gradients_on(tok, tiny):
     with pytest.raises(ValueError, match="unexpected tensor"):
         sampler.update_weights(policy_weights(tiny["moe"]), 1)
     assert torch.is_grad_enabled()
+
+
+@pytest.mark.parametrize("decode", ["dynamic", "static"])
+def test_kv_cache_passed_by_the_forward_s_own_keyword(tok, tiny, decode, recwarn, caplog):
+    """transformers 5.24 renamed the forward's `past_key_values` to `cache` (the old name warns on every call path
+    and goes in 5.40): decoding and shared-prompt log-probs pass the cache by the keyword the forward takes, and read
+    it back by the output's name, so neither warns (under older transformers both names are the old one)."""
+    from gspo.logprobs import completion_logprobs
+
+    batch = HFSampler(tiny["moe"], tok, SamplingParams(max_new_tokens=8), decode=decode).generate(PROMPTS, 2, SEEDS)
+    with torch.no_grad():
+        completion_logprobs(tiny["moe"], batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
+                            batch.completion_mask, trim_padding=True, share_prompts=True)
+    said = [str(w.message) for w in recwarn] + [r.getMessage() for r in caplog.records]
+    assert not [m for m in said if "past_key_values" in m], said

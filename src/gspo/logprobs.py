@@ -28,6 +28,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from transformers import PreTrainedModel
 
+from gspo.models import cache_keyword, output_cache
+
 LOGPROB_CHUNK_MIB: dict[str, int] = {"cpu": 64, "cuda": 512}
 """Default size of one chunk of `chunked_token_logprobs`, as MiB of float32 logits, by device type (other devices:
 the CPU's): chunk tokens = MiB · 2^20 // (4 · vocabulary), e.g. 110 tokens on a CPU and 883 on CUDA at Qwen3's
@@ -431,10 +433,10 @@ def _trimmed_bucket_hidden(backbone: nn.Module, p_ids: torch.Tensor, p_mask: tor
     first = out.last_hidden_state[inverse, -1:]  # each row's last prompt token predicts its completion token 0
     if c_len == 1:
         return first
-    cache = out.past_key_values
+    cache = output_cache(out)
     cache.batch_select_indices(inverse)  # differentiable indexing: the prompt's gradient sums over its rows
     attention = torch.cat([p_mask, cm[:, :-1]], 1).long()
     positions = p_mask.sum(-1, keepdim=True) + torch.arange(c_len - 1, device=p_ids.device)
-    rest = backbone(input_ids=c_ids[:, :-1], attention_mask=attention, position_ids=positions, past_key_values=cache,
-                    use_cache=True).last_hidden_state
+    rest = backbone(input_ids=c_ids[:, :-1], attention_mask=attention, position_ids=positions, use_cache=True,
+                    **{cache_keyword(backbone): cache}).last_hidden_state
     return torch.cat([first, rest], 1)

@@ -38,10 +38,12 @@ __all__ = [
     "VOCAB_CHARS",
     "build_preset",
     "build_tokenizer",
+    "cache_keyword",
     "disable_dropout",
     "enable_gradient_checkpointing",
     "load_model",
     "load_pretrained",
+    "output_cache",
     "resolve_dtype",
     "save_model",
 ]
@@ -81,6 +83,22 @@ _DTYPE_KWARG = "dtype" if version.parse(transformers.__version__) >= version.par
 
 _DTYPE_ALIASES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16,
                                           "fp32": torch.float32}
+
+
+def cache_keyword(model: nn.Module) -> str:
+    """The keyword `model`'s forward takes a KV cache by: transformers 5.24 renamed `past_key_values` to `cache`
+    (the old name still works, with a deprecation warning, until 5.40); older versions and remote-code models take
+    `past_key_values`."""
+    try:
+        return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    except (TypeError, ValueError):  # a forward without a signature inspect can read
+        return "past_key_values"
+
+
+def output_cache(out) -> object:
+    """The KV cache a forward returned: `out.cache` from transformers 5.24 (where `out.past_key_values` warns),
+    `out.past_key_values` before."""
+    return out["cache"] if "cache" in out else out.past_key_values  # noqa: SIM401 (.get would read the old name)
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:

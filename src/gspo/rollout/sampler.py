@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 import torch
 from transformers import PreTrainedModel, StaticCache
 
-from gspo.models import resolve_dtype
+from gspo.models import cache_keyword, output_cache, resolve_dtype
 from gspo.moe import RolloutRoutingRecorder, config_has_experts, require_replay_support
 from gspo.rollout.assemble import encode_prompts, eos_ids, pad_id
 from gspo.rollout.base import SamplingParams
@@ -207,6 +207,7 @@ class HFSampler:
         self.pad_id = pad_id(tokenizer)
         self.eos_ids = eos_ids(tokenizer, getattr(model, "generation_config", None))
         self._forward_takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._cache = cache_keyword(model)  # the forward's KV-cache keyword (past_key_values, or cache)
         self._stop_table: tuple[tuple[str, ...], torch.Tensor] | None = None
         self._routing: RolloutRoutingRecorder | None = None  # set during generate() when recording routing
         self._released_shapes: dict[str, torch.Size] = {}  # parameters freed by release
@@ -375,7 +376,7 @@ class HFSampler:
         out = self.model(
             input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids, use_cache=True, **extra
         )
-        cache, logits = out.past_key_values, out.logits[:, -1, :]
+        cache, logits = output_cache(out), out.logits[:, -1, :]
         if self._routing is not None:
             self._routing.prefill(prompt_mask, group_size)
         if group_size > 1:
@@ -421,10 +422,10 @@ class HFSampler:
                 input_ids=tokens[:, None],
                 attention_mask=attention[:, : prompt_len + t + 1],
                 position_ids=(next_position + t)[:, None],
-                past_key_values=cache,
                 use_cache=True,
+                **{self._cache: cache},
             )
-            cache, logits = out.past_key_values, out.logits[:, -1, :]
+            cache, logits = output_cache(out), out.logits[:, -1, :]
             if self._routing is not None:
                 self._routing.decode_step(rows, t)
         return out_ids, out_logprobs, lengths, truncated, versions
@@ -463,7 +464,7 @@ class HFSampler:
         position_ids = (prompt_mask.cumsum(1) - 1).masked_fill(prompt_mask == 0, 1)
         extra = {"logits_to_keep": 1} if self._forward_takes_logits_to_keep else {}
         logits = self.model(input_ids=prompt_ids, attention_mask=attention, position_ids=position_ids,
-                            past_key_values=cache, use_cache=True, **extra).logits[:, -1, :]
+                            use_cache=True, **{self._cache: cache}, **extra).logits[:, -1, :]
         step = self._decode_step()
         next_position = position_ids[:, -1:] + 1
         stop_candidates = self._stop_candidates(p.stop, logits.shape[-1], device) if p.stop else None
@@ -482,7 +483,7 @@ class HFSampler:
             if self.decode == "compiled":
                 torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs (logits) are consumed
             logits = step(input_ids=tokens[:, None], attention_mask=attention, position_ids=next_position + t,
-                          past_key_values=cache, use_cache=True).logits[:, -1, :]
+                          use_cache=True, **{self._cache: cache}).logits[:, -1, :]
         return out_ids, out_logprobs, lengths, alive, versions
 
     def _static_cache(self, n_rows: int, cache_len: int) -> StaticCache:
