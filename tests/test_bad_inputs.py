@@ -166,3 +166,20 @@ def test_a_config_that_is_a_folder_or_not_utf8_is_named_as_such(tmp_path):
     (tmp_path / "latin1.yaml").write_bytes("# caf\u00e9\nmodel: {name: tiny-moe}\n# na\u00efve\n".encode("latin-1"))
     with pytest.raises(ConfigError, match=r"latin1\.yaml: line 1 is not UTF-8 text"):
         load_config(tmp_path / "latin1.yaml")
+
+
+def test_repeated_training_prompts_are_counted_in_the_summary_and_the_check(tmp_path):
+    """10 prompts written 3 times each were trained on silently: 20 rows repeat an earlier prompt."""
+    from gspo.preflight import check, format_report
+
+    rows = [{"prompt": f"{a}+1=", "answer": str(a + 1)} for a in range(10)] * 3
+    held = [{"prompt": f"{a}+2=", "answer": str(a + 2)} for a in range(100, 108)]
+    cfg = load_config(DEMO, [*tiny_overrides(tmp_path / "run"), "data.task=null", "cold_start=null",
+                             "trainer.steps=1", "trainer.eval_every=0",
+                             f"data.path={write_jsonl(tmp_path / 'train.jsonl', rows)}",
+                             f"data.eval_path={write_jsonl(tmp_path / 'held.jsonl', held)}"])
+    report = check(cfg)
+    assert report["train"]["repeated_prompts"] == 20
+    assert any("training rows: 30 from" in line and "(20 repeat an earlier row's prompt)" in line
+               for line in format_report(report))
+    assert train(cfg)["train"]["repeated_prompts"] == 20

@@ -303,6 +303,8 @@ def format_report(report: dict[str, Any]) -> list[str]:
     for split, name in (("train", "training"), ("heldout", "held-out")):
         s = report[split]
         line = f"{name} rows: {rows_line(s)}"
+        if split == "train" and s.get("repeated_prompts"):
+            line += f" ({s['repeated_prompts']} repeat an earlier row's prompt)"
         if s.get("prompt_tokens"):
             p = s["prompt_tokens"]
             limit = "no limit" if s["prompt_limit"] is None else f"limit {s['prompt_limit']}"

@@ -584,6 +584,11 @@ def prepare(cfg: Config, resume: bool = False, overwrite: bool = False, create_o
         eval_rows, skipped_eval = drop_long_prompts(data.heldout, tokenizer, eval_limit, "held-out")
     heldout_source = {**data.heldout_source, "rows": len(eval_rows)} if eval_rows else {"kind": "none"}
     train_source = {**data.train_source, "rows": len(train_rows)}
+    # A data set's repeats (upsampling, or a file written twice) are said; an embedded task's draws repeat by design
+    if "task" not in data.train_source and (repeats := _repeated_prompts(train_rows)):
+        train_source["repeated_prompts"] = repeats
+        log.info("%d of the %d training rows repeat an earlier row's prompt: those prompts are drawn that much more "
+                 "often", repeats, len(train_rows))
     if cfg.trainer.epochs is not None:  # the step count that many passes over the rows take
         steps = math.ceil(cfg.trainer.epochs * len(train_rows) / ro.prompts_per_step)
         cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"steps": steps})})
@@ -1053,6 +1058,17 @@ def _cold_start_summary(cold: dict | None, first_rows: list[float] | None, diges
         change, low, high = paired_change_ci95(rows, first_rows)
         before |= {"heldout_accuracy_change": change, "heldout_accuracy_change_ci95": [low, high]}
     return {**cold, "before": before}
+
+
+def _repeated_prompts(rows: list[dict]) -> int:
+    """How many of `rows` have the prompt (text, or messages) of an earlier row."""
+    seen: set[str] = set()
+    repeats = 0
+    for row in rows:
+        key = row["prompt"] if isinstance(row["prompt"], str) else json.dumps(row["prompt"], sort_keys=True)
+        repeats += key in seen
+        seen.add(key)
+    return repeats
 
 
 def rows_line(source: dict) -> str:
