@@ -203,7 +203,7 @@ def _eval_setup(args: argparse.Namespace):
         load_data,
         load_rows,
         make_task,
-        near_key,
+        repeated_prompts,
         subset_rows,
     )
     from gspo.data.heldout import TRAINING_ONLY_FIELDS
@@ -250,7 +250,7 @@ def _eval_setup(args: argparse.Namespace):
                           optional=TRAINING_ONLY_FIELDS)
         rows = subset_rows(every, args.size)  # --size N: a sample by prompt hash, never the first N rows
         source = {"kind": "file", "path": args.data, "split": args.split, "rows": len(rows), "of": len(every)}
-        repeats = len(rows) - len({near_key(r["prompt"]) for r in rows})
+        repeats = repeated_prompts(rows)
         if repeats:  # kept (--rows-out's `row` is the file's row), but said: such a problem weighs more
             source["repeated_prompts"] = repeats
             print(f"gspo eval: warning: {repeats} of the {len(rows)} rows repeat an earlier row's prompt (up to case "

@@ -43,7 +43,7 @@ from gspo.advantages import group_advantages, turn_advantages, zero_variance_gro
 from gspo.agent import EpisodeRunner, build_env, episode_metrics, make_episode_runner
 from gspo.checkpoint import STATE_FILENAME, checkpoint_path, find_latest_checkpoint, list_checkpoints, set_seed
 from gspo.config import Config, ConfigError, accuracy_means, config_to_dict
-from gspo.data import eval_group_field, eval_groups, load_data, render_chat
+from gspo.data import eval_group_field, eval_groups, load_data, render_chat, repeated_prompts
 from gspo.evaluation import (
     accuracy_by_group,
     accuracy_ci95,
@@ -585,10 +585,10 @@ def prepare(cfg: Config, resume: bool = False, overwrite: bool = False, create_o
     heldout_source = {**data.heldout_source, "rows": len(eval_rows)} if eval_rows else {"kind": "none"}
     train_source = {**data.train_source, "rows": len(train_rows)}
     # A data set's repeats (upsampling, or a file written twice) are said; an embedded task's draws repeat by design
-    if "task" not in data.train_source and (repeats := _repeated_prompts(train_rows)):
+    if "task" not in data.train_source and (repeats := repeated_prompts(train_rows)):
         train_source["repeated_prompts"] = repeats
-        log.info("%d of the %d training rows repeat an earlier row's prompt: those prompts are drawn that much more "
-                 "often", repeats, len(train_rows))
+        log.info("%d of the %d training rows repeat an earlier row's prompt (up to case and whitespace): those prompts "
+                 "are drawn that much more often", repeats, len(train_rows))
     if cfg.trainer.epochs is not None:  # the step count that many passes over the rows take
         steps = math.ceil(cfg.trainer.epochs * len(train_rows) / ro.prompts_per_step)
         cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"steps": steps})})
@@ -1058,17 +1058,6 @@ def _cold_start_summary(cold: dict | None, first_rows: list[float] | None, diges
         change, low, high = paired_change_ci95(rows, first_rows)
         before |= {"heldout_accuracy_change": change, "heldout_accuracy_change_ci95": [low, high]}
     return {**cold, "before": before}
-
-
-def _repeated_prompts(rows: list[dict]) -> int:
-    """How many of `rows` have the prompt (text, or messages) of an earlier row."""
-    seen: set[str] = set()
-    repeats = 0
-    for row in rows:
-        key = row["prompt"] if isinstance(row["prompt"], str) else json.dumps(row["prompt"], sort_keys=True)
-        repeats += key in seen
-        seen.add(key)
-    return repeats
 
 
 def rows_line(source: dict) -> str:

@@ -11,6 +11,7 @@ from gspo.data.heldout import (
     eval_groups,
     load_data,
     near_key,
+    repeated_prompts,
     split_by_fraction,
     subset_rows,
 )
@@ -18,5 +19,6 @@ from gspo.data.tasks import SPLITS, TASKS, Task, make_task, split_of
 
 __all__ = [
     "SPLITS", "TASKS", "TASK_ROWS", "DataSplits", "Task", "eval_group_field", "eval_groups", "load_data", "load_rows",
-    "make_task", "near_key", "render_chat", "render_prompts", "split_by_fraction", "split_of", "subset_rows",
+    "make_task", "near_key", "render_chat", "render_prompts", "repeated_prompts", "split_by_fraction", "split_of",
+    "subset_rows",
 ]

@@ -138,6 +138,11 @@ def _drawn(kind: dict[str, Any], rows: list[dict], size: int | None, what: str) 
     return kept, {**kind, "rows": len(kept), "of": len(rows), **repeated}
 
 
+def repeated_prompts(rows: list[dict]) -> int:
+    """How many of `rows` repeat an earlier row's prompt up to case and whitespace (`near_key`)."""
+    return len(rows) - len({near_key(r["prompt"]) for r in rows})
+
+
 def _once(rows: list[dict], where: Any) -> tuple[list[dict], int]:
     """Held-out `rows` with each prompt once (the first row of each `near_key`), and how many repeats were left out:
     a problem listed twice would count twice in the accuracy, and its interval would assume two independent rows."""
