@@ -80,12 +80,14 @@ def test_cold_start_uses_a_native_solution_column_and_refuses_rows_without_one_b
     """A `solution` column needs no mapping (the config used to demand `data.fields={solution: ...}`, which then
     failed on held-out files without one); training rows lacking it are found before any model is built."""
     rows = [{"prompt": f"{a}+1=", "answer": str(a + 1), "solution": str(a + 1)} for a in range(40)]
+    rows[3]["solution"] = "4" * 300  # longer than tiny-moe's 256 positions: left out, and counted in summary.json
     held = [{"prompt": f"{a}+2=", "answer": str(a + 2)} for a in range(100, 108)]
     overrides = [*tiny_overrides(tmp_path / "run"), "data.task=null", "trainer.steps=1", "trainer.eval_every=0",
                  f"data.path={write_jsonl(tmp_path / 'train.jsonl', rows)}",
                  f"data.eval_path={write_jsonl(tmp_path / 'held.jsonl', held)}"]
     summary = train(load_config(DEMO, overrides))
     assert summary["status"] == "completed" and summary["cold_start"]["steps"] >= 1
+    assert summary["cold_start"]["rows"] == 39 and summary["cold_start"]["left_out_over_positions"] == 1
 
     rows[7].pop("solution")
     write_jsonl(tmp_path / "train.jsonl", rows)

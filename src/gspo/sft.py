@@ -176,7 +176,8 @@ def cold_start(cfg: Config, out: Path, model: nn.Module, tokenizer, train_rows: 
                before: Callable[[nn.Module], dict] | None = None) -> dict:
     """The run's `cold_start` section: SFT `model` (in place) on the rows' solutions once and save it to
     OUT/cold_start/ (written to a temporary name, then renamed); a complete OUT/cold_start/ is loaded instead, so a
-    resumed run does not redo it. Returns what it did: {"steps", "final_loss"} (also OUT/cold_start/sft.json), and
+    resumed run does not redo it. Returns what it did: {"steps", "final_loss", "rows" trained on,
+    "left_out_over_positions": rows left out for exceeding the model's positions} (also OUT/cold_start/sft.json), and
     `before(model)`'s result as "before" when given (the trainer's held-out evaluation of the model before SFT)."""
     target = out / "cold_start"
     if (target / "sft.json").exists():
@@ -186,11 +187,14 @@ def cold_start(cfg: Config, out: Path, model: nn.Module, tokenizer, train_rows: 
         return json.loads((target / "sft.json").read_text())
     cs = cfg.cold_start
     measured = before(model) if before is not None else None
+    chat_format = run_chat_format(cfg, tokenizer)
+    too_long = len(over_positions(model, tokenizer, train_rows, chat_format=chat_format))  # sft leaves them out
     losses = sft(model, tokenizer, train_rows, steps=cs.steps, batch_size=cs.batch_size, lr=cs.lr,
                  warmup_steps=cs.warmup_steps, seed=derive_seed(cfg.trainer.seed, "sft"),
                  target_loss=cs.target_loss, progress=cfg.log.progress, mixed_precision=cfg.trainer.mixed_precision,
-                 chat_format=run_chat_format(cfg, tokenizer), micro_batch_tokens=cs.micro_batch_tokens)
+                 chat_format=chat_format, micro_batch_tokens=cs.micro_batch_tokens)
     info = {"steps": len(losses), "final_loss": sum(losses[-20:]) / len(losses[-20:]),
+            "rows": len(train_rows) - too_long, "left_out_over_positions": too_long,
             **({"before": measured} if measured is not None else {})}
     log.info("cold-start SFT: %d steps, final loss %.3f", info["steps"], info["final_loss"])
     tmp = out / "cold_start.tmp"
