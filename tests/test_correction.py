@@ -141,8 +141,9 @@ def batch(seed: int = 0, rows: int = 4, width: int = 5):
     """(logprobs leaf, old, engine, advantages, mask) in float64 with ragged lengths and a few off-policy tokens."""
     g = torch.Generator().manual_seed(seed)
     old = -torch.rand(rows, width, generator=g, dtype=torch.float64) * 2 - 0.1
-    logprobs = (old + 0.3 * torch.randn(rows, width, generator=g, dtype=torch.float64)).requires_grad_(True)
-    engine = old - 0.8 * torch.randn(rows, width, generator=g, dtype=torch.float64)
+    logprobs = (old + 0.3 * torch.randn(rows, width, generator=g, dtype=torch.float64)).clamp(max=0)  # log-probs
+    logprobs.requires_grad_(True)
+    engine = (old - 0.8 * torch.randn(rows, width, generator=g, dtype=torch.float64)).clamp(max=0)
     mask = torch.arange(width)[None, :] < torch.tensor([5, 3, 4, 2])[:, None]
     return logprobs, old, engine, torch.randn(rows, generator=g, dtype=torch.float64), mask
 

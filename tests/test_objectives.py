@@ -38,7 +38,8 @@ def make_batch(seed: int, batch: int = 6, length: int = 7, spread: float = 1e-3,
     g = torch.Generator().manual_seed(seed)
     # float64 so that the closed forms can be compared tightly
     old = -torch.rand(batch, length, generator=g, dtype=torch.float64) * 3 - 0.1
-    logprobs = (old + spread * torch.randn(batch, length, generator=g, dtype=torch.float64)).requires_grad_(True)
+    logprobs = (old + spread * torch.randn(batch, length, generator=g, dtype=torch.float64)).clamp(max=0)  # log-probs
+    logprobs.requires_grad_(True)
     lengths = torch.randint(1, length + 1, (batch,), generator=g)
     mask = torch.arange(length)[None, :] < lengths[:, None]
     if empty_row:
@@ -246,8 +247,9 @@ def test_finite_for_extreme_finite_inputs(name, seed, scale):
     """Huge log-ratios (both signs) give a finite loss, finite gradients and finite metrics."""
     lp, old, adv, mask = make_batch(seed)
     sign = torch.randn(lp.shape, generator=torch.Generator().manual_seed(seed)).sign()
-    lp = (lp.detach() + scale * sign).to(torch.float32).requires_grad_(True)
-    grad, metrics = grad_of(OBJECTIVES[name], lp, old.float(), adv.float() * scale, mask)
+    # log-probabilities stay <= 0: the log-ratio is +scale where π_old is the far one, -scale where π_θ is
+    lp, old = lp.detach() - scale * (sign < 0), old - scale * (sign > 0)
+    grad, metrics = grad_of(OBJECTIVES[name], lp.float().requires_grad_(True), old.float(), adv.float() * scale, mask)
     assert torch.isfinite(grad).all()
     assert all(math.isfinite(v) for v in metrics.values())
     assert metrics["ratio_max"] <= math.exp(LOG_RATIO_CLAMP) * 1.0001
@@ -393,7 +395,7 @@ def _float32_batch(seed: int, batch: int = 6, length: int = 9):
     """float32 (as in training) with ragged lengths, some empty rows and masked garbage."""
     g = torch.Generator().manual_seed(seed)
     old = -torch.rand(batch, length, generator=g) * 3
-    lp = old + 0.05 * torch.randn(batch, length, generator=g)
+    lp = (old + 0.05 * torch.randn(batch, length, generator=g)).clamp(max=0)
     adv = torch.randn(batch, generator=g)
     mask = torch.arange(length)[None, :] < torch.randint(0, length + 1, (batch,), generator=g)[:, None]
     return lp, old.masked_fill(~mask, math.nan), adv, mask
@@ -593,3 +595,73 @@ def test_bad_objective_specs_are_refused(change, message):
         Objective(**{**fields, **change})
     with pytest.raises(TypeError, match="Objective"):
         register_objective("toy", _reinforce_loss)
+
+
+# ------------------------------------------------------------------------------------ inputs of a hand-written loop
+
+
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+def test_the_on_policy_call_with_one_forward_has_the_detached_gradient(name):
+    """`loss(lp, lp, ...)`, π_old the same forward: π_old is a constant of the objective, so the gradient is Eq. 10/11's
+    at ratio 1. Before, gspo/grpo/dapo/dr_grpo differentiated through π_old too and the gradient was exactly 0."""
+    lp, _, adv, mask = make_batch(0)
+    same, _ = grad_of(OBJECTIVES[name].loss, lp, lp, adv, mask)
+    detached, _ = grad_of(OBJECTIVES[name].loss, lp, lp.detach(), adv, mask)
+    assert same.abs().sum() > 0
+    torch.testing.assert_close(same, detached, rtol=0, atol=0)
+
+
+def test_gspo_token_clips_exactly_as_gspo_at_the_clip_edge():
+    """s_{i,t} = sg[s_i]·exp(lp − sg[lp]) is s_i in value only if lp − sg[lp] is formed first (exactly 0): summed as
+    (log s_i + lp) − lp, float32 rounding of about ulp(|lp|) flipped the clip decisions of sequences within ~1e-6 of
+    1 + ε_high, so GSPO-token and GSPO clipped different sequences."""
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(512, 32, generator=g) * 10
+    edge = math.log1p(4e-4) + (torch.rand(512, 1, generator=g) - 0.5) * 4e-6  # log s_i within 2e-6 of the edge
+    lp = (old + edge).requires_grad_(True)
+    mask, adv = torch.ones_like(old, dtype=torch.bool), torch.ones(512)
+    g_seq, m_seq = grad_of(gspo_loss, lp, old, adv, mask)
+    g_tok, m_tok = grad_of(gspo_token_loss, lp, old, adv, mask)
+    assert 0 < m_seq["clip_frac_seqs"] < 1  # the batch straddles the edge
+    assert m_tok["clip_frac_seqs"] == m_seq["clip_frac_seqs"] and m_tok["clip_frac_tokens"] == m_seq["clip_frac_tokens"]
+    assert torch.equal((g_tok != 0).any(-1), (g_seq != 0).any(-1))
+
+
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+def test_an_empty_batch_has_loss_zero(name):
+    """A loop that filters out zero-advantage groups can be left with none: loss 0, not 0/0."""
+    empty = torch.zeros(0, 5)
+    loss, _ = OBJECTIVES[name].loss(empty, empty, torch.zeros(0), empty.bool())
+    assert loss.item() == 0
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda a: {**a, "advantages": torch.tensor([1.0, math.nan, 0.0, 1.0, 0.0, -1.0])},
+         r"advantages must be finite; \[1\] is nan"),
+        (lambda a: {**a, "advantages": a["advantages"].tolist()}, "advantages must be a torch.Tensor, got list"),
+        (lambda a: {**a, "logprobs": a["logprobs"].exp()}, r"logprobs must be log-probabilities \(<= 0\).*"
+                                                           "probabilities or logits passed instead"),
+        (lambda a: {**a, "old_logprobs": a["old_logprobs"].exp()}, r"old_logprobs must be log-probabilities"),
+    ],
+)
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+def test_values_that_cannot_be_log_probabilities_or_advantages_are_refused(name, change, message):
+    """A NaN advantage made a NaN loss while every metric read healthy (clip 0, ratio 1); probabilities passed for
+    log-probabilities made a plausible number."""
+    lp, old, adv, mask = make_batch(0)
+    args = change({"logprobs": lp, "old_logprobs": old, "advantages": adv, "mask": mask})
+    with pytest.raises(ValueError, match=message):
+        OBJECTIVES[name].loss(**args)
+
+
+def test_non_finite_logprobs_are_left_to_the_learner_and_masked_garbage_to_the_mask():
+    """A non-finite π_θ (a diverged model) is not refused here: the learner skips and counts that update. A positive
+    or NaN value at a padding position is never looked at."""
+    lp, old, adv, mask = make_batch(0, empty_row=True)
+    loss, _ = gspo_loss(lp.detach().masked_fill(~mask, 5.0), old.masked_fill(~mask, math.nan), adv, mask)
+    assert math.isfinite(loss.item())
+    nan_lp = lp.detach().clone()
+    nan_lp[1, 0] = math.nan
+    assert math.isnan(gspo_loss(nan_lp, old, adv, mask)[0].item())

@@ -42,7 +42,8 @@ Numerical contract (tested):
   `torch.where`, never multiplied by 0 (NaN · 0 = NaN).
 - Every log-ratio is clamped to ±LOG_RATIO_CLAMP before `exp`, so loss and gradients are finite for every finite
   input (OpenRLHF's unclamped exp overflowed to inf and NaN-ed every gradient).
-- A sequence with no response token contributes 0 to the loss and its gradient and produces no NaN.
+- A sequence with no response token contributes 0 to the loss and its gradient and produces no NaN; an empty batch
+  (B = 0) has loss 0.
 - Computation is in float32 at least, whatever the input dtype.
 """
 
@@ -84,7 +85,17 @@ def _check(
     *,
     token_advantages: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Validate shapes/dtypes; return (logprobs, old_logprobs, advantages) as float32+ and mask as bool."""
+    """Validate types, shapes, dtypes and values; return (logprobs, old_logprobs, advantages) as float32+ and mask as
+    bool. π_old and the advantages are constants of the objective: they are detached, so that the on-policy call
+    `loss(lp, lp, ...)` of a hand-written loop has Eq. 10's gradient rather than none (exp(lp − lp) has no gradient).
+
+    Values: advantages must be finite (at response tokens when per token) and log-probabilities at response tokens
+    must not be positive (probabilities or logits passed by mistake would give a plausible number). A non-finite
+    log-probability is left to the caller: the learner skips and counts a non-finite update (`gspo.learner`)."""
+    for name, t in (("logprobs", logprobs), ("old_logprobs", old_logprobs), ("advantages", advantages),
+                    ("mask", mask)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
     for name, t in (("old_logprobs", old_logprobs), ("mask", mask)):
@@ -106,8 +117,33 @@ def _check(
         if not bool(((mask == 0) | (mask == 1)).all()):
             raise ValueError(f"mask of dtype {mask.dtype} must hold only 0 and 1")
         mask = mask != 0
+    _check_values(logprobs, old_logprobs, advantages, mask)
     dtype = torch.promote_types(logprobs.dtype, torch.float32)
-    return logprobs.to(dtype), old_logprobs.to(dtype), advantages.to(dtype), mask
+    return logprobs.to(dtype), old_logprobs.detach().to(dtype), advantages.detach().to(dtype), mask
+
+
+LOGPROB_TOLERANCE = 1e-3
+"""How far above 0 a log-probability may be read (rounding in a log-softmax) before it is taken for a probability or
+a logit."""
+
+
+def _check_values(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                  mask: torch.Tensor) -> None:
+    """`_check`'s value checks, in one device sync; the offending tensor, row and value named only when one fails."""
+    at_tokens = advantages.dim() == 2
+    bad_adv = ~torch.isfinite(advantages) & (mask if at_tokens else True)
+    positive = [(t > LOGPROB_TOLERANCE) & mask for t in (logprobs.detach(), old_logprobs.detach())]
+    if not bool(bad_adv.any() | positive[0].any() | positive[1].any()):
+        return
+    if bad_adv.any():
+        where = bad_adv.nonzero()[0].tolist()
+        raise ValueError(f"advantages must be finite; {where} is {advantages[tuple(where)].item()} "
+                         f"({int(bad_adv.sum())} non-finite in total)")
+    for name, t, hit in (("logprobs", logprobs, positive[0]), ("old_logprobs", old_logprobs, positive[1])):
+        if hit.any():
+            i, j = hit.nonzero()[0].tolist()
+            raise ValueError(f"{name} must be log-probabilities (<= 0); [{i}, {j}] is {t[i, j].item():.4g} "
+                             f"({int(hit.sum())} response tokens > 0): probabilities or logits passed instead?")
 
 
 def _masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -237,7 +273,7 @@ def gspo_loss(
     s = torch.exp(log_s)
     nonempty = mask.any(-1)
     per_seq = _masked(_clipped_surrogate(s, advantages, eps_low, eps_high), nonempty)  # [B]
-    loss = -per_seq.sum() / (logprobs.shape[0] if normaliser is None else normaliser)
+    loss = -per_seq.sum() / (max(logprobs.shape[0], 1) if normaliser is None else normaliser)
 
     clipped_seq = _clipped(s.detach(), advantages, eps_low, eps_high) & nonempty  # [B]
     metrics = _token_metrics(log_w.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP),
@@ -272,9 +308,9 @@ def gspo_token_loss(
     lp = _masked(logprobs, mask)
     log_w = lp - _masked(old_logprobs, mask)
     log_s = _token_mean_per_seq(log_w, mask).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B]
-    s_it = torch.exp(log_s.detach()[:, None] + lp - lp.detach())  # [B, T], value s_i, gradient of log π_θ(y_{i,t})
+    s_it = torch.exp(log_s.detach()[:, None] + (lp - lp.detach()))  # [B, T]: value s_i exactly, gradient of log π_θ
     per_seq = _token_mean_per_seq(_clipped_surrogate(s_it, adv, eps_low, eps_high), mask)  # [B]
-    loss = -per_seq.sum() / (logprobs.shape[0] if normaliser is None else normaliser)
+    loss = -per_seq.sum() / (max(logprobs.shape[0], 1) if normaliser is None else normaliser)
 
     nonempty = mask.any(-1)
     clipped = _clipped(s_it.detach(), adv, eps_low, eps_high)
@@ -319,7 +355,7 @@ def _token_clip_objective(
 def seq_mean_token_mean(x: torch.Tensor, mask: torch.Tensor, normaliser: float | None = None) -> torch.Tensor:
     """1/B Σ_i 1/|y_i| Σ_t x_{i,t} — GRPO's aggregation (Eq. 2); `normaliser` replaces B."""
     normaliser = _check_normaliser(normaliser)
-    return _token_mean_per_seq(x, mask).sum() / (x.shape[0] if normaliser is None else normaliser)
+    return _token_mean_per_seq(x, mask).sum() / (max(x.shape[0], 1) if normaliser is None else normaliser)
 
 
 def token_mean(x: torch.Tensor, mask: torch.Tensor, normaliser: float | None = None) -> torch.Tensor:
@@ -395,10 +431,11 @@ def dr_grpo_loss(
         raise ValueError("dr_grpo takes normaliser (B·L) or max_tokens (L), not both")
     budget = logprobs.shape[-1] if max_tokens is None else max_tokens
     if budget < 1:
-        raise ValueError(f"dr_grpo max_tokens must be >= 1, got {max_tokens}")
+        raise ValueError(f"dr_grpo max_tokens must be >= 1, got {max_tokens}" if max_tokens is not None else
+                         "dr_grpo needs max_tokens (L, the generation budget) when the tensors have no token (T = 0)")
 
     def constant_norm(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-        return _masked(x, m).sum() / (x.shape[0] * budget if normaliser is None else normaliser)
+        return _masked(x, m).sum() / (max(x.shape[0], 1) * budget if normaliser is None else normaliser)
 
     return _token_clip_objective(logprobs, old_logprobs, advantages, mask, eps_low, eps_high, constant_norm)
 
