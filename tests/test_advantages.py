@@ -71,3 +71,18 @@ def test_bad_layout_raises():
         group_advantages(torch.zeros(2, 3), 3)
     with pytest.raises(ValueError, match="scale"):
         group_advantages(torch.zeros(4), 2, scale="token")
+
+
+def test_arguments_of_the_wrong_kind_are_refused_by_name():
+    """A negative eps let an all-equal group through to 0/0 (NaN advantages, no error); a float group size or a list of
+    rewards failed deep in torch (`view()` / `.dim()`)."""
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.5, 0.5, 0.5, 0.5])
+    with pytest.raises(ValueError, match=r"eps must be a finite number >= 0, got -1"):
+        group_advantages(rewards, 4, eps=-1)
+    with pytest.raises(ValueError, match=r"eps must be"):
+        zero_variance_groups(rewards, 4, eps=math.nan)
+    with pytest.raises(ValueError, match=r"group_size must be an int, got 4\.0"):
+        group_advantages(rewards, 4.0)
+    with pytest.raises(ValueError, match=r"rewards must be a torch\.Tensor, got list"):
+        group_advantages(rewards.tolist(), 4)
+    assert torch.isfinite(group_advantages(rewards, 4, eps=0)).all()

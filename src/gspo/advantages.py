@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -11,6 +12,10 @@ Scale = Literal["group", "batch", "none"]
 
 def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """Validate and view rewards [P·G] as [P, G] (group-contiguous: rows g·G .. g·G+G−1 share a prompt)."""
+    if not isinstance(rewards, torch.Tensor):
+        raise ValueError(f"rewards must be a torch.Tensor, got {type(rewards).__name__}")
+    if not isinstance(group_size, int) or isinstance(group_size, bool):
+        raise ValueError(f"group_size must be an int, got {group_size!r}")
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [num_prompts * group_size], got shape {tuple(rewards.shape)}")
     if group_size < 2:
@@ -25,9 +30,16 @@ def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return rewards.to(torch.promote_types(rewards.dtype, torch.float32)).view(-1, group_size)
 
 
+def _check_eps(eps: float) -> None:
+    """A negative `eps` would let an all-equal group through to 0/0: NaN advantages."""
+    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+
+
 def zero_variance_groups(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
     """[P] bool: groups whose rewards are all equal (std ≤ eps). They carry no signal: their advantages are 0, and
     dynamic sampling (DAPO) drops them."""
+    _check_eps(eps)
     return _grouped(rewards, group_size).std(-1, correction=1) <= eps
 
 
@@ -42,6 +54,7 @@ def group_advantages(
     """
     if scale not in ("group", "batch", "none"):
         raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
+    _check_eps(eps)
     r = _grouped(rewards, group_size)  # [P, G]
     centred = r - r.mean(-1, keepdim=True)
     flat = r.std(-1, keepdim=True, correction=1) <= eps  # [P, 1]
@@ -68,6 +81,10 @@ def turn_advantages(token_rewards: torch.Tensor, loss_mask: torch.Tensor, group_
     first turn gets exactly Eq. 6's Â_i, and when only the final answer is rewarded every token gets Â_i (GSPO-token
     then equals GSPO, as the paper notes). A group whose returns are all equal is not rescaled (std 1), so its later
     turns keep the credit of their own rewards. 0 off `loss_mask`. Returns [N, T] float."""
+    _check_eps(eps)
+    if not (isinstance(token_rewards, torch.Tensor) and isinstance(loss_mask, torch.Tensor)):
+        raise ValueError(f"token_rewards and loss_mask must be torch.Tensors, got {type(token_rewards).__name__} and "
+                         f"{type(loss_mask).__name__}")
     if token_rewards.shape != loss_mask.shape or token_rewards.dim() != 2:
         raise ValueError(f"token_rewards {tuple(token_rewards.shape)} and loss_mask {tuple(loss_mask.shape)} must be "
                          "the same [N, T] shape")
