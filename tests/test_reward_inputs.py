@@ -211,3 +211,42 @@ def test_all_zero_reward_weights_are_refused_before_anything_runs():
 def test_reward_check_results_name_no_function_when_none_fails():
     found = reward_checks(RewardRunner([(exact, 1.0)]), ROWS, "exact", 1.0)
     assert found["failures"] == {} and reward_warnings(found, "training") == []
+
+
+# -------------------------------------------------------------------------------------- what a reward function returns
+
+
+@pytest.mark.parametrize("value", [10**400, 10**5000, -(10**400)], ids=["1e400", "1e5000", "-1e400"])
+def test_an_int_beyond_float_range_is_that_rows_failure_not_an_overflow_error(value):
+    """float(10**400) raises OverflowError, which escaped isolation even with on_error="zero"."""
+    runner = RewardRunner([(lambda prompt, completion, **row: value, 1.0)], on_error="zero", timeout_s=None)
+    rewards, stats = score(runner, ["1", "2"])
+    assert rewards.tolist() == [0.0, 0.0] and stats["reward_failures"] == 2
+    with pytest.raises(RewardFailure, match=r"returned a value too large for a float: an int of \d+ bits"):
+        score(RewardRunner([(lambda prompt, completion, **row: value, 1.0)], on_error="fail", timeout_s=None), ["1"])
+
+
+def test_zero_dim_tensors_and_a_classifiers_one_column_are_read_as_numbers():
+    """A per-row reward returning torch.tensor(0.5) or np.array(0.25) (what `.mean()` of a score gives), and a batched
+    one returning a classifier's [N, 1] logits, were refused row by row as non-numbers."""
+    import numpy as np
+    import torch
+
+    @batched
+    def logits(prompts, completions, **rows):
+        return torch.tensor([[0.5], [0.75]])
+
+    for fn, want in ((lambda prompt, completion, **row: torch.tensor(0.5), [0.5, 0.5]),
+                     (lambda prompt, completion, **row: np.array(0.25), [0.25, 0.25]), (logits, [0.5, 0.75])):
+        rewards, stats = score(RewardRunner([(fn, 1.0)], on_error="fail", timeout_s=None), ["1", "2"])
+        assert rewards.tolist() == want and stats["reward_failures"] == 0
+
+
+def test_a_batch_reward_without_the_batched_decorator_is_told_to_add_it():
+    """TRL's reward signature takes the batch (`prompts, completions`); without @batched each call gets one row and
+    returns a list, which failed as "a non-number list" with no word of the decorator."""
+    def trl_style(prompts, completions, **kwargs):
+        return [1.0] * len(prompts)
+
+    with pytest.raises(RewardFailure, match=r"non-number list.*needs the @gspo\.rewards\.batched decorator"):
+        score(RewardRunner([(trl_style, 1.0)], on_error="fail", timeout_s=None), ["1"])

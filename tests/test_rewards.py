@@ -276,7 +276,8 @@ FAILURE_KINDS = [
     ("nan", r"returned a non-finite value nan"),
     ("inf", r"returned a non-finite value -inf"),
     ("str", r"returned a non-number str: '1\.0'"),
-    ("list", r"returned a non-number list: \[1\.0\]"),
+    ("list", r"returned a non-number list: \[1\.0\] \(a function that scores the whole batch at once needs the "
+             r"@gspo\.rewards\.batched decorator\)"),
 ]
 
 

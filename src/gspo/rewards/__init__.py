@@ -262,14 +262,27 @@ def _check_value(value: Any) -> tuple[float | None, str, str]:
     """(value as float or None, failure kind, failure description) for what a reward function returned."""
     if value is None:
         return None, "none", "returned None"
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # a 0-dim tensor or numpy array: its number
+        value = value.item()
     if isinstance(value, numbers.Real):  # bool, int, float, Fraction, numpy scalars
-        as_float = float(value)
+        try:
+            as_float = float(value)
+        except OverflowError:  # an int or Fraction beyond float's range
+            return None, "non_finite", f"returned a value too large for a float: {_shown(value)}"
         if not math.isfinite(as_float):
-            return None, "non_finite", f"returned a non-finite value {value!r}"
+            return None, "non_finite", f"returned a non-finite value {_shown(value)}"
         return as_float, "", ""
+    hint = (" (a function that scores the whole batch at once needs the @gspo.rewards.batched decorator)"
+            if isinstance(value, (list, tuple)) or getattr(value, "ndim", 0) >= 1 else "")
+    return None, "non_number", f"returned a non-number {type(value).__name__}: {_shown(value)}{hint}"
+
+
+def _shown(value: Any) -> str:
+    """`value`'s repr, at most 80 characters."""
+    if isinstance(value, int) and value.bit_length() > 256:  # the repr of a huge int is refused past 4300 digits
+        return f"an int of {value.bit_length()} bits"
     shown = repr(value)
-    shown = shown if len(shown) <= 80 else shown[:77] + "..."
-    return None, "non_number", f"returned a non-number {type(value).__name__}: {shown}"
+    return shown if len(shown) <= 80 else shown[:77] + "..."
 
 
 @dataclass(frozen=True)
@@ -646,6 +659,8 @@ def _per_row(outcome: Outcome, n: int) -> list[Outcome]:
     if outcome.timed_out or outcome.error is not None:
         return [outcome] * n
     values = outcome.value
+    if getattr(values, "ndim", None) == 2 and values.shape[-1] == 1:  # [N, 1]: a classifier's one logit per row
+        values = values[:, 0]
     values = values.tolist() if hasattr(values, "tolist") else values  # a tensor or numpy array
     if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Sequence):
         error = ValueError(f"a batched reward must return a sequence of {n} numbers, got {type(values).__name__}")
