@@ -323,3 +323,16 @@ def test_prompt_template_naming_a_missing_field_is_a_clear_error():
     cfg = DataConfig(prompt_template="what is {x}?")
     with pytest.raises(ConfigError, match=r"'x'.*row 0.*fields"):
         render_chat(DataSplits(train=[{"prompt": "1+1=", "answer": "2"}], heldout=[]), cfg, build_tokenizer())
+
+
+def test_render_prompts_reads_a_messages_row_as_load_rows_does_and_names_a_row_without_a_prompt() -> None:
+    """A library caller's own rows: `messages` without `prompt` is the conversation (as in a data file), and a row
+    with no prompt at all is named, not a bare KeyError: 'prompt'."""
+    tokenizer = build_tokenizer()
+    conversation = [{"role": "user", "content": "1+2="}]
+    (row,) = render_prompts([{"messages": conversation}], tokenizer)
+    assert row["prompt"] == render_prompts([{"prompt": conversation}], tokenizer)[0]["prompt"]
+    assert row["messages"] == conversation
+    for bad, shown in (({"answer": "3"}, "none"), ({"prompt": ""}, "str ''"), ({"prompt": 5}, "int 5")):
+        with pytest.raises(ValueError, match=rf"data: row 1 has no prompt .*: {shown}$"):
+            render_prompts([{"prompt": "1+1="}, bad], tokenizer)

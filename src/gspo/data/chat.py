@@ -73,7 +73,13 @@ def render_prompts(
         raise ValueError(f"{where}: data.chat_template_kwargs may not set {sorted(_RESERVED_KWARGS & set(kwargs))}: "
                          "render_prompts sets them itself")
 
-    is_chat = [isinstance(row["prompt"], list) or mode == "always" for row in rows]
+    prompts = [row["prompt"] if "prompt" in row else row.get("messages") for row in rows]  # as `load_rows` reads
+    for index, prompt in enumerate(prompts):
+        if not (isinstance(prompt, list) or (isinstance(prompt, str) and prompt)):
+            shown = "none" if prompt is None else f"{type(prompt).__name__} {prompt!r:.60}"
+            raise ValueError(f"{where}: row {index} has no prompt (a non-empty string or a list of messages under "
+                             f"'prompt', or messages under 'messages'): {shown}")
+    is_chat = [isinstance(prompt, list) or mode == "always" for prompt in prompts]
     if mode == "never" and any(is_chat):
         index = is_chat.index(True)
         raise ValueError(f"{where}: row {index} has a list of messages as its prompt, but data.chat is 'never'; set "
@@ -84,10 +90,9 @@ def render_prompts(
                     "(data.chat: always renders them as user messages too)", where, is_chat.count(False))
 
     rendered = []
-    for index, (row, chat) in enumerate(zip(rows, is_chat, strict=True)):
+    for index, (row, prompt, chat) in enumerate(zip(rows, prompts, is_chat, strict=True)):
         new = dict(row)
         if chat:
-            prompt = row["prompt"]
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
             messages = check_messages(messages, f"{where}: row {index} prompt")  # copies: the row keeps its own
             shown = messages
