@@ -546,6 +546,50 @@ def test_compiled_mode_reuses_its_cache_and_keeps_its_weights(tok, tiny, monkeyp
     assert_same_samples(first, engine.generate(PROMPTS, 4, SEEDS))
 
 
+def test_compiled_mode_keeps_a_bounded_number_of_caches(tok, tiny, monkeypatch):
+    """One cache per (rows, length) was kept for the engine's life: multi-turn episodes, whose active rows and context
+    change every turn, accumulated caches until the GPU ran out of memory. At most KEPT_CACHES stay, least recently
+    used freed first, and the samples are still those of a fresh cache."""
+    from gspo.rollout.sampler import KEPT_CACHES
+
+    monkeypatch.setattr(HFSampler, "_decode_step", lambda self: self.model)
+    params = SamplingParams(temperature=0.8, max_new_tokens=6)
+    engine = HFSampler(tiny["moe"], tok, params, decode="compiled")
+    reference = HFSampler(tiny["moe"], tok, params, decode="static")
+    for n in range(1, len(PROMPTS) + 1):
+        for group in (1, 2):
+            assert_same_samples(reference.generate(PROMPTS[:n], group, SEEDS[:n]),
+                                engine.generate(PROMPTS[:n], group, SEEDS[:n]))
+            assert len(engine._static_caches) <= KEPT_CACHES
+    assert len({rows for rows, _ in engine._static_caches}) == KEPT_CACHES  # the latest shapes are the ones kept
+    assert next(reversed(engine._static_caches))[0] == 2 * len(PROMPTS)
+
+
+def test_multi_turn_episodes_decode_dynamically_under_auto(tmp_path, monkeypatch):
+    """`auto` would compile the decode step on CUDA; episodes change their row count and context every turn, so the
+    engine of an `env` run decodes dynamically unless rollout.decode says otherwise."""
+    import gspo.rollout as rollout
+    from conftest import DEMO, tiny_overrides
+    from gspo.config import load_config
+    from gspo.models import build_preset
+
+    asked = []
+
+    class Spy(HFSampler):
+        def __init__(self, *args, decode="auto", **kwargs):
+            asked.append(decode)
+            super().__init__(*args, decode=decode, **kwargs)
+
+    monkeypatch.setattr(rollout, "HFSampler", Spy)
+    model, tokenizer = build_preset("tiny-moe")
+    tools = ["env.name=tools", "env.tools=[calc]", "algorithm.loss=gspo_token"]
+    for overrides, want in ((["rollout.decode=auto"], "auto"), ([*tools, "rollout.decode=auto"], "dynamic"),
+                            ([*tools, "rollout.decode=static"], "static")):
+        cfg = load_config(DEMO, tiny_overrides(tmp_path, *overrides))
+        rollout.make_engine(cfg, model, tokenizer, out=tmp_path)
+        assert asked[-1] == want
+
+
 @pytest.mark.slow
 def test_compiled_decode_on_cpu_matches_the_dynamic_loop(tok, tiny):
     """torch.compile (inductor, no CUDA graphs) on this CPU: the same samples as the eager loop, call after call."""

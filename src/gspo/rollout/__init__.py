@@ -82,10 +82,14 @@ def make_engine(cfg: Config, model: nn.Module, tokenizer, *, out: str | Path, di
 
 
 def _hf_engine(cfg: Config, model: nn.Module, tokenizer, *, own_copy: bool, device=None) -> HFSampler:
-    """The built-in `HFSampler` on `model` (or its own copy), with the rollout section's settings."""
+    """The built-in `HFSampler` on `model` (or its own copy), with the rollout section's settings. Multi-turn
+    episodes decode dynamically under `rollout.decode: auto`: each turn generates for the episodes still running,
+    whose number and context length change turn after turn, and a compiled decode step is recompiled (and its static
+    cache allocated) for every new shape."""
     ro = cfg.rollout
+    decode = "dynamic" if ro.decode == "auto" and cfg.env is not None else ro.decode
     return HFSampler(model, tokenizer, sampling_params(cfg), dtype=ro.dtype, own_copy=own_copy,
-                     record_routing=cfg.algorithm.routing_replay == "r3", device=device, decode=ro.decode,
+                     record_routing=cfg.algorithm.routing_replay == "r3", device=device, decode=decode,
                      max_rows=ro.max_batch_rows)
 
 

@@ -92,6 +92,11 @@ def sample_from_logits(
     return idx.squeeze(1), logp.gather(-1, idx).squeeze(1)
 
 
+KEPT_CACHES = 4
+"""Static KV caches a compiled decode loop keeps, one per (rows, cache length) shape: a run's rollout shape, its
+evaluation's and their remainders; a fifth shape frees the least recently used."""
+
+
 def resolve_decode(decode: str, model: PreTrainedModel, device: torch.device | str,
                    record_routing: bool = False) -> str:
     """The decode mode `HFSampler` runs for `rollout.decode` (DECODE_MODES or "auto"): auto is compiled on CUDA for a
@@ -491,15 +496,19 @@ class HFSampler:
         keeps one per (rows, length) for the engine's life and resets it, so that the CUDA graph recorded on it is
         replayed on the same addresses (transformers' generate keeps its static cache the same way). The price: the
         cache stays allocated during the updates (28 layers × 128 rows × 384 slots of bf16 K/V: 2.8 GB on the
-        Qwen3-0.6B shape); rollout.decode=dynamic frees everything between rollouts."""
+        Qwen3-0.6B shape); rollout.decode=dynamic frees everything between rollouts. At most `KEPT_CACHES` are kept,
+        the least recently used freed first: shapes that keep changing (a rollout's row count, evaluation remainders)
+        must not accumulate caches until the GPU is out of memory."""
         if self.decode != "compiled":
             return StaticCache(config=self.model.config, max_cache_len=cache_len)
-        cache = self._static_caches.get((n_rows, cache_len))
+        cache = self._static_caches.pop((n_rows, cache_len), None)  # re-inserted below: the most recently used
         if cache is None:
-            cache = self._static_caches[n_rows, cache_len] = StaticCache(config=self.model.config,
-                                                                        max_cache_len=cache_len)
+            while len(self._static_caches) >= KEPT_CACHES:
+                del self._static_caches[next(iter(self._static_caches))]
+            cache = StaticCache(config=self.model.config, max_cache_len=cache_len)
         else:
             cache.reset()
+        self._static_caches[n_rows, cache_len] = cache
         return cache
 
     def _decode_step(self):
