@@ -39,16 +39,27 @@ __all__ = [
 
 def build_env(cfg: Config) -> tuple[Callable[[], Environment] | None, list[dict] | None]:
     """(a factory of one environment per episode, the tools' JSON schemas for the chat template) as the config's
-    `env` section says; (None, None) without one. Raises ConfigError naming env.* when it cannot be built (checked
-    before any compute)."""
+    `env` section says; (None, None) without one. One environment is built here, before any compute: a constructor
+    that raises (or does not take `env.options`), or an object without callable `reset` and `step`, is a
+    ConfigError naming env.* now rather than a traceback after the model is built."""
     from gspo.config import ConfigError
 
     if cfg.env is None:
         return None, None
     try:
-        return make_env_factory(cfg.env, cfg.rewards.think_tags)
+        make_env, schemas = make_env_factory(cfg.env, cfg.rewards.think_tags)
     except ValueError as exc:
         raise ConfigError(f"env: {exc}") from None
+    try:
+        env = make_env()
+    except Exception as exc:
+        raise ConfigError(f"env.name={cfg.env.name}: building an environment failed ({type(exc).__name__}: {exc}); "
+                          "its settings come from env.options") from None
+    missing = [m for m in ("reset", "step") if not callable(getattr(env, m, None))]
+    if missing:
+        raise ConfigError(f"env.name={cfg.env.name}: {type(env).__name__} has no {' or '.join(missing)} method; an "
+                          "environment has reset(row) -> prompt and step(reply) -> gspo.agent.Step")
+    return make_env, schemas
 
 
 def run_chat_format(cfg: Config, tokenizer) -> ChatFormat:

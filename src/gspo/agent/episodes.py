@@ -24,7 +24,10 @@ new messages and the generation prompt, exactly as `apply_chat_template` renders
 
 from __future__ import annotations
 
+import copy
 import logging
+import math
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -41,9 +44,10 @@ __all__ = ["EPISODE_COUNTS", "ChatFormat", "EpisodeLimits", "EpisodeRunner", "co
 
 log = logging.getLogger(__name__)
 
-EPISODE_COUNTS = ("turns", "turn_limit", "token_limit", "unfinished_turn", "env_failures")
-"""Counts the driver keeps per episode; then `env.STEP_COUNTS` (tool use) and the names an environment class lists in
-its `counts` attribute, summed from `Step.info`. The columns are fixed per runner, so batches concatenate."""
+EPISODE_COUNTS = ("turns", "turn_limit", "token_limit", "unfinished_turn", "env_failures", "env_timeouts")
+"""Counts the driver keeps per episode (`env_timeouts`: the environment failures that were a step past
+`step_timeout_s`); then `env.STEP_COUNTS` (tool use) and the names an environment class lists in its `counts`
+attribute, summed from `Step.info`. The columns are fixed per runner, so batches concatenate."""
 
 _DUMMY = "\x00gspo-content\x00"  # stands for an assistant message's content when locating the template's turn end
 
@@ -119,7 +123,7 @@ def encode_demonstration(fmt: ChatFormat, messages: Sequence[dict]) -> tuple[lis
 class EpisodeLimits:
     max_turns: int = 4  # policy turns per episode
     max_tokens: int = 256  # response tokens per episode, policy and observation
-    step_timeout_s: float | None = 60.0  # one turn's environment steps together
+    step_timeout_s: float | None = 60.0  # one environment step (a turn's steps run `workers` at a time)
     workers: int = 4  # environment steps run at once
 
 
@@ -166,9 +170,10 @@ class EpisodeRunner:
         self.fmt.observation_text([{"role": "tool", "content": "x"}], after_eos=True)  # a template that cannot: now
         self.pool = DeadlinePool(workers=limits.workers, timeout_s=limits.step_timeout_s)
         self.eos = {tokenizer.eos_token_id}
-        declared = [k for k in getattr(make_env(), "counts", ()) if k not in EPISODE_COUNTS + STEP_COUNTS]
-        self.keys = (*EPISODE_COUNTS, *STEP_COUNTS, *declared)
+        declared = env_counts(make_env())
+        self.keys = (*EPISODE_COUNTS, *STEP_COUNTS, *(k for k in declared if k not in EPISODE_COUNTS + STEP_COUNTS))
         self._ignored: set[str] = set()
+        self._failures_told: set[str] = set()  # kinds of environment failure already logged (each once)
 
     def run(self, rows: list[dict], group_size: int, seeds: list[int],
             params: SamplingParams | None = None) -> Trajectory:
@@ -178,7 +183,7 @@ class EpisodeRunner:
             for j in range(group_size):
                 env = self.make_env()
                 try:
-                    prompt = env.reset(row)
+                    prompt = env.reset(copy.deepcopy(row))  # an environment that edits its row edits a copy
                 except Exception as exc:
                     raise ValueError(f"the environment's reset failed on row {g} ({type(exc).__name__}: {exc})") \
                         from exc
@@ -193,6 +198,11 @@ class EpisodeRunner:
                 break
             self._policy_turn(active, turn, params)
             self._env_turn([e for e in active if not e.done], last=turn == lim.max_turns - 1)
+        failed = sum(e.counts.get("env_failures", 0) > 0 for e in episodes)
+        if failed == len(episodes) and "all" not in self._failures_told:
+            self._failures_told.add("all")
+            log.warning("every one of the %d episodes of a batch ended in an environment failure (counted in "
+                        "episode_env_failures; the reasons are logged once each)", len(episodes))
         return self._layout(episodes, group_size)
 
     def _policy_turn(self, active: list[_Episode], turn: int, params: SamplingParams) -> None:
@@ -218,13 +228,23 @@ class EpisodeRunner:
                 e.stop("token_limit" if n == left[i] else "unfinished_turn")
 
     def _env_turn(self, stepping: list[_Episode], last: bool) -> None:
-        """Every stepping episode's environment takes its reply (together, under one deadline); observations that
-        fit are appended; a failing environment ends only its own episode."""
-        outcomes = self.pool.map([(e.env.step, (e.final,), {}) for e in stepping])
+        """Every stepping episode's environment takes its reply (`workers` at a time, each round of steps given
+        `step_timeout_s`); observations that fit are appended; a failing environment ends only its own episode, not
+        as a truncation (the policy did not run out of tokens), and the first failure of each kind is logged."""
+        rounds = max(1, math.ceil(len(stepping) / self.limits.workers))
+        outcomes = self.pool.map([(e.env.step, (e.final,), {}) for e in stepping], rounds=rounds)
         for e, outcome in zip(stepping, outcomes, strict=True):
             step = outcome.value
-            if outcome.timed_out or outcome.error is not None or not isinstance(step, Step):
-                e.stop("env_failures")
+            why = self._step_problem(outcome)
+            if why is not None:
+                kind, reason = why
+                if outcome.timed_out:
+                    e.counts["env_timeouts"] = e.counts.get("env_timeouts", 0.0) + 1
+                e.stop("env_failures", truncated=False)
+                if kind not in self._failures_told:
+                    self._failures_told.add(kind)
+                    log.warning("an environment step failed: %s; its episode ends, counted in episode_env_failures "
+                                "(further failures of this kind are counted, not logged)", reason)
                 continue
             e.rewards[-1] += float(step.reward)
             for key, value in step.info.items():
@@ -241,13 +261,41 @@ class EpisodeRunner:
                 continue
             try:
                 obs = self.fmt.encode(step.observation or "", after_eos=bool(e.ids) and e.ids[-1] in self.eos)
-            except (ValueError, TypeError, KeyError):  # messages this template cannot render: this episode's fault
-                e.stop("env_failures")
+            except (ValueError, TypeError, KeyError) as exc:  # messages this template cannot render: this episode's
+                e.stop("env_failures", truncated=False)
+                if "observation" not in self._failures_told:
+                    self._failures_told.add("observation")
+                    log.warning("an environment's observation %.80r cannot be encoded (%s: %s); its episode ends, "
+                                "counted in episode_env_failures", step.observation, type(exc).__name__, exc)
                 continue
             if len(e.ids) + len(obs) >= self.limits.max_tokens:  # no room for the observation and a reply
                 e.stop("token_limit")
                 continue
             e.add(obs)
+
+    def _step_problem(self, outcome) -> tuple[str, str] | None:
+        """(kind, reason) when a step's outcome cannot be used: it timed out, raised, or returned something other than
+        a `Step` whose reward is a finite number, `done` a bool and `info` values finite numbers. None when it can."""
+        if outcome.timed_out:
+            return "timeout", (f"a step took longer than env.step_timeout_s={self.limits.step_timeout_s:g} s (the "
+                               f"steps of a turn run env.workers={self.limits.workers} at a time)")
+        if outcome.error is not None:
+            exc = outcome.error
+            return f"raised {type(exc).__name__}", f"step() raised {type(exc).__name__}: {exc}"
+        step = outcome.value
+        if not isinstance(step, Step):
+            return "not a Step", f"step() returned {type(step).__name__} {step!r:.80}, not a gspo.agent.Step"
+
+        def number(x) -> bool:
+            return isinstance(x, numbers.Real) and math.isfinite(float(x))
+
+        if not number(step.reward):
+            return "reward", f"Step.reward is {step.reward!r:.80}, not a finite number"
+        if not isinstance(step.done, bool):
+            return "done", f"Step.done is {step.done!r:.80}, not True or False"
+        if not isinstance(step.info, dict) or not all(number(v) for v in step.info.values()):
+            return "info", f"Step.info is {step.info!r:.80}, not a dict of finite numbers"
+        return None
 
     def _layout(self, episodes: list[_Episode], group_size: int) -> Trajectory:
         prompt_ids, prompt_mask = pad_left([e.prompt for e in episodes], self.engine.pad_id)
@@ -281,15 +329,23 @@ def episode_metrics(traj: Trajectory) -> dict[str, float]:
     return count_metrics(traj.extras["episode"], traj.extras["episode_keys"])
 
 
+def env_counts(env: Environment) -> tuple[str, ...]:
+    """The names an environment lists in its `counts` attribute (a string is one name, not its characters)."""
+    declared = getattr(env, "counts", ())
+    return (declared,) if isinstance(declared, str) else tuple(declared)
+
+
 def count_metrics(counts: torch.Tensor, keys: Sequence[str]) -> dict[str, float]:
     """Means over episodes from their counts [N, K] (`extras["episode"]`): `episode_turns`, the rate of each limit
     and failure (`episode_turn_limit`, ...); with tools, `tool_calls` per episode, `tool_call_rate` (episodes with at
     least one call attempt), `tool_call_validity` (well-formed calls among the attempts; NaN without any) and
-    `tool_failures` (calls that raised, timed out or returned non-text, among the well-formed)."""
+    `tool_failures` (calls that raised, timed out or returned non-text, among the well-formed); an environment's own
+    counts (its `counts` attribute) as `env/<name>`, their mean per episode."""
     counts = counts.float().cpu()
     col = {k: counts[:, i] for i, k in enumerate(keys)}
     out = {"episode_turns": float(col["turns"].mean())}
-    out.update({f"episode_{k}": float((col[k] > 0).float().mean()) for k in EPISODE_COUNTS[1:]})
+    out.update({f"episode_{k}": float((col[k] > 0).float().mean()) for k in EPISODE_COUNTS[1:] if k in col})
+    out.update({f"env/{k}": float(col[k].mean()) for k in keys if k not in EPISODE_COUNTS + STEP_COUNTS})
     if "tool_calls" in col:
         calls, zero = col["tool_calls"], torch.zeros_like(col["tool_calls"])
         invalid, failed = col.get("invalid_calls", zero).sum(), col.get("tool_failures", zero).sum()

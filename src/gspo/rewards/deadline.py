@@ -92,10 +92,12 @@ class DeadlinePool:
             self._abandoned = [thread for thread in self._abandoned if thread.is_alive()]
             return len(self._abandoned)
 
-    def map(self, calls: Sequence[tuple[Callable[..., Any], tuple, dict]]) -> list[Outcome]:
-        """Run each `(fn, args, kwargs)` and return their outcomes in the same order; never raises for a call."""
+    def map(self, calls: Sequence[tuple[Callable[..., Any], tuple, dict]], rounds: int = 1) -> list[Outcome]:
+        """Run each `(fn, args, kwargs)` and return their outcomes in the same order; never raises for a call.
+        `rounds`: the deadline is `rounds` × timeout_s (an episode driver gives each of its ⌈calls / workers⌉ rounds
+        of environment steps the time of one)."""
         batch = _Batch(remaining=len(calls),
-                       deadline=None if self.timeout_s is None else time.monotonic() + self.timeout_s)
+                       deadline=None if self.timeout_s is None else time.monotonic() + self.timeout_s * rounds)
         tasks = [_Task(fn, tuple(args), dict(kwargs), batch) for fn, args, kwargs in calls]
         batch.queued = tasks
         for task in tasks:

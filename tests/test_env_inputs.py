@@ -1,0 +1,181 @@
+"""A user's own environment misbehaving, as a new user's would: it edits its row, returns a malformed Step, is slow,
+fails on every episode, or cannot be built. Each is isolated and counted with its reason told once, or refused before
+any compute; never a silently wrong number (an environment that edited its row made 0 % → 100 % held-out accuracy)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import pytest
+import torch
+
+import gspo.trainer
+from conftest import DEMO, tiny_overrides
+from gspo.agent import EpisodeLimits, EpisodeRunner, Step, build_env, episode_metrics
+from gspo.config import ConfigError, load_config
+from gspo.models import VOCAB_CHARS, build_preset
+from gspo.rollout import HFSampler, SamplingParams
+from gspo.trainer import train
+
+ROWS = [{"prompt": "12*34=", "answer": "408"}, {"prompt": "5*6=", "answer": "30"}]
+
+
+@pytest.fixture(scope="module")
+def policy():
+    torch.manual_seed(0)
+    model, tok = build_preset("tiny-moe", seed=0)
+    return model.eval(), tok
+
+
+def runner(policy, make_env, **limits) -> EpisodeRunner:
+    """Episodes of the untrained tiny model whose turns end at their first character (every character stops)."""
+    model, tok = policy
+    engine = HFSampler(model, tok, SamplingParams(max_new_tokens=5, stop=tuple(VOCAB_CHARS)))
+    return EpisodeRunner(engine, tok, make_env, EpisodeLimits(**{"max_turns": 3, "max_tokens": 60, **limits}))
+
+
+def column(traj, key: str) -> list[float]:
+    return traj.extras["episode"][:, traj.extras["episode_keys"].index(key)].tolist()
+
+
+class Edits:
+    """Rewrites the row it is given, as a careless environment might (the answer it then checks against)."""
+
+    def reset(self, row):
+        row["answer"], row["prompt"] = "0", row["prompt"] + " edited"
+        return row["prompt"]
+
+    def step(self, action):
+        return Step(done=True)
+
+
+def test_an_environment_that_edits_its_row_edits_a_copy(policy):
+    rows = [dict(r) for r in ROWS]
+    runner(policy, Edits).run(rows, 2, [1, 2])
+    assert rows == ROWS
+
+
+class Returns:
+    """Returns what the row's `kind` says from its first step."""
+
+    counts = "mine"  # one name, not the characters m, i, n, e
+
+    def reset(self, row):
+        self.kind = row["kind"]
+        return row["prompt"]
+
+    def step(self, action):
+        return {
+            "none_reward": lambda: Step(done=True, reward=None),
+            "nan_reward": lambda: Step(done=True, reward=math.nan),
+            "text_reward": lambda: Step(done=True, reward="high"),
+            "text_done": lambda: Step(done="False", reward=1.0),
+            "text_info": lambda: Step(done=True, info={"mine": "lots"}),
+            "tuple": lambda: ("obs", 1.0, True, {}),
+            "fine": lambda: Step(done=True, reward=0.5, info={"mine": 2.0}),
+        }[self.kind]()
+
+
+def test_malformed_steps_are_failures_of_their_episodes_with_the_reason_told_once(policy, caplog):
+    """Step.reward=None was a TypeError traceback, "high" a bare "could not convert string to float", NaN a run-ending
+    "reward at index 0 is nan" blaming the reward functions, done="False" silently ended the episode. All are now
+    that episode's environment failure, not a truncation, each kind's reason logged once."""
+    kinds = ["none_reward", "nan_reward", "text_reward", "text_done", "text_info", "tuple", "fine"]
+    rows = [{"prompt": "1=", "kind": k} for k in kinds]
+    with caplog.at_level(logging.WARNING, logger="gspo.agent.episodes"):
+        traj = runner(policy, Returns).run(rows, 2, list(range(len(kinds))))
+    assert column(traj, "env_failures") == [1.0] * 12 + [0.0] * 2
+    assert not traj.truncated.any()  # the policy did not run out of tokens: truncation_rate stays honest
+    assert torch.isfinite(traj.token_rewards).all() and traj.token_rewards.sum(-1).tolist()[-2:] == [0.5, 0.5]
+    for told in ("Step.reward is None", "Step.done is 'False'", "Step.info is {'mine': 'lots'}", "returned tuple"):
+        assert caplog.text.count(told) == 1, told
+    assert caplog.text.count("Step.reward is") == 1  # None, NaN and "high" are one kind: the first is told
+    assert episode_metrics(traj)["env/mine"] == pytest.approx(4.0 / 14)  # the fine episodes' 2 each, per episode
+
+
+def test_a_batch_whose_every_episode_failed_is_warned_about(policy, caplog):
+    rows = [{"prompt": "1=", "kind": "tuple"}]
+    with caplog.at_level(logging.WARNING, logger="gspo.agent.episodes"):
+        traj = runner(policy, Returns).run(rows, 2, [0])
+    assert column(traj, "env_failures") == [1.0, 1.0]
+    assert "every one of the 2 episodes of a batch ended in an environment failure" in caplog.text
+
+
+class Slow:
+    """Healthy, but each step takes `delay` seconds (`hang` for the rows that say so)."""
+
+    def reset(self, row):
+        self.delay = 30.0 if row.get("hang") else 0.25
+        return row["prompt"]
+
+    def step(self, action):
+        time.sleep(self.delay)
+        return Step(done=True, reward=1.0)
+
+
+def test_step_timeout_is_per_step_not_for_all_the_episodes_of_a_turn(policy):
+    """8 steps of 0.25 s on 2 workers take 1 s: under one 0.5 s deadline for the whole turn, half the healthy episodes
+    were reported as environment failures. A hanging step is still cut, and counted as a timeout."""
+    traj = runner(policy, Slow, step_timeout_s=0.5, workers=2).run(ROWS * 2, 2, [1, 2, 3, 4])
+    assert column(traj, "env_failures") == [0.0] * 8 and traj.token_rewards.sum(-1).tolist() == [1.0] * 8
+    t0 = time.monotonic()
+    hung = runner(policy, Slow, step_timeout_s=0.5, workers=4).run([{"prompt": "1=", "hang": True}, ROWS[0]], 2,
+                                                                   [1, 2])
+    assert time.monotonic() - t0 < 5
+    assert column(hung, "env_timeouts") == [1.0, 1.0, 0.0, 0.0] and column(hung, "env_failures")[:2] == [1.0, 1.0]
+    assert episode_metrics(hung)["episode_env_timeouts"] == 0.5
+
+
+# ---------------------------------------------------------------------------- environments that cannot be built
+
+
+ENVS = """
+from gspo.agent import Step
+
+
+class Raises:
+    def __init__(self, size: int = 1):
+        raise RuntimeError("no board of that size")
+
+
+class NoStep:
+    def reset(self, row):
+        return row["prompt"]
+
+
+class Takes:
+    def __init__(self, size: int = 1):
+        self.size = size
+
+    def reset(self, row):
+        return row["prompt"]
+
+    def step(self, action):
+        return Step(done=True)
+"""
+
+
+@pytest.mark.parametrize(("name", "options", "message"), [
+    ("Raises", {}, r"building an environment failed \(RuntimeError: no board of that size\)"),
+    ("Takes", {"sise": 3}, r"building an environment failed \(TypeError: .*unexpected keyword argument 'sise'"),
+    ("NoStep", {}, r"NoStep has no step method"),
+])
+def test_an_environment_that_cannot_be_built_is_refused_before_the_model(tmp_path, monkeypatch, name, options,
+                                                                         message):
+    """These were tracebacks after the model was built (and config.yaml written), and `--check` said ready."""
+    module = tmp_path / "my_envs.py"
+    module.write_text(ENVS)
+    cfg = load_config(DEMO, tiny_overrides(tmp_path / "run", f"env.name={module}:{name}", f"env.options={options}",
+                                           "algorithm.loss=gspo_token", "data.chat=always"))
+    with pytest.raises(ConfigError, match=rf"env\.name={module}:{name}: {message}"):
+        build_env(cfg)
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the environment was checked")
+
+    monkeypatch.setattr(gspo.trainer, "load_model", no_model)
+    with pytest.raises(ConfigError, match=message):
+        train(cfg)
+    assert not (tmp_path / "run" / "config.yaml").exists()
