@@ -410,3 +410,16 @@ def test_disable_dropout_makes_train_mode_forwards_deterministic(family) -> None
     assert torch.equal(train, model(input_ids=ids).logits)
     torch.testing.assert_close(train, model.eval()(input_ids=ids).logits)
     assert disable_dropout(model) == []
+
+
+def test_a_tokenizer_larger_than_the_models_embedding_table_is_refused(tmp_path) -> None:
+    """Another model's tokenizer files copied into a model folder: its ids past the embedding table made a silent 0 %
+    accuracy on digit prompts (ids that happen to fit) and an IndexError deep in torch on others."""
+    model, tokenizer = build_preset("tiny-dense")
+    save_model(model, tokenizer, tmp_path / "m")
+    larger = build_tokenizer()
+    larger.add_tokens([f"<extra_{i}>" for i in range(20)])
+    larger.save_pretrained(tmp_path / "m")
+    rows = model.get_input_embeddings().num_embeddings
+    with pytest.raises(ValueError, match=rf"has {len(larger)} tokens but the model's embedding table has {rows} rows"):
+        load_model(str(tmp_path / "m"))

@@ -393,6 +393,12 @@ def load_pretrained(
         if tokenizer.eos_token is None:
             raise ValueError(f"tokenizer of {where} has neither a pad nor an eos token")
         tokenizer.pad_token = tokenizer.eos_token
+    embeddings = model.get_input_embeddings()
+    rows = getattr(embeddings, "num_embeddings", None)
+    if rows is not None and len(tokenizer) > rows:  # ids past the table: garbage, or an IndexError deep in torch
+        raise ValueError(f"the tokenizer of {where} has {len(tokenizer)} tokens but the model's embedding table has "
+                         f"{rows} rows: the tokenizer files are not this model's (token ids >= {rows} have no "
+                         "embedding)")
     return model, tokenizer, info
 
 
