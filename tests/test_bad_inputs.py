@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -130,6 +131,20 @@ def test_resume_refuses_when_every_checkpoint_is_damaged_and_keeps_the_run(tmp_p
     with pytest.raises(ConfigError, match=rf"none of the {len(steps)} checkpoints .* is intact.*--overwrite"):
         train(load_config(DEMO, [*overrides, "trainer.steps=3"]), resume=True)
     assert (out / "metrics.jsonl").read_bytes() == records
+
+
+def test_resume_refuses_a_finished_run_whose_checkpoints_were_deleted(tmp_path):
+    """Deleting a finished run's checkpoints to save disk, then `--resume --steps N` to extend it, retrained from step
+    0 and replaced its final model and records, with only an INFO line."""
+    out = tmp_path / "run"
+    overrides = tiny_overrides(out, "cold_start=null", "trainer.steps=2", "trainer.checkpoint_every=1",
+                               "trainer.eval_every=0")
+    train(load_config(DEMO, overrides))
+    shutil.rmtree(out / "checkpoints")
+    records = (out / "metrics.jsonl").read_bytes()
+    with pytest.raises(ConfigError, match=r"holds a finished run \(final/\) but no checkpoint.*model\.name=.*final"):
+        train(load_config(DEMO, [*overrides, "trainer.steps=3"]), resume=True)
+    assert (out / "metrics.jsonl").read_bytes() == records and (out / "final").is_dir()
 
 
 def test_gspo_eval_of_a_config_with_relative_data_paths_says_where_they_are_read_from(tmp_path, monkeypatch,

@@ -421,6 +421,10 @@ def _start_checks(cfg: Config, out: Path, cfg_dict: dict, resume: bool, overwrit
         raise ConfigError(f"{out} already holds a run: pass --resume to continue it, --overwrite to delete it and "
                           "start over, or choose another trainer.out")
     changed = check_resume_config(out, cfg_dict) if resume else []
+    if resume and (out / "final").exists() and not list_checkpoints(out):  # finished, then its checkpoints deleted
+        raise ConfigError(f"--resume: {out} holds a finished run (final/) but no checkpoint to continue it from, and "
+                          f"starting over would replace its records; to train it further start a new run from its "
+                          f"model (model.name={out / 'final'}), or start over with --overwrite")
     if resume and not run_started(out):
         log.warning("--resume: %s holds no run yet, so a new one starts there (is trainer.out right?)", out)
     if cfg.algorithm.routing_replay != "none":  # a preset or local directory, from its config (a hub id: after loading)
