@@ -686,10 +686,25 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
     # on a resume the checkpoint's weights replace the cold-start ones, but the KL reference is the cold-start model
     cold = None  # rank 0 trains and saves it; the other processes then load it
     if cfg.cold_start is not None:
+        measure = before_sft if eval_rows and make_env is None else None  # episodes need the run's engine
+
+        def cold_start_on_device() -> dict:
+            """`cold_start` on the process's device. Under FSDP the model waits on the CPU to be sharded, so rank 0
+            moves it to its GPU for the SFT and its evaluation (one GPU then holds the model and its AdamW state) and
+            back: otherwise both ran on the CPU while the GPUs waited."""
+            moved = (group.fsdp and group.is_main and group.device.type != "cpu"
+                     and not (out / "cold_start" / "sft.json").exists())
+            if moved:
+                model.to(group.device)
+            try:
+                return cold_start(cfg, out, model, tokenizer, train_rows, before=measure if group.is_main else None)
+            finally:
+                if moved:
+                    model.to("cpu")
+                    torch.cuda.empty_cache()
+
         try:
-            measure = before_sft if eval_rows and make_env is None else None  # episodes need the run's engine
-            cold = group.main_first(lambda: cold_start(cfg, out, model, tokenizer, train_rows,
-                                                       before=measure if group.is_main else None))
+            cold = group.main_first(cold_start_on_device)
         except RuntimeError as e:
             if not _out_of_memory(e):
                 raise
