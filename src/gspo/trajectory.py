@@ -132,7 +132,7 @@ class Trajectory:
         if self.token_rewards is not None:
             picked["token_rewards"] = self.token_rewards[idx]
         extras = {k: v[idx] if isinstance(v, torch.Tensor) else v for k, v in self.extras.items()}
-        return replace(self, **picked, completions=[self.completions[int(i)] for i in idx], extras=extras)
+        return replace(self, **picked, completions=[self.completions[i] for i in idx.tolist()], extras=extras)
 
     def padded(self, prompt_len: int, width: int, pad_id: int) -> Trajectory:
         """Prompts left-padded to `prompt_len` and responses right-padded to `width` (`pad_id`, masks 0, log-probs 0,

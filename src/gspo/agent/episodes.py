@@ -211,7 +211,7 @@ class EpisodeRunner:
         cap = min(params.max_new_tokens, max(left))
         traj = self.engine.generate([e.prompt + e.ids for e in active], 1,
                                     [derive_seed(e.seed, "turn", turn) for e in active],
-                                    params=replace(params, max_new_tokens=cap))
+                                    params=replace(params, max_new_tokens=cap)).to("cpu")  # one copy, then rows
         for i, e in enumerate(active):
             n = int(traj.completion_mask[i].sum())
             ids = traj.completion_ids[i, :n].tolist()

@@ -727,7 +727,7 @@ def score_trajectory(runner: RewardRunner, rows: list[dict], traj, settings, max
     place). Then DAPO's soft overlong shaping
     (`gspo.rewards.shaping`) when `settings.overlong_buffer` is set. `settings` is the config's `rewards` section
     (`gspo.config.RewardConfig`); `max_new_tokens` the rollout's budget per completion."""
-    row_of = [rows[int(i)] for i in traj.prompt_index]
+    row_of = [rows[i] for i in traj.prompt_index.tolist()]  # one device-to-host copy, not one per row
     scored = runner.score([r["prompt"] for r in row_of], traj.completions, row_of)
     solved = scored.correct(settings.accuracy_reward, settings.accuracy_threshold)
     total, stats = scored.total, {**scored.stats, "solved": float(solved.sum())}
@@ -737,7 +737,7 @@ def score_trajectory(runner: RewardRunner, rows: list[dict], traj, settings, max
     traj.extras["solved"] = solved.to(device)
     if traj.token_rewards is not None:
         last = traj.loss_mask.shape[1] - 1 - traj.loss_mask.flip(-1).argmax(-1)
-        traj.token_rewards[torch.arange(len(traj)), last] += total.to(traj.token_rewards)
+        traj.token_rewards[torch.arange(len(traj), device=last.device), last] += total.to(traj.token_rewards)
         total = traj.token_rewards.sum(-1)
     return add_overlong_penalty(total, stats, traj.completion_mask.sum(-1), max_new_tokens,
                                 settings.overlong_buffer, settings.overlong_penalty)
