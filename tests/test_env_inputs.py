@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 
 import pytest
@@ -179,3 +180,38 @@ def test_an_environment_that_cannot_be_built_is_refused_before_the_model(tmp_pat
     with pytest.raises(ConfigError, match=message):
         train(cfg)
     assert not (tmp_path / "run" / "config.yaml").exists()
+
+
+RESETS = """
+from gspo.agent import Step
+
+
+class Picky:
+    def __init__(self, refuse: bool = False):
+        self.refuse = refuse
+
+    def reset(self, row):
+        if self.refuse:
+            raise KeyError("board")
+        return row["prompt"]
+
+    def step(self, action):
+        return Step(done=True)
+"""
+
+
+def test_check_resets_the_environment_on_sample_rows_before_the_run_would(tmp_path, capsys):
+    """A reset that fails was found at the first rollout, after the model was built; `--check` said ready."""
+    from gspo.cli import main
+
+    module = tmp_path / "resets.py"
+    module.write_text(RESETS)
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text(DEMO.read_text())
+    args = [*tiny_overrides(tmp_path / "run", f"env.name={module}:Picky", "algorithm.loss=gspo_token",
+                            "data.chat=always", "env.max_tokens=48", "rollout.max_new_tokens=8")]
+    assert main(["train", str(cfg_file), "--check", *args]) == 0
+    assert f"environment: {module}:Picky; training rows: 8 reset, prompts ≤" in capsys.readouterr().out
+    assert main(["train", str(cfg_file), "--check", *args, "env.options={refuse: true}"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(rf"env\.name={re.escape(str(module))}:Picky: reset failed on training row 0 \(KeyError", err)

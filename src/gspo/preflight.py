@@ -22,6 +22,7 @@ then reports, computing nothing and writing nothing:
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 import shutil
@@ -168,6 +169,7 @@ def check(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[st
     too_long = len(over_positions(model, tokenizer, demonstrated, chat_format=run_chat_format(cfg, tokenizer))
                    if cs is not None else [])
     return {
+        "env": None if setup.make_env is None else reset_sample(setup),
         "config": {"out": str(setup.out), "resume": resume, "changed": setup.changed,
                    "resume_from": None if latest is None else latest.name},
         "cold_start": None if cs is None else {"steps_max": cs.steps, "batch_size": cs.batch_size,
@@ -196,6 +198,35 @@ def check(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[st
                   "update_row_tokens_max": train_lengths["max"] + steps["new_tokens_per_completion"],
                   "micro_batch_tokens": cfg.trainer.micro_batch_tokens},
     }
+
+
+ENV_SAMPLE = 8
+"""Training and held-out rows each on which `--check` resets an environment."""
+
+
+def reset_sample(setup) -> dict[str, Any]:
+    """An environment reset on the first `ENV_SAMPLE` training and held-out rows, as an episode would be (a copy of
+    the row): a reset that raises or returns no prompt raises ValueError naming the row, as the run would at its
+    first rollout after the model was built; the reset prompts' token lengths against the run's prompt limit."""
+    cfg, tokenizer = setup.cfg, setup.tokenizer
+    found: dict[str, Any] = {"name": cfg.env.name}
+    for rows, name, limit in ((setup.train_rows, "training", setup.prompt_limits[0]),
+                              (setup.eval_rows, "held-out", setup.prompt_limits[1])):
+        lengths = []
+        for i, row in enumerate(rows[:ENV_SAMPLE]):
+            try:
+                prompt = setup.make_env().reset(copy.deepcopy(row))
+            except Exception as exc:
+                raise ValueError(f"env.name={cfg.env.name}: reset failed on {name} row {i} ({type(exc).__name__}: "
+                                 f"{exc})") from exc
+            if not isinstance(prompt, str) or not prompt:
+                raise ValueError(f"env.name={cfg.env.name}: reset returned {prompt!r:.80} for {name} row {i}, not a "
+                                 "prompt string")
+            lengths.append(len(tokenizer(prompt, add_special_tokens=False)["input_ids"]))
+        if lengths:
+            found[name] = {"rows": len(lengths), "max": max(lengths), "limit": limit,
+                           "over": sum(limit is not None and n > limit for n in lengths)}
+    return found
 
 
 MEASURE_STEPS = 5
@@ -248,6 +279,11 @@ def warnings(report: dict[str, Any]) -> list[str]:
                      "to case and whitespace are left out")
     if note := warmup_warning(report["plan"]["warmup_steps"], report["plan"]["optimizer_steps"]):
         found.append(note)
+    for name, r in ((report.get("env") or {}).items()):
+        if isinstance(r, dict) and r["over"]:
+            found.append(f"the environment's reset prompts of {r['over']} of {r['rows']} sampled {name} rows are "
+                         f"longer than the {r['limit']} tokens a prompt may have (up to {r['max']}): those episodes "
+                         "cannot be generated")
     if (cs := report["cold_start"]) and cs["over_positions"]:
         found.append(f"{cs['over_positions']} of {cs['rows']} training rows' prompt + solution are longer than the "
                      "model's positions (max_position_embeddings): the cold start leaves them out")
@@ -351,6 +387,10 @@ def format_report(report: dict[str, Any]) -> list[str]:
     if c["resume"]:
         lines.append(f"resume: from {c['resume_from'] or 'the start (no checkpoint yet)'}"
                      + (f"; changed settings: {', '.join(c['changed'])}" if c["changed"] else ""))
+    if env := report.get("env"):
+        sampled = [f"{name} rows: {r['rows']} reset, prompts ≤ {r['max']} tokens" for name, r in env.items()
+                   if isinstance(r, dict)]
+        lines.append(f"environment: {env['name']}; " + "; ".join(sampled))
     if cs := report["cold_start"]:
         until = f" (until the running loss reaches {cs['target_loss']:g})" if cs["target_loss"] else ""
         lines.append(f"cold start: SFT on the rows' solutions, ≤ {cs['steps_max']} steps × {cs['batch_size']} "
