@@ -424,9 +424,12 @@ class EnvConfig(_Section):
         if self.name == "tools" and self.options:
             raise ValueError(f"env.options ({sorted(self.options)}) are for a custom environment (env.name: "
                              "package.module:factory); the tools environment takes the env.* settings")
-        if self.name != "tools" and "tools" in self.model_fields_set:
-            raise ValueError("env.tools are for env.name=tools; a custom environment takes its settings from "
-                             "env.options")
+        # a saved config (OUT/config.yaml) holds every key, the defaults of tools and parser included: only values
+        # other than the defaults are a custom environment's mistake, so that a run's own config loads back
+        defaults = {k: type(self).model_fields[k].get_default(call_default_factory=True) for k in ("tools", "parser")}
+        if self.name != "tools" and (given := [k for k, v in defaults.items() if getattr(self, k) != v]):
+            raise ValueError(f"env.{' and env.'.join(given)} are for env.name=tools; a custom environment takes its "
+                             "settings from env.options")
         return self
 
 
@@ -683,12 +686,15 @@ def _check_scaling(cfg: Config) -> None:
         if not re.match(r"^https?://[^/\s]+", url):
             raise ValueError(f"rollout.vllm.server_url must look like http://host:port, got {url!r}")
     if ro.engine == "vllm" and ro.vllm.max_model_len is not None:
-        longest = max(ro.max_new_tokens, tr.eval_max_new_tokens or 0)
-        prompt = cfg.data.max_prompt_tokens
-        if prompt is None or prompt + longest > ro.vllm.max_model_len:
+        # an episode's later turns are prompted with the prompt plus everything before them: up to env.max_tokens
+        key = "env.max_tokens" if cfg.env else "rollout.max_new_tokens / trainer.eval_max_new_tokens"
+        longest = cfg.env.max_tokens if cfg.env else max(ro.max_new_tokens, tr.eval_max_new_tokens or 0)
+        prompt, room = cfg.data.max_prompt_tokens, ro.vllm.max_model_len - longest
+        if prompt is None or prompt > room:
+            fix = (f"set data.max_prompt_tokens to at most {room} (longer prompts are then skipped at load time)"
+                   if room >= 1 else f"lower {key}")
             raise ValueError(f"rollout.vllm.max_model_len={ro.vllm.max_model_len} must hold the longest prompt plus "
-                             f"{longest} new tokens: set data.max_prompt_tokens to at most "
-                             f"{ro.vllm.max_model_len - longest} (longer prompts are then skipped at load time)")
+                             f"{longest} new tokens ({key}): {fix}")
     if cfg.rewards.overlong_buffer is not None and cfg.rewards.overlong_buffer > ro.max_new_tokens:
         raise ValueError(f"rewards.overlong_buffer={cfg.rewards.overlong_buffer} is longer than rollout.max_new_tokens="
                          f"{ro.max_new_tokens}: the penalty starts max_new_tokens − overlong_buffer tokens in")

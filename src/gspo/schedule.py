@@ -17,23 +17,25 @@ from gspo.config import Config, ConfigError
 log = logging.getLogger(__name__)
 
 
-def prompt_token_limit(cfg: Config, model, new_tokens: int) -> tuple[int | None, str]:
+def prompt_token_limit(cfg: Config, model, new_tokens: int, key: str | None = None) -> tuple[int | None, str]:
     """The longest prompt (in tokens) a split may keep: `data.max_prompt_tokens`, and at most what the model's
     max_position_embeddings leaves after `new_tokens` generated tokens (the sampler refuses longer). None: no limit.
-    Also returns what a user can do about prompts over that limit (it depends on which of the two binds)."""
+    Also returns what a user can do about prompts over that limit (it depends on which of the two binds). `key` is
+    the setting `new_tokens` comes from, named in the advice; by default env.max_tokens (an episode's response) when
+    the config has an env, else the rollout's and evaluation's new tokens."""
+    key = key or ("env.max_tokens" if cfg.env is not None else "rollout.max_new_tokens / trainer.eval_max_new_tokens")
     max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     room = None if max_pos is None else max_pos - new_tokens
     if room is not None and room < 1:
         raise ConfigError(f"generating {new_tokens} tokens leaves no room for a prompt in the model's "
-                          f"max_position_embeddings={max_pos}: lower rollout.max_new_tokens / eval_max_new_tokens")
+                          f"max_position_embeddings={max_pos}: lower {key}")
     wanted = cfg.data.max_prompt_tokens
     if wanted is not None and room is not None and wanted > room:
-        log.warning("data.max_prompt_tokens=%d + %d new tokens exceeds the model's max_position_embeddings=%d: "
-                    "prompts over %d tokens are skipped", wanted, new_tokens, max_pos, room)
+        log.warning("data.max_prompt_tokens=%d + %d new tokens (%s) exceeds the model's max_position_embeddings=%d: "
+                    "prompts over %d tokens are skipped", wanted, new_tokens, key, max_pos, room)
     if room is not None and (wanted is None or room <= wanted):
-        return room, (f"the model has {max_pos} positions and {new_tokens} of them are kept for the generated tokens: "
-                      "shorten the prompts, lower rollout.max_new_tokens / trainer.eval_max_new_tokens, or use a "
-                      "model with more positions")
+        return room, (f"the model has {max_pos} positions and {new_tokens} of them are kept for the generated tokens "
+                      f"({key}): shorten the prompts, lower {key}, or use a model with more positions")
     hint = "raise data.max_prompt_tokens" + (f" (up to {room})" if room is not None else "") + " or shorten the prompts"
     return wanted, hint
 

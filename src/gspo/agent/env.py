@@ -105,8 +105,9 @@ def make_env_factory(env_cfg: Any, think_tags: Any = THINK_TAGS
     says: `name: tools` builds a `ToolEnv` over `env.tools` with `env.parser`, reading calls after `think_tags` (the
     config's `rewards.think_tags`; None: whole replies), and returns their schemas, for the chat template; any other
     name is an import path `package.module:factory` called with `env.options` as keyword
-    arguments (a class works; no schemas). Raises ValueError naming the setting that is wrong."""
-    from gspo.agent.tools import resolve_tool
+    arguments (a class works; no schemas). Raises ValueError naming the setting that is wrong, e.g. a tool the
+    `call` parser could never call successfully (`call_format_problem`)."""
+    from gspo.agent.tools import call_format_problem, import_error, resolve_tool
     from gspo.rewards import resolve_reward
 
     if env_cfg.name == "tools":
@@ -115,6 +116,8 @@ def make_env_factory(env_cfg: Any, think_tags: Any = THINK_TAGS
             tool = resolve_tool(spec)
             if tool.name in tools:
                 raise ValueError(f"env.tools names two tools called {tool.name!r}")
+            if env_cfg.parser == "call" and (problem := call_format_problem(tool)):
+                raise ValueError(f"env.tools ({spec}) with env.parser=call: {problem}")
             tools[tool.name] = tool
         pool = DeadlinePool(workers=env_cfg.workers, timeout_s=env_cfg.tool_timeout_s)
         parse, tags = PARSERS[env_cfg.parser], None if think_tags is None else tuple(think_tags)
@@ -128,6 +131,6 @@ def make_env_factory(env_cfg: Any, think_tags: Any = THINK_TAGS
     try:
         factory = resolve_reward(env_cfg.name)  # the same import rules as rewards and tools
     except ValueError as exc:
-        raise ValueError(str(exc).replace(f"reward {env_cfg.name!r}", f"env.name {env_cfg.name!r}", 1)) from None
+        raise ValueError(import_error(exc, env_cfg.name, "env.name")) from None
     options = dict(env_cfg.options)
     return (lambda: factory(**options)), None

@@ -7,13 +7,16 @@ them with transformers' `get_json_schema` (the schema a chat template renders fo
 
     hermes   `<tool_call>{"name": "calc", "arguments": {"expression": "2*3"}}</tool_call>` (Qwen2.5/Qwen3, Hermes): JSON
              in tags, any number per reply
-    call     `calc(2*3)`: the whole reply is one call, its text between the parentheses the tool's first parameter
-             (for small vocabularies such as the embedded tiny tokenizer's, which has no quotes or braces)
+    call     `calc(2*3)`: the whole reply is one call, its text between the parentheses (which must balance) the tool's
+             first parameter (for small vocabularies such as the embedded tiny tokenizer's, which has no quotes or
+             braces). It can express one text argument only: a tool for it takes a string first parameter and
+             requires no other (`call_format_problem`, checked when the run's tools are resolved)
 
 A reply with no call is the model's answer. A malformed call (bad JSON, an unknown tool, missing or unexpected
-arguments) is not an error of the run: `ParsedCalls.error` says what was wrong, and the environment shows the model
-that text as the tool's observation. `run_calls` runs calls in a `DeadlinePool`: a tool that raises, outlives its
-timeout or returns something other than text gives an "error: ..." observation and is counted; training goes on.
+arguments, an argument of the wrong JSON type, unbalanced parentheses or text after a `call`) is not an error of the
+run: `ParsedCalls.error` says what was wrong, and the environment shows the model that text as the tool's observation.
+`run_calls` runs calls in a `DeadlinePool`: a tool that raises, outlives its timeout or returns something other than
+text gives an "error: ..." observation and is counted; training goes on.
 Untrusted code belongs in the sandbox: the built-in `python` tool runs the model's program there.
 """
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import operator
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -29,8 +33,8 @@ from typing import Any
 
 from gspo.rewards.deadline import DeadlinePool
 
-__all__ = ["PARSERS", "TOOLS", "ParsedCalls", "Tool", "ToolCall", "ToolResult", "calc", "parse_call", "parse_hermes",
-           "python", "resolve_tool", "run_calls"]
+__all__ = ["PARSERS", "TOOLS", "ParsedCalls", "Tool", "ToolCall", "ToolResult", "calc", "call_format_problem",
+           "parse_call", "parse_hermes", "python", "resolve_tool", "run_calls"]
 
 
 @dataclass(frozen=True)
@@ -76,16 +80,50 @@ class ParsedCalls:
     error: str | None = None
 
 
+_JSON_TYPES: dict[str, tuple[type, ...]] = {"string": (str,), "integer": (int,), "number": (int, float),
+                                            "boolean": (bool,), "array": (list,), "object": (dict,),
+                                            "null": (type(None),)}
+_JSON_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean", list: "an array",
+               dict: "an object", type(None): "null"}
+
+
+def _type_fits(value: Any, spec: Mapping[str, Any]) -> bool:
+    """Whether `value` (as JSON decoded it) is of a type parameter schema `spec` allows: its `type` (a name or a list
+    of names; unknown names and no type allow anything), `nullable`; no boolean for a number, no NaN or infinity."""
+    types = spec.get("type")
+    if types is None:
+        return True
+    names = [types] if isinstance(types, str) else list(types)
+    names += ["null"] if spec.get("nullable") else []
+    if any(n not in _JSON_TYPES for n in names):
+        return True
+    if isinstance(value, bool) and "boolean" not in names:
+        return False
+    if isinstance(value, float) and not math.isfinite(value):
+        return False
+    return any(isinstance(value, _JSON_TYPES[n]) for n in names)
+
+
 def _check_arguments(call: ToolCall, tools: Mapping[str, Tool]) -> str | None:
-    """Why `call` cannot be made (unknown tool, missing or unexpected arguments), or None."""
+    """Why `call` cannot be made (unknown tool, missing or unexpected arguments, an argument whose JSON type or value
+    its parameter's schema does not allow), or None."""
     if call.name not in tools:
         return f"unknown tool {call.name!r}; the tools are {', '.join(sorted(tools))}"
     params = tools[call.name].parameters
-    known, required = set(params.get("properties", {})), set(params.get("required", []))
+    properties = params.get("properties", {})
+    known, required = set(properties), set(params.get("required", []))
     if missing := sorted(required - set(call.arguments)):
         return f"tool {call.name!r} needs the argument(s) {', '.join(missing)}"
     if extra := sorted(set(call.arguments) - known):
         return f"tool {call.name!r} has no argument(s) {', '.join(extra)}; its arguments are {', '.join(sorted(known))}"
+    for arg, value in call.arguments.items():
+        spec = properties[arg]
+        if not _type_fits(value, spec):
+            got = "not a finite number" if isinstance(value, float) and not math.isfinite(value) else \
+                _JSON_NAMES.get(type(value), type(value).__name__)
+            return f"tool {call.name!r}: argument {arg} must be of type {spec['type']}, got {got}"
+        if "enum" in spec and value not in spec["enum"]:
+            return f"tool {call.name!r}: argument {arg} must be one of {spec['enum']}, got {value!r}"
     return None
 
 
@@ -116,28 +154,59 @@ def parse_hermes(text: str, tools: Mapping[str, Tool]) -> ParsedCalls:
     return ParsedCalls(tuple(calls))
 
 
-_CALL = re.compile(r"([a-z_][a-z0-9_]*)\((.*)\)", re.DOTALL)
+_OPENED = re.compile(r"([^\W\d]\w*)\(")  # a Python identifier and an opening parenthesis
+
+
+def _closing(text: str, start: int) -> int:
+    """The index of the `)` that closes the parenthesis opened just before `start`, or -1 if none does."""
+    depth = 1
+    for i in range(start, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        if depth == 0:
+            return i
+    return -1
 
 
 def parse_call(text: str, tools: Mapping[str, Tool]) -> ParsedCalls:
-    """One call written `name(argument)`: the whole reply (stripped) is the call, and the text between the outer
-    parentheses is the tool's first parameter. A reply starting `name(` for a known tool but not of that form is
-    malformed; anything else (an unknown name included) is an answer."""
+    """One call written `name(argument)`: the whole reply (stripped) is the call, and the text between its outer
+    parentheses, whose parentheses balance, is the tool's first parameter. A reply starting `name(` for a known tool
+    but not of that form (a parenthesis never closed, text after the closing one: a second call, `calc(1)(2)`,
+    `calc(2*3))`) is malformed; anything else (an unknown name included) is an answer."""
     text = text.strip()
-    match = _CALL.fullmatch(text)
-    if match is None:
-        opened = re.match(r"([a-z_][a-z0-9_]*)\(", text)
-        if opened and opened.group(1) in tools:
-            return ParsedCalls(error=f"a call is written {opened.group(1)}(<argument>) and nothing else")
+    opened = _OPENED.match(text)
+    if opened is None or opened.group(1) not in tools:
         return ParsedCalls()
-    name, argument = match.groups()
-    if name not in tools:
-        return ParsedCalls()
+    name = opened.group(1)
+    close = _closing(text, opened.end())
+    if close != len(text) - 1:
+        return ParsedCalls(error=f"a call is written {name}(<argument>) and nothing else, its parentheses balanced")
+    argument = text[opened.end():close]
     names = list(tools[name].parameters.get("properties", {}))
     if not names:
         return ParsedCalls(error=f"tool {name!r} takes no argument; call it as {name}()") if argument else \
             ParsedCalls((ToolCall(name, {}),))
-    return ParsedCalls((ToolCall(name, {names[0]: argument}),))
+    call = ToolCall(name, {names[0]: argument})
+    problem = _check_arguments(call, tools)
+    return ParsedCalls(error=problem) if problem else ParsedCalls((call,))
+
+
+def call_format_problem(tool: Tool) -> str | None:
+    """Why the `call` format (`parse_call`) can never make a call of `tool` that could succeed, or None: the format
+    names the tool by a Python identifier and passes one text argument, as the tool's first parameter, so the other
+    parameters must have defaults and the first must take a string."""
+    if not tool.name.isidentifier():
+        return f"tool {tool.name!r}: the call format names a tool by a Python identifier"
+    properties = tool.parameters.get("properties", {})
+    first = next(iter(properties), None)
+    if others := sorted(set(tool.parameters.get("required", [])) - {first}):
+        return (f"tool {tool.name!r} requires the argument(s) {', '.join(others)} besides its first; the call format "
+                f"passes one text argument, as the first parameter ({tool.name}(<text>)): give the others defaults, "
+                "or use env.parser=hermes")
+    if first is not None and not _type_fits("text", {"type": properties[first].get("type")}):
+        return (f"tool {tool.name!r}: its first parameter {first} takes {properties[first]['type']}, but the call "
+                f"format passes it as text ({tool.name}(<text>)): annotate it str and convert it in the tool, or use "
+                "env.parser=hermes")
+    return None
 
 
 PARSERS: dict[str, Callable[[str, Mapping[str, Tool]], ParsedCalls]] = {"hermes": parse_hermes, "call": parse_call}
@@ -220,7 +289,8 @@ def calc(expression: str) -> str:
 
 
 def python(code: str) -> str:
-    """Run a Python program in a sandbox (no network, no files outside its folder, 5 s) and return what it printed.
+    """Run a Python program in a sandbox (standard library only, no network, 5 s; it can read the machine's
+    world-readable files but write only in its own temporary folder) and return what it printed.
 
     Args:
         code: the program; print the values you need
@@ -243,6 +313,7 @@ def resolve_tool(spec: str) -> Tool:
     the colon), imported by the rules reward functions use. Raises ValueError naming the spec."""
     from gspo.rewards import resolve_reward
 
+    builtin = f"(built-in tools: {sorted(TOOLS)})"
     if spec in TOOLS:
         return Tool.from_function(TOOLS[spec])
     if ":" not in spec and "." not in spec:
@@ -251,5 +322,16 @@ def resolve_tool(spec: str) -> Tool:
     try:
         fn = resolve_reward(spec)
     except ValueError as exc:
-        raise ValueError(str(exc).replace(f"reward {spec!r}", f"tool {spec!r}", 1)) from None
+        raise ValueError(import_error(exc, spec, "tool", builtin)) from None
     return Tool.from_function(fn)
+
+
+def import_error(exc: ValueError, spec: str, what: str, listing: str = "") -> str:
+    """`resolve_reward`'s message for `spec` as one about `what` (a tool, env.name): "reward" renamed, and its list of
+    registered rewards, which says nothing about a tool or an environment, replaced by `listing`."""
+    from gspo.rewards import REWARDS
+
+    message = str(exc).replace(f"reward spec {spec!r}", f"{what} {spec!r}", 1).replace(f"reward {spec!r}",
+                                                                                        f"{what} {spec!r}", 1)
+    suffix = f"(registered rewards: {sorted(REWARDS)})"
+    return message.replace(f" {suffix}", f" {listing}" if listing else "", 1)

@@ -19,13 +19,17 @@ so π_old is per token (`old_logprobs: rollout`). Batch i draws its prompts and 
 
 Which weights a token was sampled with depends on timing, so async runs are not bit-reproducible (sync runs are).
 A worker that dies (killed, out of memory) is restarted with the current weights and the batch it was generating is
-counted as lost; an exception in a worker stops the run with the worker's traceback. On resume, batch indices
-continue after the last trained one: a batch in flight at a crash was never trained, and it is generated again.
+counted as lost; an exception in a worker stops the run with the worker's traceback, except a ValueError (a
+ConfigError included: a bad input the worker met, e.g. an environment's reset that failed), which the learner raises
+as it is, with the message a sync run would give (the worker's traceback logged at debug level). On resume, batch
+indices continue after the last trained one: a batch in flight at a crash was never trained, and it is generated
+again.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import pickle
 import tempfile
@@ -45,6 +49,8 @@ from gspo.trajectory import NO_VERSION, Trajectory
 
 __all__ = ["ROLLOUT_COUNTS", "AsyncRollouts", "SharedRollouts", "WorkerBatch", "WorkerError", "drain",
            "registered_rewards", "staleness_metrics", "token_staleness"]
+
+log = logging.getLogger(__name__)
 
 IDLE = -1  # a worker's in-flight index when it is not generating
 ROLLOUT_COUNTS = ("dropped_stale", "lost_batches", "worker_restarts")  # what checkpoints keep of the rollouts
@@ -146,7 +152,8 @@ def _worker_main(worker: int, model_config, tokenizer, cfg, train_rows: list[dic
     """A rollout worker process: claim, wait for fresh-enough weights, generate (or play episodes), score, send; until
     the learner stops it. Its engine (`gspo.rollout.worker_engine`: the built-in sampler or vLLM) is built for the
     policy's architecture and takes every weight from `shared`. Exceptions go to the learner as ("error", worker,
-    traceback)."""
+    traceback); a ValueError (a bad input's clean message) as ("value_error", worker, traceback, message, whether it
+    is a ConfigError)."""
     from transformers import AutoModelForCausalLM
 
     from gspo.agent import build_env, make_episode_runner
@@ -206,7 +213,12 @@ def _worker_main(worker: int, model_config, tokenizer, cfg, train_rows: list[dic
             in_flight[worker] = IDLE
     except NoSignal as e:  # dynamic sampling found no informative group: the learner stops as a sync run does
         channel.send_bytes(pickle.dumps(("no_signal", worker, str(e))))
-    except Exception:  # everything goes to the learner, which raises it
+    except ValueError as e:  # a bad input (config, data, environment): the learner raises its message as sync would
+        from gspo.config import ConfigError
+
+        channel.send_bytes(pickle.dumps(("value_error", worker, traceback.format_exc(), str(e),
+                                         isinstance(e, ConfigError))))
+    except Exception:  # everything else goes to the learner, which raises it with the worker's traceback
         channel.send_bytes(pickle.dumps(("error", worker, traceback.format_exc())))
 
 
@@ -227,8 +239,8 @@ class SharedRollouts:
             try:
                 item, waited = self.inner.next(version)
                 payload = (item, waited, self.inner.ahead(), dict(self.inner.counts), self.inner.next_index)
-            except (NoSignal, WorkerError) as e:  # every process raises it, none waits for a batch that never comes
-                payload = e
+            except (NoSignal, WorkerError, ValueError) as e:
+                payload = e  # every process raises it, none waits for a batch that never comes
         payload = self.group.broadcast_object(payload)
         if isinstance(payload, Exception):
             raise payload
@@ -327,6 +339,11 @@ class AsyncRollouts:
             if isinstance(item, tuple):
                 if item[0] == "no_signal":
                     raise NoSignal(item[2])
+                if item[0] == "value_error":  # the clean message of a bad input, as a sync run raises it
+                    from gspo.config import ConfigError
+
+                    log.debug("rollout worker %d raised:\n%s", item[1], item[2])
+                    raise (ConfigError if item[4] else ValueError)(item[3])
                 raise WorkerError(f"rollout worker {item[1]} failed:\n{item[2]}")
             sampled = item.traj.versions[item.traj.versions != NO_VERSION]
             oldest = int(sampled.min()) if sampled.numel() else version
