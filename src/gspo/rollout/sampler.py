@@ -528,16 +528,21 @@ class HFSampler:
                    candidates: torch.Tensor) -> torch.Tensor:
         """Which batch positions' completions (tokens 0..t) now contain a stop string; only `candidates` are decoded.
 
-        A row that did not contain a stop string before this step and does now has just completed one, so checking
-        the whole text is enough; earlier steps would have ended the row otherwise.
+        A row that did not contain a stop string before this step and does now has just completed one, ending in
+        this step's token: so only the last tokens are decoded, a window of 4 per character of the longest stop
+        string (a character is at most 4 bytes, a token at least one) and 8 more, so that the text a window starts
+        with (a cut character, a dropped leading space) is far from any stop string it can hold. The candidates'
+        tokens are copied to the host at once (one device sync per step, not one per row).
         """
-        hit_positions = []
-        for b in candidates.nonzero().squeeze(1).tolist():
-            text = self.tokenizer.decode(out_ids[rows[b], : t + 1].tolist(), skip_special_tokens=True)
-            if any(s in text for s in stop):
-                hit_positions.append(b)
+        picked = candidates.nonzero().squeeze(1)
         hits = torch.zeros_like(candidates)
-        hits[hit_positions] = True
+        if picked.numel() == 0:
+            return hits
+        window = 4 * max(map(len, stop)) + 8
+        texts = self.tokenizer.batch_decode(out_ids[rows[picked], max(0, t + 1 - window): t + 1].tolist(),
+                                            skip_special_tokens=True)
+        hit = [b for b, text in zip(picked.tolist(), texts, strict=True) if any(s in text for s in stop)]
+        hits[torch.tensor(hit, dtype=torch.long, device=hits.device)] = True
         return hits
 
     def _stop_candidates(self, stop: tuple[str, ...], vocab: int, device: torch.device) -> torch.Tensor:
