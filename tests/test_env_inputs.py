@@ -215,3 +215,18 @@ def test_check_resets_the_environment_on_sample_rows_before_the_run_would(tmp_pa
     assert main(["train", str(cfg_file), "--check", *args, "env.options={refuse: true}"]) == 2
     err = capsys.readouterr().err
     assert re.search(rf"env\.name={re.escape(str(module))}:Picky: reset failed on training row 0 \(KeyError", err)
+
+
+def test_check_warns_when_the_tokenizer_cannot_write_the_parsers_calls(tmp_path):
+    """The default hermes format on the tiny character vocabulary (no `<`, `{` or `"`): the tool could never be called
+    and tool_call_rate stayed 0 with no word. The `call` format it can write."""
+    from gspo.preflight import check, warnings
+
+    calc = ["data.task=multiply", "data.task_options={digits_a: 2, digits_b: 1}", "data.chat=always",
+            "rewards.functions={addition: 1.0}", "env.max_tokens=48", "rollout.max_new_tokens=8",
+            "algorithm.loss=gspo_token", "cold_start=null"]
+    hermes = check(load_config(DEMO, tiny_overrides(tmp_path / "a", *calc, "env.parser=hermes")))
+    assert hermes["env"]["unwritable_calls"] == ["calc"]
+    assert any("cannot write a call of calc in env.parser=hermes's format" in w for w in warnings(hermes))
+    call = check(load_config(DEMO, tiny_overrides(tmp_path / "b", *calc, "env.parser=call")))
+    assert call["env"]["unwritable_calls"] == [] and not any("cannot write a call" in w for w in warnings(call))

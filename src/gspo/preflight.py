@@ -209,7 +209,7 @@ def reset_sample(setup) -> dict[str, Any]:
     the row): a reset that raises or returns no prompt raises ValueError naming the row, as the run would at its
     first rollout after the model was built; the reset prompts' token lengths against the run's prompt limit."""
     cfg, tokenizer = setup.cfg, setup.tokenizer
-    found: dict[str, Any] = {"name": cfg.env.name}
+    found: dict[str, Any] = {"name": cfg.env.name, "parser": cfg.env.parser if cfg.env.name == "tools" else None}
     for rows, name, limit in ((setup.train_rows, "training", setup.prompt_limits[0]),
                               (setup.eval_rows, "held-out", setup.prompt_limits[1])):
         lengths = []
@@ -226,7 +226,25 @@ def reset_sample(setup) -> dict[str, Any]:
         if lengths:
             found[name] = {"rows": len(lengths), "max": max(lengths), "limit": limit,
                            "over": sum(limit is not None and n > limit for n in lengths)}
+    found["unwritable_calls"] = unwritable_calls(cfg, tokenizer, setup.tool_schemas or [])
     return found
+
+
+CALL_EXAMPLES = {"hermes": '<tool_call>{{"name": "{name}", "arguments": {{}}}}</tool_call>', "call": "{name}(1)"}
+"""A call of each `env.parser` format, its tool's name in `{name}`."""
+
+
+def unwritable_calls(cfg: Config, tokenizer, schemas: list[dict]) -> list[str]:
+    """The tools whose call in `env.parser`'s format has characters the tokenizer cannot encode (its unknown token):
+    the policy can never write it, so the tool is never used and nothing else says so (hermes with a character
+    vocabulary that has no `<`, `{` or `"`)."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if cfg.env.name != "tools" or unk is None:
+        return []
+    names = [s["function"]["name"] for s in schemas]
+    calls = [CALL_EXAMPLES[cfg.env.parser].format(name=n) for n in names]
+    ids = tokenizer(calls, add_special_tokens=False)["input_ids"] if calls else []
+    return [n for n, i in zip(names, ids, strict=True) if unk in i]
 
 
 MEASURE_STEPS = 5
@@ -279,6 +297,10 @@ def warnings(report: dict[str, Any]) -> list[str]:
                      "to case and whitespace are left out")
     if note := warmup_warning(report["plan"]["warmup_steps"], report["plan"]["optimizer_steps"]):
         found.append(note)
+    if unwritable := (report.get("env") or {}).get("unwritable_calls"):
+        found.append(f"the tokenizer cannot write a call of {', '.join(unwritable)} in env.parser="
+                     f"{report['env']['parser']}'s format (characters it encodes as its unknown token): the policy "
+                     "can never call them (another env.parser, e.g. call)")
     for name, r in ((report.get("env") or {}).items()):
         if isinstance(r, dict) and r["over"]:
             found.append(f"the environment's reset prompts of {r['over']} of {r['rows']} sampled {name} rows are "
