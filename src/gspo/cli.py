@@ -28,13 +28,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.check or args.measure:
         return _check(cfg, args)
     summary = train(cfg, resume=args.resume, overwrite=args.overwrite)
+    decoding = _run_decoding(cfg)
     # under torchrun: leave the process group cleanly, after success only. On a failure the error propagates with the
     # group alive, so that it is reported first: tearing the group down while another process waits in a collective
     # can abort this one (SIGABRT) before its traceback is printed.
     shutdown()
     if int(os.environ.get("RANK", "0")) == 0:  # one summary, not one per process
         print(json.dumps(summary, indent=2))
-        if line := _accuracy_line(summary, "before RL", "after RL"):
+        if line := _accuracy_line(summary, "before RL", "after RL", decoding):
             print(line, file=sys.stderr)  # stdout stays one JSON document
     return 0
 
@@ -63,9 +64,18 @@ def _check(cfg, args: argparse.Namespace) -> int:
     return 1 if found else 0
 
 
-def _accuracy_line(summary: dict, before_label: str, after_label: str) -> str | None:
-    """A run's held-out accuracy before and after RL with the change and its paired 95% interval, as one line, then
-    one indented line per group of rows (data.eval_by); None without held-out data (data.eval_split=null)."""
+def _run_decoding(cfg: Config) -> str | None:
+    """How a run of `cfg` decodes its held-out rows, for its accuracy line: None for greedy (the default), else the
+    sampled pass@1 it reports (trainer.eval_samples > 1), which `gspo eval MODEL --samples 1` would not reproduce."""
+    t = cfg.trainer
+    return None if t.eval_samples == 1 else f"pass@1 of {t.eval_samples} samples per row at temperature " \
+                                            f"{t.eval_temperature:g}"
+
+
+def _accuracy_line(summary: dict, before_label: str, after_label: str, decoding: str | None = None) -> str | None:
+    """A run's held-out accuracy before and after RL with the change and its paired 95% interval, as one line (with
+    `decoding`, `_run_decoding`'s phrase, when it was not greedy), then one indented line per group of rows
+    (data.eval_by); None without held-out data (data.eval_split=null)."""
     before, after = summary.get("heldout_accuracy_before_rl"), summary.get("heldout_accuracy_after_rl")
     if before is None or after is None:
         return None
@@ -78,7 +88,8 @@ def _accuracy_line(summary: dict, before_label: str, after_label: str) -> str | 
     same = summary.get("heldout_same_rows", True)  # False: a resume changed the held-out rows (no paired change)
     rows = "on the same rows" if same else "NOT on the same rows: the held-out rows changed since the first evaluation"
     lines = _cold_start_line(summary, before)
-    lines += [f"held-out accuracy: {before:.1%} {before_label} → {after:.1%} {after_label} "
+    how = f" ({decoding})" if decoding else ""
+    lines += [f"held-out accuracy{how}: {before:.1%} {before_label} → {after:.1%} {after_label} "
              f"{change(before, after, summary.get('heldout_accuracy_ci95'))} {rows}) in "
              f"{summary['wall_seconds']:.0f} s"]
     for group, entry in (summary.get("heldout_accuracy_by") or {}).items():  # data.eval_by
@@ -119,7 +130,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
           f"{cfg.model.name} / {cfg.data.task} task → {args.out}", flush=True)
     summary = train(cfg, resume=args.resume, overwrite=args.overwrite)
     out = Path(args.out)
-    if line := _accuracy_line(summary, "after cold-start SFT", "after GSPO"):
+    if line := _accuracy_line(summary, "after cold-start SFT", "after GSPO", _run_decoding(cfg)):
         print(line)
     print(f"wrote {out / 'metrics.jsonl'}, {out / 'summary.json'}, {out / 'curves.png'}, model in {out / 'final'}")
     return 0
@@ -138,6 +149,8 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     if args.micro_batch_tokens is not None and args.micro_batch_tokens < 1:
         raise ConfigError(f"sft: --micro-batch-tokens must be >= 1, got {args.micro_batch_tokens}")
     _check_size(args)
+    args.seed = 0 if args.seed is None else args.seed
+    options = _task_options(args)
     if Path(args.out).exists() and not Path(args.out).is_dir():  # found before training, not when saving after it
         raise ConfigError(f"sft: --out {args.out} exists and is not a folder")
     device = resolve_device(args.device, key="--device")
@@ -145,7 +158,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
         rows = subset_rows(load_rows(args.data, split=args.split or "train", fields=_fields(args)), args.size)
     else:
         rows = make_task(args.task or "addition", split=args.split or "train", size=args.size or TASK_ROWS["train"],
-                         seed=args.seed)
+                         seed=args.seed, **options)
     set_seed(args.seed)
     model, tokenizer = load_model(args.model, seed=args.seed)
     model = model.to(device)
@@ -161,6 +174,24 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 def _check_size(args: argparse.Namespace) -> None:
     if args.size is not None and args.size < 1:
         raise ConfigError(f"--size must be >= 1 (rows), got {args.size}; leave it out for every row")
+
+
+def _task_options(args: argparse.Namespace) -> dict:
+    """`--task-options JSON`: the embedded task's options (as a config's data.task_options, e.g. '{"digits": 2}'),
+    only with an embedded task; {} when not given. The task checks the names and values when it draws."""
+    if args.task_options is None:
+        return {}
+    if args.data is not None or getattr(args, "config", None) is not None:
+        raise ConfigError("--task-options are an embedded task's (--task) options: leave them out with --data, and "
+                          "with --config use data.task_options=... overrides")
+    try:
+        options = json.loads(args.task_options)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--task-options must be a JSON object such as '{{\"digits\": 2}}': {e}") from None
+    if not isinstance(options, dict):
+        raise ConfigError(f"--task-options must be a JSON object such as '{{\"digits\": 2}}', got "
+                          f"{args.task_options!r}")
+    return options
 
 
 def _fields(args: argparse.Namespace) -> dict[str, str] | None:
@@ -189,12 +220,33 @@ def _think_tags(args: argparse.Namespace) -> tuple[str, str] | None:
         raise ConfigError(f"{exc} (write OPEN,CLOSE, e.g. --think-tags '<think>,</think>', or none)") from None
 
 
-def _eval_setup(args: argparse.Namespace):
-    """(rows, reward runner, accuracy reward, threshold, new tokens, data section, config, groups) for `gspo eval`: a
-    training config's held-out rows (as `DataSplits`), rewards, data section and the config itself (--config: with an
-    `env` section the rows are evaluated as episodes), or --task / --data rows with --reward, the default data section
-    (message prompts rendered with the model's chat template) and no config; each row's group for the split of the
-    accuracy (data.eval_by / --by; None: no split)."""
+def _eval_config(args: argparse.Namespace) -> Config | None:
+    """`gspo eval --config`'s training config with the key=value overrides (and --size as data.eval_size), loaded
+    and checked before anything else: its rows, rewards and evaluation settings; None without --config (then no
+    override may be given)."""
+    _check_size(args)
+    if args.config is None:
+        if args.overrides:
+            raise ConfigError(f"key=value overrides ({' '.join(args.overrides)}) apply to --config only")
+        _task_options(args)  # checked now (and refused with --data), used when the task draws its rows
+        return None
+    if (args.data is not None or args.task is not None or args.reward or args.split or args.fields
+            or args.think_tags is not None or args.by is not None or args.task_options is not None):
+        raise ConfigError("--config takes the data, split, fields and rewards from the config: leave out --task, "
+                          "--task-options, --data, --split, --fields, --reward, --think-tags and --by (or leave out "
+                          "--config; rewards.think_tags=null, data.task_options=... and data.eval_by=FIELD are "
+                          "overrides)")
+    size = [] if args.size is None else [f"data.eval_size={args.size}"]  # default: the config's eval_size
+    return load_config(args.config, [*args.overrides, *size])
+
+
+def _eval_setup(args: argparse.Namespace, cfg: Config | None):
+    """(rows, reward runner, accuracy reward, threshold, new tokens, data section, config, groups, row numbers) for
+    `gspo eval`: a training config's held-out rows (as `DataSplits`), rewards, data section and the config itself
+    (`cfg`, `_eval_config`'s; with an `env` section the rows are evaluated as episodes), or --task / --data rows with
+    --reward, the default data section (message prompts rendered with the model's chat template) and no config; each
+    row's group for the split of the accuracy (data.eval_by / --by; None: no split); each row's number in its source
+    (--rows-out's `row`: a --data file's row, also under --size; else its place among the held-out rows)."""
     from gspo.config import DataConfig, check_model_threshold, resolve_accuracy_reward
     from gspo.data import (
         DataSplits,
@@ -210,15 +262,7 @@ def _eval_setup(args: argparse.Namespace):
     from gspo.parallel import resolve_device
     from gspo.rewards import RewardRunner
 
-    _check_size(args)
-    if args.config is not None:
-        if (args.data is not None or args.task is not None or args.reward or args.split or args.fields
-                or args.think_tags is not None or args.by is not None):
-            raise ConfigError("--config takes the data, split, fields and rewards from the config: leave out --task, "
-                              "--data, --split, --fields, --reward, --think-tags and --by (or leave out --config; "
-                              "rewards.think_tags=null and data.eval_by=FIELD are overrides)")
-        size = [] if args.size is None else [f"data.eval_size={args.size}"]  # default: the config's eval_size
-        cfg = load_config(args.config, [*args.overrides, *size])
+    if cfg is not None:
         try:
             data = load_data(cfg.data, cfg.trainer.seed)
         except FileNotFoundError as e:  # a run's config names its files as `gspo train` was given them
@@ -236,9 +280,8 @@ def _eval_setup(args: argparse.Namespace):
         tokens = args.max_new_tokens or cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens
         heldout = DataSplits(train=[], heldout=data.heldout, heldout_source=data.heldout_source)
         groups = eval_groups(data.heldout, eval_group_field(cfg.data))
-        return heldout, runner, r.accuracy_reward, r.accuracy_threshold, tokens, cfg.data, cfg, groups
-    if args.overrides:
-        raise ConfigError(f"key=value overrides ({' '.join(args.overrides)}) apply to --config only")
+        numbers = list(range(len(data.heldout)))
+        return heldout, runner, r.accuracy_reward, r.accuracy_threshold, tokens, cfg.data, cfg, groups, numbers
     if args.data is not None and args.task is not None:
         raise ConfigError("pass --task (an embedded task) or --data (a file or dataset), not both")
     if args.data is not None:
@@ -249,6 +292,8 @@ def _eval_setup(args: argparse.Namespace):
         every = load_rows(args.data, split=args.split, fields=_fields(args),  # evaluated only: no solution needed
                           optional=TRAINING_ONLY_FIELDS)
         rows = subset_rows(every, args.size)  # --size N: a sample by prompt hash, never the first N rows
+        place = {id(row): i for i, row in enumerate(every)}
+        numbers = [place[id(row)] for row in rows]  # each kept row's row in the file
         source = {"kind": "file", "path": args.data, "split": args.split, "rows": len(rows), "of": len(every)}
         repeats = repeated_prompts(rows)
         if repeats:  # kept (--rows-out's `row` is the file's row), but said: such a problem weighs more
@@ -257,10 +302,12 @@ def _eval_setup(args: argparse.Namespace):
                   "and whitespace): each counts in the accuracy, so those problems weigh more (a run's held-out "
                   "rows keep each prompt once)", file=sys.stderr)
     else:
-        task = args.task or "addition"
-        rows = make_task(task, split=args.split or "test", size=500 if args.size is None else args.size, seed=args.seed,
-                         distinct=True)  # each problem once
-        source = {"kind": "task_split", "task": task, "split": args.split or "test"}
+        task, options = args.task or "addition", _task_options(args)
+        rows = make_task(task, split=args.split or "test", size=500 if args.size is None else args.size,
+                         seed=args.seed or 0, distinct=True, **options)  # each problem once
+        source = {"kind": "task_split", "task": task, "split": args.split or "test",
+                  **({"task_options": options} if options else {})}
+        numbers = list(range(len(rows)))
     data = DataSplits(train=[], heldout=rows, heldout_source=source)
     names = args.reward or [args.task or "addition"]
     runner = RewardRunner({name: 1.0 for name in names}, on_error="zero", timeout_s=args.timeout,
@@ -271,14 +318,23 @@ def _eval_setup(args: argparse.Namespace):
         check_model_threshold(accuracy, "--accuracy-threshold")
     threshold = 1.0 if args.accuracy_threshold is None else args.accuracy_threshold
     groups = eval_groups(rows, args.by, "--by")
-    return data, runner, accuracy, threshold, args.max_new_tokens or 16, DataConfig(), None, groups
+    return data, runner, accuracy, threshold, args.max_new_tokens or 16, DataConfig(), None, groups, numbers
 
 
-def _eval_sampling(args: argparse.Namespace) -> tuple[int, float | None, float | None, list[int]]:
-    """(samples per row, temperature, top-p, ks) for `gspo eval`, validated before anything is loaded: --samples
-    N >= 1; with N > 1 --temperature > 0 (default 1) and --top-p in (0, 1] (default 1); with N = 1 (greedy decoding)
-    neither may ask for sampling; --k a comma-separated list of ints in [1, N] (default 1, 2, 4, ... up to N, and N)."""
-    n = args.samples
+def _eval_sampling(args: argparse.Namespace,
+                   cfg: Config | None) -> tuple[int, float | None, float | None, list[int], int, str]:
+    """(samples per row, temperature, top-p, ks, seed, how: the decoding in words) for `gspo eval`, validated before
+    anything is loaded: --samples N >= 1; with N > 1 --temperature > 0 (default 1) and --top-p in (0, 1] (default
+    1); with N = 1 (greedy decoding) neither may ask for sampling; --k a comma-separated list of ints in [1, N]
+    (default 1, 2, 4, ... up to N, and N); --seed (default 0). With a training config (`cfg`: --config, or a run
+    folder) the defaults are how its run evaluates its held-out rows (`gspo.trainer`'s eval settings), so that
+    `gspo eval RUN` reproduces the run's figures: trainer.eval_samples, eval_temperature and trainer.seed."""
+    trainer = cfg.trainer if cfg is not None else None
+    n = args.samples if args.samples is not None else trainer.eval_samples if trainer is not None else 1
+    run_samples = trainer is not None and trainer.eval_samples > 1
+    seed = args.seed if args.seed is not None else trainer.seed if trainer is not None else 0
+    if args.temperature is None and trainer is not None and n > 1:
+        args.temperature = trainer.eval_temperature
     if n < 1:
         raise ConfigError(f"--samples must be >= 1 (completions per row), got {n}")
     temperature, top_p = args.temperature, args.top_p
@@ -303,7 +359,16 @@ def _eval_sampling(args: argparse.Namespace) -> tuple[int, float | None, float |
             raise ConfigError(f"--k must be comma-separated integers such as 1,4,8, got {args.k!r}") from None
         if not all(1 <= k <= n for k in ks):
             raise ConfigError(f"--k: every k must be in [1, --samples={n}], got {args.k}")
-    return n, temperature, top_p, ks
+    if n == 1:
+        how = "greedy"
+        if run_samples:  # asked for with --samples 1: not the run's figure
+            how += (f" (the run evaluates {trainer.eval_samples} samples per row at temperature "
+                    f"{trainer.eval_temperature:g}: its held-out figures are their pass@1, not this)")
+    else:
+        how = f"{n} samples each at temperature {temperature:g}, pass@1"
+        if args.samples is None:
+            how += " (as the run evaluates: its trainer.eval_samples and eval_temperature)"
+    return n, temperature, top_p, ks, seed, how
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
@@ -316,19 +381,19 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from gspo.rollout import HFSampler, SamplingParams
 
     _eval_run_folders(args)
-    n, temperature, top_p, ks = _eval_sampling(args)
+    cfg = _eval_config(args)
+    n, temperature, top_p, ks, seed, how = _eval_sampling(args, cfg)
     if args.max_batch_rows is not None and args.max_batch_rows < 1:
         raise ConfigError(f"--max-batch-rows must be >= 1, got {args.max_batch_rows}")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.rows_out:  # an unwritable place fails now, not after the evaluation
-        Path(args.rows_out).parent.mkdir(parents=True, exist_ok=True)
-    data, rewards, accuracy_reward, threshold, new_tokens, data_cfg, cfg, groups = _eval_setup(args)
+    _check_eval_paths(args, cfg)  # the models and --rows-out: wrong ones fail now, not after an evaluation
+    data, rewards, accuracy_reward, threshold, new_tokens, data_cfg, cfg, groups, numbers = _eval_setup(args, cfg)
     batch = args.max_batch_rows or (cfg.rollout.max_batch_rows if cfg is not None else None) or 256
     rewards.check_rows(data.heldout, accuracy_reward, "held-out row")
     make_env, tools = build_env(cfg) if cfg is not None else (None, None)  # env: the rows are episodes
     sampling = {} if n == 1 else {"samples_per_prompt": n, "temperature": temperature, "top_p": top_p, "ks": ks,
-                                  "seed": args.seed}
+                                  "seed": seed}
     sampling["stop"] = cfg.rollout.stop if cfg is not None else []  # a run's completions end at its stop strings
     checked: dict | None = None
     kept: list[int] | None = None  # the rows evaluated: with --config, those its run evaluates (_rows_the_run_keeps)
@@ -389,15 +454,16 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         if round(base["reward_failure_rate"] * completions) == completions and not failed_all:
             failed_all, failures_shown = True, base_failures["reward_failures"]
     by = {} if groups is None else {"by": _by_group(values, groups, base_values)}
-    if args.rows_out:
-        _write_rows(Path(args.rows_out), shown, values, groups, base_shown, base_values)
     print(json.dumps({"model": args.model, "rows": len(values), "source": data.heldout_source,
-                      **({"skipped_prompts": skipped} if skipped else {}),
-                      "samples_per_prompt": n, "temperature": temperature, "top_p": top_p, **result, **counts,
+                      **({"skipped_prompts": skipped} if skipped else {}), "decoding": how,
+                      "samples_per_prompt": n, "temperature": temperature, "top_p": top_p,
+                      **({"seed": seed} if n > 1 else {}), **result, **counts,
                       "accuracy_means": accuracy_means(accuracy_reward, threshold), **failures, **comparison, **by,
-                      "reward_check": checked or None}))
-    print(_eval_line(result, len(values), data.heldout_source.get("of"), n, new_tokens, comparison),
+                      "reward_check": checked or None}), flush=True)
+    print(_eval_line(result, len(values), data.heldout_source.get("of"), how, new_tokens, comparison),
           *_group_lines(by.get("by", {})), sep="\n", file=sys.stderr)  # stdout stays JSON
+    if args.rows_out:  # after the result is printed: a failing write cannot lose the evaluation
+        _write_rows(Path(args.rows_out), [numbers[i] for i in kept], shown, values, groups, base_shown, base_values)
     for line in reward_warnings(checked or None, "evaluated"):
         print(f"gspo eval: warning: {line}", file=sys.stderr)
     if failed_all:
@@ -412,6 +478,50 @@ def _cmd_eval(args: argparse.Namespace) -> int:
               "and the rows' answer field (--fields)", file=sys.stderr)
         return 1
     return 0
+
+
+def _check_eval_paths(args: argparse.Namespace, cfg: Config | None) -> None:
+    """`gspo eval`'s paths, checked before anything is loaded (an error found after an evaluation loses it): MODEL
+    and --baseline, when they name a local folder, are model folders (a preset or hub id is checked when loaded); a
+    --baseline that is MODEL itself is said; --rows-out names a file (not a folder) in a writable folder, and none of
+    the data being evaluated (--data, or --config's data.path / data.eval_path), which the results would replace."""
+    from gspo.models import PRESETS, _check_local_model_dir, _is_adapter_folder, _looks_like_local_path
+
+    for name, what in ((args.model, "MODEL"), (args.baseline, "--baseline")):
+        path = Path(name or "").expanduser()
+        if name is None or name in PRESETS or not (path.exists() or _looks_like_local_path(name)):
+            continue
+        if not _is_adapter_folder(path):  # a LoRA adapter folder's base is checked when loaded
+            try:
+                _check_local_model_dir(path, name)
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"{what}: {e}") from None
+    if args.baseline is not None and Path(args.baseline).resolve() == Path(args.model).resolve():
+        print(f"gspo eval: note: --baseline {args.baseline} is the evaluated model itself: the change is 0 by "
+              "construction", file=sys.stderr)
+    if not args.rows_out:
+        return
+    out = Path(args.rows_out).expanduser()
+    if out.is_dir():
+        raise ConfigError(f"--rows-out {args.rows_out} is a folder: name a file, e.g. {out / 'rows.jsonl'}")
+    data = [args.data] if args.data is not None else []
+    if cfg is not None:
+        data += [p for v in (cfg.data.path, cfg.data.eval_path) for p in ([v] if isinstance(v, str) else v or [])]
+    for source in data:
+        src = Path(source).expanduser()
+        if not src.exists():
+            continue
+        inside = src.is_dir() and src.resolve() in out.resolve().parents
+        if inside or src.resolve() == out.resolve() or (out.exists() and out.samefile(src)):
+            where = f"inside the data folder {source}" if inside else f"the data file {source}"
+            raise ConfigError(f"--rows-out {args.rows_out} is {where} being evaluated: the results would replace "
+                              "the data; name another file")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--rows-out {args.rows_out}: cannot create its folder ({e})") from None
+    if not os.access(out.parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"--rows-out {args.rows_out}: its folder {out.parent} is not writable")
 
 
 def _rows_the_run_keeps(cfg: Config | None, model, tokenizer, rows: list[dict], new_tokens: int) -> list[int]:
@@ -466,16 +576,18 @@ def _eval_run_folders(args: argparse.Namespace) -> None:
         args.baseline = final(args.baseline, "--baseline")
 
 
-def _write_rows(path: Path, shown: list[dict], values: list[float], groups: list[str] | None,
+def _write_rows(path: Path, numbers: list[int], shown: list[dict], values: list[float], groups: list[str] | None,
                 base_shown: list[dict], base_values: list[float] | None) -> None:
-    """`gspo eval --rows-out`: one JSON line per row, in row order: its prompt, (first) completion, rewards and
-    verdict, its solved fraction (`solved`: 0/1 greedy, the fraction of --samples), its group (--by), and with
-    --baseline the baseline's completion, rewards and solved fraction and the row's `change` (> 0: gained)."""
+    """`gspo eval --rows-out`: one JSON line per evaluated row, in row order: its number in the source (`row`,
+    `numbers`: a --data file's row even when rows before it were skipped or --size sampled, so that it joins back to
+    the file), prompt, (first) completion, rewards and verdict, its solved fraction (`solved`: 0/1 greedy, the
+    fraction of --samples), its group (--by), and with --baseline the baseline's completion, rewards and solved
+    fraction and the row's `change` (> 0: gained)."""
     from gspo.runfolder import write_jsonl
 
     records = []
     for i, (record, solved) in enumerate(zip(shown, values, strict=True)):
-        out = {"row": i, **record, "solved": solved, **({"group": groups[i]} if groups is not None else {})}
+        out = {"row": numbers[i], **record, "solved": solved, **({"group": groups[i]} if groups is not None else {})}
         if base_values is not None:
             base = base_shown[i]
             out["baseline"] = {"completion": base["completion"], "reward": base["reward"], "rewards": base["rewards"],
@@ -519,11 +631,11 @@ def _group_lines(by: dict[str, dict]) -> list[str]:
     return lines
 
 
-def _eval_line(result: dict, rows: int, of: int | None, n: int, tokens: int, comparison: dict) -> str:
-    """`gspo eval`'s result as one line: the accuracy with its interval on how many of the source's rows, what cut
-    completions short, and the change against --baseline with its paired interval."""
+def _eval_line(result: dict, rows: int, of: int | None, how: str, tokens: int, comparison: dict) -> str:
+    """`gspo eval`'s result as one line: the accuracy with its interval on how many of the source's rows, how it
+    decoded (`how`, `_eval_sampling`'s), what cut completions short, and the change against --baseline with its
+    paired interval."""
     low, high = result["accuracy_ci95"]
-    how = "greedy" if n == 1 else f"{n} samples each, pass@1"
     count = f"{rows} of {of}" if of is not None and of != rows else f"{rows}"
     parts = [f"gspo eval: accuracy {result['accuracy']:.1%} (95% CI {low:.1%} to {high:.1%}) on {count} rows, {how}"]
     if result["truncation_rate"] > 0:
@@ -539,16 +651,16 @@ def _eval_line(result: dict, rows: int, of: int | None, n: int, tokens: int, com
 
 
 def _cmd_async_study(args: argparse.Namespace) -> int:
-    from gspo.experiments.async_study import METHODS, AsyncStudyOptions, run_study
+    from gspo.experiments.async_study import METHODS, AsyncStudyOptions, format_mean_std, run_study
 
-    opts = AsyncStudyOptions(out=Path(args.out), report_dir=Path(args.report_dir), seeds=args.seeds, steps=args.steps,
-                             overrides=list(args.overrides))
+    opts = AsyncStudyOptions(out=Path(args.out), report_dir=None if args.report_dir is None else Path(args.report_dir),
+                             seeds=args.seeds, steps=args.steps, overrides=list(args.overrides))
     print(f"gspo async-study: {', '.join(METHODS)} × {opts.seeds} seeds → {opts.out}", flush=True)
     summary = run_study(opts)
     for name in METHODS:
         s = summary[name]
         print(f"  {name:14s} {s['step_seconds']['mean']:.3f} s/step ({s['speedup_vs_sync']:.2f}× sync), held-out "
-              f"accuracy {s['final_accuracy']['mean']:.1%} ± {s['final_accuracy']['std']:.1%}")
+              f"accuracy {format_mean_std(s['final_accuracy'], pct=True)}")
     print(f"wrote {opts.out / 'summary.json'} and {opts.report_dir / 'async.md'}")
     return 0
 
@@ -612,7 +724,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--size", type=int, default=None,
                        help=f"rows: a --data source's every row, or N of them chosen by prompt hash (never its first "
                             f"N); --task draws N problems (default {task_size}){more}")
-        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--task-options", default=None, metavar="JSON",
+                       help='the --task\'s options as a config\'s data.task_options, e.g. \'{"digits": 2}\' (the demo '
+                            "trains on 2-digit addition; the task's default is 3 digits)")
+        p.add_argument("--seed", type=int, default=None,
+                       help="draws of --task and sampled decoding (default 0; gspo eval with a config: its "
+                            "trainer.seed)")
         p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                        help="auto: the GPU when there is one (default), else the CPU")
 
@@ -654,10 +771,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "verifiers and reward models judge the text after it; 'none': the whole completion")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds for a batch of reward calls")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 16, or the config's")
-    p.add_argument("--samples", type=int, default=1,
-                   help="completions sampled per row (default 1: greedy decoding); N > 1 adds pass@k and maj@k, "
-                        "reproducible per --seed")
-    p.add_argument("--temperature", type=float, default=None, help="with --samples N > 1: > 0 (default 1)")
+    p.add_argument("--samples", type=int, default=None,
+                   help="completions sampled per row (default 1: greedy decoding; with a run folder or --config, as "
+                        "its run evaluates: trainer.eval_samples); N > 1 adds pass@k and maj@k, reproducible per "
+                        "--seed")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="with --samples N > 1: > 0 (default 1; with a config, its trainer.eval_temperature)")
     p.add_argument("--top-p", type=float, default=None, help="with --samples N > 1: nucleus in (0, 1] (default 1)")
     p.add_argument("--k", default=None,
                    help="with --samples N: the k of pass@k / maj@k, comma-separated, each <= N (default 1,2,4,...,N)")
@@ -685,7 +804,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("async-study", help="sync vs async rollouts (staleness 1, 2, 4) and GSPO/GRPO tolerance to "
                                            "stale engine likelihoods, with and without mismatch correction")
     p.add_argument("--out", default="runs/async_study", help="run folders and summary.json (default runs/async_study)")
-    p.add_argument("--report-dir", default="docs", help="where async.md and its plot go (default docs)")
+    p.add_argument("--report-dir", default=None,
+                   help="where async.md and its plot go (default: --out; --report-dir docs regenerates the "
+                        "repository's docs/async.md)")
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (default 3)")
     p.add_argument("--steps", type=int, default=100, help="learner steps per run (default 100)")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides for every run")

@@ -11,8 +11,10 @@ all GSPO with π_old taken from the engine (`old_logprobs: rollout`, no recomput
     gspo_s2_corr       GSPO with π_old recomputed and the mismatch corrected (sequence TIS + geometric-mean mask)
     grpo_s2_corr       GRPO with π_old recomputed and the mismatch corrected (token TIS + MIS mask)
 
-Each run is an ordinary `gspo train` folder under DIR/seed<k>/<method>/; finished runs are reused when the study is
-rerun into the same DIR. Outputs: DIR/summary.json, and the report (markdown table + plots) in REPORT_DIR.
+Each run is an ordinary `gspo train` folder under DIR/seed<k>/<method>/; finished runs (and the cold start) are reused
+when the study is rerun into the same DIR with the same settings, and refused before any compute, naming the keys,
+when made with others (`gspo.experiments.moe_study.reusable_run`). Outputs: DIR/summary.json, and the report
+(async.md and async_accuracy.png) in REPORT_DIR, by default DIR itself (as `gspo compare` writes its report.md).
 Time per learner step is the mean of `time_rollout + time_update` (the learner's wait for a batch plus its update)
 over the steps after the first (which includes the worker's start-up); evaluations are not in it.
 """
@@ -29,7 +31,14 @@ from pathlib import Path
 from typing import Any
 
 from gspo.config import load_config
-from gspo.experiments.moe_study import STUDY_OVERRIDES, build_cold_start
+from gspo.experiments.moe_study import (
+    STUDY_OVERRIDES,
+    build_cold_start,
+    check_heldout,
+    record_cold_start,
+    reusable_cold_start,
+    reusable_run,
+)
 from gspo.tracking import read_metrics
 
 log = logging.getLogger("gspo.async_study")
@@ -50,11 +59,28 @@ METHODS: dict[str, tuple[str, ...]] = {
 
 @dataclass
 class AsyncStudyOptions:
+    """What `run_study` does: `seeds` × `METHODS` runs of `steps` learner steps into `out`, the report into
+    `report_dir` (None: `out`, so that a study never replaces another folder's report unless asked to)."""
+
     out: Path
-    report_dir: Path
+    report_dir: Path | None = None
     seeds: int = 3
     steps: int = 100
     overrides: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        """Refuse, before any compute, what would fail only after the runs: no seed to average, a step time with no
+        step after the first (the first includes the worker's start-up), a file where a folder goes."""
+        self.out = Path(self.out)
+        self.report_dir = self.out if self.report_dir is None else Path(self.report_dir)
+        if self.seeds < 1:
+            raise ValueError(f"async-study: --seeds must be >= 1, got {self.seeds}")
+        if self.steps < 2:
+            raise ValueError(f"async-study: --steps must be >= 2 (the step time is the mean over the steps after the "
+                             f"first, which includes the rollout worker's start-up), got {self.steps}")
+        for flag, path in (("--out", self.out), ("--report-dir", self.report_dir)):
+            if path.exists() and not path.is_dir():
+                raise ValueError(f"async-study: {flag} {path} is a file; name a folder")
 
 
 def _run_overrides(opts: AsyncStudyOptions, seed: int, name: str, model: str) -> list[str]:
@@ -82,22 +108,28 @@ def run_study(opts: AsyncStudyOptions) -> dict:
     base = Path(str(resources.files("gspo") / "configs" / "demo.yaml"))  # the packaged demo config
     cold_cfg = load_config(base, [*STUDY_OVERRIDES, "trainer.seed=0", "trainer.threads=2", *opts.overrides])
     cold_dir = opts.out / "cold_start"
+    configs = {}
     for seed in range(opts.seeds):  # every run's config, validated before any compute
         for name in METHODS:
-            load_config(base, _run_overrides(opts, seed, name, cold_cfg.model.name))
+            check_heldout(load_config(base, _run_overrides(opts, seed, name, cold_cfg.model.name)), "async-study")
+            configs[(seed, name)] = load_config(base, _run_overrides(opts, seed, name, str(cold_dir)))
+    # what an earlier call left: reused only when made with these settings (checked before any compute)
+    reuse_cold = reusable_cold_start(cold_dir, cold_cfg, "async-study")
+    reuse = {(seed, name): reusable_run(opts.out / f"seed{seed}" / name, cfg, "async-study", resume=False)
+             for (seed, name), cfg in configs.items()}
     opts.out.mkdir(parents=True, exist_ok=True)
-    if not (cold_dir / "sft.json").exists():
+    if not reuse_cold:
         build_cold_start(cold_cfg, cold_dir)
+        record_cold_start(cold_dir, cold_cfg)
     numbers: dict[str, dict[int, dict]] = {name: {} for name in METHODS}
-    for seed in range(opts.seeds):
-        for name in METHODS:
-            run_dir = opts.out / f"seed{seed}" / name
-            if not (run_dir / "summary.json").exists():
-                log.info("%s, seed %d", name, seed)
-                t0 = time.perf_counter()
-                train(load_config(base, _run_overrides(opts, seed, name, str(cold_dir))), overwrite=True)
-                log.info("  %.0f s", time.perf_counter() - t0)
-            numbers[name][seed] = run_numbers(run_dir)
+    for (seed, name), cfg in configs.items():
+        run_dir = opts.out / f"seed{seed}" / name
+        if not reuse[(seed, name)]:
+            log.info("%s, seed %d", name, seed)
+            t0 = time.perf_counter()
+            train(cfg, overwrite=True)
+            log.info("  %.0f s", time.perf_counter() - t0)
+        numbers[name][seed] = run_numbers(run_dir)
     summary = {"study": {"seeds": opts.seeds, "steps": opts.steps, "overrides": opts.overrides}}
     for name, per_seed in numbers.items():
         runs = list(per_seed.values())
@@ -113,8 +145,16 @@ def run_study(opts: AsyncStudyOptions) -> dict:
     return summary
 
 
-def _mean_std(values: list[float]) -> dict[str, float]:
-    return {"mean": statistics.mean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0}
+def _mean_std(values: list[float]) -> dict[str, float | None]:
+    """Mean and sample standard deviation over seeds; the deviation is None (not 0) for one seed: it has none."""
+    return {"mean": statistics.mean(values), "std": statistics.stdev(values) if len(values) > 1 else None}
+
+
+def format_mean_std(entry: dict[str, float | None], pct: bool = False) -> str:
+    """"mean ± std" of a `_mean_std` entry ("± n/a (one seed)" without a deviation), as percentages with `pct`."""
+    fmt = "{:.1%}" if pct else "{:.3f}"
+    std = "n/a (one seed)" if entry["std"] is None else fmt.format(entry["std"])
+    return f"{fmt.format(entry['mean'])} ± {std}"
 
 
 def write_report(opts: AsyncStudyOptions, summary: dict) -> Path:
@@ -140,8 +180,7 @@ def write_report(opts: AsyncStudyOptions, summary: dict) -> Path:
     plt.close(fig)
 
     def cell(name: str, key: str, pct: bool = False) -> str:
-        m, s = summary[name][key]["mean"], summary[name][key]["std"]
-        return f"{m:.1%} ± {s:.1%}" if pct else f"{m:.3f} ± {s:.3f}"
+        return format_mean_std(summary[name][key], pct)
 
     lines = [f"# Asynchronous rollouts: measured ({summary['study']['seeds']} seeds, {summary['study']['steps']} "
              "learner steps each)", "",

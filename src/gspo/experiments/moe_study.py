@@ -18,7 +18,9 @@ of the paper's claims) and DIR/report.md with PNG plots next to it. The verdicts
 Cold start: by default one SFT model, built once (DIR/cold_start/, from the first seed) and shared by every seed and
 method, so the seeds vary the RL data order and sampling but not the starting point — the comparison is paired and
 the SFT cost is paid once. `cold_start="per-seed"` builds one per seed (DIR/seed<k>/cold_start/), so seed variance
-also covers the starting model. Finished runs (and cold starts) are reused when the study is rerun into the same DIR.
+also covers the starting model. Finished runs (and cold starts) are reused when the study is rerun into the same DIR
+with the same settings (`reusable_run`, `reusable_cold_start`); a run or cold start made with other settings is
+refused before any compute, naming the keys that differ, since its numbers would be reported under the new settings.
 """
 
 from __future__ import annotations
@@ -34,8 +36,11 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from gspo.config import Config, load_config
+import yaml
+
+from gspo.config import Config, ConfigError, config_diff, config_to_dict, load_config, validate_config
 from gspo.objectives import default_eps
+from gspo.runfolder import RESUMABLE
 from gspo.tracking import read_metrics
 
 log = logging.getLogger(__name__)
@@ -93,6 +98,8 @@ class StudyOptions:
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
+        if self.out.exists() and not self.out.is_dir():
+            raise ValueError(f"compare: --out {self.out} is a file; name a folder for the study (new or a study's)")
         if self.seeds < 1:
             raise ValueError(f"compare: --seeds must be >= 1, got {self.seeds}")
         if self.steps is not None and self.steps < 1:
@@ -119,7 +126,8 @@ def _base_path(opts: StudyOptions) -> Path:
 
 def study_configs(opts: StudyOptions) -> tuple[dict[int, Config], dict[tuple[int, str], list[str]]]:
     """Validate every run's config before any compute. Returns the cold-start config per seed that builds one, and
-    the override list of every (seed, method) run (its model is the cold start, its cold_start section off)."""
+    the override list of every (seed, method) run (its model is the cold start, its cold_start section off). Raises
+    ValueError for a run without held-out evaluation (the study compares held-out accuracies)."""
     base = _base_path(opts)
     cold: dict[int, Config] = {}
     runs: dict[tuple[int, str], list[str]] = {}
@@ -133,9 +141,98 @@ def study_configs(opts: StudyOptions) -> tuple[dict[int, Config], dict[tuple[int
             cold[seed] = cfg
         for name, method in opts.methods().items():
             common = [*overrides, *method, "cold_start=null", f"trainer.out={opts.out / f'seed{seed}' / name}"]
-            load_config(base, [*common, f"model.name={cfg.model.name}"])  # the cold-start folder does not exist yet
+            check_heldout(load_config(base, [*common, f"model.name={cfg.model.name}"]), "compare")  # no folder yet
             runs[(seed, name)] = [*common, f"model.name={_cold_start_dir(opts, seed)}"]
     return cold, runs
+
+
+def check_heldout(cfg: Config, command: str) -> None:
+    """Refuse a study run that would hold out no rows: the study reads each run's held-out accuracy (eval.jsonl),
+    which such a run never writes, so it would fail only after every run trained."""
+    d = cfg.data
+    if d.eval_split is None and d.eval_path is None and d.eval_fraction is None:
+        raise ValueError(f"{command}: the study needs held-out evaluation, but data.eval_split is null and no "
+                         "data.eval_path / data.eval_fraction is set: leave data.eval_split on, or hold rows out")
+
+
+# Keys a study run may differ in from its saved config and still be reused: where the study's folder is (a moved or
+# differently spelled --out) and the cold-start folder it starts from (checked on its own, `reusable_cold_start`).
+_LOCATION_KEYS = ("trainer.out", "model.name")
+# What a cold start's model depends on (its study_config.yaml is compared on these).
+_COLD_START_KEYS = ("model.*", "data.*", "cold_start.*", "trainer.seed", "trainer.mixed_precision")
+COLD_START_RECORD = "study_config.yaml"
+"""The cold-start config a study saves next to the cold-start model, to know on a rerun what built it."""
+
+
+def _saved_config(path: Path) -> dict | None:
+    """The config dict saved at `path` (a run's config.yaml), with defaults filled in; None when there is none."""
+    if not path.exists():
+        return None
+    try:
+        saved = yaml.safe_load(path.read_text(encoding="utf-8"))
+        return config_to_dict(validate_config(saved)) if isinstance(saved, dict) else {}
+    except (yaml.YAMLError, UnicodeDecodeError, ConfigError):
+        return {}  # unreadable: differs in every key
+
+
+def _differing(saved: dict, cfg: Config, keep: Sequence[str] = (), ignore: Sequence[str] = ()) -> list[str]:
+    """The dotted keys in which `saved` differs from `cfg`: only those matching `keep` (default all), not those
+    matching `ignore`."""
+    import fnmatch
+
+    diff = config_diff(saved, config_to_dict(cfg))
+    return [k for k in diff if (not keep or any(fnmatch.fnmatchcase(k, p) for p in keep))
+            and not any(fnmatch.fnmatchcase(k, p) for p in ignore)]
+
+
+def _refuse(command: str, where: Path, what: str, keys: list[str]) -> ValueError:
+    shown = ", ".join(keys[:8]) + (f", ... ({len(keys)} keys)" if len(keys) > 8 else "")
+    return ValueError(f"{command}: {where} holds a {what} made with other settings (its saved config differs in "
+                      f"{shown}): reusing it would report its numbers under this call's settings. Rerun with the "
+                      f"settings it was made with, study into another --out, or delete {where} to redo it")
+
+
+def reusable_run(run_dir: Path, cfg: Config, command: str, *, resume: bool = True) -> bool:
+    """True when `run_dir` holds a finished run (summary.json) made with `cfg`, to be reused; False when it holds
+    none, or an unfinished one (which the study resumes with `cfg`, or with `resume=False` starts over). Raises
+    ValueError naming the differing keys when a finished run's saved config.yaml differs from `cfg` (but for
+    `_LOCATION_KEYS`), or, with `resume`, an unfinished one's in a key a resume may not change
+    (`gspo.runfolder.RESUMABLE`)."""
+    finished = (run_dir / "summary.json").exists()
+    if not finished and not resume:
+        return False
+    saved = _saved_config(run_dir / "config.yaml")
+    if saved is None:
+        if finished:
+            raise ValueError(f"{command}: {run_dir} holds a finished run without its config.yaml: the settings it "
+                             f"was made with are unknown; study into another --out, or delete {run_dir} to redo it")
+        return False
+    keys = _differing(saved, cfg, ignore=_LOCATION_KEYS if finished else (*_LOCATION_KEYS, *RESUMABLE))
+    if keys:
+        raise _refuse(command, run_dir, "finished run" if finished else "started run", keys)
+    return finished
+
+
+def reusable_cold_start(target: Path, cfg: Config, command: str) -> bool:
+    """True when `target` holds a finished cold start (sft.json) built with `cfg`'s model, data and cold_start
+    settings (its `COLD_START_RECORD`), to be reused; False when it holds none. Raises ValueError naming the keys
+    that differ. A cold start without the record (made before studies saved one) is reused with a warning."""
+    if not (target / "sft.json").exists():
+        return False
+    saved = _saved_config(target / COLD_START_RECORD)
+    if saved is None:
+        log.warning("%s has no %s: reusing it without checking the settings it was built with", target,
+                    COLD_START_RECORD)
+        return True
+    keys = _differing(saved, cfg, keep=_COLD_START_KEYS, ignore=("trainer.out",))
+    if keys:
+        raise _refuse(command, target, "cold start", keys)
+    return True
+
+
+def record_cold_start(target: Path, cfg: Config) -> None:
+    """Save the config that built the cold start in `target` (`COLD_START_RECORD`), for `reusable_cold_start`."""
+    (target / COLD_START_RECORD).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
 
 
 def _cold_start_dir(opts: StudyOptions, seed: int) -> Path:
@@ -170,6 +267,12 @@ def run_study(opts: StudyOptions) -> dict:
 
     wall0 = time.perf_counter()
     cold_cfgs, runs = study_configs(opts)
+    base = _base_path(opts)
+    configs = {key: load_config(base, overrides) for key, overrides in runs.items()}
+    # what an earlier call left in opts.out: reused only when made with these settings, checked before any compute
+    reuse_cold = {seed: reusable_cold_start(_cold_start_dir(opts, seed), cfg, "compare")
+                  for seed, cfg in cold_cfgs.items()}
+    reuse = {key: reusable_run(opts.out / f"seed{key[0]}" / key[1], cfg, "compare") for key, cfg in configs.items()}
     opts.out.mkdir(parents=True, exist_ok=True)
     timings_path = opts.out / "timings.json"  # seconds per cold start and run, kept across resumed calls
     timings: dict[str, float] = json.loads(timings_path.read_text()) if timings_path.exists() else {}
@@ -183,19 +286,19 @@ def run_study(opts: StudyOptions) -> dict:
 
     for seed, cfg in cold_cfgs.items():
         target = _cold_start_dir(opts, seed)
-        if (target / "sft.json").exists():
+        if reuse_cold[seed]:
             log.info("reusing cold start %s", target)
             continue
         log.info("cold start SFT for seed %d", seed)
         timed(str(target.relative_to(opts.out)), build_cold_start, cfg, target)
-    for i, ((seed, name), overrides) in enumerate(runs.items()):
+        record_cold_start(target, cfg)
+    for i, (seed, name) in enumerate(runs):
         run_dir = opts.out / f"seed{seed}" / name
-        if (run_dir / "summary.json").exists():
+        if reuse[(seed, name)]:
             log.info("reusing finished run %s", run_dir)
             continue
         log.info("run %d/%d: %s, seed %d", i + 1, len(runs), name, seed)
-        timed(f"seed{seed}/{name}", train, load_config(_base_path(opts), overrides),
-              resume=(run_dir / "config.yaml").exists())
+        timed(f"seed{seed}/{name}", train, configs[(seed, name)], resume=(run_dir / "config.yaml").exists())
     summary = summarize(opts, runs, timings)
     summary["study"]["wall_seconds_this_call"] = time.perf_counter() - wall0
     (opts.out / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False, default=_json_default))
@@ -354,9 +457,14 @@ def _pct(x: float | None) -> str:
 
 
 def _acc_verdict(c: Comparison | None, better: str, worse: str, *, no_worse: bool = False) -> tuple[str, str]:
-    """(verdict, evidence) for "`better` is better than `worse`" (or, with no_worse, "not worse")."""
+    """(verdict, evidence) for "`better` is better than `worse`" (or, with no_worse, "not worse"). One seed has no
+    standard error, so it can neither show a difference nor its absence: "cannot be judged", never "holds"."""
     if c is None:
         return "not measured", ""
+    if c.n < 2:
+        return ("cannot be judged (one seed: no standard error; run --seeds 2 or more)",
+                f"held-out accuracy averaged over the RL evaluations, {better} − {worse} = {100 * c.mean:+.1f} points "
+                "on one seed")
     evidence = (f"held-out accuracy averaged over the RL evaluations, {better} − {worse} = {100 * c.mean:+.1f} points "
                 f"± {100 * c.se:.1f} (paired SE over {c.n} seeds)")
     if c.sign > 0:
@@ -375,11 +483,12 @@ def claims(summary: dict, names: Sequence[str]) -> list[dict[str, str]]:
     g, r = m["gspo"]["clip_frac_tokens"], m["grpo"]["clip_frac_tokens"]
     if g is not None and r is not None:
         ratio = g / r if r > 0 else math.inf
-        verdict = ("holds" if ratio >= 100 else "partly holds (one order of magnitude, not two)" if ratio >= 10
-                   else "does not hold")
+        verdict = ("cannot be judged (neither clipped a token: no ratio)" if g == r == 0 else "holds" if ratio >= 100
+                   else "partly holds (one order of magnitude, not two)" if ratio >= 10 else "does not hold")
+        shown = "GRPO clipped none" if r == 0 else f"ratio {ratio:.0f}×"
         out.append({"claim": "GSPO clips about two orders of magnitude more tokens than GRPO (paper: ~15% vs ~0.13%)",
                     "verdict": verdict,
-                    "evidence": f"mean token clip fraction GSPO {_pct(g)} vs GRPO {_pct(r)}: ratio {ratio:.0f}×"})
+                    "evidence": f"mean token clip fraction GSPO {_pct(g)} vs GRPO {_pct(r)}: {shown}"})
 
     v, e = _acc_verdict(paired(summary, "gspo", "grpo", key), "gspo", "grpo")
     out.append({"claim": "GSPO trains more efficiently than GRPO for the same compute (despite clipping more)",
@@ -559,7 +668,8 @@ def write_report(out: Path, summary: dict) -> Path:
               "| claim | verdict | evidence |", "|---|---|---|"]
     lines += [f"| {c['claim']} | **{c['verdict']}** | {c['evidence']} |" for c in summary["claims"]]
     lines += ["", "Verdicts compare per-seed paired differences against two standard errors; with few seeds and a "
-              "toy model, \"inconclusive\" means the effect, if any, is smaller than the seed-to-seed noise here.", ""]
+              "toy model, \"inconclusive\" means the effect, if any, is smaller than the seed-to-seed noise here; "
+              "\"cannot be judged\" means the runs hold no data to decide (one seed, or nothing clipped).", ""]
     path = out / "report.md"
     path.write_text("\n".join(lines))
     return path
@@ -567,11 +677,12 @@ def write_report(out: Path, summary: dict) -> Path:
 
 def _claims_in_words(items: Sequence[dict[str, str]]) -> list[str]:
     """One plain sentence per verdict class: which claims hold, which do not, which the noise leaves open."""
-    groups = {"Hold": [], "Do not hold": [], "Cannot be decided at this scale (within seed noise)": []}
+    noise, no_data = "Cannot be decided at this scale (within seed noise)", "Cannot be judged from these runs"
+    groups: dict[str, list[str]] = {"Hold": [], "Do not hold": [], noise: [], no_data: []}
     for c in items:
         v = c["verdict"]
         key = "Hold" if v.startswith(("holds", "partly")) else "Do not hold" if v.startswith("does not") else \
-            "Cannot be decided at this scale (within seed noise)"
+            noise if v.startswith("inconclusive") else no_data
         groups[key].append(c["claim"].split(" (")[0] + (" — partly" if v.startswith("partly") else ""))
     return [f"- **{k}:** " + "; ".join(v) + "." for k, v in groups.items() if v]
 
