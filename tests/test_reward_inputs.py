@@ -250,3 +250,17 @@ def test_a_batch_reward_without_the_batched_decorator_is_told_to_add_it():
 
     with pytest.raises(RewardFailure, match=r"non-number list.*needs the @gspo\.rewards\.batched decorator"):
         score(RewardRunner([(trl_style, 1.0)], on_error="fail", timeout_s=None), ["1"])
+
+
+def test_a_reward_that_prints_does_not_break_gspo_trains_json_on_stdout(tmp_path, capsys):
+    """`gspo train` prints its summary as one JSON document on stdout; a reward (or environment, or tool) that printed
+    interleaved its lines with it."""
+    (tmp_path / "chatty_rw.py").write_text("def score(prompt, completion, **row):\n    print('scoring', completion)\n"
+                                           "    return float(completion.strip() == row['answer'])\n")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(DEMO.read_text())
+    code = main(["train", str(cfg), *tiny_overrides(tmp_path / "run", "cold_start=null", "trainer.steps=1"),
+                 f"rewards.functions={{{tmp_path / 'chatty_rw.py'}:score: 1.0}}"])
+    out, err = capsys.readouterr()
+    assert code == 0 and json.loads(out)["status"] == "completed"
+    assert "scoring" in err

@@ -4,6 +4,7 @@ model is built."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -27,7 +28,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     if args.check or args.measure:
         return _check(cfg, args)
-    summary = train(cfg, resume=args.resume, overwrite=args.overwrite)
+    with contextlib.redirect_stdout(sys.stderr):  # a reward, environment or tool that prints: not into the JSON
+        summary = train(cfg, resume=args.resume, overwrite=args.overwrite)
     decoding = _run_decoding(cfg)
     # under torchrun: leave the process group cleanly, after success only. On a failure the error propagates with the
     # group alive, so that it is reported first: tearing the group down while another process waits in a collective
