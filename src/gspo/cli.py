@@ -487,17 +487,14 @@ def _check_eval_paths(args: argparse.Namespace, cfg: Config | None) -> None:
     and --baseline, when they name a local folder, are model folders (a preset or hub id is checked when loaded); a
     --baseline that is MODEL itself is said; --rows-out names a file (not a folder) in a writable folder, and none of
     the data being evaluated (--data, or --config's data.path / data.eval_path), which the results would replace."""
-    from gspo.models import PRESETS, _check_local_model_dir, _is_adapter_folder, _looks_like_local_path
+    from gspo.models import check_model_source
 
     for name, what in ((args.model, "MODEL"), (args.baseline, "--baseline")):
-        path = Path(name or "").expanduser()
-        if name is None or name in PRESETS or not (path.exists() or _looks_like_local_path(name)):
-            continue
-        if not _is_adapter_folder(path):  # a LoRA adapter folder's base is checked when loaded
-            try:
-                _check_local_model_dir(path, name)
-            except (OSError, ValueError) as e:
-                raise ConfigError(f"{what}: {e}") from None
+        try:
+            if name is not None:
+                check_model_source(name)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{what}: {e}") from None
     if args.baseline is not None and Path(args.baseline).resolve() == Path(args.model).resolve():
         print(f"gspo eval: note: --baseline {args.baseline} is the evaluated model itself: the change is 0 by "
               "construction", file=sys.stderr)

@@ -39,6 +39,7 @@ __all__ = [
     "build_preset",
     "build_tokenizer",
     "cache_keyword",
+    "check_model_source",
     "disable_dropout",
     "enable_gradient_checkpointing",
     "load_model",
@@ -277,6 +278,16 @@ def _check_local_model_dir(path: Path, shown: str) -> None:
                 pass
         except PermissionError:
             raise PermissionError(f"{name} in model directory {shown!r} cannot be read: permission denied") from None
+
+
+def check_model_source(name: str) -> None:
+    """What `load_model(name)` would find wrong with a local model folder, found without loading it (a command checks
+    its model arguments before any compute): FileNotFoundError / ValueError naming `name`. A preset, a hub id and a
+    LoRA adapter folder (whose base is checked when loaded) pass."""
+    path = Path(name).expanduser()
+    if name in PRESETS or not (path.exists() or _looks_like_local_path(name)) or _is_adapter_folder(path):
+        return
+    _check_local_model_dir(path, name)
 
 
 def _is_adapter_folder(path: Path) -> bool:
