@@ -349,6 +349,7 @@ def gpu_sampler_worker(path: str, batches: int, warmup: int, options: dict) -> d
     import torch
 
     from gspo.models import load_model
+    from gspo.moe import config_has_experts
     from gspo.rollout import HFSampler, SamplingParams
 
     n_prompts, group, new_tokens, device = worker_shape(options)
@@ -356,7 +357,9 @@ def gpu_sampler_worker(path: str, batches: int, warmup: int, options: dict) -> d
     model = model.to(device)
     prompts = [r["prompt"] for r in addition_rows()[:n_prompts]]
     out: dict = {}
-    for decode in ("dynamic", "compiled"):
+    # An MoE decode step cannot be captured in a CUDA graph (gspo.rollout.sampler.resolve_decode): its rows are the
+    # dynamic loop and the static cache run eagerly.
+    for decode in ("dynamic", "static") if config_has_experts(model.config) else ("dynamic", "compiled"):
         engine = HFSampler(model, tokenizer, SamplingParams(max_new_tokens=new_tokens), dtype="bfloat16",
                            decode=decode)
         engine.eos_ids = []
