@@ -89,7 +89,7 @@ def test_a_new_engine_trains_through_the_trainer_untouched(tmp_path, monkeypatch
     assert engine.released == 2  # once per step, after its rollout
     assert summary["status"] == "completed" and len(read_metrics(tmp_path / "metrics.jsonl")) == 2
     final = trainer_module.load_model(str(tmp_path / "final"))[0].state_dict()
-    assert all(torch.equal(final[k], v) for k, v in engine.model.state_dict().items())  # synced to the last step
+    assert all(torch.equal(final[k], v.cpu()) for k, v in engine.model.state_dict().items())  # synced to the last step
 
 
 def test_a_registered_objective_trains_without_other_changes(tmp_path, monkeypatch):

@@ -101,7 +101,8 @@ def test_it_scores_the_rows_conversation_in_the_reward_models_own_chat_template(
     runner = RewardRunner({f"model:{tmp_path}": 1.0}, timeout_s=None)
     rows = [{"prompt": "1+1="}, {"prompt": "policy-rendered 2+2=", "messages": conversation}]
     total, _ = runner(["1+1=", "policy-rendered 2+2="], ["2", "4"], rows)
-    direct = [rm.model(**rm.tokenizer(t, return_tensors="pt", add_special_tokens=False)).logits[0, 0].item()
+    direct = [rm.model(**rm.tokenizer(t, return_tensors="pt", add_special_tokens=False).to(rm.model.device))
+              .logits[0, 0].item()
               for t in texts]
     assert total.tolist() == pytest.approx(direct, abs=1e-5)
 

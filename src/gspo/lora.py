@@ -278,11 +278,19 @@ def save_lora_final(model: nn.Module, tokenizer: Any, out_dir: str | os.PathLike
     model.save_pretrained(out, safe_serialization=True, save_embedding_layers=False, state_dict=state)
     tokenizer.save_pretrained(out)
     if merged:
+        def ident(t: torch.Tensor) -> tuple:
+            return t.data_ptr(), t.dtype, tuple(t.shape)
+
+        # Tied names get one CPU tensor, as save_pretrained expects. Ties are found among the source tensors only,
+        # which stay alive: a merged tensor is freed once copied to the CPU, and on CUDA the caching allocator hands
+        # its address to the next one of its size (every layer's q_proj was saved as the first layer's, H100).
+        source = state.values() if state is not None else model.get_base_model().state_dict().values()
+        tied = {ident(t) for t in source}
         weights: dict[str, torch.Tensor] = {}
-        on_cpu: dict[tuple, torch.Tensor] = {}  # tied names get one CPU tensor, as save_pretrained expects
+        on_cpu: dict[tuple, torch.Tensor] = {}
         for name, tensor in merged_weights(model, state):
-            ident = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape))
-            weights[name] = on_cpu.setdefault(ident, tensor.to("cpu"))
+            key = ident(tensor)
+            weights[name] = on_cpu.setdefault(key, tensor.to("cpu")) if key in tied else tensor.to("cpu")
         model.get_base_model().save_pretrained(out / MERGED_DIRNAME, state_dict=weights)
         tokenizer.save_pretrained(out / MERGED_DIRNAME)
     return out
