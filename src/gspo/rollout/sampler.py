@@ -495,8 +495,8 @@ class HFSampler:
         """A KV cache of fixed shape for one `generate` call: "static" makes a new one, freed with the call; "compiled"
         keeps one per (rows, length) for the engine's life and resets it, so that the CUDA graph recorded on it is
         replayed on the same addresses (transformers' generate keeps its static cache the same way). The price: the
-        cache stays allocated during the updates (28 layers × 128 rows × 384 slots of bf16 K/V: 2.8 GB on the
-        Qwen3-0.6B shape); rollout.decode=dynamic frees everything between rollouts. At most `KEPT_CACHES` are kept,
+        cache stays allocated during the updates (28 layers × 128 rows × 384 slots of bf16 K/V: 5.6 GB on the
+        Qwen3-0.6B shape, 11.3 GB in float32; benchmarks/RESULTS.md §5); rollout.decode=dynamic frees everything between rollouts. At most `KEPT_CACHES` are kept,
         the least recently used freed first: shapes that keep changing (a rollout's row count, evaluation remainders)
         must not accumulate caches until the GPU is out of memory."""
         if self.decode != "compiled":
