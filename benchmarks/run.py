@@ -30,7 +30,8 @@ batch 16 prompts × 8 completions × exactly 256 new tokens, 4 minibatches, GSPO
 with bf16 autocast on both sides (TRL `bf16=True`; gspo `trainer.mixed_precision=bfloat16`), no gradient
 checkpointing, a pseudo-random reward of the completion text (`hash_reward`: a random-init model never solves the
 task, and advantages must be non-zero for the updates to be real). Sides: TRL; "gspo exact" (π_old recomputed by a
-no-grad forward, as TRL does; the fp32 policy samples); "gspo fast" (a bf16 rollout engine and π_old from it, §5.4).
+no-grad forward, as TRL does; the float32 policy samples under the trainer's bf16 autocast, as TRL's does);
+"gspo fast" (a bf16 rollout engine and π_old from it, §5.4).
 Clocks are read after torch.cuda.synchronize(); generation / update split: gspo's `rl_step` timings, TRL's
 `_generate` timed (its old-log-prob forward counts as update on both sides); peak GPU memory is
 torch.cuda.max_memory_allocated() of the worker (model, AdamW state and the steps). Each model is built once, saved in

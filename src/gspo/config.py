@@ -591,8 +591,10 @@ class TrainerConfig(_Section):
     parallel: Literal["ddp", "fsdp"] = "ddp"
     # bf16 compute over float32 weights (model.dtype float32): the policy's forwards and backwards run in bfloat16
     # (torch.autocast; under fsdp, FSDP2's MixedPrecisionPolicy with float32 gradient reduction), while weights,
-    # gradients and AdamW stay float32 and the LM head's log-softmax runs in float32. float16 is not offered: its
-    # gradients need loss scaling, which gspo does not implement.
+    # gradients and AdamW stay float32 and the LM head's log-softmax runs in float32. The built-in sampler sharing the
+    # weights (rollout.dtype unset or float32) samples under the same autocast: the policy it samples is the one
+    # trained, on bf16 tensor cores with bf16 KV caches. float16 is not offered: its gradients need loss scaling,
+    # which gspo does not implement.
     mixed_precision: Literal["bfloat16"] | None = None
     # auto: this process's GPU (LOCAL_RANK) when every process on the machine has one, else the CPU (warned);
     # cuda: the same, but too few GPUs is an error (gspo.parallel.resolve_device)

@@ -1120,8 +1120,8 @@ def _flash_attention_checks(cfg: Config, device: torch.device) -> None:
     """FlashAttention kernels (`model.attn_implementation=flash_attention_*`) run on CUDA in bfloat16/float16 only,
     and flash-attn raises at the first forward otherwise (after a cold start may have run): refuse such a run now.
     transformers casts float32 attention inputs to the autocast dtype, else to the weights' dtype, so float32 weights
-    need trainer.mixed_precision for the training forwards and a bfloat16/float16 `rollout.dtype` for the built-in
-    sampler; the cold start's before-SFT evaluation samples with the policy itself, so it needs half weights."""
+    need trainer.mixed_precision for the training forwards (the built-in sampler then runs under the same autocast);
+    the cold start's before-SFT evaluation samples with the policy itself, so it needs half weights."""
     impl = cfg.model.attn_implementation or ""
     if not impl.startswith("flash_attention"):
         return
@@ -1132,8 +1132,6 @@ def _flash_attention_checks(cfg: Config, device: torch.device) -> None:
     elif cfg.model.dtype not in half:
         if cfg.trainer.mixed_precision is None:
             problem = "the training forwards compute in float32: set model.dtype=bfloat16 or trainer.mixed_precision"
-        elif cfg.rollout.engine == "hf" and cfg.rollout.dtype not in half:
-            problem = "the built-in sampler computes in float32: set rollout.dtype=bfloat16 (or model.dtype)"
         elif cfg.cold_start is not None:
             problem = ("the cold start's before-SFT evaluation samples with the float32 policy: set "
                        "model.dtype=bfloat16")

@@ -90,7 +90,7 @@ def _hf_engine(cfg: Config, model: nn.Module, tokenizer, *, own_copy: bool, devi
     decode = "dynamic" if ro.decode == "auto" and cfg.env is not None else ro.decode
     return HFSampler(model, tokenizer, sampling_params(cfg), dtype=ro.dtype, own_copy=own_copy,
                      record_routing=cfg.algorithm.routing_replay == "r3", device=device, decode=decode,
-                     max_rows=ro.max_batch_rows)
+                     max_rows=ro.max_batch_rows, autocast=cfg.trainer.mixed_precision)
 
 
 def _sync_dir(cfg: Config, out: Path) -> Path:

@@ -143,7 +143,10 @@ class HFSampler:
     collective), it is a separate inference engine: it keeps its own full copy on `device` (default the model's),
     parameters cast to `dtype` (buffers such as rotary frequencies keep their dtype, as `from_pretrained(dtype=...)`
     would leave them), and `update_weights` copies the streamed tensors into it in memory. `release` frees that copy
-    until the next `update_weights`.
+    until the next `update_weights`. `autocast` (e.g. "bfloat16", the trainer's `trainer.mixed_precision`) runs the
+    forwards of float32 weights under torch.autocast, as the policy's training forwards run: the sampled policy is the
+    one trained (TRL's generation runs under its accelerator's autocast too), on bf16 tensor cores, with bf16 KV
+    caches; the log-softmax of the sampled tokens stays float32. Weights already in a half dtype ignore it.
 
     Generation: prompts are tokenized without special tokens and left-padded; one prefill, then one cached decode
     step per token. Rows that finish (EOS or a stop string) are dropped from the batch and the KV cache, so they stop
@@ -178,6 +181,7 @@ class HFSampler:
         device: torch.device | str | None = None,
         decode: str = "dynamic",
         max_rows: int | None = None,
+        autocast: torch.dtype | str | None = None,
     ) -> None:
         if max_rows is not None and max_rows < 1:
             raise ValueError(f"max_rows must be >= 1 or None, got {max_rows}")
@@ -208,6 +212,8 @@ class HFSampler:
         else:
             self.model = model
         self.dtype = target
+        # under autocast only float32 weights compute in the lower dtype; half weights already do
+        self.autocast = resolve_dtype(autocast) if autocast is not None and target == torch.float32 else None
 
         self.pad_id = pad_id(tokenizer)
         self.eos_ids = eos_ids(tokenizer, getattr(model, "generation_config", None))
@@ -316,7 +322,9 @@ class HFSampler:
             self._routing = RolloutRoutingRecorder(self.model, len(seeds) * group_size, unique_ids.shape[1], max_new,
                                                    unique_ids.device)
         try:
-            with torch.inference_mode(), self._routing or contextlib.nullcontext():
+            autocast = (contextlib.nullcontext() if self.autocast is None
+                        else torch.autocast(unique_ids.device.type, dtype=self.autocast))
+            with torch.inference_mode(), self._routing or contextlib.nullcontext(), autocast:
                 decode = self._decode if self.decode == "dynamic" else self._decode_static
                 raw = decode(unique_ids, unique_mask, group_size, uniforms.to(unique_ids.device), params)
         finally:
@@ -496,9 +504,10 @@ class HFSampler:
         keeps one per (rows, length) for the engine's life and resets it, so that the CUDA graph recorded on it is
         replayed on the same addresses (transformers' generate keeps its static cache the same way). The price: the
         cache stays allocated during the updates (28 layers × 128 rows × 384 slots of bf16 K/V: 5.6 GB on the
-        Qwen3-0.6B shape, 11.3 GB in float32; benchmarks/RESULTS.md §5); rollout.decode=dynamic frees everything between rollouts. At most `KEPT_CACHES` are kept,
-        the least recently used freed first: shapes that keep changing (a rollout's row count, evaluation remainders)
-        must not accumulate caches until the GPU is out of memory."""
+        Qwen3-0.6B shape, 11.3 GB in float32; benchmarks/RESULTS.md §5); rollout.decode=dynamic frees everything
+        between rollouts. At most `KEPT_CACHES` are kept, the least recently used freed first: shapes that keep
+        changing (a rollout's row count, evaluation remainders) must not accumulate caches until the GPU is out of
+        memory."""
         if self.decode != "compiled":
             return StaticCache(config=self.model.config, max_cache_len=cache_len)
         cache = self._static_caches.pop((n_rows, cache_len), None)  # re-inserted below: the most recently used
