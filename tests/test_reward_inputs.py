@@ -264,3 +264,17 @@ def test_a_reward_that_prints_does_not_break_gspo_trains_json_on_stdout(tmp_path
     out, err = capsys.readouterr()
     assert code == 0 and json.loads(out)["status"] == "completed"
     assert "scoring" in err
+
+
+def test_a_reward_that_prints_does_not_break_gspo_evals_json_on_stdout(tmp_path, capsys):
+    """`gspo eval` prints its result as one JSON document on stdout, with a baseline too: a reward's prints go to
+    stderr."""
+    (tmp_path / "chatty_rw.py").write_text("def score(prompt, completion, **row):\n    print('scoring', completion)\n"
+                                           "    return float(completion.strip() == row['answer'])\n")
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+1=", "answer": str(a + 1)}) + "\n" for a in range(4)))
+    code = main(["eval", "tiny-moe", "--baseline", "tiny-dense", "--data", str(data), "--reward",
+                 f"{tmp_path / 'chatty_rw.py'}:score", "--max-new-tokens", "2"])
+    out, err = capsys.readouterr()
+    assert code == 0 and json.loads(out)["rows"] == 4 and "baseline" in json.loads(out)
+    assert err.count("scoring") >= 8  # both models' completions were scored, and said so on stderr

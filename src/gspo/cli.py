@@ -434,7 +434,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         own = {kind: {k: v - before[kind].get(k, 0) for k, v in now[kind].items()} for kind in now}
         return result, values, own, shown
 
-    result, values, failures, shown = run(args.model)
+    with contextlib.redirect_stdout(sys.stderr):  # a reward, environment or tool that prints: not into the JSON
+        result, values, failures, shown = run(args.model)
     skipped = len(data.heldout) - len(values)
     if groups is not None:
         groups = [groups[i] for i in kept]
@@ -446,7 +447,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     base_values: list[float] | None = None
     base_shown: list[dict] = []
     if args.baseline is not None:  # the same rows, rewards and sampling: the change with its paired interval
-        base, base_values, base_failures, base_shown = run(args.baseline)
+        with contextlib.redirect_stdout(sys.stderr):
+            base, base_values, base_failures, base_shown = run(args.baseline)
         change, low, high = paired_change_ci95(base_values, values)
         comparison = {"baseline": {"model": args.baseline, "accuracy": base["accuracy"],
                                    "accuracy_ci95": base["accuracy_ci95"], "reward_mean": base["reward_mean"],
