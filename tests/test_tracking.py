@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import logging
 import math
 import sys
 import types
@@ -332,3 +333,27 @@ def test_an_unreadable_trackers_file_starts_new_runs_with_a_warning(tmp_path, mo
     assert wandb.started == [{"project": "p"}]
     assert any("trackers.json is unreadable" in r.getMessage() for r in caplog.records)
     assert json.loads((tmp_path / "trackers.json").read_text()) == {"wandb": "run1"}  # rewritten with the new run
+
+
+def test_a_resume_says_when_metrics_of_the_checkpoints_steps_are_missing(tmp_path, caplog):
+    """metrics.jsonl deleted or cut before a resume: the run cannot log those steps again (they are before its
+    checkpoint), so it says which are missing instead of leaving a silent gap in the file and the curves."""
+    def run(resume_step: int | None, steps: range) -> None:
+        with MetricsLogger(tmp_path, tensorboard=False, resume_step=resume_step) as logger:
+            for step in steps:
+                logger.log(step, {"loss": float(step)})
+
+    run(None, range(1, 7))
+    with caplog.at_level(logging.WARNING, logger="gspo.tracking"):
+        run(4, range(5, 7))  # intact: nothing to say
+        assert not caplog.records
+        (tmp_path / "metrics.jsonl").unlink()
+        run(4, range(5, 7))
+        assert "lacks the records of 4 of the 4 steps before this resume (steps 1 to 4 at least: the file was " \
+               "deleted)" in caplog.text
+        caplog.clear()
+        path = tmp_path / "metrics.jsonl"
+        path.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 2.0}\n')
+        run(4, range(5, 7))
+        assert "lacks the records of 2 of the 4 steps before this resume (steps 3 to 4 at least: the file was " \
+               "edited or cut)" in caplog.text

@@ -75,6 +75,14 @@ class MetricsLogger:
                 truncate_metrics(path, resume_step)
             else:
                 _drop_torn_tail(path)
+        if resume_step:  # the checkpoint's steps should all be in metrics.jsonl: say when they are not
+            steps = {r["step"] for _, r in _parse_lines(self.metrics_path)} if self.metrics_path.exists() else set()
+            lost = sorted(set(range(1, resume_step + 1)) - steps)
+            if lost:
+                logger.warning("%s lacks the records of %d of the %d steps before this resume (steps %d to %d at "
+                               "least: the file was %s); the run goes on from step %d, and those steps stay missing "
+                               "from it and from curves.png", self.metrics_path, len(lost), resume_step, lost[0],
+                               lost[-1], "deleted" if not steps else "edited or cut", resume_step + 1)
         self._file = open(self.metrics_path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
         self._closed = False
         self._tb: Any = None
