@@ -396,6 +396,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     make_env, tools = build_env(cfg) if cfg is not None else (None, None)  # env: the rows are episodes
     sampling = {} if n == 1 else {"samples_per_prompt": n, "temperature": temperature, "top_p": top_p, "ks": ks,
                                   "seed": seed}
+    autocast = cfg.trainer.mixed_precision if cfg is not None else None  # the run samples under it: so does this
+    if autocast is not None:
+        how += f", under {autocast} autocast (the run's trainer.mixed_precision)"
     sampling["stop"] = cfg.rollout.stop if cfg is not None else []  # a run's completions end at its stop strings
     checked: dict | None = None
     kept: list[int] | None = None  # the rows evaluated: with --config, those its run evaluates (_rows_the_run_keeps)
@@ -416,9 +419,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             checked = (reward_checks(rewards, rows, accuracy_reward, threshold) if wanted else None) or {}
         model = model.to(resolve_device(args.device, key="--device"))
         engine = episodes = None
-        if make_env is not None:
+        if make_env is not None or autocast is not None:  # else evaluate's own float32 sampler
             params = SamplingParams(max_new_tokens=new_tokens, stop=tuple(sampling["stop"]))
-            engine = HFSampler(model, tokenizer, params)
+            engine = HFSampler(model, tokenizer, params, autocast=autocast)
+        if make_env is not None:
             episodes = make_episode_runner(cfg, engine, tokenizer, make_env)
         values: list[float] = []
         shown: list[dict] = []
