@@ -272,13 +272,33 @@ def test_recompute_makes_the_first_minibatch_exactly_on_policy(tmp_path, spy_obj
     assert all(r["rollout_logprob_diff"] < 1e-4 for r in records)
 
 
+def test_under_mixed_precision_every_sampler_of_a_run_samples_under_its_autocast(tmp_path, monkeypatch):
+    """trainer.mixed_precision: the before-SFT evaluation and the run's engine (its rollouts and evaluations) sample
+    under the same bf16 autocast, so the cold start's change compares like with like and FlashAttention gets no
+    float32 attention input."""
+    import gspo.rollout as rollout
+    import gspo.trainer as trainer_module
+
+    made: list = []
+
+    class Spy(rollout.HFSampler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self.autocast)
+
+    monkeypatch.setattr(rollout, "HFSampler", Spy)
+    monkeypatch.setattr(trainer_module, "HFSampler", Spy)
+    summary = train(cfg_for(tmp_path, "trainer.steps=1", "trainer.mixed_precision=bfloat16", "trainer.device=cpu"))
+    assert summary["status"] == "completed" and summary["cold_start"]["before"]["heldout_accuracy"] is not None
+    assert made == [torch.bfloat16, torch.bfloat16]  # the before-SFT evaluation's, then the run's engine
+
+
 @pytest.mark.parametrize(("overrides", "problem"), [
     (["trainer.device=cpu"], "this run's device is cpu"),
     (["trainer.device=cuda"], "training forwards compute in float32"),
-    (["trainer.device=cuda", "trainer.mixed_precision=bfloat16"], "before-SFT evaluation"),
-    (["trainer.device=cuda", "trainer.mixed_precision=bfloat16", "cold_start=null"], None),  # sampler: autocast
-    (["trainer.device=cuda", "trainer.mixed_precision=bfloat16", "rollout.dtype=bfloat16"], "before-SFT evaluation"),
-    (["trainer.device=cuda", "trainer.mixed_precision=bfloat16", "rollout.dtype=bfloat16", "cold_start=null"], None),
+    (["trainer.device=cuda", "trainer.mixed_precision=bfloat16"], None),  # sampler and cold start: under autocast
+    (["trainer.device=cuda", "trainer.mixed_precision=bfloat16", "cold_start=null"], None),
+    (["trainer.device=cuda", "trainer.mixed_precision=bfloat16", "rollout.dtype=bfloat16"], None),
     (["trainer.device=cuda", "model.dtype=bfloat16"], None),
     (["trainer.device=cuda", "trainer.mixed_precision=bfloat16", "rollout.engine=vllm", "cold_start=null"], None),
 ])

@@ -65,7 +65,7 @@ from gspo.parallel import ProcessGroup, init_distributed, wrap_frozen, wrap_poli
 from gspo.parallel.state import FullModelView, full_state, load_state, save_state
 from gspo.rewards import RewardRunner, drop_unscored, score_trajectory
 from gspo.rewards.checks import reward_checks, split_warnings
-from gspo.rollout import RolloutEngine, make_engine, policy_weights, unwrap_model
+from gspo.rollout import HFSampler, RolloutEngine, SamplingParams, make_engine, policy_weights, unwrap_model
 from gspo.rollout.dynamic import NoSignal, Scored, keep_informative
 from gspo.rollout.workers import (
     ROLLOUT_COUNTS,
@@ -676,8 +676,12 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         evaluation settings; its reward calls are not the run's): each row's solved fraction, for the change the
         cold start made (`_cold_start_summary`)."""
         values: list[float] = []
+        # under mixed precision the run samples under autocast (its engine, gspo.rollout.make_engine): so does this
+        autocast = cfg.trainer.mixed_precision
+        sampler = None if autocast is None else HFSampler(m, tokenizer, SamplingParams(max_new_tokens=eval_tokens),
+                                                          autocast=autocast)
         with rewards.probing():
-            scores = evaluate(m, tokenizer, eval_rows, rewards, eval_tokens, row_values=values,
+            scores = evaluate(m, tokenizer, eval_rows, rewards, eval_tokens, row_values=values, sampler=sampler,
                               accuracy_reward=cfg.rewards.accuracy_reward,
                               accuracy_threshold=cfg.rewards.accuracy_threshold, **eval_settings)
         return {"heldout_accuracy": sum(values) / len(values), "heldout_accuracy_ci95": list(accuracy_ci95(values)),
@@ -1120,8 +1124,8 @@ def _flash_attention_checks(cfg: Config, device: torch.device) -> None:
     """FlashAttention kernels (`model.attn_implementation=flash_attention_*`) run on CUDA in bfloat16/float16 only,
     and flash-attn raises at the first forward otherwise (after a cold start may have run): refuse such a run now.
     transformers casts float32 attention inputs to the autocast dtype, else to the weights' dtype, so float32 weights
-    need trainer.mixed_precision for the training forwards (the built-in sampler then runs under the same autocast);
-    the cold start's before-SFT evaluation samples with the policy itself, so it needs half weights."""
+    need trainer.mixed_precision, under whose autocast the training forwards, the cold start and the built-in sampler
+    (the run's engine and the before-SFT evaluation) all run."""
     impl = cfg.model.attn_implementation or ""
     if not impl.startswith("flash_attention"):
         return
@@ -1129,12 +1133,8 @@ def _flash_attention_checks(cfg: Config, device: torch.device) -> None:
     problem = None
     if device.type != "cuda":
         problem = f"this run's device is {device.type} (trainer.device={cfg.trainer.device})"
-    elif cfg.model.dtype not in half:
-        if cfg.trainer.mixed_precision is None:
-            problem = "the training forwards compute in float32: set model.dtype=bfloat16 or trainer.mixed_precision"
-        elif cfg.cold_start is not None:
-            problem = ("the cold start's before-SFT evaluation samples with the float32 policy: set "
-                       "model.dtype=bfloat16")
+    elif cfg.model.dtype not in half and cfg.trainer.mixed_precision is None:
+        problem = "the training forwards compute in float32: set model.dtype=bfloat16 or trainer.mixed_precision"
     if problem:
         raise ConfigError(f"model.attn_implementation={impl}: FlashAttention runs on CUDA in bfloat16/float16 only, "
                           f"and {problem}")
