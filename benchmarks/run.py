@@ -54,6 +54,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -163,7 +164,7 @@ def gspo_worker(path: str, batches: int, warmup: int, options: dict) -> dict:
     from gspo.optim import make_optimizer
     from gspo.parallel import init_distributed
     from gspo.rewards import RewardRunner
-    from gspo.rollout import HFSampler, SamplingParams
+    from gspo.rollout import make_engine
     from gspo.trainer import RLStep, default_hooks, rl_step
 
     prompts, group, new_tokens, device = worker_shape(options)
@@ -182,9 +183,7 @@ def gspo_worker(path: str, batches: int, warmup: int, options: dict) -> dict:
     model = model.to(process_group.device)
     rows = addition_rows()
     optimizer, scheduler = make_optimizer(model, cfg.optim.lr, 1000, betas=cfg.optim.betas)
-    ro = cfg.rollout
-    engine = HFSampler(model, tokenizer, SamplingParams(temperature=ro.temperature, max_new_tokens=ro.max_new_tokens),
-                       dtype=ro.dtype, decode=ro.decode)
+    engine = make_engine(cfg, model, tokenizer, out=tempfile.gettempdir())  # as gspo train builds it (the hf engine)
     engine.eos_ids = []  # fixed-length completions: EOS is an ordinary token here (TRL side: min_new_tokens)
     ctx = RLStep(cfg, engine, RewardRunner(cfg.rewards.functions), hooks=default_hooks(cfg, model), group=process_group)
     model.train()
@@ -199,8 +198,30 @@ def gspo_worker(path: str, batches: int, warmup: int, options: dict) -> dict:
             times.append(time.perf_counter() - t0)
             tokens.append(metrics["response_length"] * prompts * group)
             rollout.append(metrics["time_rollout"])
+    peak_gpu = gpu_peak_bytes(device)
+    if options.get("profile"):  # one more rollout batch under torch.profiler, after the timed ones
+        profile_step(options["profile"], device, lambda: rl_step(warmup + batches, model, optimizer, scheduler, rows,
+                                                                 ctx))
     return {"times": times, "tokens": tokens, "rollout": rollout, "rss_before": rss0, "peak_rss": peak_rss_bytes(),
-            "peak_gpu": gpu_peak_bytes(device)}
+            "peak_gpu": peak_gpu}
+
+
+def profile_step(path: str, device: str, step: Callable[[], object], rows: int = 40) -> None:
+    """Run `step` once under torch.profiler (CPU, and CUDA on a GPU) and write its op tables to `path`: by the ops'
+    own device time (where the kernels' time goes), then by their own CPU time (launch and Python overhead, and
+    host syncs: a `cudaStreamSynchronize` / `item` row is the CPU waiting for the GPU)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if device == "cuda" else [])]
+    with profile(activities=activities) as prof:
+        step()
+        sync(device)
+    table = prof.key_averages()
+    by = ["self_cuda_time_total"] if device == "cuda" else []
+    text = "\n\n".join(f"sorted by {key}\n{table.table(sort_by=key, row_limit=rows)}"
+                        for key in (*by, "self_cpu_time_total"))
+    Path(path).write_text(f"torch {torch.__version__}, one rollout batch (generation and update)\n\n{text}\n")
 
 
 def trl_worker(path: str, batches: int, warmup: int, options: dict) -> dict:
@@ -526,10 +547,12 @@ def build_gpu_models(root: Path, names: list[str], specs: dict[str, tuple[str, d
 
 def compare_gpu(paths: dict[str, Path], rounds: int, threads: int, batches: int, warmup: int,
                 shape: tuple[int, int, int] = GPU_SHAPE, device: str = "cuda",
-                decode: str = "auto", sides: list[str] | None = None) -> dict[str, dict[str, dict]]:
+                decode: str = "auto", sides: list[str] | None = None,
+                profile: str | None = None) -> dict[str, dict[str, dict]]:
     """For each model, `rounds` rounds of every GPU side (or of `sides`), alternating (order reversed every other
     round), each a fresh worker subprocess, gspo's engine decoding with `decode` (rollout.decode); returns {model:
-    {side: {"times", "rollout", "update", "peak_gpu"}}}."""
+    {side: {"times", "rollout", "update", "peak_gpu"}}}. `profile` (a folder): each gspo side's worker of the last
+    round profiles one more rollout batch into `profile/MODEL_SIDE.txt` (`profile_step`)."""
     results: dict[str, dict[str, dict]] = {}
     sides = sides or list(GPU_SIDES)
     for model, path in paths.items():
@@ -540,6 +563,8 @@ def compare_gpu(paths: dict[str, Path], rounds: int, threads: int, batches: int,
                 options = {**options, "shape": list(shape), "device": device, "reward": "hash", "time_generation": True}
                 if worker == "gspo":
                     options["rollout"] = {**options.get("rollout", {}), "decode": decode}
+                    if profile is not None and r == rounds - 1:
+                        options["profile"] = str(Path(profile) / f"{model}_{side.replace(' ', '_')}.txt")
                 out = run_worker(worker, path, batches, warmup, threads, options)
                 if any(t != shape[0] * shape[1] * shape[2] for t in out["tokens"]):
                     raise RuntimeError(f"{side} generated {out['tokens']} tokens per batch, not the fixed length")
@@ -619,7 +644,10 @@ def main_gpu(a: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         samplers = {} if a.no_sampler else {m: run_worker("gpu_sampler", p, batches, 1, a.threads, options)
                                              for m, p in paths.items()}
         print_gpu_samplers(samplers)
-        results = compare_gpu(paths, rounds, a.threads, batches, warmup, decode=a.decode, sides=sides)
+        if a.profile:
+            Path(a.profile).mkdir(parents=True, exist_ok=True)
+        results = compare_gpu(paths, rounds, a.threads, batches, warmup, decode=a.decode, sides=sides,
+                              profile=a.profile)
     results = merge_gpu_results(results, a.save, a.merge)
     summary = {"device": torch.cuda.get_device_name(), "quick": a.quick, **print_gpu_report(results)}
     for model, by_decode in samplers.items():
@@ -673,6 +701,8 @@ def main() -> None:
                    help="cuda: gspo's rollout.decode in the A/B (default auto: compiled on CUDA)")
     p.add_argument("--no-sampler", action="store_true", help="cuda: leave out the sampler rows")
     p.add_argument("--sides", default=None, help="cuda: comma-separated subset of trl, exact, fast (default: all)")
+    p.add_argument("--profile", default=None, help="cuda: a folder; each gspo side profiles one more rollout batch "
+                   "(torch.profiler op tables by device and CPU time) into FOLDER/MODEL_SIDE.txt")
     p.add_argument("--save", default=None, help="cuda: write this call's raw results to this JSON file")
     p.add_argument("--merge", default=None, help="cuda: comma-separated JSON files of earlier calls' --save, "
                    "printed in one table with this call's")
