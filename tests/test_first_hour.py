@@ -593,3 +593,23 @@ def test_save_best_keeps_the_policy_of_the_best_evaluation_and_says_it_is_optimi
     assert any(not torch.equal(best[k], final[k]) for k in best)  # step 2 trained on
     with pytest.raises(ConfigError, match="nothing is held out"):
         load_config(DEMO, ["trainer.save_best=true", "data.eval_split=null"])
+
+
+def test_a_users_config_kept_in_trainer_out_is_not_replaced(tmp_path):
+    """A config written by hand inside trainer.out (`gspo train runs/x/config.yaml trainer.out=runs/x`) was replaced by
+    the run's resolved config, comments and all, and --overwrite would delete it: refused before any compute. A
+    config.yaml gspo wrote (a failed start's, a finished run's) is its own and is replaced as before."""
+    out = tmp_path / "run"
+    out.mkdir()
+    mine = DEMO.read_text() + "# my notes on this run\n"
+    (out / "config.yaml").write_text(mine)
+    for flags in ({}, {"overwrite": True}):
+        with pytest.raises(ConfigError, match=r"holds a config\.yaml that gspo did not write"):
+            train(load_config(out / "config.yaml", tiny_overrides(out, *QUICK)), **flags)
+        assert (out / "config.yaml").read_text() == mine and sorted(p.name for p in out.iterdir()) == ["config.yaml"]
+    (out / "config.yaml").unlink()
+    cfg = load_config(DEMO, tiny_overrides(out, *QUICK, "trainer.steps=1"))
+    train(cfg)
+    saved = (out / "config.yaml").read_text()
+    assert train(load_config(out / "config.yaml"), overwrite=True)["status"] == "completed"  # gspo's own: replaced
+    assert (out / "config.yaml").read_text() == saved

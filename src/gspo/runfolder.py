@@ -157,6 +157,26 @@ def run_started(out: Path) -> bool:
             or any((out / name).exists() for name in ("cold_start", "summary.json", "final")))
 
 
+def check_config_file(out: Path) -> None:
+    """Raise ConfigError when `out/config.yaml` is a file gspo did not write (a user's config kept in the run folder):
+    the run would replace it with its resolved config, and `--overwrite` would delete it. gspo writes it as
+    `yaml.safe_dump(..., sort_keys=False)` of a mapping, so its own file reads back and dumps to the same text; a
+    hand-written one (comments, other layout) does not."""
+    path = out / "config.yaml"
+    if not path.is_file():
+        return
+    text = path.read_text(encoding="utf-8", errors="replace")
+    try:
+        data = yaml.safe_load(text)
+        ours = isinstance(data, dict) and yaml.safe_dump(data, sort_keys=False) == text
+    except yaml.YAMLError:
+        ours = False
+    if not ours:
+        raise ConfigError(f"trainer.out {out} holds a config.yaml that gspo did not write: a run writes its resolved "
+                          f"config there (and --overwrite deletes it), which would lose this one. Keep your config "
+                          f"outside trainer.out, or choose another trainer.out")
+
+
 def clear_run(out: Path) -> list[str]:
     """Delete what gspo wrote in `out` (`RUN_FILES` and its hidden temporaries), nothing else; returns the names."""
     removed = []

@@ -76,6 +76,7 @@ from gspo.rollout.workers import (
     staleness_metrics,
 )
 from gspo.runfolder import (
+    check_config_file,
     check_output_dir,
     check_resume_config,
     clear_run,
@@ -417,6 +418,8 @@ def _start_checks(cfg: Config, out: Path, cfg_dict: dict, resume: bool, overwrit
     if resume and overwrite:
         raise ConfigError("--resume continues the run in trainer.out and --overwrite deletes it: pass one of them")
     check_output_dir(out, create)
+    if not resume:  # a fresh start writes OUT/config.yaml, --overwrite deletes it: not a user's own file
+        check_config_file(out)
     if run_started(out) and not resume and not overwrite:
         raise ConfigError(f"{out} already holds a run: pass --resume to continue it, --overwrite to delete it and "
                           "start over, or choose another trainer.out")
