@@ -4,9 +4,11 @@ checkpoint loads into FSDP, a failed save fails on every process, and corrupt sh
 
 from __future__ import annotations
 
+import datetime
 import errno
 import faulthandler
 import shutil
+import time
 from pathlib import Path
 from unittest import mock
 
@@ -387,3 +389,25 @@ def test_an_unfinished_sharded_save_is_invisible(two_processes, tmp_path):
     assert find_latest_checkpoint(run) == checkpoint_path(run, 2)
     ckpt._clean_leftovers(run / "checkpoints")
     assert not unfinished.exists()
+
+
+def main_first_worker(rank: int, tmp: str) -> None:
+    """Rank 0's work outlasts the process group's timeout (2 s here; 60 minutes in a run) while rank 1 waits: a
+    barrier of the process group itself raises on rank 1 after 2 s."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=2))
+    group = ProcessGroup(rank=rank, world_size=2)
+
+    def work() -> int:
+        if rank == 0:
+            time.sleep(5)
+        return rank
+
+    assert group.main_first(work) == rank
+    dist.barrier()  # the process group itself is still usable
+
+
+def test_the_others_wait_for_rank_0_longer_than_the_process_groups_timeout(tmp_path):
+    """A cold start of hours on rank 0 (gspo.trainer: main_first) outlasted the process group's 60-minute timeout,
+    and the waiting processes failed; they now wait at a barrier with MAIN_FIRST_TIMEOUT."""
+    spawn(main_first_worker, str(tmp_path), nprocs=2)

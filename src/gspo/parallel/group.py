@@ -43,7 +43,10 @@ __all__ = ["ProcessGroup", "init_distributed", "resolve_device", "shutdown"]
 
 log = logging.getLogger(__name__)
 
-_TIMEOUT = datetime.timedelta(minutes=60)  # rank 0 alone runs cold-start SFT while the others wait at a barrier
+_TIMEOUT = datetime.timedelta(minutes=60)  # the process group's collectives
+MAIN_FIRST_TIMEOUT = datetime.timedelta(hours=48)
+"""How long the other processes wait for rank 0's work in `ProcessGroup.main_first` (a cold-start SFT of a large model
+takes hours, longer than the process group's timeout). If rank 0 fails instead, torchrun stops them at once."""
 
 
 def resolve_device(device: str = "auto", local_rank: int = 0, local_world_size: int = 1,
@@ -169,9 +172,17 @@ class ProcessGroup:
 
     def main_first(self, fn: Callable[[], Any]) -> Any:
         """`fn()` on rank 0, then, once it is done, on the other processes: for work whose files rank 0 writes and
-        the others then read (cold-start SFT, repairing the checkpoint folder after a crash)."""
-        result = fn() if self.is_main else None
-        self.barrier()
+        the others then read (cold-start SFT, repairing the checkpoint folder after a crash). The others wait at a
+        barrier of a gloo group made for it with `MAIN_FIRST_TIMEOUT`, not at the process group's (60 minutes, which a
+        long cold start on rank 0 outlasted, so the waiting processes failed)."""
+        if not self.enabled:
+            return fn()
+        wait = dist.new_group(backend="gloo", timeout=MAIN_FIRST_TIMEOUT)  # every process, before rank 0 starts
+        try:
+            result = fn() if self.is_main else None
+            dist.barrier(group=wait)
+        finally:
+            dist.destroy_process_group(wait)
         return result if self.is_main else fn()
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
