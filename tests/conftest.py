@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -123,6 +124,37 @@ def safetensors_of(folder: Path) -> dict[str, torch.Tensor]:
         tensors.update(load_file(file))
     assert tensors, f"no safetensors in {folder}"
     return tensors
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    """`rows` as a JSONL file at `path` (returned)."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+FLAGGED = '''
+def flagged(prompt: str, completion: str, **row) -> float:
+    """1 on the rows marked solved, whatever the model wrote."""
+    return float(row["solved"])
+'''
+"""A reward module's source (write it to a file, name it file:flagged): its verdicts are the rows' own."""
+
+
+def sampler_autocasts(monkeypatch: pytest.MonkeyPatch, *modules) -> list:
+    """Every built-in sampler made from now on (gspo.rollout.HFSampler, and its name in each of `modules` that
+    imported it) appends its `autocast` (None or the dtype it samples under) to the returned list."""
+    import gspo.rollout as rollout
+
+    made: list = []
+
+    class Recorded(rollout.HFSampler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self.autocast)
+
+    for module in (rollout, *modules):
+        monkeypatch.setattr(module, "HFSampler", Recorded)
+    return made
 
 
 class SimulatedCrash(Exception):

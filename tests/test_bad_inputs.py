@@ -8,14 +8,13 @@ import json
 import logging
 import math
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import gspo.trainer
-from conftest import DEMO, tiny_overrides
+from conftest import DEMO, tiny_overrides, write_jsonl
 from gspo.checkpoint import list_checkpoints
 from gspo.cli import main
 from gspo.config import ConfigError, config_to_dict, load_config
@@ -24,12 +23,6 @@ from gspo.parallel import resolve_device
 from gspo.runfolder import check_resume_config
 from gspo.sft import over_positions, sft
 from gspo.trainer import train
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
 
 # ------------------------------------------------------------------------- demonstrations longer than the positions
 

@@ -6,28 +6,16 @@ reward that reads each row's `solved` flag), so every per-group number is checke
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
-from conftest import DEMO, tiny_overrides
+from conftest import DEMO, FLAGGED, tiny_overrides, write_jsonl
 from gspo.cli import _accuracy_line, main
 from gspo.config import ConfigError, load_config
 from gspo.data import eval_groups, load_data
 from gspo.evaluation import accuracy_by_group, accuracy_ci95, paired_change_ci95, wilson_ci95
 from gspo.tracking import read_metrics
 from gspo.trainer import train
-
-FLAGGED = '''
-def flagged(prompt: str, completion: str, **row) -> float:
-    """1 on the rows marked solved, whatever the model wrote."""
-    return float(row["solved"])
-'''
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 def rows(first: int, count: int, solved: int, **extra) -> list[dict]:

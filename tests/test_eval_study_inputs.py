@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import DEMO
+from conftest import DEMO, FLAGGED, sampler_autocasts, write_jsonl
 from gspo.cli import _accuracy_line, _run_decoding, build_parser, main
 from gspo.config import config_to_dict, load_config
 from gspo.experiments.async_study import AsyncStudyOptions, _mean_std, format_mean_std
@@ -24,17 +24,6 @@ from gspo.experiments.moe_study import (
     reusable_run,
     study_configs,
 )
-
-FLAGGED = '''
-def flagged(prompt: str, completion: str, **row) -> float:
-    """1 on the rows marked solved, whatever the model wrote."""
-    return float(row["solved"])
-'''
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 def last_json(text: str) -> dict:
@@ -156,16 +145,7 @@ def test_eval_of_a_run_follows_its_sampled_evaluation_and_says_so(tmp_path, caps
 def test_eval_of_a_mixed_precision_run_samples_under_its_autocast_and_says_so(tmp_path, capsys, monkeypatch):
     """A run with trainer.mixed_precision samples (and evaluates) under bf16 autocast: `gspo eval RUN` decodes so
     too, and its decoding says it; a model evaluated without a run's config samples in its own dtype."""
-    import gspo.rollout as rollout
-
-    made: list = []
-
-    class Spy(rollout.HFSampler):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            made.append(self.autocast)
-
-    monkeypatch.setattr(rollout, "HFSampler", Spy)
+    made = sampler_autocasts(monkeypatch)
     run = fake_run(tmp_path / "run", "trainer.mixed_precision=bfloat16", "trainer.device=cpu")
     assert main(["eval", str(run), "--size", "4", "--max-new-tokens", "2"]) == 0
     printed = capsys.readouterr()

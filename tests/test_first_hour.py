@@ -19,7 +19,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import DEMO, tiny_overrides
+from conftest import DEMO, tiny_overrides, write_jsonl
 from gspo.cli import main
 from gspo.config import ConfigError, DataConfig, config_to_dict, load_config
 from gspo.data import TASKS, load_data, load_rows, make_task, near_key, split_by_fraction
@@ -34,9 +34,6 @@ GSPO = [sys.executable, "-m", "gspo"]
 QUICK = ["cold_start=null", "trainer.eval_every=0", "data.eval_size=8"]
 
 
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 def addition_rows(first: int, count: int) -> list[dict]:

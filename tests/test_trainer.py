@@ -11,7 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import DEMO, SimulatedCrash, crash_after, record_objective, safetensors_of, tiny_overrides, varied_reward
+from conftest import (
+    DEMO,
+    SimulatedCrash,
+    crash_after,
+    record_objective,
+    safetensors_of,
+    sampler_autocasts,
+    tiny_overrides,
+    varied_reward,
+)
 from gspo.advantages import group_advantages
 from gspo.checkpoint import checkpoint_path, find_latest_checkpoint
 from gspo.config import ConfigError, load_config
@@ -276,18 +285,9 @@ def test_under_mixed_precision_every_sampler_of_a_run_samples_under_its_autocast
     """trainer.mixed_precision: the before-SFT evaluation and the run's engine (its rollouts and evaluations) sample
     under the same bf16 autocast, so the cold start's change compares like with like and FlashAttention gets no
     float32 attention input."""
-    import gspo.rollout as rollout
     import gspo.trainer as trainer_module
 
-    made: list = []
-
-    class Spy(rollout.HFSampler):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            made.append(self.autocast)
-
-    monkeypatch.setattr(rollout, "HFSampler", Spy)
-    monkeypatch.setattr(trainer_module, "HFSampler", Spy)
+    made = sampler_autocasts(monkeypatch, trainer_module)
     summary = train(cfg_for(tmp_path, "trainer.steps=1", "trainer.mixed_precision=bfloat16", "trainer.device=cpu"))
     assert summary["status"] == "completed" and summary["cold_start"]["before"]["heldout_accuracy"] is not None
     assert made == [torch.bfloat16, torch.bfloat16]  # the before-SFT evaluation's, then the run's engine
