@@ -285,9 +285,9 @@ def test_under_mixed_precision_every_sampler_of_a_run_samples_under_its_autocast
     """trainer.mixed_precision: the before-SFT evaluation and the run's engine (its rollouts and evaluations) sample
     under the same bf16 autocast, so the cold start's change compares like with like and FlashAttention gets no
     float32 attention input."""
-    import gspo.trainer as trainer_module
+    import gspo.evaluation
 
-    made = sampler_autocasts(monkeypatch, trainer_module)
+    made = sampler_autocasts(monkeypatch, gspo.evaluation)
     summary = train(cfg_for(tmp_path, "trainer.steps=1", "trainer.mixed_precision=bfloat16", "trainer.device=cpu"))
     assert summary["status"] == "completed" and summary["cold_start"]["before"]["heldout_accuracy"] is not None
     assert made == [torch.bfloat16, torch.bfloat16]  # the before-SFT evaluation's, then the run's engine

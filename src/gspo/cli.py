@@ -419,17 +419,16 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             checked = (reward_checks(rewards, rows, accuracy_reward, threshold) if wanted else None) or {}
         model = model.to(resolve_device(args.device, key="--device"))
         engine = episodes = None
-        if make_env is not None or autocast is not None:  # else evaluate's own float32 sampler
+        if make_env is not None:
             params = SamplingParams(max_new_tokens=new_tokens, stop=tuple(sampling["stop"]))
             engine = HFSampler(model, tokenizer, params, autocast=autocast)
-        if make_env is not None:
             episodes = make_episode_runner(cfg, engine, tokenizer, make_env)
         values: list[float] = []
         shown: list[dict] = []
         before = {"reward_failures": dict(rewards.failures), "reward_timeouts": dict(rewards.timeouts)}
         result = evaluate(model, tokenizer, rows, rewards, new_tokens, batch_size=batch,
                           accuracy_reward=accuracy_reward, accuracy_threshold=threshold, sampler=engine,
-                          episodes=episodes, row_values=values, samples=shown,
+                          episodes=episodes, row_values=values, samples=shown, autocast=autocast,
                           n_samples=len(rows) if args.rows_out else 0, **sampling)
         result = {key.removesuffix("_low"): [value, result[key.replace("_low", "_high")]]
                   if key.endswith("_ci95_low") else value

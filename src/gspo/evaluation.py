@@ -192,7 +192,7 @@ def evaluate(model, tokenizer, rows: list[dict], rewards: RewardRunner, max_new_
              ks: Sequence[int] = (1,), seed: int = 0,
              answer_of: Callable[[str], Hashable | None] | None = None, episodes=None,
              row_values: list[float] | None = None, row_offset: int = 0,
-             stop: Sequence[str] = ()) -> dict[str, float]:
+             stop: Sequence[str] = (), autocast: torch.dtype | str | None = None) -> dict[str, float]:
     """Greedy decoding on `rows`, scored by `rewards`; a completion ends at EOS, after `max_new_tokens`, or at the
     first of the `stop` strings (the run's `rollout.stop`: held-out completions end where training ones do).
     Returns row means: `accuracy` (the fraction solved: the unweighted value of `accuracy_reward` (default: the only
@@ -207,7 +207,7 @@ def evaluate(model, tokenizer, rows: list[dict], rewards: RewardRunner, max_new_
     evaluation). The first `n_samples` rows' prompts, first completions, rewards (the weighted sum and each
     function's value), verdicts and truncation are appended to `samples`.
     `sampler`: the rollout engine to decode with (the run's own, with greedy settings for this call); default an
-    HFSampler on `model`.
+    HFSampler on `model`, sampling under `autocast` (a run's trainer.mixed_precision, as its own engine does).
 
     `samples_per_prompt=n > 1` samples n completions per row instead (at `temperature` and `top_p`; row i's are a
     function of `seed` and `row_offset` + i alone, so a call is reproducible whatever `batch_size`, which then counts
@@ -241,7 +241,7 @@ def evaluate(model, tokenizer, rows: list[dict], rewards: RewardRunner, max_new_
         params = SamplingParams(top_k=1, max_new_tokens=max_new_tokens, stop=tuple(stop))  # greedy
     else:
         params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, stop=tuple(stop))
-    sampler = sampler or HFSampler(model, tokenizer, params)
+    sampler = sampler or HFSampler(model, tokenizer, params, autocast=autocast)
     accuracy_reward = resolve_accuracy_reward(rewards.names, accuracy_reward, key="evaluate(accuracy_reward=...)")
     judges = [accuracy_reward] if isinstance(accuracy_reward, str) else accuracy_reward  # several: mixed data
     readers = {name: answer_of or answer_extractor(rewards.functions[rewards.names.index(name)]) or vote_answer

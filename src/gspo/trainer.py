@@ -65,7 +65,7 @@ from gspo.parallel import ProcessGroup, init_distributed, wrap_frozen, wrap_poli
 from gspo.parallel.state import FullModelView, full_state, load_state, save_state
 from gspo.rewards import RewardRunner, drop_unscored, score_trajectory
 from gspo.rewards.checks import reward_checks, split_warnings
-from gspo.rollout import HFSampler, RolloutEngine, SamplingParams, make_engine, policy_weights, unwrap_model
+from gspo.rollout import RolloutEngine, make_engine, policy_weights, unwrap_model
 from gspo.rollout.dynamic import NoSignal, Scored, keep_informative
 from gspo.rollout.workers import (
     ROLLOUT_COUNTS,
@@ -679,12 +679,9 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         evaluation settings; its reward calls are not the run's): each row's solved fraction, for the change the
         cold start made (`_cold_start_summary`)."""
         values: list[float] = []
-        # under mixed precision the run samples under autocast (its engine, gspo.rollout.make_engine): so does this
-        autocast = cfg.trainer.mixed_precision
-        sampler = None if autocast is None else HFSampler(m, tokenizer, SamplingParams(max_new_tokens=eval_tokens),
-                                                          autocast=autocast)
-        with rewards.probing():
-            scores = evaluate(m, tokenizer, eval_rows, rewards, eval_tokens, row_values=values, sampler=sampler,
+        with rewards.probing():  # under the autocast the run's engine samples with (gspo.rollout.make_engine)
+            scores = evaluate(m, tokenizer, eval_rows, rewards, eval_tokens, row_values=values,
+                              autocast=cfg.trainer.mixed_precision,
                               accuracy_reward=cfg.rewards.accuracy_reward,
                               accuracy_threshold=cfg.rewards.accuracy_threshold, **eval_settings)
         return {"heldout_accuracy": sum(values) / len(values), "heldout_accuracy_ci95": list(accuracy_ci95(values)),
