@@ -70,13 +70,13 @@ class MetricsLogger:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.out_dir / METRICS_FILENAME
         self.rollouts_path = self.out_dir / ROLLOUTS_FILENAME
-        for path in (self.metrics_path, self.rollouts_path):
-            if resume_step is not None:
-                truncate_metrics(path, resume_step)
-            else:
+        if resume_step is None:
+            for path in (self.metrics_path, self.rollouts_path):
                 _drop_torn_tail(path)
+        else:
+            steps = truncate_metrics(self.metrics_path, resume_step)
+            truncate_metrics(self.rollouts_path, resume_step)
         if resume_step:  # the checkpoint's steps should all be in metrics.jsonl: say when they are not
-            steps = {r["step"] for _, r in _parse_lines(self.metrics_path)} if self.metrics_path.exists() else set()
             lost = sorted(set(range(1, resume_step + 1)) - steps)
             if lost:
                 logger.warning("%s lacks the records of %d of the %d steps before this resume (steps %d to %d at "
@@ -326,8 +326,9 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     return [record for _, record in _parse_lines(Path(path))]
 
 
-def truncate_metrics(path: str | os.PathLike, last_step: int) -> None:
-    """Atomically rewrite the metrics file at `path` keeping only the records of steps <= `last_step`.
+def truncate_metrics(path: str | os.PathLike, last_step: int) -> set[int]:
+    """Atomically rewrite the metrics file at `path` keeping only the records of steps <= `last_step`; returns the
+    steps kept.
 
     Called when resuming from the checkpoint of `last_step`: what was logged after that checkpoint is logged again.
     A missing file is fine (nothing to keep).
@@ -336,9 +337,10 @@ def truncate_metrics(path: str | os.PathLike, last_step: int) -> None:
     for stale in path.parent.glob(f".{path.name}.tmp-*"):  # pid-suffixed, left by a crash in an earlier version
         stale.unlink(missing_ok=True)
     if not path.exists():
-        return
-    kept = [line for line, record in _parse_lines(path) if record["step"] <= last_step]
-    write_atomic(path, "".join(line + "\n" for line in kept))  # a crash leaves at most .NAME.tmp, replaced next time
+        return set()
+    kept = [(line, record["step"]) for line, record in _parse_lines(path) if record["step"] <= last_step]
+    write_atomic(path, "".join(line + "\n" for line, _ in kept))  # a crash leaves at most .NAME.tmp (replaced)
+    return {step for _, step in kept}
 
 
 def _drop_torn_tail(path: Path) -> None:
