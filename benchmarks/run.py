@@ -633,6 +633,8 @@ def main_gpu(a: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     sides = [GPU_SIDE_NAMES.get(x, x) for x in a.sides.split(",")] if a.sides else list(GPU_SIDES)
     if unknown := [x for x in sides if x not in GPU_SIDES]:
         parser.error(f"--sides: unknown {unknown}; sides: {', '.join(GPU_SIDE_NAMES)}")
+    if a.profile and Path(a.profile).exists() and not Path(a.profile).is_dir():  # found before minutes of compute
+        parser.error(f"--profile {a.profile} is a file: it names a folder for the op tables")
     rounds, batches, warmup = (1, 1, 1) if a.quick else (a.rounds, 3, 1)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__} (CUDA {torch.version.cuda}), transformers "
           f"{transformers.__version__}, trl {trl.__version__}, python {platform.python_version()}, "
@@ -719,6 +721,10 @@ def main() -> None:
     if a.device == "cuda":
         main_gpu(a, p)
         return
+    gpu_only = {"--decode": a.decode != "auto", "--no-sampler": a.no_sampler, "--sides": a.sides, "--save": a.save,
+                "--merge": a.merge, "--profile": a.profile}
+    if given := [flag for flag, value in gpu_only.items() if value]:
+        p.error(f"{', '.join(given)}: only with --device cuda (the CPU comparison has no such setting)")
 
     import platform
 

@@ -8,6 +8,9 @@ import json
 import logging
 import math
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -193,3 +196,11 @@ def test_repeated_training_prompts_are_counted_in_the_summary_and_the_check(tmp_
     assert any("training rows: 30 from" in line and "(20 repeat an earlier row's prompt)" in line
                for line in format_report(report))
     assert train(cfg)["train"]["repeated_prompts"] == 20
+
+
+@pytest.mark.parametrize("args", [["--profile", "prof"], ["--sides", "trl"], ["--decode", "dynamic"]])
+def test_the_benchmarks_gpu_flags_are_refused_on_the_cpu_comparison(args):
+    """benchmarks/run.py's --device cuda settings did nothing on the CPU comparison, after ~15 minutes of it."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "run.py"
+    proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and f"{args[0]}: only with --device cuda" in proc.stderr
