@@ -5,12 +5,13 @@
 #   source .gpu/on_device.sh && bash benchmarks/gpu_session.sh check   # demo on CUDA, then the suite with the GPU visible
 #   source .gpu/on_device.sh && bash benchmarks/gpu_session.sh dense   # A/B against TRL, Qwen3-0.6B shape, + op tables
 #   source .gpu/on_device.sh && bash benchmarks/gpu_session.sh moe     # A/B against TRL, Qwen3-MoE 2.8B
+#   source .gpu/on_device.sh && bash benchmarks/gpu_session.sh decode  # decode attention: grouped vs repeat_kv
 #
 # Measured on an H100 on 2026-11-24 (benchmarks/RESULTS.md §5): `check` needs more than 10 minutes (demo 202 s, the
 # suite ~330 s at -n 8), so its suite stops at SUITE_S seconds and prints the tests that did not finish; run them with
 # `python -m pytest -n 8 $(cat $OUT/unfinished.txt)` in the next call. `dense` took 398 s, `moe` (no sampler rows) 298 s.
 set -uo pipefail
-part="${1:?usage: gpu_session.sh check|dense|moe}"
+part="${1:?usage: gpu_session.sh check|dense|moe|decode}"
 out="${OUT:-gpu-out}"
 mkdir -p "$out"
 case "$part" in
@@ -41,8 +42,12 @@ case "$part" in
     python3 benchmarks/run.py --device cuda --models moe --rounds 1 --threads 8 --no-sampler \
       --save "$out/moe.json" 2>&1 | tee "$out/moe.log"
     ;;
+  decode)
+    python3 benchmarks/decode_attention.py --device cuda --layers 28 --rows 128 --new-tokens 256 --vocab 151936 \
+      --threads 8 2>&1 | tee "$out/decode.log"
+    ;;
   *)
-    echo "gpu_session.sh: unknown part $part (check, dense or moe)" >&2
+    echo "gpu_session.sh: unknown part $part (check, dense, moe or decode)" >&2
     exit 2
     ;;
 esac

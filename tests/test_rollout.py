@@ -645,6 +645,78 @@ def test_compiled_decode_on_cpu_matches_the_dynamic_loop(tok, tiny):
         assert_same_samples(dynamic.generate(PROMPTS, 4, seeds), compiled.generate(PROMPTS, 4, seeds))
 
 
+@pytest.mark.parametrize("groups", [2, 4])
+@pytest.mark.parametrize("masked", [True, False])
+def test_grouped_decode_attention_is_attention_over_the_repeated_heads(groups, masked):
+    """gqa_decode_sdpa for one query token equals softmax(q·Kᵀ·scale + mask)·V of each query head with its KV head
+    (h // groups) repeated, written out here; queries of several tokens take transformers' sdpa path unchanged."""
+    import types
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from gspo.rollout.sampler import gqa_decode_sdpa
+
+    torch.manual_seed(groups)
+    module = types.SimpleNamespace(num_key_value_groups=groups, is_causal=True)
+    batch, kv_heads, slots, dim = 3, 2, 11, 8
+    key, value = torch.randn(batch, kv_heads, slots, dim), torch.randn(batch, kv_heads, slots, dim)
+    query = torch.randn(batch, kv_heads * groups, 1, dim)
+    mask = torch.ones(batch, 1, 1, slots, dtype=torch.bool)
+    mask[0, ..., :4] = False  # left padding
+    mask[2, ..., 7:] = False  # static-cache slots not written yet
+    mask = mask if masked else None
+    out, _ = gqa_decode_sdpa(module, query, key, value, mask, scaling=0.3)
+    scores = query @ key.repeat_interleave(groups, 1).transpose(-1, -2) * 0.3
+    if masked:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    expected = (scores.softmax(-1) @ value.repeat_interleave(groups, 1)).transpose(1, 2)
+    assert out.shape == (batch, 1, kv_heads * groups, dim)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
+
+    prompt = torch.randn(batch, kv_heads * groups, 5, dim)
+    causal = torch.ones(5, slots, dtype=torch.bool).tril(slots - 5)[None, None].expand(batch, 1, 5, slots)
+    plain, _ = sdpa_attention_forward(module, prompt, key, value, causal, scaling=0.3)
+    assert torch.equal(gqa_decode_sdpa(module, prompt, key, value, causal, scaling=0.3)[0], plain)
+
+
+@pytest.mark.parametrize("decode", ["dynamic", "static"])
+def test_the_sampler_decodes_grouped_query_heads_without_copies_and_restores_the_model(tok, decode):
+    """HFSampler decodes a grouped-query sdpa model with gqa_decode_sdpa (same samples as transformers' path), and
+    the model's attention is sdpa again after a call, also one that raised; models without grouped KV heads, or
+    with another attention, are left alone."""
+    from gspo.rollout.sampler import GQA_DECODE, gqa_decoding
+
+    model = build_model("dense", len(tok))
+    seen: list[str] = []
+    attention = model.model.layers[0].self_attn
+    attention.register_forward_pre_hook(lambda module, args: seen.append(module.config._attn_implementation))
+    params = SamplingParams(temperature=0.9, max_new_tokens=10)
+    grouped = HFSampler(model, tok, params, decode=decode)
+    plain = HFSampler(model, tok, params, decode=decode)
+    plain.grouped_decode = False
+    grouped.eos_ids = plain.eos_ids = []  # every row decodes all 10 tokens
+    assert_same_samples(plain.generate(PROMPTS, 3, SEEDS), grouped.generate(PROMPTS, 3, SEEDS))
+    assert seen.count(GQA_DECODE) == 10 and seen.count("sdpa") == 10  # the grouped engine's prefill + 9 steps
+    assert model.config._attn_implementation == "sdpa"
+
+    def fail() -> None:
+        raise RuntimeError("stopped")
+
+    grouped.between_tokens = fail
+    with pytest.raises(RuntimeError, match="stopped"):
+        grouped.generate(PROMPTS, 2, SEEDS)
+    assert model.config._attn_implementation == "sdpa"
+
+    seen.clear()
+    model.set_attn_implementation("eager")
+    HFSampler(model, tok, params, decode=decode).generate(PROMPTS[:1], 1, SEEDS[:1])
+    assert set(seen) == {"eager"}
+    heads = model.config.num_attention_heads
+    unique_heads = Qwen3ForCausalLM(Qwen3Config(**{**model.config.to_dict(), "num_key_value_heads": heads}))
+    with gqa_decoding(unique_heads):
+        assert unique_heads.config._attn_implementation == "sdpa"
+
+
 def test_decode_modes_are_checked(tok, tiny):
     from gspo.rollout.sampler import resolve_decode
 

@@ -14,7 +14,9 @@ import inspect
 from collections.abc import Callable, Iterable
 
 import torch
-from transformers import PreTrainedModel, StaticCache
+import torch.nn.functional as F
+from transformers import AttentionInterface, PreTrainedModel, StaticCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from gspo.models import cache_keyword, output_cache, resolve_dtype
 from gspo.moe import RolloutRoutingRecorder, config_has_experts, require_replay_support
@@ -127,6 +129,63 @@ def resolve_decode(decode: str, model: PreTrainedModel, device: torch.device | s
     return decode
 
 
+GQA_DECODE = "gspo_gqa_decode_sdpa"
+"""The attention implementation `HFSampler` decodes with, for a model that attends with sdpa: `gqa_decode_sdpa`."""
+
+
+def gqa_decode_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                    **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' sdpa attention, except for one query token of a grouped-query model (a decode step): there the
+    `groups` query heads that share a KV head become `groups` query rows of that KV head, so the KV cache is read
+    once as it is, instead of being copied `groups` times (transformers' `repeat_kv`, which its sdpa path does
+    whenever there is a mask, as a decode step over left-padded prompts or a static cache always has; 5.24 skips it
+    in eager decoding but not under torch.compile). The same attention for every head: softmax(q·Kᵀ·scale + mask)·V.
+
+    Why it matters: at Qwen3-0.6B's shape (16 query heads, 8 KV heads, 28 layers), 128 rows over a 384-slot static
+    cache, `repeat_kv` writes and reads 11 GB per decode step, ~4 times the weights and cache the step needs.
+    Anything else (prompts, training forwards, position bias, softcap, dropout) goes to `sdpa_attention_forward`.
+    """
+    groups = getattr(module, "num_key_value_groups", 1)
+    plain = (query.shape[2] != 1 or groups == 1 or dropout or kwargs.get("position_bias") is not None
+             or kwargs.get("softcap") is not None)
+    if plain:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    batch, heads, _, _ = query.shape
+    grouped = query.reshape(batch, heads // groups, groups, query.shape[-1])  # head h → KV head h // groups
+    out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask, scale=scaling)
+    return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+try:  # transformers >= 4.53: a registered attention also needs its mask function registered
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(GQA_DECODE, gqa_decode_sdpa)
+    AttentionMaskInterface.register(GQA_DECODE, sdpa_mask)
+    _GQA_DECODE_AVAILABLE = True
+except ImportError:  # older transformers build masks by comparing the implementation's name: keep theirs
+    _GQA_DECODE_AVAILABLE = False
+
+
+@contextlib.contextmanager
+def gqa_decoding(model: PreTrainedModel):
+    """Within the block, `model` attends with `gqa_decode_sdpa` if it attends with sdpa and has grouped KV heads (its
+    own config only, not sub-configs: models whose layers read a sub-config keep sdpa); restored on exit. Training
+    forwards that run meanwhile (another thread) compute the same values: only one-token queries differ in how."""
+    config = getattr(model, "config", None)
+    kv_heads = getattr(config, "num_key_value_heads", None)
+    grouped = kv_heads is not None and kv_heads < getattr(config, "num_attention_heads", kv_heads)
+    if not (_GQA_DECODE_AVAILABLE and grouped and getattr(config, "_attn_implementation_internal", None) == "sdpa"):
+        yield
+        return
+    config._attn_implementation_internal = GQA_DECODE  # not the setter: it would rewrite sub-configs too
+    try:
+        yield
+    finally:
+        config._attn_implementation_internal = "sdpa"
+
+
 def _trim_heap() -> None:
     """Return the C heap's free pages to the system (glibc's malloc_trim; nothing elsewhere): freed tensors of a few
     MB live in the heap, and without this the process's resident memory keeps them."""
@@ -165,6 +224,9 @@ class HFSampler:
     """
 
     drop_finished_rows: bool = True
+    grouped_decode: bool = True
+    """Decode a grouped-query sdpa model with `gqa_decode_sdpa` (same values; False: the model's own sdpa path, for
+    comparison in benchmarks/decode_attention.py)."""
     between_tokens: Callable[[], None] | None = None
     """Called between two decode steps (after a token is sampled, before the next forward): an asynchronous rollout
     worker takes new weights there (`update_weights`), so a generation in flight continues under them (a partial
@@ -324,7 +386,8 @@ class HFSampler:
         try:
             autocast = (contextlib.nullcontext() if self.autocast is None
                         else torch.autocast(unique_ids.device.type, dtype=self.autocast))
-            with torch.inference_mode(), self._routing or contextlib.nullcontext(), autocast:
+            with (torch.inference_mode(), self._routing or contextlib.nullcontext(), autocast,
+                  gqa_decoding(self.model) if self.grouped_decode else contextlib.nullcontext()):
                 decode = self._decode if self.decode == "dynamic" else self._decode_static
                 raw = decode(unique_ids, unique_mask, group_size, uniforms.to(unique_ids.device), params)
         finally:
