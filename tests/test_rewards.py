@@ -385,6 +385,25 @@ def test_many_hanging_calls_cost_one_deadline_not_one_each(hang_on) -> None:
     assert rewards.tolist() == [0.0] * 16 and stats["reward_timeouts"] == 16.0
 
 
+def test_a_hung_call_frees_its_worker_for_the_calls_queued_behind_it() -> None:
+    """An episode driver's batch: 7 environment steps on 2 workers, 4 rounds of 1 s. The first step hangs, the six
+    others take 0.8 s each. Holding its worker to the batch's deadline (4 s) left one worker for 4.8 s of healthy
+    steps, and the last ones timed out; abandoned after its own second, its fresh replacement takes the queue and
+    every healthy step finishes (~3.2 s)."""
+    release = threading.Event()
+    pool = deadline_module.DeadlinePool(workers=2, timeout_s=1.0)
+    calls = [(release.wait, (), {}), *[(lambda i=i: time.sleep(0.8) or i, (), {}) for i in range(6)]]
+    t0 = time.monotonic()
+    try:
+        outcomes = pool.map(calls, rounds=4)
+    finally:
+        release.set()
+    assert outcomes[0].timed_out
+    assert [o.value for o in outcomes[1:]] == list(range(6)) and not any(o.timed_out for o in outcomes[1:])
+    assert time.monotonic() - t0 < 3.9
+    assert pool.map([(lambda: 7, (), {})] * 3)[2].value == 7  # the pool goes on with its replaced worker
+
+
 def test_a_hanging_call_in_fail_mode_raises(hang_on) -> None:
     runner = RewardRunner([(hang_on, 1.0)], timeout_s=0.5)
     with pytest.raises(RewardFailure, match=r"'hang' failed on row 1: timed out after 0\.5 s"):

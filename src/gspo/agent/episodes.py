@@ -228,9 +228,11 @@ class EpisodeRunner:
                 e.stop("token_limit" if n == left[i] else "unfinished_turn")
 
     def _env_turn(self, stepping: list[_Episode], last: bool) -> None:
-        """Every stepping episode's environment takes its reply (`workers` at a time, each round of steps given
-        `step_timeout_s`); observations that fit are appended; a failing environment ends only its own episode, not
-        as a truncation (the policy did not run out of tokens), and the first failure of each kind is logged."""
+        """Every stepping episode's environment takes its reply (`workers` at a time; each step given `step_timeout_s`
+        from its start, each round of steps that much of the whole: a hung step frees its worker for the steps queued
+        behind it after its own limit, `DeadlinePool`); observations that fit are appended; a failing environment
+        ends only its own episode, not as a truncation (the policy did not run out of tokens), and the first failure
+        of each kind is logged."""
         rounds = max(1, math.ceil(len(stepping) / self.limits.workers))
         outcomes = self.pool.map([(e.env.step, (e.final,), {}) for e in stepping], rounds=rounds)
         for e, outcome in zip(stepping, outcomes, strict=True):

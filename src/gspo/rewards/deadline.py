@@ -1,9 +1,13 @@
 """Run a batch of reward-function calls under one wall-clock deadline, so that a hanging reward cannot hang training.
 
-The deadline is the batch's, not each call's: every call of one `map` must have finished `timeout_s` seconds after
-the `map` began. Per-call deadlines made a step wait for them one after another (16 hanging calls at 10 s each held a
-step for 179 s); with one deadline a step's reward phase takes at most `timeout_s`, however many calls hang. At the
-deadline, a call still running is abandoned and a call not yet started is skipped; both are reported as timed out.
+The deadline is the batch's: every call of one `map` must have finished `timeout_s` seconds after the `map` began
+(`rounds` × that where the caller runs more calls than workers on purpose, as an episode driver's environment steps).
+Per-call deadlines alone made a step wait for them one after another (16 hanging calls at 10 s each held a step for
+179 s); with one deadline a step's reward phase takes at most `timeout_s`, however many calls hang. At the deadline, a
+call still running is abandoned and a call not yet started is skipped; both are reported as timed out. Within a
+longer batch (rounds > 1) a call is also abandoned once it has run `timeout_s` on its own, so that a hung call gives
+its worker (a fresh thread) to the calls queued behind it instead of holding it to the batch's deadline and making
+healthy calls miss it.
 
 Why daemon threads, and what that costs. A call that passes the deadline is reported as timed out and the caller
 moves on; the thread running it is abandoned (replaced by a fresh one) and counted in `DeadlinePool.stuck`, because
@@ -71,7 +75,7 @@ class _Task:
 
 class DeadlinePool:
     """`workers` daemon threads running batches of calls; every call of a batch must finish within `timeout_s`
-    seconds of the batch's start (None: no deadline)."""
+    seconds of the batch's start (`rounds` × that: see `map`), and of its own start (None: no deadline)."""
 
     def __init__(self, workers: int = 1, timeout_s: float | None = None) -> None:
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
@@ -95,7 +99,7 @@ class DeadlinePool:
     def map(self, calls: Sequence[tuple[Callable[..., Any], tuple, dict]], rounds: int = 1) -> list[Outcome]:
         """Run each `(fn, args, kwargs)` and return their outcomes in the same order; never raises for a call.
         `rounds`: the deadline is `rounds` × timeout_s (an episode driver gives each of its ⌈calls / workers⌉ rounds
-        of environment steps the time of one)."""
+        of environment steps the time of one); a call is also abandoned once it has run timeout_s itself."""
         batch = _Batch(remaining=len(calls),
                        deadline=None if self.timeout_s is None else time.monotonic() + self.timeout_s * rounds)
         tasks = [_Task(fn, tuple(args), dict(kwargs), batch) for fn, args, kwargs in calls]
@@ -116,19 +120,30 @@ class DeadlinePool:
         deadline; None (no deadline: workers wake the caller when all calls are done); 0 once the batch is over."""
         if batch.deadline is None:
             return None
-        left = batch.deadline - time.monotonic()
-        if left > 0:
-            return left
+        now = time.monotonic()
+        if now < batch.deadline:
+            for task in [t for t in batch.running if now >= t.started + self.timeout_s]:  # over its own time
+                self._abandon(task)
+            if not batch.remaining:
+                return 0.0
+            return min([batch.deadline, *(t.started + self.timeout_s for t in batch.running)]) - now
         batch.cancelled = True  # workers skip the calls still queued
         for task in batch.queued:
             if task.outcome is None and not task.timed_out:
-                task.timed_out = True
                 if task in batch.running:
-                    batch.running.discard(task)
-                    self._abandoned.append(task.worker)
-                    self._spawn()  # the stuck thread's replacement
+                    self._abandon(task)
+                else:
+                    task.timed_out = True
         batch.remaining = 0
         return 0.0  # do not wait: the batch is over
+
+    def _abandon(self, task: _Task) -> None:
+        """Report a running call as timed out and replace its (stuck) worker; called with the lock held."""
+        task.timed_out = True
+        task.batch.running.discard(task)
+        task.batch.remaining -= 1
+        self._abandoned.append(task.worker)
+        self._spawn()
 
     def _spawn(self) -> None:
         threading.Thread(target=self._work, name="gspo-reward", daemon=True).start()
@@ -142,6 +157,7 @@ class DeadlinePool:
                     continue
                 task.started, task.worker = time.monotonic(), me
                 task.batch.running.add(task)
+                self._cond.notify_all()  # the caller's next wake-up: this call's own time limit
             try:
                 outcome = Outcome(value=task.fn(*task.args, **task.kwargs))
             except BaseException as exc:  # handed to the caller, who decides what is fatal
