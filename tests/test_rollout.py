@@ -649,7 +649,8 @@ def test_compiled_decode_on_cpu_matches_the_dynamic_loop(tok, tiny):
 @pytest.mark.parametrize("masked", [True, False])
 def test_grouped_decode_attention_is_attention_over_the_repeated_heads(groups, masked):
     """gqa_decode_sdpa for one query token equals softmax(q·Kᵀ·scale + mask)·V of each query head with its KV head
-    (h // groups) repeated, written out here; queries of several tokens take transformers' sdpa path unchanged."""
+    (h // groups) repeated, written out here; queries of several tokens, and masks per query head, take transformers'
+    sdpa path unchanged."""
     import types
 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -677,6 +678,9 @@ def test_grouped_decode_attention_is_attention_over_the_repeated_heads(groups, m
     causal = torch.ones(5, slots, dtype=torch.bool).tril(slots - 5)[None, None].expand(batch, 1, 5, slots)
     plain, _ = sdpa_attention_forward(module, prompt, key, value, causal, scaling=0.3)
     assert torch.equal(gqa_decode_sdpa(module, prompt, key, value, causal, scaling=0.3)[0], plain)
+    per_head = torch.rand(batch, kv_heads * groups, 1, slots) > 0.3  # a mask per query head: transformers' path too
+    plain, _ = sdpa_attention_forward(module, query, key, value, per_head, scaling=0.3)
+    assert torch.equal(gqa_decode_sdpa(module, query, key, value, per_head, scaling=0.3)[0], plain)
 
 
 @pytest.mark.parametrize("decode", ["dynamic", "static"])

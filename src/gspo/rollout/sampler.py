@@ -143,11 +143,14 @@ def gqa_decode_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     in eager decoding but not under torch.compile). The same attention for every head: softmax(q·Kᵀ·scale + mask)·V.
 
     Why it matters: at Qwen3-0.6B's shape (16 query heads, 8 KV heads, 28 layers), 128 rows over a 384-slot static
-    cache, `repeat_kv` writes and reads 11 GB per decode step, ~4 times the weights and cache the step needs.
-    Anything else (prompts, training forwards, position bias, softcap, dropout) goes to `sdpa_attention_forward`.
+    cache, `repeat_kv` writes 11 GB of copies per decode step, which attention then reads: ~28 GB of memory traffic
+    where reading the cache and the weights once is ~7 GB.
+    Anything else (prompts, training forwards, per-head masks, position bias, softcap, dropout) goes to
+    `sdpa_attention_forward`.
     """
     groups = getattr(module, "num_key_value_groups", 1)
-    plain = (query.shape[2] != 1 or groups == 1 or dropout or kwargs.get("position_bias") is not None
+    per_head_mask = attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] != 1
+    plain = (query.shape[2] != 1 or groups == 1 or dropout or per_head_mask or kwargs.get("position_bias") is not None
              or kwargs.get("softcap") is not None)
     if plain:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
