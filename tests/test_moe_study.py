@@ -181,6 +181,7 @@ def test_cli_rejects_bad_settings_before_compute(tmp_path, capsys, args, message
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # pyproject's 600 s is for the fast suite's tests
 def test_default_study_end_to_end(tmp_path):
     """The study as `gspo compare --out DIR` runs it (3 seeds, 4 methods + 4 precision runs; ~20-30 min on 2 cores)."""
     out = tmp_path / "study"
