@@ -129,6 +129,42 @@ def test_step_timeout_is_per_step_not_for_all_the_episodes_of_a_turn(policy):
     assert episode_metrics(hung)["episode_env_timeouts"] == 0.5
 
 
+class Notes:
+    """Answers every reply with the row's `note` as its observation, never ending the episode."""
+
+    def reset(self, row):
+        self.note = row["note"]
+        return row["prompt"]
+
+    def step(self, action):
+        return Step(observation=self.note)
+
+
+def test_episodes_near_the_context_limit_are_asked_for_what_fits(policy):
+    """A 40-position model, episodes of up to 20 tokens. Row A's prompt is 20 tokens (the longest a row may have)
+    and its 15-token observations leave it 4 tokens after its second turn; row B has 18 left. One generate call for
+    both with B's 5 new tokens asked 20 + 16 + 5 = 41 positions for A, which the engine refuses: the run stopped. A
+    now waits for a call of its own within its budget; every request fits, A's replies stay within its budget."""
+    _, tok = policy
+    model, _ = build_preset("tiny-moe", seed=0)
+    model.config.max_position_embeddings = 40
+    engine = HFSampler(model.eval(), tok, SamplingParams(max_new_tokens=5, stop=tuple(VOCAB_CHARS)))
+    asked = []
+    generate = engine.generate
+    engine.generate = lambda prompts, *a, params: asked.append([len(q) + params.max_new_tokens for q in prompts]) \
+        or generate(prompts, *a, params=params)
+    rows = [{"prompt": "1+2+3+4+5+6+7+8+9+1=", "note": "0123456789abcde"}, {"prompt": "5*6=", "note": "x"}]
+    traj = EpisodeRunner(engine, tok, Notes, EpisodeLimits(max_turns=3, max_tokens=20)).run(rows, 1, [1, 2])
+    assert len(tok("1+2+3+4+5+6+7+8+9+1=", add_special_tokens=False)["input_ids"]) == 20
+    assert max(map(max, asked)) <= 40 and len(asked) > 3  # a turn ran as two calls
+    assert traj.completion_mask.sum(-1).tolist()[0] <= 20
+
+    with pytest.raises(ValueError, match=r"reset prompt for row 0 \(prompt '1\+2.*has 21 tokens; with "
+                                         r"env.max_tokens=20 an episode needs 41 positions, more than the engine's 40"):
+        EpisodeRunner(engine, tok, Notes, EpisodeLimits(max_turns=3, max_tokens=20)).run(
+            [{"prompt": "1+2+3+4+5+6+7+8+9+10=", "note": ""}], 1, [1])
+
+
 # ---------------------------------------------------------------------------- environments that cannot be built
 
 

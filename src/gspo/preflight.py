@@ -304,8 +304,8 @@ def warnings(report: dict[str, Any]) -> list[str]:
     for name, r in ((report.get("env") or {}).items()):
         if isinstance(r, dict) and r["over"]:
             found.append(f"the environment's reset prompts of {r['over']} of {r['rows']} sampled {name} rows are "
-                         f"longer than the {r['limit']} tokens a prompt may have (up to {r['max']}): those episodes "
-                         "cannot be generated")
+                         f"longer than the {r['limit']} tokens a prompt may have (up to {r['max']}); a reset prompt "
+                         "that leaves less than env.max_tokens of the model's positions stops the run, naming its row")
     if (cs := report["cold_start"]) and cs["over_positions"]:
         found.append(f"{cs['over_positions']} of {cs['rows']} training rows' prompt + solution are longer than the "
                      "model's positions (max_position_embeddings): the cold start leaves them out")

@@ -190,6 +190,7 @@ class EpisodeRunner:
                 if not isinstance(prompt, str) or not prompt:
                     raise ValueError(f"the environment's reset returned {prompt!r} for row {g}, not a prompt string")
                 ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+                self._check_fits(ids, g, row)
                 episodes.append(_Episode(env, ids, derive_seed(seeds[g], "episode", j)))
         lim = self.limits
         for turn in range(lim.max_turns):
@@ -205,27 +206,57 @@ class EpisodeRunner:
                         "episode_env_failures; the reasons are logged once each)", len(episodes))
         return self._layout(episodes, group_size)
 
+    def _check_fits(self, ids: list[int], g: int, row: dict) -> None:
+        """Raise ValueError, naming the row and what to change, if a reset prompt of `ids` and the episode's token
+        budget (env.max_tokens) cannot fit the engine's context together (its `max_context`, where it has one)."""
+        limit = getattr(self.engine, "max_context", None)
+        if limit is not None and len(ids) + self.limits.max_tokens > limit:
+            raise ValueError(
+                f"the environment's reset prompt for row {g} (prompt {str(row.get('prompt', ''))!r:.80}) has "
+                f"{len(ids)} tokens; with env.max_tokens={self.limits.max_tokens} an episode needs "
+                f"{len(ids) + self.limits.max_tokens} positions, more than the engine's {limit}: shorten what the "
+                "environment's reset adds, lower env.max_tokens or data.max_prompt_tokens (`gspo train --check` "
+                "measures the reset prompts)")
+
+    def _calls(self, active: list[_Episode], left: list[int], max_new: int) -> list[tuple[list[int], int]]:
+        """The generate calls of a policy turn, as (episodes, new tokens): usually one, with the largest budget any
+        episode has left. An episode whose context would then pass the engine's `max_context` (it is near the limit
+        and has little budget left, while another has much) waits for a later call with a smaller cap; the episode
+        with the most budget left always fits its call (its reset prompt and whole budget fit: `_check_fits`)."""
+        limit = getattr(self.engine, "max_context", None)
+        todo, calls = list(range(len(active))), []
+        while todo:
+            cap = min(max_new, max(left[i] for i in todo))
+            fits = [i for i in todo if limit is None or len(active[i].prompt) + len(active[i].ids) + cap <= limit]
+            calls.append((fits, cap))
+            todo = [i for i in todo if i not in fits]
+        return calls
+
     def _policy_turn(self, active: list[_Episode], turn: int, params: SamplingParams) -> None:
-        """One generate call for every active episode; each appends its reply (cut to its token budget)."""
+        """The generate calls (`_calls`) of every active episode; each appends its reply (cut to its token budget)."""
         left = [self.limits.max_tokens - len(e.ids) for e in active]
-        cap = min(params.max_new_tokens, max(left))
-        traj = self.engine.generate([e.prompt + e.ids for e in active], 1,
-                                    [derive_seed(e.seed, "turn", turn) for e in active],
-                                    params=replace(params, max_new_tokens=cap)).to("cpu")  # one copy, then rows
-        for i, e in enumerate(active):
-            n = int(traj.completion_mask[i].sum())
-            ids = traj.completion_ids[i, :n].tolist()
-            e.counts["turns"] = e.counts.get("turns", 0.0) + 1
-            if n > left[i]:  # the episode's token budget ends inside this reply
-                ids = ids[:left[i]]
-                e.add(ids, traj.logprobs[i, :left[i]].tolist(), traj.versions[i, :left[i]].tolist())
-                e.final = self.tokenizer.decode([t for t in ids if t not in self.eos], skip_special_tokens=True)
-                e.stop("token_limit")
-                continue
-            e.add(ids, traj.logprobs[i, :n].tolist(), traj.versions[i, :n].tolist())
-            e.final = traj.completions[i]
-            if bool(traj.truncated[i]):
-                e.stop("token_limit" if n == left[i] else "unfinished_turn")
+        for members, cap in self._calls(active, left, params.max_new_tokens):
+            traj = self.engine.generate([active[i].prompt + active[i].ids for i in members], 1,
+                                        [derive_seed(active[i].seed, "turn", turn) for i in members],
+                                        params=replace(params, max_new_tokens=cap)).to("cpu")  # one copy, then rows
+            for row, i in enumerate(members):
+                self._take_reply(active[i], traj, row, left[i])
+
+    def _take_reply(self, e: _Episode, traj: Trajectory, i: int, left: int) -> None:
+        """Episode `e` appends row `i` of `traj`, its reply, cut to the `left` tokens of its budget."""
+        n = int(traj.completion_mask[i].sum())
+        ids = traj.completion_ids[i, :n].tolist()
+        e.counts["turns"] = e.counts.get("turns", 0.0) + 1
+        if n > left:  # the episode's token budget ends inside this reply
+            ids = ids[:left]
+            e.add(ids, traj.logprobs[i, :left].tolist(), traj.versions[i, :left].tolist())
+            e.final = self.tokenizer.decode([t for t in ids if t not in self.eos], skip_special_tokens=True)
+            e.stop("token_limit")
+            return
+        e.add(ids, traj.logprobs[i, :n].tolist(), traj.versions[i, :n].tolist())
+        e.final = traj.completions[i]
+        if bool(traj.truncated[i]):
+            e.stop("token_limit" if n == left else "unfinished_turn")
 
     def _env_turn(self, stepping: list[_Episode], last: bool) -> None:
         """Every stepping episode's environment takes its reply (`workers` at a time; each step given `step_timeout_s`

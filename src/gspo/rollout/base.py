@@ -64,6 +64,8 @@ class RolloutEngine(Protocol):
     version: int  # policy version of the weights it samples from (0 as built; the trainer's step count after a sync)
     shares_weights: bool  # samples from the trainer's own tensors: `update_weights` has nothing to read
     pad_id: int  # the token its trajectories are padded with
+    # Optional: `max_context` (int | None), the most tokens a prompt and its completion may have together; an
+    # episode driver (gspo.agent.episodes) keeps its requests within it.
 
     def generate(self, prompts: list[str | list[int]], group_size: int, seeds: list[int],
                  params: SamplingParams | None = None) -> Trajectory:

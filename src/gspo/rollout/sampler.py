@@ -421,13 +421,18 @@ class HFSampler:
             extras=extras,
         )
 
+    @property
+    def max_context(self) -> int | None:
+        """The most tokens a prompt and its completion may have together (the model's max_position_embeddings;
+        None: unknown): `generate` refuses a request past it."""
+        return getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
+
     def _encode(self, prompts: list[str | list[int]], group_size: int, seeds: list[int],
                 params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
         """Validate the request; return the left-padded prompt ids and mask [P, S] on the model's device."""
         if any(not s for s in params.stop):
             raise ValueError(f"generate: stop strings must be non-empty, got {params.stop!r}")
-        max_pos = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
-        encoded = encode_prompts(self.tokenizer, prompts, group_size, seeds, params.max_new_tokens, max_pos,
+        encoded = encode_prompts(self.tokenizer, prompts, group_size, seeds, params.max_new_tokens, self.max_context,
                                  "max_position_embeddings")
         ids, mask = pad_left(encoded, self.pad_id)
         device = next(self.model.parameters()).device

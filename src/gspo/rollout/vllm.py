@@ -146,6 +146,11 @@ class VLLMEngine:
 
     shares_weights = False
 
+    @property
+    def max_context(self) -> int | None:
+        """The most tokens a prompt and its completion may have together (the engine's max_model_len)."""
+        return self.max_model_len
+
     def __init__(self, model: str, tokenizer, params: SamplingParams, *, dtype: str = "auto", seed: int = 0,
                  gpu_memory_utilization: float = 0.3, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, enforce_eager: bool = False, record_routing: bool = False,
@@ -278,6 +283,11 @@ class VLLMServerEngine:
     """
 
     shares_weights = False
+
+    @property
+    def max_context(self) -> int | None:
+        """The most tokens a prompt and its completion may have together (the engine's max_model_len)."""
+        return self.max_model_len
 
     def __init__(self, url: str, tokenizer, params: SamplingParams, *, sync_dir: str | os.PathLike,
                  timeout: float = 600.0, max_concurrent: int = 64, is_main: bool = True,
