@@ -36,12 +36,10 @@ def main() -> None:
 
     import torch
     import transformers
+    from run import padded_tokenizer, sync  # benchmarks/run.py: this script's folder is on sys.path
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from gspo.rollout import HFSampler, SamplingParams
-
-    sys_path_benchmarks()
-    from run import padded_tokenizer, sync
 
     torch.set_num_threads(a.threads)
     dtype = a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32")
@@ -90,14 +88,6 @@ def main() -> None:
         summary[f"tokens_per_s_{decode}"] = round(rate[True])
         del engines
     print(json.dumps(summary))
-
-
-def sys_path_benchmarks() -> None:
-    """Make benchmarks/run.py importable (its tokenizer and device sync) when this file runs as a script."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 if __name__ == "__main__":
