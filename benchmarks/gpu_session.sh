@@ -6,12 +6,14 @@
 #   source .gpu/on_device.sh && bash benchmarks/gpu_session.sh dense   # A/B against TRL, Qwen3-0.6B shape, + op tables
 #   source .gpu/on_device.sh && bash benchmarks/gpu_session.sh moe     # A/B against TRL, Qwen3-MoE 2.8B
 #   source .gpu/on_device.sh && bash benchmarks/gpu_session.sh decode  # decode attention: grouped vs repeat_kv
+#   source .gpu/on_device.sh && bash benchmarks/gpu_session.sh update  # the update phase, layers eager vs compiled
+#   source .gpu/on_device.sh && bash benchmarks/gpu_session.sh compiled  # A/B against TRL with trainer.compile
 #
 # Measured on an H100 on 2026-11-24 (benchmarks/RESULTS.md §5): `check` needs more than 10 minutes (demo 202 s, the
 # suite ~330 s at -n 8), so its suite stops at SUITE_S seconds and prints the tests that did not finish; run them with
 # `python -m pytest -n 8 $(cat $OUT/unfinished.txt)` in the next call. `dense` took 398 s, `moe` (no sampler rows) 298 s.
 set -uo pipefail
-part="${1:?usage: gpu_session.sh check|dense|moe|decode}"
+part="${1:?usage: gpu_session.sh check|dense|moe|decode|update|compiled}"
 out="${OUT:-gpu-out}"
 mkdir -p "$out"
 case "$part" in
@@ -46,8 +48,16 @@ case "$part" in
     python3 benchmarks/decode_attention.py --device cuda --layers 28 --rows 128 --new-tokens 256 --vocab 151936 \
       --threads 8 2>&1 | tee "$out/decode.log"
     ;;
+  update)
+    python3 benchmarks/compile_update.py --device cuda --widths 1024 --rows 128 --new-tokens 256 --vocab 151936 \
+      --precision autocast --threads 8 2>&1 | tee "$out/update.log"
+    ;;
+  compiled)
+    python3 benchmarks/run.py --device cuda --models dense --rounds 1 --threads 8 --no-sampler \
+      --sides trl,exact-compiled,fast-compiled --save "$out/dense_compiled.json" 2>&1 | tee "$out/dense_compiled.log"
+    ;;
   *)
-    echo "gpu_session.sh: unknown part $part (check, dense, moe or decode)" >&2
+    echo "gpu_session.sh: unknown part $part (check, dense, moe, decode, update or compiled)" >&2
     exit 2
     ;;
 esac

@@ -31,12 +31,14 @@ with bf16 autocast on both sides (TRL `bf16=True`; gspo `trainer.mixed_precision
 checkpointing, a pseudo-random reward of the completion text (`hash_reward`: a random-init model never solves the
 task, and advantages must be non-zero for the updates to be real). Sides: TRL; "gspo exact" (π_old recomputed by a
 no-grad forward, as TRL does; the float32 policy samples under the trainer's bf16 autocast, as TRL's does);
-"gspo fast" (a bf16 rollout engine and π_old from it, §5.4).
+"gspo fast" (a bf16 rollout engine and π_old from it, §5.4); on request (`--sides exact-compiled,fast-compiled`) the
+same two with `trainer.compile` (the decoder layers compiled for the training forwards and backwards).
 Clocks are read after torch.cuda.synchronize(); generation / update split: gspo's `rl_step` timings, TRL's
 `_generate` timed (its old-log-prob forward counts as update on both sides); peak GPU memory is
 torch.cuda.max_memory_allocated() of the worker (model, AdamW state and the steps). Each model is built once, saved in
 bf16 and loaded in float32 by every worker. The last line's JSON has speedup_{dense,moe}_gpu (TRL / gspo fast, per
-rollout batch), speedup_*_gpu_exact, and update_ratio_*_gpu (gspo exact update / TRL update: the same work on both).
+rollout batch), speedup_*_gpu_exact, and update_ratio_*_gpu (gspo exact update / TRL update: the same work on both);
+the compiled sides add the same keys ending in _compiled.
 A full run of both models takes longer than 10 minutes: run `--models dense` and `--models moe` separately, and
 where one model's sides do not fit one call, split them: `--sides trl --save trl.json --no-sampler`, then
 `--sides exact,fast --merge trl.json` (one table, the ratios across the calls).
@@ -494,14 +496,27 @@ GPU_MODELS: dict[str, tuple[str, dict]] = {
                                "norm_topk_prob": True, "decoder_sparse_step": 1}),
 }
 MIXED = {"trainer": {"mixed_precision": "bfloat16"}}
+COMPILED = {"trainer": {"mixed_precision": "bfloat16", "compile": True}}  # + the decoder layers compiled for training
+FAST = {"rollout": {"dtype": "bfloat16"}, "algorithm": {"old_logprobs": "rollout"}}
 # side: (worker, options). Both sides: float32 weights and AdamW, bf16 autocast.
 GPU_SIDES: dict[str, tuple[str, dict]] = {
     "trl": ("trl", {"bf16": True}),
     "gspo exact": ("gspo", MIXED),
-    "gspo fast": ("gspo", {**MIXED, "rollout": {"dtype": "bfloat16"}, "algorithm": {"old_logprobs": "rollout"}}),
+    "gspo fast": ("gspo", {**MIXED, **FAST}),
+    "exact compiled": ("gspo", COMPILED),  # the same, with trainer.compile (dense models; not run by default)
+    "fast compiled": ("gspo", {**COMPILED, **FAST}),
 }
+GPU_DEFAULT_SIDES = ["trl", "gspo exact", "gspo fast"]
 GPU_HEADLINE, GPU_LIKE_FOR_LIKE = "gspo fast", "gspo exact"
-GPU_SIDE_NAMES = {"trl": "trl", "exact": "gspo exact", "fast": "gspo fast"}  # --sides
+GPU_SIDE_NAMES = {"trl": "trl", "exact": "gspo exact", "fast": "gspo fast", "exact-compiled": "exact compiled",
+                  "fast-compiled": "fast compiled"}  # --sides
+# summary keys of a side: its JSON names (`print_gpu_report`)
+GPU_SUMMARY_KEYS = {GPU_HEADLINE: ("speedup_{m}_gpu", "update_ratio_{m}_gpu_fast", "peak_gpu_ratio_{m}_fast"),
+                    GPU_LIKE_FOR_LIKE: ("speedup_{m}_gpu_exact", "update_ratio_{m}_gpu", "peak_gpu_ratio_{m}_exact"),
+                    "fast compiled": ("speedup_{m}_gpu_compiled", "update_ratio_{m}_gpu_fast_compiled",
+                                      "peak_gpu_ratio_{m}_fast_compiled"),
+                    "exact compiled": ("speedup_{m}_gpu_exact_compiled", "update_ratio_{m}_gpu_compiled",
+                                       "peak_gpu_ratio_{m}_exact_compiled")}
 
 
 def padded_tokenizer(vocab_size: int):
@@ -554,7 +569,7 @@ def compare_gpu(paths: dict[str, Path], rounds: int, threads: int, batches: int,
     {side: {"times", "rollout", "update", "peak_gpu"}}}. `profile` (a folder): each gspo side's worker of the last
     round profiles one more rollout batch into `profile/MODEL_SIDE.txt` (`profile_step`)."""
     results: dict[str, dict[str, dict]] = {}
-    sides = sides or list(GPU_SIDES)
+    sides = sides or GPU_DEFAULT_SIDES
     for model, path in paths.items():
         results[model] = {side: {"times": [], "rollout": [], "update": [], "peak_gpu": 0} for side in sides}
         for r in range(rounds):
@@ -590,24 +605,21 @@ def print_gpu_report(results: dict[str, dict[str, dict]], shape: tuple[int, int,
     summary: dict[str, float | None] = {}
     print(f"\nper rollout batch: {shape[0]} prompts × {shape[1]} completions × {shape[2]} tokens, {MINIBATCHES} "
           "minibatch updates, GSPO ε 3e-4/4e-4, β=0, fp32 weights + bf16 autocast on both sides")
-    print(f"{'model':>5} | {'run':>10} | {'s / batch':>9} | {'TRL / this':>10} | {'tokens/s':>8} | "
+    print(f"{'model':>5} | {'run':>14} | {'s / batch':>9} | {'TRL / this':>10} | {'tokens/s':>8} | "
           f"{'generation s':>12} | {'update s':>8} | {'update / TRL':>12} | {'peak GPU':>9}")
     for model, by_side in results.items():
         trl = by_side.get("trl", {"times": [], "update": [], "peak_gpu": 0})  # absent: ratios are nan
         trl_time, trl_update = median(trl["times"]), median(trl["update"])
         for side, r in by_side.items():
             t, gen, update = median(r["times"]), median(r["rollout"]), median(r["update"])
-            print(f"{model:>5} | {side:>10} | {t:>9.3f} | {trl_time / t:>9.2f}× | {tokens / t:>8.0f} | "
+            print(f"{model:>5} | {side:>14} | {t:>9.3f} | {trl_time / t:>9.2f}× | {tokens / t:>8.0f} | "
                   f"{gen:>12.3f} | {update:>8.3f} | {update / trl_update:>11.2f}× | "
                   f"{r['peak_gpu'] / 2**30:>5.2f} GiB")
-            if side == GPU_HEADLINE:
-                summary[f"speedup_{model}_gpu"] = trl_time / t
-                summary[f"update_ratio_{model}_gpu_fast"] = update / trl_update
-                summary[f"peak_gpu_ratio_{model}_fast"] = r["peak_gpu"] / trl["peak_gpu"] if trl["peak_gpu"] else None
-            elif side == GPU_LIKE_FOR_LIKE:
-                summary[f"speedup_{model}_gpu_exact"] = trl_time / t
-                summary[f"update_ratio_{model}_gpu"] = update / trl_update
-                summary[f"peak_gpu_ratio_{model}_exact"] = r["peak_gpu"] / trl["peak_gpu"] if trl["peak_gpu"] else None
+            if side in GPU_SUMMARY_KEYS:
+                speedup, update_ratio, peak = (k.format(m=model) for k in GPU_SUMMARY_KEYS[side])
+                summary[speedup] = trl_time / t
+                summary[update_ratio] = update / trl_update
+                summary[peak] = r["peak_gpu"] / trl["peak_gpu"] if trl["peak_gpu"] else None
     return {k: None if isinstance(v, float) and v != v else v for k, v in summary.items()}  # nan: no TRL side
 
 
@@ -630,7 +642,7 @@ def main_gpu(a: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     unknown = [m for m in models if m not in GPU_MODELS]
     if unknown:
         parser.error(f"--device cuda: unknown model(s) {unknown}; GPU models: {', '.join(GPU_MODELS)}")
-    sides = [GPU_SIDE_NAMES.get(x, x) for x in a.sides.split(",")] if a.sides else list(GPU_SIDES)
+    sides = [GPU_SIDE_NAMES.get(x, x) for x in a.sides.split(",")] if a.sides else GPU_DEFAULT_SIDES
     if unknown := [x for x in sides if x not in GPU_SIDES]:
         parser.error(f"--sides: unknown {unknown}; sides: {', '.join(GPU_SIDE_NAMES)}")
     if a.profile and Path(a.profile).exists() and not Path(a.profile).is_dir():  # found before minutes of compute

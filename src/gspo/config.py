@@ -603,6 +603,12 @@ class TrainerConfig(_Section):
     # checkpointing, non-reentrant): less activation memory for ~1/3 more training compute. Sampling is unaffected (it
     # runs the model in eval mode, with its KV cache). Not with MoE routing replay (the recompute would not replay).
     gradient_checkpointing: bool = False
+    # Compile each decoder layer with torch.compile for the training forwards and backwards (the cold start, π_old and
+    # the updates; `gspo.models.compiled_layers`): a layer's ~700 eager ops become a few fused kernels, for GPUs where
+    # a small model's update waits on the host dispatching ops. The first forwards compile (seconds per graph); the
+    # values are those of eager mode within float rounding. Dense models only (MoE expert dispatch is refused);
+    # prompt sharing is off under it. Sampling, evaluation and saving run the layers eager.
+    compile: bool = False
     # Padded tokens (rows × their longest prompt + completion) one RL training forward/backward may hold (the cold
     # start has its own, cold_start.micro_batch_tokens): a minibatch share with more runs as micro-batches whose
     # gradients add up to its own (one optimizer step either way, the same update up to float rounding), so activation

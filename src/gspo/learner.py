@@ -32,6 +32,7 @@ from torch import nn
 from gspo.correction import Correction, apply_correction, mismatch_metrics
 from gspo.hooks import LearnHook
 from gspo.logprobs import completion_logprobs
+from gspo.models import compiled_layers
 from gspo.objectives import COUNT_KEYS, METRIC_AGGREGATION, Metrics, Objective, kl_to_reference, process_normaliser
 from gspo.parallel import ProcessGroup, autocast, gradient_sync
 from gspo.trajectory import Trajectory
@@ -55,6 +56,7 @@ class LearnSettings:
     mixed_precision: str | None = None
     mismatch: Correction | None = None  # the train–inference mismatch correction (None: none), for recomputed π_old
     micro_batch_tokens: int | None = None  # padded tokens per forward/backward (None: a minibatch share at once)
+    compile: bool = False  # the policy's decoder layers compiled for π_old and the updates (`compiled_layers`)
 
 
 def micro_batches(rows: torch.Tensor, lengths: torch.Tensor, budget: int | None) -> list[torch.Tensor]:
@@ -193,7 +195,10 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
         for hook in hooks:
             stack.enter_context(enter(hook))
         stack.enter_context(amp())
+        stack.enter_context(compiled_layers(model, s.compile))
         return stack
+
+    share = False if s.compile else None  # a KV cache would specialise each compiled layer on its index
 
     # The micro-batches of each minibatch share, the same for π_old, the reference and every update; as many on every
     # process (under FSDP each forward is a collective). Costed on the layout the forwards will see.
@@ -218,7 +223,7 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
             for r in (r for micros in micros_of[:len(minibatches)] for r in micros):  # the first pass: every row once
                 with forwards(lambda h, r=r: h.old_forward(r)):
                     old_logprobs[r] = completion_logprobs(model, *traj.rows(r), temperature=s.temperature,
-                                                          trim_padding=trim)[0]
+                                                          trim_padding=trim, share_prompts=share)[0]
         old_logprobs = group.merge_rows(old_logprobs, minibatches)
     for hook in hooks:
         hook.old_done(group, minibatches)
@@ -252,7 +257,7 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
             with gradient_sync(model, j == len(micros) - 1):  # DDP: one all-reduce, after the last backward
                 with forwards(lambda h, k=k, r=r: h.update_forward(k, r, k == n - 1)):
                     lp, ent = completion_logprobs(model, *traj.rows(r), temperature=s.temperature,
-                                                  with_entropy=k == 0, trim_padding=trim)
+                                                  with_entropy=k == 0, trim_padding=trim, share_prompts=share)
                 loss, m = s.objective.loss(lp, old_logprobs[r], loss_adv[r], loss_mask[r], eps_low=s.eps_low,
                                            eps_high=s.eps_high, normaliser=normaliser)
                 total = loss

@@ -8,10 +8,13 @@ errors that name the path and what is missing.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
+import shutil
 import string
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -39,7 +42,10 @@ __all__ = [
     "build_preset",
     "build_tokenizer",
     "cache_keyword",
+    "check_compile_support",
     "check_model_source",
+    "compiled_layers",
+    "decoder_layers",
     "disable_dropout",
     "enable_gradient_checkpointing",
     "load_model",
@@ -429,6 +435,64 @@ def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers of `model` (a transformers model, or a wrapper around one: DDP, peft, gspo's
+    `LogprobForward`): the modules whose class, or a class it derives from (FSDP2 makes each sharded layer an instance
+    of a subclass `FSDP<Layer>`), is named in the model's `_no_split_modules`. Empty when the model names none."""
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
+
+
+_COMPILED: dict[Callable, Callable] = {}  # a layer class's forward -> its torch.compile'd version (one per class)
+
+
+@contextlib.contextmanager
+def compiled_layers(model: nn.Module, enabled: bool = True) -> Iterator[None]:
+    """Within: every decoder layer of `model` (`decoder_layers`) runs its forward compiled by torch.compile (regional
+    compilation). The layers of one class share one compiled function, so a 28-layer model compiles one layer's graph
+    (per grad mode and shape family), not the whole model's; the LM head, the embeddings and what the trainer computes
+    around them stay eager. Out of it, the layers are eager again: the sampler, evaluation and saving never run
+    compiled code, and the model's state dict and class are untouched.
+
+    Why: a layer of a small model on a GPU is dispatched op by op (a Qwen3 layer's forward and backward are ~700 ops
+    in eager mode), and the device waits on the host; compiled, a layer is a handful of fused kernels.
+    The first forward of each grad mode and shape family compiles (seconds per graph); dimensions that change between
+    calls are compiled as dynamic after their second value. Values: the same computation, within float rounding of
+    eager (fused kernels may order additions differently; `tests/test_compile.py`). A forward that passes a KV cache
+    specialises each layer's graph on its index: callers run without prompt sharing (`completion_logprobs`'s
+    `share_prompts=False`). Nothing to do when `enabled` is False or the model names no decoder layers."""
+    # a layer whose instance already has a forward (e.g. accelerate's offloading hook) is left as it is
+    layers = [m for m in decoder_layers(model) if "forward" not in m.__dict__] if enabled else []
+    for layer in layers:
+        forward = type(layer).forward
+        if forward not in _COMPILED:
+            _COMPILED[forward] = torch.compile(forward)
+        layer.forward = types.MethodType(_COMPILED[forward], layer)  # an instance attribute: nn.Module calls it
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.__dict__.pop("forward", None)
+
+
+def check_compile_support(device: torch.device) -> None:
+    """Raise ValueError when torch.compile cannot generate code for `device`, before any compute: inductor builds C++
+    for the CPU (a C++ compiler on PATH) and Triton kernels for CUDA (the triton package)."""
+    if device.type == "cpu":
+        if not any(shutil.which(cc) for cc in ("g++", "c++", "clang++")):
+            raise ValueError("torch.compile needs a C++ compiler on the CPU (g++, c++ or clang++ on PATH); none found")
+    elif device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            raise ValueError("torch.compile needs the triton package on CUDA (installed with torch's CUDA wheels); "
+                             "it cannot be imported") from None
+    else:
+        raise ValueError(f"torch.compile of the decoder layers is supported on cpu and cuda, not {device.type}")
 
 
 def disable_dropout(model: nn.Module, *, dry_run: bool = False) -> list[str]:

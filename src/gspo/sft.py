@@ -23,7 +23,7 @@ from gspo.agent import run_chat_format
 from gspo.agent.episodes import ChatFormat, encode_demonstration
 from gspo.learner import micro_batches
 from gspo.logprobs import completion_logprobs
-from gspo.models import load_model, resolve_dtype, save_model
+from gspo.models import compiled_layers, load_model, resolve_dtype, save_model
 from gspo.optim import make_optimizer
 from gspo.runfolder import publish_dir
 from gspo.schedule import derive_seed
@@ -95,6 +95,7 @@ def sft(
     mixed_precision: str | None = None,
     chat_format: ChatFormat | None = None,
     micro_batch_tokens: int | None = None,
+    compile: bool = False,
 ) -> list[float]:
     """Minimise the token-mean negative log-likelihood of `row[solution_field]` + EOS given `row["prompt"]`, for
     `steps` AdamW steps on random batches, or until a running mean of the loss reaches `target_loss` (after
@@ -111,7 +112,8 @@ def sft(
     `mixed_precision` ("bfloat16"): forwards and backwards under torch.autocast over the float32 weights.
     `micro_batch_tokens`: a batch with more padded tokens runs as forwards and backwards of at most that many (as the
     learner's, `gspo.learner.micro_batches`), each summed over its tokens and divided by the batch's token count, so
-    the gradients add up to the batch's. Runs on the model's device (CPU or a GPU)."""
+    the gradients add up to the batch's. `compile`: the decoder layers compiled for the forwards and backwards
+    (`gspo.models.compiled_layers`, without prompt sharing). Runs on the model's device (CPU or a GPU)."""
     missing = [i for i, r in enumerate(rows) if not isinstance(r.get(solution_field), (str, list))]
     if missing:
         raise ValueError(f"cold-start SFT needs a {solution_field!r} in every row (a string, or a list of messages "
@@ -155,8 +157,9 @@ def sft(
         lengths = enc[1].sum(-1) + enc[3].sum(-1)
         loss = torch.zeros((), device=device)
         for micro in micro_batches(torch.arange(len(batch), device=device), lengths, micro_batch_tokens):
-            with amp():  # no routing capture: skip padding
-                logprobs, _ = completion_logprobs(model, *(t[micro] for t in enc), trim_padding=True)
+            with amp(), compiled_layers(model, compile):  # no routing capture: skip padding
+                logprobs, _ = completion_logprobs(model, *(t[micro] for t in enc), trim_padding=True,
+                                                  share_prompts=False if compile else None)
             part = -logprobs[mask[micro]].sum() / tokens
             part.backward()
             loss += part.detach()
@@ -192,7 +195,7 @@ def cold_start(cfg: Config, out: Path, model: nn.Module, tokenizer, train_rows: 
     losses = sft(model, tokenizer, train_rows, steps=cs.steps, batch_size=cs.batch_size, lr=cs.lr,
                  warmup_steps=cs.warmup_steps, seed=derive_seed(cfg.trainer.seed, "sft"),
                  target_loss=cs.target_loss, progress=cfg.log.progress, mixed_precision=cfg.trainer.mixed_precision,
-                 chat_format=chat_format, micro_batch_tokens=cs.micro_batch_tokens)
+                 chat_format=chat_format, micro_batch_tokens=cs.micro_batch_tokens, compile=cfg.trainer.compile)
     info = {"steps": len(losses), "final_loss": sum(losses[-20:]) / len(losses[-20:]),
             "rows": len(train_rows) - too_long, "left_out_over_positions": too_long,
             **({"before": measured} if measured is not None else {})}

@@ -83,15 +83,14 @@ def _fully_shard(model: nn.Module, group: ProcessGroup, mixed_precision: str | N
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from gspo.models import resolve_dtype
+    from gspo.models import decoder_layers, resolve_dtype
 
     mesh = init_device_mesh(group.device.type, (group.world_size,))
     kwargs: dict[str, Any] = {"mesh": mesh}
     if mixed_precision is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=resolve_dtype(mixed_precision),
                                                    reduce_dtype=torch.float32)
-    layer_classes = set(getattr(model, "_no_split_modules", None) or ())
-    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+    layers = decoder_layers(model)
     if not layers:
         log.warning("FSDP: %s names no decoder-layer classes (_no_split_modules): sharding it as one unit",
                     type(model).__name__)

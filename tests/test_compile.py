@@ -1,0 +1,83 @@
+"""trainer.compile: the decoder layers compiled by torch.compile for the training forwards and backwards
+(`gspo.models.compiled_layers`) compute what eager mode computes, leave the model as it was, keep the first minibatch
+on-policy, and are refused where they cannot work before any compute."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import DEMO, ragged_trajectory, record_objective, tiny_overrides
+from gspo.config import ConfigError, load_config
+from gspo.logprobs import completion_logprobs
+from gspo.models import build_preset, compiled_layers, decoder_layers
+from gspo.tracking import read_metrics
+from gspo.trainer import train
+
+
+def _logprobs_and_grads(model, traj, compile: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    with compiled_layers(model, compile):
+        lp, _ = completion_logprobs(model, traj.prompt_ids, traj.prompt_mask, traj.completion_ids,
+                                    traj.completion_mask, trim_padding=True, share_prompts=False)
+    (lp * traj.completion_mask).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return lp.detach(), grads
+
+
+def test_compiled_layers_compute_the_eager_logprobs_and_gradients_and_leave_the_model_eager(device):
+    model, _ = build_preset("tiny-dense", seed=0)
+    model.to(device).train()
+    layers = decoder_layers(model)
+    assert len(layers) == model.config.num_hidden_layers
+    traj = ragged_trajectory(model.cpu(), n=8).to(device)
+    model.to(device)
+    torch._dynamo.reset()  # compiled from scratch here, whatever ran before in this process
+    captured = torch._dynamo.utils.counters["stats"]["calls_captured"]
+    for shape in range(2):  # a second batch shape: the dims that changed are recompiled as dynamic
+        part = traj.take(torch.arange(8 - 2 * shape))
+        eager, eager_grads = _logprobs_and_grads(model, part, compile=False)
+        compiled, compiled_grads = _logprobs_and_grads(model, part, compile=True)
+        assert torch.allclose(compiled, eager, atol=2e-5)
+        for e, c in zip(eager_grads, compiled_grads, strict=True):  # every parameter's, relative to its largest entry
+            assert (c - e).abs().max() <= 1e-5 * e.abs().max().clamp(min=1e-12)
+        with torch.no_grad(), compiled_layers(model):  # π_old's forward: the same values as the training forward
+            old, _ = completion_logprobs(model, part.prompt_ids, part.prompt_mask, part.completion_ids,
+                                         part.completion_mask, trim_padding=True, share_prompts=False)
+        assert torch.allclose(old, compiled, atol=1e-6, rtol=0)
+    assert torch._dynamo.utils.counters["stats"]["calls_captured"] > captured  # compiled (not eager all along)
+    assert all("forward" not in layer.__dict__ for layer in layers)  # eager again, class and state dict untouched
+    assert type(layers[0]).__name__ == "Qwen3DecoderLayer"
+
+
+def test_a_compiled_run_keeps_the_first_minibatch_on_policy_and_trains_like_an_eager_one(tmp_path, test_rewards,
+                                                                                         monkeypatch):
+    """The same run eager and compiled: π_old and π_θ of the on-policy minibatch are the same compiled forwards (its
+    ratios are 1 up to float rounding), and the first step's updates see the same log-probs within float rounding."""
+    runs, calls = {}, record_objective(monkeypatch, "gspo")
+    for compile in (False, True):
+        before = len(calls)
+        out = tmp_path / f"compile_{compile}"
+        train(load_config(DEMO, tiny_overrides(out, "cold_start=null", "model.name=tiny-dense", "trainer.steps=1",
+                                               "rollout.max_new_tokens=12", "rollout.stop=[1, 2, 3, 4]",
+                                               "rewards.functions={varied: 1.0}", "algorithm.old_logprobs=recompute",
+                                               "trainer.eval_every=0", "data.eval_size=1",
+                                               f"trainer.compile={str(compile).lower()}")))
+        runs[compile] = calls[before:], read_metrics(out / "metrics.jsonl")[0]
+    (eager_calls, eager_metrics), (compiled_calls, compiled_metrics) = runs[False], runs[True]
+    logprobs, old, mask = compiled_calls[0]
+    assert (~mask).any()  # ragged completions: trimmed padding under compile too
+    assert (logprobs[mask] - old[mask]).abs().max() <= 1e-6
+    assert compiled_metrics["clip_frac_tokens_first_mb"] == 0.0
+    assert len(compiled_calls) == len(eager_calls) == 4
+    for (lp_e, old_e, mask_e), (lp_c, old_c, mask_c) in zip(eager_calls, compiled_calls, strict=True):
+        assert torch.equal(mask_e, mask_c)  # the same rollout: sampling is eager in both runs
+        assert (lp_c - lp_e)[mask_c].abs().max() <= 1e-4 and (old_c - old_e)[mask_c].abs().max() <= 1e-4
+    assert compiled_metrics["loss"] == pytest.approx(eager_metrics["loss"], abs=1e-5)
+
+
+def test_compile_is_refused_for_moe_models_before_anything_is_written(tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"trainer.compile: MoE expert dispatch"):
+        train(load_config(DEMO, tiny_overrides(out, "cold_start=null", "trainer.steps=1", "trainer.compile=true")))
+    assert not (out / "metrics.jsonl").exists()
