@@ -10,7 +10,7 @@ import torch
 from conftest import DEMO, ragged_trajectory, record_objective, tiny_overrides
 from gspo.config import ConfigError, load_config
 from gspo.logprobs import completion_logprobs
-from gspo.models import build_preset, compiled_layers, decoder_layers
+from gspo.models import build_preset, compiled_layers, decoder_layers, enable_gradient_checkpointing
 from gspo.tracking import read_metrics
 from gspo.trainer import train
 
@@ -18,15 +18,35 @@ from gspo.trainer import train
 def _logprobs_and_grads(model, traj, compile: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
     with compiled_layers(model, compile):
         lp, _ = completion_logprobs(model, traj.prompt_ids, traj.prompt_mask, traj.completion_ids,
-                                    traj.completion_mask, trim_padding=True, share_prompts=False)
+                                    traj.completion_mask, trim_padding=True)
     (lp * traj.completion_mask).sum().backward()
-    grads = [p.grad.clone() for p in model.parameters()]
+    grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
     model.zero_grad(set_to_none=True)
     return lp.detach(), grads
 
 
-def test_compiled_layers_compute_the_eager_logprobs_and_gradients_and_leave_the_model_eager(device):
+def _model(variant: str):
+    """The dense preset; "lora+checkpointing": wrapped with LoRA adapters (their B random, so they matter) and trained
+    with gradient checkpointing, whose recompute then runs the compiled layer again in the backward."""
     model, _ = build_preset("tiny-dense", seed=0)
+    if variant == "lora+checkpointing":
+        pytest.importorskip("peft")
+        from gspo.config import LoraConfig
+        from gspo.lora import apply_lora
+
+        enable_gradient_checkpointing(model)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(1)
+            model = apply_lora(model, LoraConfig(r=4, alpha=8.0))
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.data.normal_(0, 0.05)
+    return model
+
+
+@pytest.mark.parametrize("variant", ["plain", "lora+checkpointing"])
+def test_compiled_layers_compute_the_eager_logprobs_and_gradients_and_leave_the_model_eager(device, variant):
+    model = _model(variant)
     model.to(device).train()
     layers = decoder_layers(model)
     assert len(layers) == model.config.num_hidden_layers
@@ -43,11 +63,35 @@ def test_compiled_layers_compute_the_eager_logprobs_and_gradients_and_leave_the_
             assert (c - e).abs().max() <= 1e-5 * e.abs().max().clamp(min=1e-12)
         with torch.no_grad(), compiled_layers(model):  # π_old's forward: the same values as the training forward
             old, _ = completion_logprobs(model, part.prompt_ids, part.prompt_mask, part.completion_ids,
-                                         part.completion_mask, trim_padding=True, share_prompts=False)
+                                         part.completion_mask, trim_padding=True)
         assert torch.allclose(old, compiled, atol=1e-6, rtol=0)
     assert torch._dynamo.utils.counters["stats"]["calls_captured"] > captured  # compiled (not eager all along)
     assert all("forward" not in layer.__dict__ for layer in layers)  # eager again, class and state dict untouched
     assert type(layers[0]).__name__ == "Qwen3DecoderLayer"
+    assert all(layer.gradient_checkpointing == (variant != "plain") for layer in layers)
+
+
+def test_prompt_sharing_forwards_run_eager_inside_compiled_layers(device):
+    """Rows sharing long prompts (a group): `completion_logprobs` runs each prompt once and its completions against
+    its KV cache; given a cache, a compiled layer runs eager (compiled, each layer's index would be a graph of its
+    own), so the values are eager's and the layers without a cache are still compiled."""
+    model, _ = build_preset("tiny-dense", seed=0)
+    model.to(device).train()
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, model.config.vocab_size, (2, 24), generator=g).repeat_interleave(4, 0)
+    completions = torch.randint(3, model.config.vocab_size, (8, 5), generator=g)
+    batch = [t.to(device) for t in (prompts, torch.ones_like(prompts), completions, torch.ones_like(completions))]
+    shared, _ = completion_logprobs(model, *batch, trim_padding=True, share_prompts=True)
+    torch._dynamo.reset()
+    stats = torch._dynamo.utils.counters["stats"]
+    before = stats["calls_captured"]
+    with compiled_layers(model):
+        compiled_shared, _ = completion_logprobs(model, *batch, trim_padding=True, share_prompts=True)
+        assert stats["calls_captured"] == before  # nothing compiled: every layer was given a cache
+        compiled_plain, _ = completion_logprobs(model, *batch, trim_padding=True, share_prompts=False)
+        assert stats["calls_captured"] > before
+    assert torch.equal(compiled_shared, shared)  # eager: bit for bit
+    assert torch.allclose(compiled_plain, shared, atol=2e-5)
 
 
 def test_a_compiled_run_keeps_the_first_minibatch_on_policy_and_trains_like_an_eager_one(tmp_path, test_rewards,

@@ -607,7 +607,7 @@ class TrainerConfig(_Section):
     # the updates; `gspo.models.compiled_layers`): a layer's ~700 eager ops become a few fused kernels, for GPUs where
     # a small model's update waits on the host dispatching ops. The first forwards compile (seconds per graph); the
     # values are those of eager mode within float rounding. Dense models only (MoE expert dispatch is refused);
-    # prompt sharing is off under it. Sampling, evaluation and saving run the layers eager.
+    # prompt sharing's forwards (given a KV cache), sampling, evaluation and saving run the layers eager.
     compile: bool = False
     # Padded tokens (rows × their longest prompt + completion) one RL training forward/backward may hold (the cold
     # start has its own, cold_start.micro_batch_tokens): a minibatch share with more runs as micro-batches whose

@@ -198,8 +198,6 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
         stack.enter_context(compiled_layers(model, s.compile))
         return stack
 
-    share = False if s.compile else None  # a KV cache would specialise each compiled layer on its index
-
     # The micro-batches of each minibatch share, the same for π_old, the reference and every update; as many on every
     # process (under FSDP each forward is a collective). Costed on the layout the forwards will see.
     micros_of = [[mb] for mb in updates]
@@ -223,7 +221,7 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
             for r in (r for micros in micros_of[:len(minibatches)] for r in micros):  # the first pass: every row once
                 with forwards(lambda h, r=r: h.old_forward(r)):
                     old_logprobs[r] = completion_logprobs(model, *traj.rows(r), temperature=s.temperature,
-                                                          trim_padding=trim, share_prompts=share)[0]
+                                                          trim_padding=trim)[0]
         old_logprobs = group.merge_rows(old_logprobs, minibatches)
     for hook in hooks:
         hook.old_done(group, minibatches)
@@ -257,7 +255,7 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
             with gradient_sync(model, j == len(micros) - 1):  # DDP: one all-reduce, after the last backward
                 with forwards(lambda h, k=k, r=r: h.update_forward(k, r, k == n - 1)):
                     lp, ent = completion_logprobs(model, *traj.rows(r), temperature=s.temperature,
-                                                  with_entropy=k == 0, trim_padding=trim, share_prompts=share)
+                                                  with_entropy=k == 0, trim_padding=trim)
                 loss, m = s.objective.loss(lp, old_logprobs[r], loss_adv[r], loss_mask[r], eps_low=s.eps_low,
                                            eps_high=s.eps_high, normaliser=normaliser)
                 total = loss

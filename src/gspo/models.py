@@ -447,7 +447,22 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
 
 
-_COMPILED: dict[Callable, Callable] = {}  # a layer class's forward -> its torch.compile'd version (one per class)
+_COMPILED: dict[Callable, Callable] = {}  # a layer class's forward -> its forward, compiled except with a KV cache
+_CACHE_KEYWORDS = ("cache", "past_key_values", "past_key_value")  # a decoder layer's KV-cache keyword, by version
+
+
+def _compiled_forward(forward: Callable) -> Callable:
+    """`forward` (a decoder layer class's) compiled by torch.compile, except for calls given a KV cache, which run it
+    eager: a cache specialises the compiled graph on each layer's index (one graph per layer, past dynamo's recompile
+    limit), and only prompt sharing (`gspo.logprobs`) passes one in a training forward."""
+    compiled = torch.compile(forward)
+
+    def layer_forward(self, *args, **kwargs):
+        if any(kwargs.get(k) is not None for k in _CACHE_KEYWORDS):
+            return forward(self, *args, **kwargs)
+        return compiled(self, *args, **kwargs)
+
+    return layer_forward
 
 
 @contextlib.contextmanager
@@ -455,22 +470,22 @@ def compiled_layers(model: nn.Module, enabled: bool = True) -> Iterator[None]:
     """Within: every decoder layer of `model` (`decoder_layers`) runs its forward compiled by torch.compile (regional
     compilation). The layers of one class share one compiled function, so a 28-layer model compiles one layer's graph
     (per grad mode and shape family), not the whole model's; the LM head, the embeddings and what the trainer computes
-    around them stay eager. Out of it, the layers are eager again: the sampler, evaluation and saving never run
-    compiled code, and the model's state dict and class are untouched.
+    around them stay eager, and so does a layer given a KV cache (prompt sharing's forwards: `_compiled_forward`).
+    Out of it, the layers are eager again: the sampler, evaluation and saving never run compiled code, and the model's
+    state dict and class are untouched.
 
-    Why: a layer of a small model on a GPU is dispatched op by op (a Qwen3 layer's forward and backward are ~700 ops
+    Why: a layer of a small model on a GPU is dispatched op by op (a Qwen3 layer's forward and backward are ~740 ops
     in eager mode), and the device waits on the host; compiled, a layer is a handful of fused kernels.
     The first forward of each grad mode and shape family compiles (seconds per graph); dimensions that change between
     calls are compiled as dynamic after their second value. Values: the same computation, within float rounding of
-    eager (fused kernels may order additions differently; `tests/test_compile.py`). A forward that passes a KV cache
-    specialises each layer's graph on its index: callers run without prompt sharing (`completion_logprobs`'s
-    `share_prompts=False`). Nothing to do when `enabled` is False or the model names no decoder layers."""
+    eager (fused kernels may order additions differently; `tests/test_compile.py`). Nothing to do when `enabled` is
+    False or the model names no decoder layers."""
     # a layer whose instance already has a forward (e.g. accelerate's offloading hook) is left as it is
     layers = [m for m in decoder_layers(model) if "forward" not in m.__dict__] if enabled else []
     for layer in layers:
         forward = type(layer).forward
         if forward not in _COMPILED:
-            _COMPILED[forward] = torch.compile(forward)
+            _COMPILED[forward] = _compiled_forward(forward)
         layer.forward = types.MethodType(_COMPILED[forward], layer)  # an instance attribute: nn.Module calls it
     try:
         yield

@@ -113,7 +113,7 @@ def sft(
     `micro_batch_tokens`: a batch with more padded tokens runs as forwards and backwards of at most that many (as the
     learner's, `gspo.learner.micro_batches`), each summed over its tokens and divided by the batch's token count, so
     the gradients add up to the batch's. `compile`: the decoder layers compiled for the forwards and backwards
-    (`gspo.models.compiled_layers`, without prompt sharing). Runs on the model's device (CPU or a GPU)."""
+    (`gspo.models.compiled_layers`). Runs on the model's device (CPU or a GPU)."""
     missing = [i for i, r in enumerate(rows) if not isinstance(r.get(solution_field), (str, list))]
     if missing:
         raise ValueError(f"cold-start SFT needs a {solution_field!r} in every row (a string, or a list of messages "
@@ -158,8 +158,7 @@ def sft(
         loss = torch.zeros((), device=device)
         for micro in micro_batches(torch.arange(len(batch), device=device), lengths, micro_batch_tokens):
             with amp(), compiled_layers(model, compile):  # no routing capture: skip padding
-                logprobs, _ = completion_logprobs(model, *(t[micro] for t in enc), trim_padding=True,
-                                                  share_prompts=False if compile else None)
+                logprobs, _ = completion_logprobs(model, *(t[micro] for t in enc), trim_padding=True)
             part = -logprobs[mask[micro]].sum() / tokens
             part.backward()
             loss += part.detach()
