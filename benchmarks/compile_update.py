@@ -72,8 +72,10 @@ def measure(a: argparse.Namespace, width: int) -> dict:
     from gspo.learner import LearnSettings, learn
     from gspo.objectives import OBJECTIVES
     from gspo.optim import make_optimizer
+    from gspo.parallel import ProcessGroup
 
     cuda = a.device.startswith("cuda")
+    group = ProcessGroup(device=torch.device(a.device))  # the learner's autocast runs on this device type
     model = build(width, a.layers, a.vocab, a.device)
     optimizer, scheduler = make_optimizer(model, 1e-6, 1000)
     traj, advantages = rollout_batch(a.rows, a.new_tokens, a.vocab, a.device)
@@ -86,7 +88,7 @@ def measure(a: argparse.Namespace, width: int) -> dict:
     def update(compiled: bool) -> float:
         sync(a.device)
         t0 = time.perf_counter()
-        learn(model, optimizer, scheduler, traj, advantages, minibatches, settings[compiled])
+        learn(model, optimizer, scheduler, traj, advantages, minibatches, settings[compiled], group)
         sync(a.device)
         return time.perf_counter() - t0
 

@@ -190,6 +190,7 @@ def test_fsdp_two_processes_interrupted_and_resumed_match_one(one_process, tmp_p
     assert any(not torch.equal(t, reference[k]) for k, t in model.state_dict().items())  # loaded, not the reference
 
 
+@pytest.mark.slow  # ~60 s here: two processes compile the layers
 def test_compiled_layers_under_fsdp_train_the_eager_one_process_run(tmp_path):
     """trainer.compile with FSDP2 (each sharded layer's forward compiled; FSDP's gathers stay hooks around it), with
     micro-batches of different counts per process: the weights and rewards of the eager one-process run of the dense
