@@ -93,13 +93,20 @@ def test_sft_writes_a_loadable_model_dir(sft_dir, capsys):
     assert model.config.vocab_size == len(tokenizer)
 
 
-@pytest.mark.parametrize("micro", [[], ["--micro-batch-tokens", "20"]], ids=["one-forward", "micro-batches"])
+@pytest.mark.parametrize("micro", [[], ["--micro-batch-tokens", "20"], ["--mixed-precision", "bfloat16"]],
+                         ids=["one-forward", "micro-batches", "mixed-precision"])
 def test_sft_prints_its_loss(tmp_path, capsys, micro):
     out = tmp_path / "m"
     assert main(["sft", "--out", str(out), "--steps", "2", "--batch-size", "4", "--size", "16",
                  "--model", "tiny-dense", *micro]) == 0
     result = last_json(capsys.readouterr().out)
     assert result["out"] == str(out) and math.isfinite(result["final_loss"]) and result["final_loss"] > 0
+
+
+def test_sft_compile_is_refused_for_an_moe_model_before_training(tmp_path, capsys):
+    assert main(["sft", "--out", str(tmp_path / "m"), "--model", "tiny-moe", "--compile", "--steps", "2"]) == 2
+    assert "--compile: MoE expert dispatch" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()
 
 
 @pytest.mark.parametrize(("flag", "value"), [("--steps", "0"), ("--micro-batch-tokens", "0")])

@@ -125,3 +125,22 @@ def test_compile_is_refused_for_moe_models_before_anything_is_written(tmp_path):
     with pytest.raises(ConfigError, match=r"trainer.compile: MoE expert dispatch"):
         train(load_config(DEMO, tiny_overrides(out, "cold_start=null", "trainer.steps=1", "trainer.compile=true")))
     assert not (out / "metrics.jsonl").exists()
+
+
+def test_a_compiled_cold_start_takes_the_eager_steps(tmp_path, capsys):
+    """`gspo sft --compile` (the cold start's `sft(compile=True)`): the losses of the eager run's steps, within float
+    rounding, over batches of different widths."""
+    from gspo.cli import main
+    from test_cli import last_json
+
+    losses = {}
+    torch._dynamo.reset()
+    stats = torch._dynamo.utils.counters["stats"]
+    before = stats["calls_captured"]
+    for flag in ([], ["--compile"]):
+        out = tmp_path / f"m{len(flag)}"
+        assert main(["sft", "--out", str(out), "--steps", "3", "--batch-size", "4", "--size", "16", "--model",
+                     "tiny-dense", *flag]) == 0
+        losses[bool(flag)] = last_json(capsys.readouterr().out)["final_loss"]
+    assert stats["calls_captured"] > before  # the second run compiled
+    assert losses[True] == pytest.approx(losses[False], rel=1e-5)

@@ -142,7 +142,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     from gspo.checkpoint import set_seed
     from gspo.config import DataConfig
     from gspo.data import TASK_ROWS, DataSplits, load_rows, make_task, render_chat, subset_rows
-    from gspo.models import load_model, save_model
+    from gspo.models import check_compile_support, load_model, save_model
     from gspo.parallel import resolve_device
     from gspo.sft import sft
 
@@ -162,12 +162,18 @@ def _cmd_sft(args: argparse.Namespace) -> int:
         rows = make_task(args.task or "addition", split=args.split or "train", size=args.size or TASK_ROWS["train"],
                          seed=args.seed, **options)
     set_seed(args.seed)
-    model, tokenizer = load_model(args.model, seed=args.seed)
+    model, tokenizer = load_model(args.model, seed=args.seed)  # float32 weights: --mixed-precision computes over them
     model = model.to(device)
+    if args.compile:
+        try:
+            check_compile_support(model, device)
+        except ValueError as e:
+            raise ConfigError(f"sft: --compile: {e}") from None
     rows = render_chat(DataSplits(train=rows, heldout=[]), DataConfig(), tokenizer).train  # message prompts
     t0 = time.perf_counter()
     losses = sft(model, tokenizer, rows, steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-                 micro_batch_tokens=args.micro_batch_tokens)
+                 micro_batch_tokens=args.micro_batch_tokens, mixed_precision=args.mixed_precision,
+                 compile=args.compile)
     save_model(model, tokenizer, args.out)
     print(json.dumps({"out": args.out, "final_loss": losses[-1], "seconds": time.perf_counter() - t0}))
     return 0
@@ -745,6 +751,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--micro-batch-tokens", type=int, default=None,
                    help="at most this many padded tokens per forward/backward (gradients accumulated: the same step)")
+    p.add_argument("--mixed-precision", choices=("bfloat16",), default=None,
+                   help="bf16 forwards and backwards over the float32 weights (as trainer.mixed_precision)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile each decoder layer for the forwards and backwards (as trainer.compile; dense models)")
     data_args(p, 20000)  # --task default: TASK_ROWS['train']
     p.set_defaults(func=_cmd_sft)
 

@@ -494,9 +494,19 @@ def compiled_layers(model: nn.Module, enabled: bool = True) -> Iterator[None]:
             layer.__dict__.pop("forward", None)
 
 
-def check_compile_support(device: torch.device) -> None:
-    """Raise ValueError when torch.compile cannot generate code for `device`, before any compute: inductor builds C++
-    for the CPU (a C++ compiler on PATH) and Triton kernels for CUDA (the triton package)."""
+def check_compile_support(model: nn.Module, device: torch.device) -> None:
+    """Raise ValueError, saying why, when `compiled_layers` cannot serve `model`'s training forwards on `device`, before
+    any compute (rather than a compiler error, or a silent fallback to eager, at the first forward): an MoE model
+    (data-dependent token counts per expert, read on the host, break a compiled layer into pieces), a model that names
+    no decoder-layer classes, or no code generator for the device (inductor builds C++ for the CPU: a C++ compiler on
+    PATH; Triton kernels for CUDA: the triton package)."""
+    from gspo.moe import config_has_experts, is_moe
+
+    if is_moe(model) or config_has_experts(getattr(model, "config", None)):
+        raise ValueError("MoE expert dispatch (data-dependent token counts per expert, read on the host) breaks a "
+                         "compiled layer into pieces; only dense models are compiled")
+    if not decoder_layers(model):
+        raise ValueError(f"{type(model).__name__} names no decoder-layer classes (_no_split_modules) to compile")
     if device.type == "cpu":
         if not any(shutil.which(cc) for cc in ("g++", "c++", "clang++")):
             raise ValueError("torch.compile needs a C++ compiler on the CPU (g++, c++ or clang++ on PATH); none found")

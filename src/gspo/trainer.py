@@ -59,7 +59,6 @@ from gspo.learner import LearnSettings, learn
 from gspo.lora import BaseReference, apply_lora, save_lora_final
 from gspo.models import (
     check_compile_support,
-    decoder_layers,
     disable_dropout,
     enable_gradient_checkpointing,
     load_model,
@@ -1116,7 +1115,10 @@ def _model_checks(cfg: Config, model: nn.Module, group: ProcessGroup) -> None:
             raise ConfigError(f"{key}: {e}") from None
     _flash_attention_checks(cfg, group.device)
     if cfg.trainer.compile:
-        _compile_checks(model, group.device)
+        try:
+            check_compile_support(model, group.device)
+        except ValueError as e:
+            raise ConfigError(f"trainer.compile: {e}") from None
     try:
         if cfg.algorithm.routing_replay != "none":  # a hub model's family is only known now
             require_replay_support(model, cfg.algorithm.routing_replay)
@@ -1127,24 +1129,6 @@ def _model_checks(cfg: Config, model: nn.Module, group: ProcessGroup) -> None:
                              "use trainer.parallel=ddp, or rollout.engine=hf or vllm_server")
     except ValueError as e:
         raise ConfigError(str(e)) from None
-
-
-def _compile_checks(model: nn.Module, device: torch.device) -> None:
-    """trainer.compile: a dense model with decoder layers to compile, and a code generator for the device, or a
-    ConfigError now rather than a compiler error (or a silent fallback to eager) at the first forward."""
-    problem = None
-    if is_moe(model):
-        problem = ("MoE expert dispatch (data-dependent token counts per expert, read on the host) breaks a compiled "
-                   "layer into pieces; only dense models are compiled")
-    elif not decoder_layers(model):
-        problem = f"{type(model).__name__} names no decoder-layer classes (_no_split_modules) to compile"
-    else:
-        try:
-            check_compile_support(device)
-        except ValueError as e:
-            problem = str(e)
-    if problem:
-        raise ConfigError(f"trainer.compile: {problem}")
 
 
 def _flash_attention_checks(cfg: Config, device: torch.device) -> None:
