@@ -604,7 +604,7 @@ class TrainerConfig(_Section):
     # runs the model in eval mode, with its KV cache). Not with MoE routing replay (the recompute would not replay).
     gradient_checkpointing: bool = False
     # Compile each decoder layer with torch.compile for the training forwards and backwards (the cold start, π_old and
-    # the updates; `gspo.models.compiled_layers`): a layer's ~700 eager ops become a few fused kernels, for GPUs where
+    # the updates; `gspo.models.compiled_layers`): a layer's ~740 eager ops become a few fused kernels, for GPUs where
     # a small model's update waits on the host dispatching ops. The first forwards compile (seconds per graph); the
     # values are those of eager mode within float rounding. Dense models only (MoE expert dispatch is refused);
     # prompt sharing's forwards (given a KV cache), sampling, evaluation and saving run the layers eager.
