@@ -26,21 +26,16 @@ def _logprobs_and_grads(model, traj, compile: bool) -> tuple[torch.Tensor, list[
 
 
 def _model(variant: str):
-    """The dense preset; "lora+checkpointing": wrapped with LoRA adapters (their B random, so they matter) and trained
-    with gradient checkpointing, whose recompute then runs the compiled layer again in the backward."""
-    model, _ = build_preset("tiny-dense", seed=0)
-    if variant == "lora+checkpointing":
-        pytest.importorskip("peft")
-        from gspo.config import LoraConfig
-        from gspo.lora import apply_lora
+    """The dense preset; "lora+checkpointing": wrapped with LoRA adapters (`test_lora.lora_model`: their B random, so
+    they matter) and trained with gradient checkpointing, whose recompute then runs the compiled layer again in the
+    backward."""
+    if variant == "plain":
+        return build_preset("tiny-dense", seed=0)[0]
+    pytest.importorskip("peft")
+    from test_lora import lora_model
 
-        enable_gradient_checkpointing(model)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(1)
-            model = apply_lora(model, LoraConfig(r=4, alpha=8.0))
-            for name, p in model.named_parameters():
-                if "lora_B" in name:
-                    p.data.normal_(0, 0.05)
+    model, _ = lora_model("tiny-dense")
+    enable_gradient_checkpointing(model)
     return model
 
 
