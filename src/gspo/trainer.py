@@ -57,13 +57,7 @@ from gspo.guard import CollapseGuard, GuardSettings, Verdict, best_checkpoint, g
 from gspo.hooks import LearnHook, MoERouting, PrecisionMetrics
 from gspo.learner import LearnSettings, learn
 from gspo.lora import BaseReference, apply_lora, save_lora_final
-from gspo.models import (
-    check_compile_support,
-    disable_dropout,
-    enable_gradient_checkpointing,
-    load_model,
-    save_model,
-)
+from gspo.models import check_compile_support, disable_dropout, enable_gradient_checkpointing, load_model, save_model
 from gspo.moe import is_moe, replay_support_error, require_replay_support
 from gspo.objectives import OBJECTIVES
 from gspo.optim import check_update_precision, make_optimizer, scale_lr, warmup_warning
