@@ -7,7 +7,12 @@
 #   source .gpu/on_device.sh && bash benchmarks/gpu_session.sh moe     # A/B against TRL, Qwen3-MoE 2.8B
 #   source .gpu/on_device.sh && bash benchmarks/gpu_session.sh decode  # decode attention: grouped vs repeat_kv
 #   source .gpu/on_device.sh && bash benchmarks/gpu_session.sh update  # the update phase, layers eager vs compiled
-#   source .gpu/on_device.sh && bash benchmarks/gpu_session.sh compiled  # A/B against TRL with trainer.compile
+#   source .gpu/on_device.sh && bash benchmarks/gpu_session.sh compiled  # A/B against TRL with trainer.compile, and
+#                                                                        # the decode caches' memory released
+#
+# `compiled` and the suite's test of rollout.release_decode_cache need torch_memory_saver among the carried wheels:
+#   pip download --no-deps --only-binary=:all: --platform manylinux2014_x86_64 --python-version 3.12 \
+#     torch_memory_saver==0.0.9.post1 -d .gpu/whl
 #
 # Measured on an H100 on 2026-11-24 (benchmarks/RESULTS.md §5): `check` needs more than 10 minutes (demo 202 s, the
 # suite ~330 s at -n 8), so its suite stops at SUITE_S seconds and prints the tests that did not finish; run them with
@@ -54,7 +59,8 @@ case "$part" in
     ;;
   compiled)
     python3 benchmarks/run.py --device cuda --models dense --rounds 1 --threads 8 --no-sampler \
-      --sides trl,exact-compiled,fast-compiled --save "$out/dense_compiled.json" 2>&1 | tee "$out/dense_compiled.log"
+      --sides trl,exact-compiled,fast-compiled --release-decode-cache --save "$out/dense_compiled.json" 2>&1 \
+      | tee "$out/dense_compiled.log"
     ;;
   *)
     echo "gpu_session.sh: unknown part $part (check, dense, moe, decode, update or compiled)" >&2

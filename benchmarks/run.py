@@ -35,10 +35,14 @@ no-grad forward, as TRL does; the float32 policy samples under the trainer's bf1
 same two with `trainer.compile` (the decoder layers compiled for the training forwards and backwards).
 Clocks are read after torch.cuda.synchronize(); generation / update split: gspo's `rl_step` timings, TRL's
 `_generate` timed (its old-log-prob forward counts as update on both sides); peak GPU memory is
-torch.cuda.max_memory_allocated() of the worker (model, AdamW state and the steps). Each model is built once, saved in
-bf16 and loaded in float32 by every worker. The last line's JSON has speedup_{dense,moe}_gpu (TRL / gspo fast, per
+torch.cuda.max_memory_allocated() of the worker (model, AdamW state and the steps), and "peak device" the most memory
+the device had in use while the worker ran its batches (total − free, polled every 5 ms: what nvidia-smi shows, i.e.
+the caching allocator's reserved memory, the CUDA context, and memory mapped outside the allocator's count, such as
+the KV caches that `--release-decode-cache` (rollout.release_decode_cache on gspo's sides) unmaps during the updates
+while torch still counts them allocated). Each model is built once, saved in bf16 and loaded in float32 by every
+worker. The last line's JSON has speedup_{dense,moe}_gpu (TRL / gspo fast, per
 rollout batch), speedup_*_gpu_exact, and update_ratio_*_gpu (gspo exact update / TRL update: the same work on both);
-the compiled sides add the same keys ending in _compiled.
+the compiled sides add the same keys ending in _compiled; peak_device_ratio_* are the device-level peaks' ratios.
 A full run of both models takes longer than 10 minutes: run `--models dense` and `--models moe` separately, and
 where one model's sides do not fit one call, split them: `--sides trl --save trl.json --no-sampler`, then
 `--sides exact,fast --merge trl.json` (one table, the ratios across the calls).
@@ -159,6 +163,36 @@ def gpu_peak_bytes(device: str) -> int:
     return torch.cuda.max_memory_allocated() if device == "cuda" else 0
 
 
+class DevicePeak:
+    """The most device memory in use (total − free) while open, polled every `every` seconds by a thread; 0 off CUDA.
+    It counts what torch's allocator statistics do not see as freed: memory unmapped by torch_memory_saver."""
+
+    def __init__(self, device: str, every: float = 0.005) -> None:
+        import threading
+
+        self.device, self.every, self.peak = device, every, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        import torch
+
+        while not self._stop.is_set():
+            free, total = torch.cuda.mem_get_info()
+            self.peak = max(self.peak, total - free)
+            time.sleep(self.every)
+
+    def __enter__(self) -> DevicePeak:
+        if self.device == "cuda":
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+
 def gspo_worker(path: str, batches: int, warmup: int, options: dict) -> dict:
     """Time `batches` rollout batches of `gspo.trainer.rl_step` (after `warmup` more)."""
     from gspo.config import validate_config
@@ -191,21 +225,22 @@ def gspo_worker(path: str, batches: int, warmup: int, options: dict) -> dict:
     model.train()
     times, tokens, rollout = [], [], []
     rss0 = rss_bytes()
-    for step in range(warmup + batches):
-        sync(device)
-        t0 = time.perf_counter()
-        metrics = rl_step(step, model, optimizer, scheduler, rows, ctx)
-        sync(device)
-        if step >= warmup:
-            times.append(time.perf_counter() - t0)
-            tokens.append(metrics["response_length"] * prompts * group)
-            rollout.append(metrics["time_rollout"])
+    with DevicePeak(device) as device_peak:
+        for step in range(warmup + batches):
+            sync(device)
+            t0 = time.perf_counter()
+            metrics = rl_step(step, model, optimizer, scheduler, rows, ctx)
+            sync(device)
+            if step >= warmup:
+                times.append(time.perf_counter() - t0)
+                tokens.append(metrics["response_length"] * prompts * group)
+                rollout.append(metrics["time_rollout"])
     peak_gpu = gpu_peak_bytes(device)
     if options.get("profile"):  # one more rollout batch under torch.profiler, after the timed ones
         profile_step(options["profile"], device, lambda: rl_step(warmup + batches, model, optimizer, scheduler, rows,
                                                                  ctx))
     return {"times": times, "tokens": tokens, "rollout": rollout, "rss_before": rss0, "peak_rss": peak_rss_bytes(),
-            "peak_gpu": peak_gpu}
+            "peak_gpu": peak_gpu, "peak_device": device_peak.peak}
 
 
 def profile_step(path: str, device: str, step: Callable[[], object], rows: int = 40) -> None:
@@ -283,12 +318,13 @@ def trl_worker(path: str, batches: int, warmup: int, options: dict) -> dict:
                 return result
 
             trainer._generate = timed_generate
-        trainer.train()
+        with DevicePeak(device) as device_peak:
+            trainer.train()
     ends = stamps[::MINIBATCHES]  # train begin, then the end of every 4th optimizer step
     times = [b - a for a, b in itertools.pairwise(ends)][warmup:]
     return {"times": times, "tokens": [n_prompts * group * new_tokens] * len(times), "rss_before": rss[0],
             "peak_rss": peak_rss_bytes(), "rollout": generation[warmup:warmup + len(times)],
-            "peak_gpu": gpu_peak_bytes(device)}
+            "peak_gpu": gpu_peak_bytes(device), "peak_device": device_peak.peak}
 
 
 def padding_worker(path: str, batches: int, warmup: int, options: dict) -> dict:
@@ -563,21 +599,24 @@ def build_gpu_models(root: Path, names: list[str], specs: dict[str, tuple[str, d
 def compare_gpu(paths: dict[str, Path], rounds: int, threads: int, batches: int, warmup: int,
                 shape: tuple[int, int, int] = GPU_SHAPE, device: str = "cuda",
                 decode: str = "auto", sides: list[str] | None = None,
-                profile: str | None = None) -> dict[str, dict[str, dict]]:
+                profile: str | None = None, release: bool = False) -> dict[str, dict[str, dict]]:
     """For each model, `rounds` rounds of every GPU side (or of `sides`), alternating (order reversed every other
-    round), each a fresh worker subprocess, gspo's engine decoding with `decode` (rollout.decode); returns {model:
-    {side: {"times", "rollout", "update", "peak_gpu"}}}. `profile` (a folder): each gspo side's worker of the last
-    round profiles one more rollout batch into `profile/MODEL_SIDE.txt` (`profile_step`)."""
+    round), each a fresh worker subprocess, gspo's engine decoding with `decode` (rollout.decode) and, with `release`,
+    rollout.release_decode_cache; returns {model: {side: {"times", "rollout", "update", "peak_gpu", "peak_device"}}}.
+    `profile` (a folder): each gspo side's worker of the last round profiles one more rollout batch into
+    `profile/MODEL_SIDE.txt` (`profile_step`)."""
     results: dict[str, dict[str, dict]] = {}
     sides = sides or GPU_DEFAULT_SIDES
     for model, path in paths.items():
-        results[model] = {side: {"times": [], "rollout": [], "update": [], "peak_gpu": 0} for side in sides}
+        results[model] = {side: {"times": [], "rollout": [], "update": [], "peak_gpu": 0, "peak_device": 0}
+                          for side in sides}
         for r in range(rounds):
             for side in sides if r % 2 == 0 else sides[::-1]:
                 worker, options = GPU_SIDES[side]
                 options = {**options, "shape": list(shape), "device": device, "reward": "hash", "time_generation": True}
                 if worker == "gspo":
-                    options["rollout"] = {**options.get("rollout", {}), "decode": decode}
+                    options["rollout"] = {**options.get("rollout", {}), "decode": decode,
+                                          **({"release_decode_cache": True} if release else {})}
                     if profile is not None and r == rounds - 1:
                         options["profile"] = str(Path(profile) / f"{model}_{side.replace(' ', '_')}.txt")
                 # a compiled side compiles in its first batch and again when a dimension first changes (then as
@@ -595,8 +634,9 @@ def compare_gpu(paths: dict[str, Path], rounds: int, threads: int, batches: int,
                     print(f"  {side}: no generation / update split ({len(out['rollout'])} generation times for "
                           f"{len(out['times'])} batches)", flush=True)
                 acc["peak_gpu"] = max(acc["peak_gpu"], out["peak_gpu"])
+                acc["peak_device"] = max(acc["peak_device"], out["peak_device"])
                 split = (f" (generation {' '.join(f'{g:.3f}' for g in out['rollout'])} s; peak "
-                         f"{out['peak_gpu'] / 2**30:.1f} GiB)")
+                         f"{out['peak_gpu'] / 2**30:.1f} GiB, device {out['peak_device'] / 2**30:.1f} GiB)")
                 print(f"  {model:>5} round {r + 1}/{rounds} {side:>10}: "
                       f"{' '.join(f'{t:.3f}' for t in out['times'])} s{split}", flush=True)
     return results
@@ -609,20 +649,23 @@ def print_gpu_report(results: dict[str, dict[str, dict]], shape: tuple[int, int,
     print(f"\nper rollout batch: {shape[0]} prompts × {shape[1]} completions × {shape[2]} tokens, {MINIBATCHES} "
           "minibatch updates, GSPO ε 3e-4/4e-4, β=0, fp32 weights + bf16 autocast on both sides")
     print(f"{'model':>5} | {'run':>14} | {'s / batch':>9} | {'TRL / this':>10} | {'tokens/s':>8} | "
-          f"{'generation s':>12} | {'update s':>8} | {'update / TRL':>12} | {'peak GPU':>9}")
+          f"{'generation s':>12} | {'update s':>8} | {'update / TRL':>12} | {'peak GPU':>9} | {'peak device':>11}")
     for model, by_side in results.items():
         trl = by_side.get("trl", {"times": [], "update": [], "peak_gpu": 0})  # absent: ratios are nan
+        trl_device = trl.get("peak_device", 0)  # (absent from results saved before it was measured)
         trl_time, trl_update = median(trl["times"]), median(trl["update"])
         for side, r in by_side.items():
             t, gen, update = median(r["times"]), median(r["rollout"]), median(r["update"])
             print(f"{model:>5} | {side:>14} | {t:>9.3f} | {trl_time / t:>9.2f}× | {tokens / t:>8.0f} | "
                   f"{gen:>12.3f} | {update:>8.3f} | {update / trl_update:>11.2f}× | "
-                  f"{r['peak_gpu'] / 2**30:>5.2f} GiB")
+                  f"{r['peak_gpu'] / 2**30:>5.2f} GiB | {r.get('peak_device', 0) / 2**30:>7.2f} GiB")
             if side in GPU_SUMMARY_KEYS:
                 speedup, update_ratio, peak = (k.format(m=model) for k in GPU_SUMMARY_KEYS[side])
                 summary[speedup] = trl_time / t
                 summary[update_ratio] = update / trl_update
                 summary[peak] = r["peak_gpu"] / trl["peak_gpu"] if trl["peak_gpu"] else None
+                summary[peak.replace("peak_gpu", "peak_device")] = (r.get("peak_device", 0) / trl_device
+                                                                    if trl_device else None)
     return {k: None if isinstance(v, float) and v != v else v for k, v in summary.items()}  # nan: no TRL side
 
 
@@ -664,9 +707,10 @@ def main_gpu(a: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         if a.profile:
             Path(a.profile).mkdir(parents=True, exist_ok=True)
         results = compare_gpu(paths, rounds, a.threads, batches, warmup, decode=a.decode, sides=sides,
-                              profile=a.profile)
+                              profile=a.profile, release=a.release_decode_cache)
     results = merge_gpu_results(results, a.save, a.merge)
-    summary = {"device": torch.cuda.get_device_name(), "quick": a.quick, **print_gpu_report(results)}
+    summary = {"device": torch.cuda.get_device_name(), "quick": a.quick,
+               "release_decode_cache": a.release_decode_cache, **print_gpu_report(results)}
     for model, by_decode in samplers.items():
         for decode, r in by_decode.items():
             summary[f"sampler_tokens_per_s_{model}_{decode}"] = r["tokens"] / median(r["sample"])
@@ -717,6 +761,9 @@ def main() -> None:
     p.add_argument("--decode", default="auto", choices=["auto", "dynamic", "static", "compiled"],
                    help="cuda: gspo's rollout.decode in the A/B (default auto: compiled on CUDA)")
     p.add_argument("--no-sampler", action="store_true", help="cuda: leave out the sampler rows")
+    p.add_argument("--release-decode-cache", action="store_true",
+                   help="cuda: gspo's sides give the compiled decode loop's KV-cache memory back during the updates "
+                        "(rollout.release_decode_cache; needs torch_memory_saver)")
     p.add_argument("--sides", default=None, help="cuda: comma-separated subset of trl, exact, fast (default: all)")
     p.add_argument("--profile", default=None, help="cuda: a folder; each gspo side profiles one more rollout batch "
                    "(torch.profiler op tables by device and CPU time) into FOLDER/MODEL_SIDE.txt")

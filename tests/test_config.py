@@ -153,6 +153,10 @@ def test_all_errors_are_reported_at_once():
         (["data.task=null"], ["data.task", "data.path"]),  # neither
         (["rollout.max_batch_rows=7", "rollout.group_size=8"], ["max_batch_rows=7", "one group"]),
         (["rollout.max_batch_rows=64", "rollout.engine=vllm"], ["max_batch_rows", "max_num_seqs"]),
+        # the cache release is for the built-in engine's compiled loop, between a sync run's rollouts and updates
+        (["rollout.release_decode_cache=true", "rollout.decode=dynamic"], ["release_decode_cache", "decode=dynamic"]),
+        (["rollout.release_decode_cache=true", "rollout.engine=vllm"], ["release_decode_cache", "engine=vllm"]),
+        (["rollout.release_decode_cache=true", "rollout.mode=async"], ["release_decode_cache", "mode=async"]),
     ],
 )
 def test_incompatible_options_raise(overrides, names):
@@ -167,6 +171,7 @@ def test_compatible_variants_of_those_options_validate():
     load_config(DEMO, ["algorithm.old_logprobs=recompute", "rollout.top_p=0.9"])
     load_config(DEMO, ["rollout.prompts_per_step=3", "rollout.group_size=4", "algorithm.minibatches=3"])
     load_config(DEMO, ["rollout.max_batch_rows=8", "rollout.group_size=8", "trainer.micro_batch_tokens=4096"])
+    load_config(DEMO, ["rollout.release_decode_cache=true"])  # decode auto: compiled on CUDA
     cfg = load_config(DEMO, ["data.task=null", "data.path=train.jsonl", "data.fields={solution: answer}"])
     assert cfg.data.fields == {"solution": "answer"}
 

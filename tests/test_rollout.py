@@ -556,6 +556,42 @@ def test_compiled_decode_on_cuda_matches_the_dynamic_loop(tok):
         assert_same_samples(dynamic.generate(PROMPTS, 4, seeds), compiled.generate(PROMPTS, 4, seeds))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA graphs of the compiled decode step need a GPU")
+def test_a_released_cache_on_cuda_keeps_its_addresses_and_its_graphs_samples(tok):
+    """rollout.release_decode_cache on CUDA: `release` unmaps the caches (torch_memory_saver) and the next call maps
+    them again at the same addresses, so the recorded CUDA graphs replay as they are: the same samples as the eager
+    growing-cache loop, call after call, the same cache tensors at the same addresses, and (run alone, not under
+    pytest-xdist, whose other processes move the device's free memory) at least the caches' bytes given back."""
+    import importlib.util
+    import os
+
+    from gspo.rollout import cache_memory
+
+    if importlib.util.find_spec("torch_memory_saver") is None:
+        pytest.skip("torch_memory_saver is not installed")
+    model = build_model("dense", len(tok)).cuda()
+    params = SamplingParams(temperature=0.9, max_new_tokens=24)
+    engine = HFSampler(model, tok, params, decode="compiled", release_cache=True)
+    dynamic = HFSampler(model, tok, params, decode="dynamic")
+    prompts, seeds = PROMPTS * 16, list(range(64))  # 256 rows: caches of 4 MB per layer's K or V
+    assert_same_samples(dynamic.generate(prompts, 4, seeds), engine.generate(prompts, 4, seeds))
+    (cache,) = engine._static_caches.values()
+    tensors = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+    addresses = [t.data_ptr() for t in tensors]
+    size = sum(t.untyped_storage().nbytes() for t in tensors)
+    for round_seeds in (seeds[::-1], seeds):
+        torch.cuda.synchronize()
+        free = torch.cuda.mem_get_info()[0]
+        engine.release()
+        assert cache_memory.paused()
+        if os.environ.get("PYTEST_XDIST_WORKER") is None:
+            assert torch.cuda.mem_get_info()[0] - free >= size
+        assert_same_samples(dynamic.generate(prompts, 4, round_seeds), engine.generate(prompts, 4, round_seeds))
+        assert not cache_memory.paused()
+        assert list(engine._static_caches.values()) == [cache]
+        assert [t.data_ptr() for t in tensors] == addresses
+
+
 def test_compiled_mode_reuses_its_cache_and_keeps_its_weights(tok, tiny, monkeypatch):
     """The compiled loop's fixed addresses: one KV cache per shape, reset between calls (results as a fresh cache
     gives), and an own copy's weights stay allocated through release(). The compile itself is replaced by the eager
@@ -572,6 +608,53 @@ def test_compiled_mode_reuses_its_cache_and_keeps_its_weights(tok, tiny, monkeyp
         assert_same_samples(reference.generate(PROMPTS, 4, seeds), engine.generate(PROMPTS, 4, seeds))
     assert list(engine._static_caches.values()) == [cache]
     assert_same_samples(first, engine.generate(PROMPTS, 4, SEEDS))
+
+
+@pytest.mark.parametrize(("dtype", "autocast"), [("bf16", None), (None, "bfloat16")], ids=["bf16-copy", "autocast"])
+def test_compiled_mode_releases_its_caches_when_asked(tok, tiny, monkeypatch, dtype, autocast):
+    """`release_cache` (rollout.release_decode_cache): `release` gives the caches' memory back (here on the CPU, by
+    freeing them; on CUDA by unmapping them at the same addresses, test_cache_memory), an own copy's weights stay, and
+    the next calls sample what a fresh static cache samples. Under bf16 autocast a cache made ahead of the prefill
+    (`_allocate`) takes the dtypes the model computes K and V in (float32 K after the rotary embedding, bf16 V)."""
+    import gc
+    import weakref
+
+    monkeypatch.setattr(HFSampler, "_decode_step", lambda self: self.model)
+    params = SamplingParams(temperature=0.8, max_new_tokens=12)
+    engine = HFSampler(tiny["dense"], tok, params, dtype=dtype, decode="compiled", autocast=autocast,
+                       release_cache=True)
+    reference = HFSampler(tiny["dense"], tok, params, dtype=dtype, decode="static", autocast=autocast)
+    first = engine.generate(PROMPTS, 4, SEEDS)
+    assert_same_samples(reference.generate(PROMPTS, 4, SEEDS), first)
+    (cache,) = engine._static_caches.values()
+    layer = cache.layers[0]
+    want = (torch.float32, torch.bfloat16) if autocast else (torch.bfloat16, torch.bfloat16)
+    assert (layer.keys.dtype, layer.values.dtype) == want
+    freed = weakref.ref(layer.keys)
+    del cache, layer
+    engine.release()
+    gc.collect()
+    assert engine._static_caches == {} and freed() is None
+    assert all(p.numel() > 0 for p in engine.model.parameters())
+    for seeds in ([9, 8, 7, 6], SEEDS):
+        assert_same_samples(reference.generate(PROMPTS, 4, seeds), engine.generate(PROMPTS, 4, seeds))
+    assert_same_samples(first, engine.generate(PROMPTS, 4, SEEDS))
+
+
+def test_a_cache_release_on_cuda_needs_torch_memory_saver():
+    """On CUDA the compiled loop's caches are unmapped, not freed (its CUDA graphs replay their addresses): without
+    torch_memory_saver that is refused with what to install; other loops and devices need nothing."""
+    import importlib.util
+
+    from gspo.rollout.cache_memory import check_release
+
+    for decode, device in (("compiled", "cpu"), ("dynamic", "cuda"), ("static", "cuda")):
+        check_release(decode, device)
+    if importlib.util.find_spec("torch_memory_saver") is not None:
+        check_release("compiled", "cuda")
+        return
+    with pytest.raises(ValueError, match=r"rollout.release_decode_cache: .*pip install torch_memory_saver"):
+        check_release("compiled", "cuda")
 
 
 def test_compiled_mode_keeps_a_bounded_number_of_caches(tok, tiny, monkeypatch):
@@ -618,6 +701,24 @@ def test_multi_turn_episodes_decode_dynamically_under_auto(tmp_path, monkeypatch
         assert asked[-1] == want
 
 
+def test_the_run_checks_its_engine_before_any_compute(tmp_path):
+    """What the built-in engine would refuse once built is refused by the trainer's start checks (ConfigError, nothing
+    written), e.g. a static decode loop asked to record the routing; rollout.release_decode_cache reaches the engine."""
+    import gspo.rollout as rollout
+    from conftest import DEMO, tiny_overrides
+    from gspo.config import ConfigError, load_config
+    from gspo.models import build_preset
+    from gspo.trainer import train
+
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"rollout.decode=static: recording the rollout's routing"):
+        train(load_config(DEMO, tiny_overrides(out, "rollout.decode=static", "algorithm.routing_replay=r3")))
+    assert not (out / "metrics.jsonl").exists() and not (out / "cold_start").exists()
+    model, tokenizer = build_preset("tiny-moe")
+    cfg = load_config(DEMO, tiny_overrides(tmp_path, "rollout.release_decode_cache=true"))
+    assert rollout.make_engine(cfg, model, tokenizer, out=tmp_path).release_cache
+
+
 def test_the_built_in_engine_samples_under_the_trainers_mixed_precision(tmp_path):
     """trainer.mixed_precision=bfloat16: the engine that shares the float32 policy samples under the same autocast
     (test_an_autocast_engine_samples_the_mixed_precision_policy); a bf16 rollout.dtype copy needs none; without
@@ -643,6 +744,25 @@ def test_compiled_decode_on_cpu_matches_the_dynamic_loop(tok, tiny):
     dynamic = HFSampler(tiny["dense"], tok, params)
     for seeds in (SEEDS, [5, 6, 7, 8]):
         assert_same_samples(dynamic.generate(PROMPTS, 4, seeds), compiled.generate(PROMPTS, 4, seeds))
+
+
+@pytest.mark.slow
+def test_compiled_decode_on_cpu_is_not_recompiled_for_released_caches(tok, tiny):
+    """rollout.release_decode_cache on the CPU frees the caches and makes new ones for the next call: the compiled
+    step guards on the caches' shapes, not their addresses (transformers marks them unguarded static addresses), so
+    the new caches run the graphs already compiled, and sample what the eager loop samples."""
+    params = SamplingParams(temperature=0.9, max_new_tokens=16)
+    compiled = HFSampler(tiny["dense"], tok, params, decode="compiled", release_cache=True)
+    dynamic = HFSampler(tiny["dense"], tok, params)
+    torch._dynamo.reset()
+    stats = torch._dynamo.utils.counters["stats"]
+    graphs = []
+    for seeds in (SEEDS, [5, 6, 7, 8], SEEDS):
+        assert_same_samples(dynamic.generate(PROMPTS, 4, seeds), compiled.generate(PROMPTS, 4, seeds))
+        compiled.release()
+        assert compiled._static_caches == {}
+        graphs.append(stats["unique_graphs"])
+    assert graphs[0] > 0 and graphs[1] == graphs[2] == graphs[0]
 
 
 @pytest.mark.parametrize("groups", [2, 4])

@@ -332,6 +332,12 @@ class RolloutConfig(_Section):
     # The built-in engine samples at most this many rows (completions) at once: a step's P × G rows run as batches of
     # whole groups (KV-cache memory follows this, not the rollout batch). None: all at once. vLLM schedules its own.
     max_batch_rows: int | None = Field(None, ge=1)
+    # The compiled decode loop (rollout.decode: compiled, or auto on CUDA) keeps its static KV caches between rollouts,
+    # since its CUDA graphs replay their addresses: 28 layers × 128 rows × 384 slots of the Qwen3-0.6B shape hold 5.6 GB
+    # (bf16) to 8.4 GB (float32 K, bf16 V under bf16 autocast) through the updates. true: give that memory back after
+    # each rollout (gspo.rollout.cache_memory; on CUDA the caches are unmapped and mapped again at the same addresses,
+    # with torch_memory_saver: pip install torch_memory_saver). The other loops free their caches after every call.
+    release_decode_cache: bool = False
     # sync: generate, then train on it, alternately (deterministic). async: rollout worker processes generate while
     # the learner trains (gspo.rollout.workers): a batch may have been sampled by a policy up to `max_staleness`
     # versions older than the one it trains; with `partial`, a generation in flight takes new weights as they come.
@@ -364,6 +370,12 @@ class RolloutConfig(_Section):
         if self.engine != "hf" and self.max_batch_rows is not None:
             raise ValueError(f"rollout.max_batch_rows caps the built-in engine's batch; rollout.engine={self.engine} "
                              "schedules its own (vLLM: rollout.vllm.engine_args.max_num_seqs)")
+        if self.release_decode_cache and (self.engine != "hf" or self.decode in ("dynamic", "static")
+                                          or self.mode == "async"):
+            raise ValueError("rollout.release_decode_cache gives back the memory of the built-in engine's compiled "
+                             "decode loop between the rollouts and the updates of a sync run; with rollout.engine="
+                             f"{self.engine}, rollout.decode={self.decode}, rollout.mode={self.mode} there is none to "
+                             "give back: leave it out")
         if self.max_batch_rows is not None and self.max_batch_rows < self.group_size:
             raise ValueError(f"rollout.max_batch_rows={self.max_batch_rows} is less than one group "
                              f"(rollout.group_size={self.group_size}): a batch holds whole groups")

@@ -61,7 +61,7 @@ RESUMABLE = ("trainer.steps", "trainer.epochs", "trainer.save_best", "trainer.th
              "trainer.eval_every", "trainer.checkpoint_every", "trainer.keep_checkpoints", "trainer.max_bad_steps",
              "trainer.device", "trainer.micro_batch_tokens", "model.attn_implementation",
              "cold_start.micro_batch_tokens", "trainer.gradient_checkpointing", "trainer.compile",
-             "rollout.max_batch_rows",
+             "rollout.max_batch_rows", "rollout.release_decode_cache",
              "trainer.guard.*", "log.*",
              "rewards.timeout_s", "rewards.workers", "rewards.check", "rewards.reward_model.batch_size",
              "rewards.reward_model.device",

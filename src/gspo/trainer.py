@@ -65,7 +65,7 @@ from gspo.parallel import ProcessGroup, init_distributed, wrap_frozen, wrap_poli
 from gspo.parallel.state import FullModelView, full_state, load_state, save_state
 from gspo.rewards import RewardRunner, drop_unscored, score_trajectory
 from gspo.rewards.checks import reward_checks, split_warnings
-from gspo.rollout import RolloutEngine, make_engine, policy_weights, unwrap_model
+from gspo.rollout import RolloutEngine, check_hf_engine, make_engine, policy_weights, unwrap_model
 from gspo.rollout.dynamic import NoSignal, Scored, keep_informative
 from gspo.rollout.workers import (
     ROLLOUT_COUNTS,
@@ -1095,7 +1095,8 @@ def rows_line(source: dict) -> str:
 
 def _model_checks(cfg: Config, model: nn.Module, group: ProcessGroup) -> None:
     """What can only be checked once the model is built, before any compute: gradient checkpointing support, an lr
-    that the weights' dtype can take, routing-replay support of a hub model, the batch split over the processes."""
+    that the weights' dtype can take, the built-in engine's decode loop, routing-replay support of a hub model, the
+    batch split over the processes."""
     if cfg.trainer.gradient_checkpointing:  # train-mode forwards only: the sampler (eval mode) keeps its KV cache
         try:
             enable_gradient_checkpointing(model)
@@ -1114,6 +1115,7 @@ def _model_checks(cfg: Config, model: nn.Module, group: ProcessGroup) -> None:
         except ValueError as e:
             raise ConfigError(f"trainer.compile: {e}") from None
     try:
+        check_hf_engine(cfg, model, group.device)
         if cfg.algorithm.routing_replay != "none":  # a hub model's family is only known now
             require_replay_support(model, cfg.algorithm.routing_replay)
         group.check_sizes(cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.algorithm.minibatches)

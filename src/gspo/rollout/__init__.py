@@ -9,10 +9,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gspo.rollout.base import RolloutEngine, SamplingParams
-from gspo.rollout.sampler import HFSampler, filter_scores, row_seed, sample_from_logits
+from gspo.rollout.cache_memory import check_release
+from gspo.rollout.sampler import HFSampler, filter_scores, resolve_decode, row_seed, sample_from_logits
 from gspo.rollout.weights import checkpoint_layout, policy_weights, unwrap_model
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
     from gspo.config import Config
@@ -22,6 +24,7 @@ __all__ = [
     "HFSampler",
     "RolloutEngine",
     "SamplingParams",
+    "check_hf_engine",
     "filter_scores",
     "make_engine",
     "policy_weights",
@@ -87,10 +90,27 @@ def _hf_engine(cfg: Config, model: nn.Module, tokenizer, *, own_copy: bool, devi
     whose number and context length change turn after turn, and a compiled decode step is recompiled (and its static
     cache allocated) for every new shape."""
     ro = cfg.rollout
-    decode = "dynamic" if ro.decode == "auto" and cfg.env is not None else ro.decode
     return HFSampler(model, tokenizer, sampling_params(cfg), dtype=ro.dtype, own_copy=own_copy,
-                     record_routing=cfg.algorithm.routing_replay == "r3", device=device, decode=decode,
-                     max_rows=ro.max_batch_rows, autocast=cfg.trainer.mixed_precision)
+                     record_routing=cfg.algorithm.routing_replay == "r3", device=device, decode=_hf_decode(cfg),
+                     max_rows=ro.max_batch_rows, autocast=cfg.trainer.mixed_precision,
+                     release_cache=ro.release_decode_cache)
+
+
+def _hf_decode(cfg: Config) -> str:
+    """The rollout.decode the built-in engine is asked for: auto, unless multi-turn episodes make it dynamic."""
+    return "dynamic" if cfg.rollout.decode == "auto" and cfg.env is not None else cfg.rollout.decode
+
+
+def check_hf_engine(cfg: Config, model: nn.Module, device: torch.device) -> None:
+    """Raise ValueError now, before any compute, for what the built-in engine `make_engine` builds for `model` on
+    `device` would refuse later: a decode loop the model or the routing recording cannot run, a cache release that
+    needs a library this machine lacks. Nothing to check when the run's engine is vLLM (the learner's evaluation
+    engine of an asynchronous run is built-in)."""
+    if cfg.rollout.engine != "hf" and cfg.rollout.mode != "async":
+        return
+    decode = resolve_decode(_hf_decode(cfg), model, device, record_routing=cfg.algorithm.routing_replay == "r3")
+    if cfg.rollout.release_decode_cache:
+        check_release(decode, device)
 
 
 def _sync_dir(cfg: Config, out: Path) -> Path:

@@ -20,6 +20,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from gspo.models import cache_keyword, output_cache, resolve_dtype
 from gspo.moe import RolloutRoutingRecorder, config_has_experts, require_replay_support
+from gspo.rollout import cache_memory
 from gspo.rollout.assemble import encode_prompts, eos_ids, pad_id
 from gspo.rollout.base import SamplingParams
 from gspo.rollout.weights import unwrap_model
@@ -218,6 +219,9 @@ class HFSampler:
     (each row draws from its own seeded generator, so the samples are the same up to float rounding). `decode`
     ("static", "compiled") runs the loop over a fixed-shape KV cache instead (see DECODE_MODES), which a compiled
     decode step needs ("compiled" keeps that cache and its weights between calls: `_static_cache`, `release`).
+    `release_cache=True` (`rollout.release_decode_cache`) gives the compiled loop's KV-cache memory back at `release`:
+    on CUDA by unmapping it at the same addresses (`gspo.rollout.cache_memory`, torch_memory_saver), elsewhere by
+    freeing the caches.
 
     `record_routing=True` (MoE models; for R3 routing replay, arXiv 2510.11370) also records which experts every
     router chose for every prompt and generated token, into `Trajectory.extras["routing"]`: [N, S + T, layers, k]
@@ -247,6 +251,7 @@ class HFSampler:
         decode: str = "dynamic",
         max_rows: int | None = None,
         autocast: torch.dtype | str | None = None,
+        release_cache: bool = False,
     ) -> None:
         if max_rows is not None and max_rows < 1:
             raise ValueError(f"max_rows must be >= 1 or None, got {max_rows}")
@@ -255,6 +260,9 @@ class HFSampler:
         if record_routing:
             require_replay_support(model, "r3")
         self.decode = resolve_decode(decode, model, device or next(model.parameters()).device, record_routing)
+        if release_cache:
+            cache_memory.check_release(self.decode, device or next(model.parameters()).device)
+        self.release_cache = release_cache
         self._compiled_step = None  # the compiled decode forward, made on first use ("compiled")
         self._static_caches: dict[tuple[int, int], StaticCache] = {}  # ("compiled") kept per shape: see _static_cache
         self.record_routing = record_routing
@@ -335,7 +343,13 @@ class HFSampler:
         The trainer calls this after each rollout, so that the copy (e.g. a bf16 engine's) never coexists with the
         gradients and optimizer state of the updates: peak memory as with a shared engine. Shared-weight engine:
         nothing to do. `generate` on a released engine is an error. The compiled decode loop keeps its weights (and
-        its KV caches): its CUDA graphs replay fixed memory addresses, which freeing and re-allocating would move."""
+        its KV caches): its CUDA graphs replay fixed memory addresses, which freeing and re-allocating would move;
+        with `release_cache` its caches give their memory back (`_static_cache`), the weights stay."""
+        if self.decode == "compiled" and self.release_cache:
+            if self._pauses_caches:
+                cache_memory.pause()
+            else:
+                self._static_caches.clear()
         if not self.owns_weights or self.decode == "compiled":
             return
         for name, p in self.model.named_parameters():
@@ -575,21 +589,45 @@ class HFSampler:
         keeps one per (rows, length) for the engine's life and resets it, so that the CUDA graph recorded on it is
         replayed on the same addresses (transformers' generate keeps its static cache the same way). The price: the
         cache stays allocated during the updates (28 layers × 128 rows × 384 slots of bf16 K/V: 5.6 GB on the
-        Qwen3-0.6B shape, 11.3 GB in float32; benchmarks/RESULTS.md §5); rollout.decode=dynamic frees everything
-        between rollouts. At most `KEPT_CACHES` are kept, the least recently used freed first: shapes that keep
-        changing (a rollout's row count, evaluation remainders) must not accumulate caches until the GPU is out of
-        memory."""
+        Qwen3-0.6B shape, 8.4 GB under bf16 autocast, 11.3 GB in float32; benchmarks/RESULTS.md §5);
+        rollout.decode=dynamic frees everything
+        between rollouts, and `release_cache` gives the caches' memory back at `release` (on CUDA they are allocated
+        where torch_memory_saver can unmap them and map them again at the same addresses: `_allocate`). At most
+        `KEPT_CACHES` are kept, the least recently used freed first: shapes that keep changing (a rollout's row count,
+        evaluation remainders) must not accumulate caches until the GPU is out of memory."""
         if self.decode != "compiled":
             return StaticCache(config=self.model.config, max_cache_len=cache_len)
+        if self._pauses_caches:
+            cache_memory.resume()  # (contents undefined: reset below, or made by _allocate)
         cache = self._static_caches.pop((n_rows, cache_len), None)  # re-inserted below: the most recently used
         if cache is None:
             while len(self._static_caches) >= KEPT_CACHES:
                 del self._static_caches[next(iter(self._static_caches))]
             cache = StaticCache(config=self.model.config, max_cache_len=cache_len)
+            with cache_memory.region() if self._pauses_caches else contextlib.nullcontext():
+                self._allocate(cache, n_rows, cache_len)
         else:
             cache.reset()
         self._static_caches[n_rows, cache_len] = cache
         return cache
+
+    @property
+    def _pauses_caches(self) -> bool:
+        """Whether `release` unmaps the compiled loop's caches (CUDA) rather than freeing them (`release_cache`)."""
+        return (self.release_cache and self.decode == "compiled"
+                and next(self.model.parameters()).device.type == "cuda")
+
+    def _allocate(self, cache: StaticCache, n_rows: int, cache_len: int) -> None:
+        """Allocate `cache`'s tensors now (transformers allocates a layer's on its first update): one eager one-token
+        forward of `n_rows` rows through it, so that every layer's K and V get the dtype the model computes them in
+        (under autocast K is float32 after the rotary embedding, V bfloat16), then a reset."""
+        device = next(self.model.parameters()).device
+        extra = {"logits_to_keep": 1} if self._forward_takes_logits_to_keep else {}
+        self.model(input_ids=torch.full((n_rows, 1), self.pad_id, dtype=torch.long, device=device),
+                   attention_mask=torch.ones((n_rows, cache_len), dtype=torch.long, device=device),
+                   position_ids=torch.zeros((n_rows, 1), dtype=torch.long, device=device),
+                   use_cache=True, **{self._cache: cache}, **extra)
+        cache.reset()
 
     def _decode_step(self):
         """The model's forward for one decode step: as is ("static"), or compiled once per engine ("compiled"): with
