@@ -6,6 +6,11 @@ import json
 import os
 from pathlib import Path
 
+# Nothing here downloads from the Hugging Face Hub (models are built from configs or saved locally): a name that is
+# neither a preset nor a folder fails at once instead of after the hub client's retries (~45 s offline). Set before
+# transformers is imported, which reads it once; the subprocesses of the CLI tests inherit it.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 import pytest
 import torch
 from safetensors.torch import load_file
