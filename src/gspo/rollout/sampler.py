@@ -604,8 +604,7 @@ class HFSampler:
             while len(self._static_caches) >= KEPT_CACHES:
                 del self._static_caches[next(iter(self._static_caches))]
             cache = StaticCache(config=self.model.config, max_cache_len=cache_len)
-            with cache_memory.region() if self._pauses_caches else contextlib.nullcontext():
-                self._allocate(cache, n_rows, cache_len)
+            self._allocate(cache, n_rows)
         else:
             cache.reset()
         self._static_caches[n_rows, cache_len] = cache
@@ -617,17 +616,25 @@ class HFSampler:
         return (self.release_cache and self.decode == "compiled"
                 and next(self.model.parameters()).device.type == "cuda")
 
-    def _allocate(self, cache: StaticCache, n_rows: int, cache_len: int) -> None:
-        """Allocate `cache`'s tensors now (transformers allocates a layer's on its first update): one eager one-token
-        forward of `n_rows` rows through it, so that every layer's K and V get the dtype the model computes them in
-        (under autocast K is float32 after the rotary embedding, V bfloat16), then a reset."""
+    def _allocate(self, cache: StaticCache, n_rows: int) -> None:
+        """Allocate `cache`'s tensors now, zeroed (transformers allocates a layer's on its first update, inside the
+        prefill): each layer's K and V take the dtype and head shape the model computes them in (under bf16 autocast
+        K is float32 after the rotary embedding, V bf16), read off a one-token forward of one row through a one-slot
+        scratch cache. That forward runs before the caller's `cache_memory.region`, so only the caches' own
+        tensors are allocated in it: a library buffer made by a first matmul there (cuBLAS's workspace) would be
+        unmapped with them."""
         device = next(self.model.parameters()).device
+        scratch = StaticCache(config=self.model.config, max_cache_len=1)
         extra = {"logits_to_keep": 1} if self._forward_takes_logits_to_keep else {}
-        self.model(input_ids=torch.full((n_rows, 1), self.pad_id, dtype=torch.long, device=device),
-                   attention_mask=torch.ones((n_rows, cache_len), dtype=torch.long, device=device),
-                   position_ids=torch.zeros((n_rows, 1), dtype=torch.long, device=device),
-                   use_cache=True, **{self._cache: cache}, **extra)
-        cache.reset()
+        one = torch.zeros((1, 1), dtype=torch.long, device=device)
+        self.model(input_ids=one, attention_mask=torch.ones_like(one), position_ids=one, use_cache=True,
+                   **{self._cache: scratch}, **extra)
+        with cache_memory.region() if self._pauses_caches else contextlib.nullcontext():
+            for layer, seen in zip(cache.layers, scratch.layers, strict=True):
+                if seen.is_initialized:  # (a layer the model never fills is left to its first update)
+                    k, v = seen.keys, seen.values
+                    layer.lazy_initialization(k.new_empty((n_rows, k.shape[1], 0, k.shape[-1])),
+                                              v.new_empty((n_rows, v.shape[1], 0, v.shape[-1])))
 
     def _decode_step(self):
         """The model's forward for one decode step: as is ("static"), or compiled once per engine ("compiled"): with
