@@ -10,6 +10,11 @@
 #   source .gpu/on_device.sh && bash benchmarks/gpu_session.sh compiled  # A/B against TRL with trainer.compile, and
 #                                                                        # the decode caches' memory released
 #
+# A session's 30 minutes of device time hold about three parts. In order of what the issue's open targets need:
+# `dense` (the default sides: autocast sampling, grouped decode attention), `compiled` (trainer.compile and the
+# released decode caches against TRL, with the device-level peak), `check` (the demo and the suite on CUDA, with the
+# test of the released caches); then `update`, `decode`, `moe`.
+#
 # `compiled` and the suite's test of rollout.release_decode_cache need torch_memory_saver among the carried wheels:
 #   pip download --no-deps --only-binary=:all: --platform manylinux2014_x86_64 --python-version 3.12 \
 #     torch_memory_saver==0.0.9.post1 -d .gpu/whl
