@@ -48,7 +48,7 @@ case "$part" in
     ;;
   dense)
     python3 benchmarks/run.py --device cuda --models dense --rounds 1 --threads 8 --profile "$out" \
-      --save "$out/dense.json" 2>&1 | tee "$out/dense.log"
+      --memory-peak "$out" --save "$out/dense.json" 2>&1 | tee "$out/dense.log"
     ;;
   moe)
     python3 benchmarks/run.py --device cuda --models moe --rounds 1 --threads 8 --no-sampler \

@@ -239,6 +239,10 @@ def gspo_worker(path: str, batches: int, warmup: int, options: dict) -> dict:
     if options.get("profile"):  # one more rollout batch under torch.profiler, after the timed ones
         profile_step(options["profile"], device, lambda: rl_step(warmup + batches, model, optimizer, scheduler, rows,
                                                                  ctx))
+    if options.get("memory_peak"):  # one more with the allocator's history: what is live at the peak
+        from memory_peak import record
+
+        record(options["memory_peak"], lambda: rl_step(warmup + batches + 1, model, optimizer, scheduler, rows, ctx))
     return {"times": times, "tokens": tokens, "rollout": rollout, "rss_before": rss0, "peak_rss": peak_rss_bytes(),
             "peak_gpu": peak_gpu, "peak_device": device_peak.peak}
 
@@ -599,12 +603,14 @@ def build_gpu_models(root: Path, names: list[str], specs: dict[str, tuple[str, d
 def compare_gpu(paths: dict[str, Path], rounds: int, threads: int, batches: int, warmup: int,
                 shape: tuple[int, int, int] = GPU_SHAPE, device: str = "cuda",
                 decode: str = "auto", sides: list[str] | None = None,
-                profile: str | None = None, release: bool = False) -> dict[str, dict[str, dict]]:
+                profile: str | None = None, release: bool = False,
+                memory_peak: str | None = None) -> dict[str, dict[str, dict]]:
     """For each model, `rounds` rounds of every GPU side (or of `sides`), alternating (order reversed every other
     round), each a fresh worker subprocess, gspo's engine decoding with `decode` (rollout.decode) and, with `release`,
     rollout.release_decode_cache; returns {model: {side: {"times", "rollout", "update", "peak_gpu", "peak_device"}}}.
     `profile` (a folder): each gspo side's worker of the last round profiles one more rollout batch into
-    `profile/MODEL_SIDE.txt` (`profile_step`)."""
+    `profile/MODEL_SIDE.txt` (`profile_step`); `memory_peak` (a folder): one more again, whose allocations live at
+    its peak go to `memory_peak/MODEL_SIDE_memory.txt` (`memory_peak.record`)."""
     results: dict[str, dict[str, dict]] = {}
     sides = sides or GPU_DEFAULT_SIDES
     for model, path in paths.items():
@@ -619,6 +625,8 @@ def compare_gpu(paths: dict[str, Path], rounds: int, threads: int, batches: int,
                                           **({"release_decode_cache": True} if release else {})}
                     if profile is not None and r == rounds - 1:
                         options["profile"] = str(Path(profile) / f"{model}_{side.replace(' ', '_')}.txt")
+                    if memory_peak is not None and r == rounds - 1:
+                        options["memory_peak"] = str(Path(memory_peak) / f"{model}_{side.replace(' ', '_')}_memory.txt")
                 # a compiled side compiles in its first batch and again when a dimension first changes (then as
                 # dynamic): one more warm-up batch keeps that out of the measured ones
                 warm = warmup + 1 if options.get("trainer", {}).get("compile") else warmup
@@ -691,8 +699,9 @@ def main_gpu(a: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     sides = [GPU_SIDE_NAMES.get(x, x) for x in a.sides.split(",")] if a.sides else GPU_DEFAULT_SIDES
     if unknown := [x for x in sides if x not in GPU_SIDES]:
         parser.error(f"--sides: unknown {unknown}; sides: {', '.join(GPU_SIDE_NAMES)}")
-    if a.profile and Path(a.profile).exists() and not Path(a.profile).is_dir():  # found before minutes of compute
-        parser.error(f"--profile {a.profile} is a file: it names a folder for the op tables")
+    for flag, folder in (("--profile", a.profile), ("--memory-peak", a.memory_peak)):  # before minutes of compute
+        if folder and Path(folder).exists() and not Path(folder).is_dir():
+            parser.error(f"{flag} {folder} is a file: it names a folder for the tables")
     rounds, batches, warmup = (1, 1, 1) if a.quick else (a.rounds, 3, 1)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__} (CUDA {torch.version.cuda}), transformers "
           f"{transformers.__version__}, trl {trl.__version__}, python {platform.python_version()}, "
@@ -704,10 +713,11 @@ def main_gpu(a: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         samplers = {} if a.no_sampler else {m: run_worker("gpu_sampler", p, batches, 1, a.threads, options)
                                              for m, p in paths.items()}
         print_gpu_samplers(samplers)
-        if a.profile:
-            Path(a.profile).mkdir(parents=True, exist_ok=True)
+        for folder in (a.profile, a.memory_peak):
+            if folder:
+                Path(folder).mkdir(parents=True, exist_ok=True)
         results = compare_gpu(paths, rounds, a.threads, batches, warmup, decode=a.decode, sides=sides,
-                              profile=a.profile, release=a.release_decode_cache)
+                              profile=a.profile, release=a.release_decode_cache, memory_peak=a.memory_peak)
     results = merge_gpu_results(results, a.save, a.merge)
     summary = {"device": torch.cuda.get_device_name(), "quick": a.quick,
                "release_decode_cache": a.release_decode_cache, **print_gpu_report(results)}
@@ -767,6 +777,9 @@ def main() -> None:
     p.add_argument("--sides", default=None, help="cuda: comma-separated subset of trl, exact, fast (default: all)")
     p.add_argument("--profile", default=None, help="cuda: a folder; each gspo side profiles one more rollout batch "
                    "(torch.profiler op tables by device and CPU time) into FOLDER/MODEL_SIDE.txt")
+    p.add_argument("--memory-peak", default=None, help="cuda: a folder; each gspo side runs one more rollout batch "
+                   "with the allocator's history recorded and writes what is live at its peak, by where it was "
+                   "allocated (benchmarks/memory_peak.py)")
     p.add_argument("--save", default=None, help="cuda: write this call's raw results to this JSON file")
     p.add_argument("--merge", default=None, help="cuda: comma-separated JSON files of earlier calls' --save, "
                    "printed in one table with this call's")
@@ -784,7 +797,8 @@ def main() -> None:
         main_gpu(a, p)
         return
     gpu_only = {"--decode": a.decode != "auto", "--no-sampler": a.no_sampler, "--sides": a.sides, "--save": a.save,
-                "--merge": a.merge, "--profile": a.profile}
+                "--merge": a.merge, "--profile": a.profile, "--memory-peak": a.memory_peak,
+                "--release-decode-cache": a.release_decode_cache}
     if given := [flag for flag, value in gpu_only.items() if value]:
         p.error(f"{', '.join(given)}: only with --device cuda (the CPU comparison has no such setting)")
 

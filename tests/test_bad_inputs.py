@@ -198,7 +198,8 @@ def test_repeated_training_prompts_are_counted_in_the_summary_and_the_check(tmp_
     assert train(cfg)["train"]["repeated_prompts"] == 20
 
 
-@pytest.mark.parametrize("args", [["--profile", "prof"], ["--sides", "trl"], ["--decode", "dynamic"]])
+@pytest.mark.parametrize("args", [["--profile", "prof"], ["--sides", "trl"], ["--decode", "dynamic"],
+                                  ["--memory-peak", "mem"], ["--release-decode-cache"]])
 def test_the_benchmarks_gpu_flags_are_refused_on_the_cpu_comparison(args):
     """benchmarks/run.py's --device cuda settings did nothing on the CPU comparison, after ~15 minutes of it."""
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "run.py"
