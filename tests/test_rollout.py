@@ -614,8 +614,9 @@ def test_compiled_mode_reuses_its_cache_and_keeps_its_weights(tok, tiny, monkeyp
 def test_compiled_mode_releases_its_caches_when_asked(tok, tiny, monkeypatch, dtype, autocast):
     """`release_cache` (rollout.release_decode_cache): `release` gives the caches' memory back (here on the CPU, by
     freeing them; on CUDA by unmapping them at the same addresses, test_cache_memory), an own copy's weights stay, and
-    the next calls sample what a fresh static cache samples. Under bf16 autocast a cache made ahead of the prefill
-    (`_allocate`) takes the dtypes the model computes K and V in (float32 K after the rotary embedding, bf16 V)."""
+    the next calls sample what a fresh static cache samples. A cache made ahead of the prefill (`_allocate`) holds
+    K and V in bf16 under bf16 autocast too (the model computes K in float32 there:
+    test_a_static_cache_under_autocast_holds_bf16_keys_and_samples_the_same)."""
     import gc
     import weakref
 
@@ -628,8 +629,7 @@ def test_compiled_mode_releases_its_caches_when_asked(tok, tiny, monkeypatch, dt
     assert_same_samples(reference.generate(PROMPTS, 4, SEEDS), first)
     (cache,) = engine._static_caches.values()
     layer = cache.layers[0]
-    want = (torch.float32, torch.bfloat16) if autocast else (torch.bfloat16, torch.bfloat16)
-    assert (layer.keys.dtype, layer.values.dtype) == want
+    assert (layer.keys.dtype, layer.values.dtype) == (torch.bfloat16, torch.bfloat16)
     freed = weakref.ref(layer.keys)
     del cache, layer
     engine.release()
@@ -639,6 +639,40 @@ def test_compiled_mode_releases_its_caches_when_asked(tok, tiny, monkeypatch, dt
     for seeds in ([9, 8, 7, 6], SEEDS):
         assert_same_samples(reference.generate(PROMPTS, 4, seeds), engine.generate(PROMPTS, 4, seeds))
     assert_same_samples(first, engine.generate(PROMPTS, 4, SEEDS))
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_a_static_cache_under_autocast_holds_bf16_keys_and_samples_the_same(tok, tiny, kind):
+    """Under bf16 autocast over float32 weights the rotary embedding leaves K in float32, and a static cache allocated
+    as transformers does (on the first update) holds it so: 1.5× the bf16 cache. Every op reading K casts it to bf16
+    first, so `NarrowStaticCache` stores it in bf16: the same samples and log-probs, bit for bit, as the same loop
+    over the cache transformers would allocate (float32 keys)."""
+    from transformers import DynamicCache
+
+    from gspo.rollout.sampler import NarrowStaticCache
+
+    params = SamplingParams(temperature=0.8, max_new_tokens=20)
+    static = HFSampler(tiny[kind], tok, params, decode="static", autocast="bfloat16")
+    wide_keys = HFSampler(tiny[kind], tok, params, decode="static", autocast="bfloat16")
+    wide_keys._allocate = lambda cache, n_rows: None  # left to transformers' lazy allocation, in the model's dtypes
+    caches = []
+    update = NarrowStaticCache.update
+
+    def spy(self, *args, **kwargs):
+        caches.append(self)
+        return update(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(NarrowStaticCache, "update", spy)
+        narrow = static.generate(PROMPTS, 4, SEEDS)
+    assert {(layer.keys.dtype, layer.values.dtype) for layer in caches[0].layers} == {(torch.bfloat16,) * 2}
+    wide = DynamicCache(config=tiny[kind].config)  # what the growing loop holds: float32 keys
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        tiny[kind](input_ids=narrow.prompt_ids[:1], use_cache=True, past_key_values=wide)
+    assert (wide.layers[0].keys.dtype, wide.layers[0].values.dtype) == (torch.float32, torch.bfloat16)
+    reference = wide_keys.generate(PROMPTS, 4, SEEDS)
+    assert torch.equal(reference.completion_ids, narrow.completion_ids)
+    assert torch.equal(reference.logprobs, narrow.logprobs)
 
 
 def test_a_cache_release_on_cuda_needs_torch_memory_saver():
@@ -820,7 +854,8 @@ def test_the_sampler_decodes_grouped_query_heads_without_copies_and_restores_the
     plain.grouped_decode = False
     grouped.eos_ids = plain.eos_ids = []  # every row decodes all 10 tokens
     assert_same_samples(plain.generate(PROMPTS, 3, SEEDS), grouped.generate(PROMPTS, 3, SEEDS))
-    assert seen.count(GQA_DECODE) == 10 and seen.count("sdpa") == 10  # the grouped engine's prefill + 9 steps
+    calls = 10 if decode == "dynamic" else 11  # the prefill + 9 steps (+ the static cache's allocating forward)
+    assert seen.count(GQA_DECODE) == calls and seen.count("sdpa") == calls
     assert model.config._attn_implementation == "sdpa"
 
     def fail() -> None:

@@ -334,7 +334,7 @@ class RolloutConfig(_Section):
     max_batch_rows: int | None = Field(None, ge=1)
     # The compiled decode loop (rollout.decode: compiled, or auto on CUDA) keeps its static KV caches between rollouts,
     # since its CUDA graphs replay their addresses: 28 layers × 128 rows × 384 slots of the Qwen3-0.6B shape hold 5.6 GB
-    # (bf16) to 8.4 GB (float32 K, bf16 V under bf16 autocast) through the updates. true: give that memory back after
+    # of bf16 K and V (11.3 GB in float32) through the updates. true: give that memory back after
     # each rollout (gspo.rollout.cache_memory; on CUDA the caches are unmapped and mapped again at the same addresses,
     # with torch_memory_saver: pip install torch_memory_saver). The other loops free their caches after every call.
     release_decode_cache: bool = False

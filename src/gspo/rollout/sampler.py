@@ -190,6 +190,20 @@ def gqa_decoding(model: PreTrainedModel):
         config._attn_implementation_internal = "sdpa"
 
 
+class NarrowStaticCache(StaticCache):
+    """transformers' StaticCache whose layers may hold K and V in a narrower dtype than the model computes them in,
+    cast on the way in. Under bf16 autocast over float32 weights the rotary embedding leaves K in float32 (bf16 keys
+    times float32 cos/sin), and every op that reads the cache (sdpa, matmul) casts it to bf16 first: a bf16 K gives
+    the same attention, bit for bit, in 2/3 of the cache's memory and without casting the whole cache at every
+    decode step. `HFSampler._allocate` picks the dtypes."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        layer = self.layers[layer_idx]
+        if layer.is_initialized:
+            key_states, value_states = key_states.to(layer.keys.dtype), value_states.to(layer.values.dtype)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
 def _trim_heap() -> None:
     """Return the C heap's free pages to the system (glibc's malloc_trim; nothing elsewhere): freed tensors of a few
     MB live in the heap, and without this the process's resident memory keeps them."""
@@ -589,21 +603,23 @@ class HFSampler:
         keeps one per (rows, length) for the engine's life and resets it, so that the CUDA graph recorded on it is
         replayed on the same addresses (transformers' generate keeps its static cache the same way). The price: the
         cache stays allocated during the updates (28 layers × 128 rows × 384 slots of bf16 K/V: 5.6 GB on the
-        Qwen3-0.6B shape, 8.4 GB under bf16 autocast, 11.3 GB in float32; benchmarks/RESULTS.md §5);
+        Qwen3-0.6B shape, also under bf16 autocast (`NarrowStaticCache`), 11.3 GB in float32; benchmarks/RESULTS.md §5);
         rollout.decode=dynamic frees everything
         between rollouts, and `release_cache` gives the caches' memory back at `release` (on CUDA they are allocated
         where torch_memory_saver can unmap them and map them again at the same addresses: `_allocate`). At most
         `KEPT_CACHES` are kept, the least recently used freed first: shapes that keep changing (a rollout's row count,
         evaluation remainders) must not accumulate caches until the GPU is out of memory."""
         if self.decode != "compiled":
-            return StaticCache(config=self.model.config, max_cache_len=cache_len)
+            cache = NarrowStaticCache(config=self.model.config, max_cache_len=cache_len)
+            self._allocate(cache, n_rows)
+            return cache
         if self._pauses_caches:
             cache_memory.resume()  # (contents undefined: reset below, or made by _allocate)
         cache = self._static_caches.pop((n_rows, cache_len), None)  # re-inserted below: the most recently used
         if cache is None:
             while len(self._static_caches) >= KEPT_CACHES:
                 del self._static_caches[next(iter(self._static_caches))]
-            cache = StaticCache(config=self.model.config, max_cache_len=cache_len)
+            cache = NarrowStaticCache(config=self.model.config, max_cache_len=cache_len)
             self._allocate(cache, n_rows)
         else:
             cache.reset()
@@ -618,11 +634,12 @@ class HFSampler:
 
     def _allocate(self, cache: StaticCache, n_rows: int) -> None:
         """Allocate `cache`'s tensors now, zeroed (transformers allocates a layer's on its first update, inside the
-        prefill): each layer's K and V take the dtype and head shape the model computes them in (under bf16 autocast
-        K is float32 after the rotary embedding, V bf16), read off a one-token forward of one row through a one-slot
-        scratch cache. That forward runs before the caller's `cache_memory.region`, so only the caches' own
-        tensors are allocated in it: a library buffer made by a first matmul there (cuBLAS's workspace) would be
-        unmapped with them."""
+        prefill): each layer's K and V take the head shapes the model computes them in and its dtypes, or the
+        autocast dtype under autocast (`NarrowStaticCache`: K leaves the rotary embedding in float32 there, and is
+        read in bf16), read off a one-token forward of one row through a one-slot scratch cache. That forward runs
+        before the `cache_memory.region` (with `release_cache` on CUDA), so only the caches' own tensors are
+        allocated in it: a library buffer made by a first matmul there (cuBLAS's workspace) would be unmapped with
+        them."""
         device = next(self.model.parameters()).device
         scratch = StaticCache(config=self.model.config, max_cache_len=1)
         extra = {"logits_to_keep": 1} if self._forward_takes_logits_to_keep else {}
@@ -633,8 +650,9 @@ class HFSampler:
             for layer, seen in zip(cache.layers, scratch.layers, strict=True):
                 if seen.is_initialized:  # (a layer the model never fills is left to its first update)
                     k, v = seen.keys, seen.values
-                    layer.lazy_initialization(k.new_empty((n_rows, k.shape[1], 0, k.shape[-1])),
-                                              v.new_empty((n_rows, v.shape[1], 0, v.shape[-1])))
+                    layer.lazy_initialization(
+                        k.new_empty((n_rows, k.shape[1], 0, k.shape[-1]), dtype=self.autocast or k.dtype),
+                        v.new_empty((n_rows, v.shape[1], 0, v.shape[-1]), dtype=self.autocast or v.dtype))
 
     def _decode_step(self):
         """The model's forward for one decode step: as is ("static"), or compiled once per engine ("compiled"): with
