@@ -675,15 +675,21 @@ def test_a_static_cache_under_autocast_holds_bf16_keys_and_samples_the_same(tok,
     assert torch.equal(reference.logprobs, narrow.logprobs)
 
 
-def test_a_cache_release_on_cuda_needs_torch_memory_saver():
+def test_a_cache_release_on_cuda_needs_torch_memory_saver(monkeypatch):
     """On CUDA the compiled loop's caches are unmapped, not freed (its CUDA graphs replay their addresses): without
-    torch_memory_saver that is refused with what to install; other loops and devices need nothing."""
+    torch_memory_saver that is refused with what to install, and so are the allocator's expandable segments, which
+    torch_memory_saver refuses at its first use; other loops and devices need nothing."""
     import importlib.util
 
     from gspo.rollout.cache_memory import check_release
 
     for decode, device in (("compiled", "cpu"), ("dynamic", "cuda"), ("static", "cuda")):
         check_release(decode, device)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512,expandable_segments:True")
+    with pytest.raises(ValueError, match=r"refuses to run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"):
+        check_release("compiled", "cuda")
+    check_release("compiled", "cpu")
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     if importlib.util.find_spec("torch_memory_saver") is not None:
         check_release("compiled", "cuda")
         return

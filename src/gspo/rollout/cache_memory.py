@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import threading
 from collections.abc import Iterator
 
@@ -33,9 +34,15 @@ _state = {"paused": False, "allocated": False}
 
 def check_release(decode: str, device: torch.device | str) -> None:
     """Raise ValueError when `rollout.release_decode_cache` cannot be honoured: a compiled decode loop on CUDA needs
-    torch_memory_saver (elsewhere the caches are freed and made again: no CUDA graph holds their addresses)."""
-    if decode == "compiled" and torch.device(device).type == "cuda" and importlib.util.find_spec(
-            "torch_memory_saver") is None:
+    torch_memory_saver, which refuses the CUDA allocator's expandable segments (elsewhere the caches are freed and
+    made again: no CUDA graph holds their addresses)."""
+    if decode != "compiled" or torch.device(device).type != "cuda":
+        return
+    if "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower():
+        raise ValueError("rollout.release_decode_cache: torch_memory_saver, which gives the compiled decode loop's KV "
+                         "cache memory back, refuses to run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; "
+                         "unset that, or set rollout.release_decode_cache=false")
+    if importlib.util.find_spec("torch_memory_saver") is None:
         raise ValueError("rollout.release_decode_cache: the compiled decode loop's CUDA graphs replay its KV caches' "
                          "addresses, so their memory is given back with torch_memory_saver, which is not installed "
                          "(pip install torch_memory_saver); or set rollout.release_decode_cache=false")
