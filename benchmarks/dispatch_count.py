@@ -7,13 +7,16 @@ that cost. Both sides run benchmarks/run.py's workers (the same saved model, GSP
 narrow 28-layer Qwen3 (64 wide, vocab 4,096; 8 prompts × 4 completions × 64 tokens), with every op counted below
 autograd (a TorchDispatchMode: forward, backward, optimizer, metrics) except inside the sampling call (TRL's
 `_generate`, gspo's `HFSampler.generate`); per rollout batch = the count over 1 warm-up + 2 batches, divided by 3.
-Prints one JSON line per side.
+Prints one JSON line per side; then (not with `--no-time`) each side's update phase in seconds (a rollout batch's time
+minus its sampling call's, 3 alternating rounds of 1 warm-up + 3 batches, medians): the same regime timed, as a
+second proxy of the GPU's.
 """
 
 from __future__ import annotations
 
 import collections
 import json
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -82,7 +85,7 @@ def count(side: str, path: Path, batches: int = 2, warmup: int = 1) -> dict:
 
 def main() -> None:
     torch.set_num_threads(2)
-    if len(sys.argv) > 1:  # one side in this process (the counter patches classes)
+    if len(sys.argv) > 1 and sys.argv[1] in ("trl", "gspo"):  # one side in this process (the counter patches classes)
         path = Path(sys.argv[2])
         print(json.dumps(count(sys.argv[1], path)), flush=True)
         return
@@ -94,6 +97,15 @@ def main() -> None:
             out = subprocess.run([sys.executable, __file__, side, str(path)], capture_output=True, text=True,
                                  check=True)
             print(out.stdout.strip().splitlines()[-1], flush=True)
+        if "--no-time" in sys.argv:
+            return
+        options = {"shape": [8, 4, 64], "device": "cpu", "reward": "hash", "time_generation": True}
+        update: dict[str, list[float]] = {"trl": [], "gspo": []}
+        for r in range(3):
+            for side in ("trl", "gspo") if r % 2 == 0 else ("gspo", "trl"):
+                out = run.run_worker(side, path, 3, 1, 2, options)
+                update[side] += [t - g for t, g in zip(out["times"], out["rollout"], strict=True)]
+        print(json.dumps({f"update_s_{side}": round(statistics.median(v), 3) for side, v in update.items()}))
 
 
 if __name__ == "__main__":
