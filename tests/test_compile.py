@@ -1,6 +1,7 @@
 """trainer.compile: the decoder layers compiled by torch.compile for the training forwards and backwards
-(`gspo.models.compiled_layers`) compute what eager mode computes, leave the model as it was, keep the first minibatch
-on-policy, and are refused where they cannot work before any compute."""
+(`gspo.models.compiled_layers`), and the head's float32 passes (`gspo.logprobs.fused_head`), compute what eager mode
+computes, leave the model as it was, keep the first minibatch on-policy, and are refused where they cannot work before
+any compute."""
 
 from __future__ import annotations
 
@@ -63,6 +64,42 @@ def test_compiled_layers_compute_the_eager_logprobs_and_gradients_and_leave_the_
     assert all("forward" not in layer.__dict__ for layer in layers)  # eager again, class and state dict untouched
     assert type(layers[0]).__name__ == "Qwen3DecoderLayer"
     assert all(layer.gradient_checkpointing == (variant != "plain") for layer in layers)
+
+
+@pytest.mark.parametrize("head_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-matmul"])
+def test_the_fused_head_computes_the_eager_logprobs_entropy_and_gradients(head_dtype):
+    """`fused_head` (with trainer.compile): the chunked head's float32 passes compiled, over chunks of three sizes (23
+    rows by 5: one dynamic-shape graph per pass), at τ 0.8 with a bias: the eager log-probs and entropy, and every
+    gradient within 1e-6 of its largest entry (float32); with a bf16 matmul (the GPU's under autocast) the same,
+    within the rounding of the bf16 gradient of the logits."""
+    from gspo.logprobs import chunked_token_logprobs, fused_head
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(23, 32, generator=g, requires_grad=True)
+    weight = (0.3 * torch.randn(50, 32, generator=g)).requires_grad_()
+    bias = (0.1 * torch.randn(50, generator=g)).requires_grad_()
+    targets = torch.randint(0, 50, (23,), generator=g)
+    upstream = torch.randn(23, generator=g)
+
+    def run():
+        lp, ent = chunked_token_logprobs(hidden, weight, targets, bias, temperature=0.8, chunk_size=5,
+                                         with_entropy=True, head_dtype=head_dtype)
+        grads = torch.autograd.grad((lp * upstream).sum(), (hidden, weight, bias))
+        return lp.detach(), ent, grads
+
+    torch._dynamo.reset()
+    stats = torch._dynamo.utils.counters["stats"]
+    captured, graphs = stats["calls_captured"], stats["unique_graphs"]
+    eager = run()
+    with fused_head():
+        fused = run()
+    assert stats["calls_captured"] > captured  # compiled, not the eager functions under another name
+    assert stats["unique_graphs"] - graphs == 2  # the forward's pass and the backward's, dynamic over the chunks' rows
+    torch.testing.assert_close(fused[0], eager[0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(fused[1], eager[1], atol=1e-5, rtol=0)
+    tolerance = 1e-6 if head_dtype == torch.float32 else 1e-2
+    for e, c in zip(eager[2], fused[2], strict=True):
+        assert (c - e).abs().max() <= tolerance * e.abs().max()
 
 
 def test_prompt_sharing_forwards_run_eager_inside_compiled_layers(device):

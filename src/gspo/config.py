@@ -618,8 +618,9 @@ class TrainerConfig(_Section):
     # Compile each decoder layer with torch.compile for the training forwards and backwards (the cold start, π_old and
     # the updates; `gspo.models.compiled_layers`): a layer's ~740 eager ops become a few fused kernels, for GPUs where
     # a small model's update waits on the host dispatching ops. The first forwards compile (seconds per graph); the
-    # values are those of eager mode within float rounding. Dense models only (MoE expert dispatch is refused);
-    # prompt sharing's forwards (given a KV cache), sampling, evaluation and saving run the layers eager.
+    # values are those of eager mode within float rounding. Also the chunked head's float32 passes over each chunk of
+    # logits, fused (`gspo.logprobs.fused_head`). Dense models only (MoE expert dispatch is refused); prompt sharing's
+    # forwards (given a KV cache), sampling, evaluation and saving run the layers eager.
     compile: bool = False
     # Padded tokens (rows × their longest prompt + completion) one RL training forward/backward may hold (the cold
     # start has its own, cold_start.micro_batch_tokens): a minibatch share with more runs as micro-batches whose

@@ -31,7 +31,7 @@ from torch import nn
 
 from gspo.correction import Correction, apply_correction, mismatch_metrics
 from gspo.hooks import LearnHook
-from gspo.logprobs import completion_logprobs
+from gspo.logprobs import completion_logprobs, fused_head
 from gspo.models import compiled_layers
 from gspo.objectives import COUNT_KEYS, METRIC_AGGREGATION, Metrics, Objective, kl_to_reference, process_normaliser
 from gspo.parallel import ProcessGroup, autocast, gradient_sync
@@ -56,7 +56,8 @@ class LearnSettings:
     mixed_precision: str | None = None
     mismatch: Correction | None = None  # the train–inference mismatch correction (None: none), for recomputed π_old
     micro_batch_tokens: int | None = None  # padded tokens per forward/backward (None: a minibatch share at once)
-    compile: bool = False  # the policy's decoder layers compiled for π_old and the updates (`compiled_layers`)
+    compile: bool = False  # decoder layers and the head's float32 passes compiled for π_old and the updates
+    # (`compiled_layers`, `fused_head`)
 
 
 def micro_batches(rows: torch.Tensor, lengths: torch.Tensor, budget: int | None) -> list[torch.Tensor]:
@@ -196,6 +197,7 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
             stack.enter_context(enter(hook))
         stack.enter_context(amp())
         stack.enter_context(compiled_layers(model, s.compile))
+        stack.enter_context(fused_head(s.compile))
         return stack
 
     # The micro-batches of each minibatch share, the same for π_old, the reference and every update; as many on every

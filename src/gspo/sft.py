@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 from gspo.agent import run_chat_format
 from gspo.agent.episodes import ChatFormat, encode_demonstration
 from gspo.learner import micro_batches
-from gspo.logprobs import completion_logprobs
+from gspo.logprobs import completion_logprobs, fused_head
 from gspo.models import compiled_layers, load_model, resolve_dtype, save_model
 from gspo.optim import make_optimizer
 from gspo.runfolder import publish_dir
@@ -112,8 +112,9 @@ def sft(
     `mixed_precision` ("bfloat16"): forwards and backwards under torch.autocast over the float32 weights.
     `micro_batch_tokens`: a batch with more padded tokens runs as forwards and backwards of at most that many (as the
     learner's, `gspo.learner.micro_batches`), each summed over its tokens and divided by the batch's token count, so
-    the gradients add up to the batch's. `compile`: the decoder layers compiled for the forwards and backwards
-    (`gspo.models.compiled_layers`). Runs on the model's device (CPU or a GPU)."""
+    the gradients add up to the batch's. `compile`: the decoder layers and the head's float32 passes compiled for the
+    forwards and backwards (`gspo.models.compiled_layers`, `gspo.logprobs.fused_head`). Runs on the model's device
+    (CPU or a GPU)."""
     missing = [i for i, r in enumerate(rows) if not isinstance(r.get(solution_field), (str, list))]
     if missing:
         raise ValueError(f"cold-start SFT needs a {solution_field!r} in every row (a string, or a list of messages "
@@ -157,7 +158,7 @@ def sft(
         lengths = enc[1].sum(-1) + enc[3].sum(-1)
         loss = torch.zeros((), device=device)
         for micro in micro_batches(torch.arange(len(batch), device=device), lengths, micro_batch_tokens):
-            with amp(), compiled_layers(model, compile):  # no routing capture: skip padding
+            with amp(), compiled_layers(model, compile), fused_head(compile):  # no routing capture: skip padding
                 logprobs, _ = completion_logprobs(model, *(t[micro] for t in enc), trim_padding=True)
             part = -logprobs[mask[micro]].sum() / tokens
             part.backward()
