@@ -1,4 +1,5 @@
-"""The learner's update phase with the decoder layers eager vs compiled (`trainer.compile`, `compiled_layers`).
+"""The learner's update phase eager vs compiled (`trainer.compile`: `compiled_layers`, and the head's float32 passes,
+`fused_head`; `--layers-only` leaves the head eager).
 
     .venv/bin/python benchmarks/compile_update.py                      # CPU: 28 narrow layers (dispatch-bound) + wider
     python benchmarks/compile_update.py --device cuda --widths 1024 --rows 128 --new-tokens 256 --vocab 151936 \\
@@ -75,6 +76,12 @@ def measure(a: argparse.Namespace, width: int) -> dict:
     from gspo.parallel import ProcessGroup
 
     cuda = a.device.startswith("cuda")
+    if a.layers_only:  # the learner enters fused_head with the layers: leave the head's passes eager
+        import contextlib
+
+        import gspo.learner
+
+        gspo.learner.fused_head = lambda enabled=True: contextlib.nullcontext()
     group = ProcessGroup(device=torch.device(a.device))  # the learner's autocast runs on this device type
     model = build(width, a.layers, a.vocab, a.device)
     optimizer, scheduler = make_optimizer(model, 1e-6, 1000)
@@ -128,6 +135,8 @@ def main() -> None:
     p.add_argument("--precision", default="fp32", choices=["fp32", "autocast"], help="autocast: bf16 over fp32")
     p.add_argument("--batches", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--layers-only", action="store_true",
+                   help="the compiled side compiles the decoder layers only, not the head's passes (fused_head)")
     a = p.parse_args()
 
     import torch
