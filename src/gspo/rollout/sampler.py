@@ -599,16 +599,16 @@ class HFSampler:
         return out_ids, out_logprobs, lengths, alive, versions
 
     def _static_cache(self, n_rows: int, cache_len: int) -> StaticCache:
-        """A KV cache of fixed shape for one `generate` call: "static" makes a new one, freed with the call; "compiled"
-        keeps one per (rows, length) for the engine's life and resets it, so that the CUDA graph recorded on it is
-        replayed on the same addresses (transformers' generate keeps its static cache the same way). The price: the
-        cache stays allocated during the updates (28 layers × 128 rows × 384 slots of bf16 K/V: 5.6 GB on the
-        Qwen3-0.6B shape, also under bf16 autocast (`NarrowStaticCache`), 11.3 GB in float32; benchmarks/RESULTS.md §5);
-        rollout.decode=dynamic frees everything
-        between rollouts, and `release_cache` gives the caches' memory back at `release` (on CUDA they are allocated
-        where torch_memory_saver can unmap them and map them again at the same addresses: `_allocate`). At most
-        `KEPT_CACHES` are kept, the least recently used freed first: shapes that keep changing (a rollout's row count,
-        evaluation remainders) must not accumulate caches until the GPU is out of memory."""
+        """A KV cache of fixed shape for one `generate` call (a `NarrowStaticCache`, allocated by `_allocate`):
+        "static" makes a new one, freed with the call; "compiled" keeps one per (rows, length) for the engine's life
+        and resets it, so that the CUDA graph recorded on it is replayed on the same addresses (transformers' generate
+        keeps its static cache the same way). The price: the cache stays allocated during the updates (28 layers × 128
+        rows × 384 slots of bf16 K/V: 5.6 GB on the Qwen3-0.6B shape, also under bf16 autocast; 11.3 GB in float32;
+        benchmarks/RESULTS.md §5); rollout.decode=dynamic frees everything between rollouts, and `release_cache`
+        gives the caches' memory back at `release` (on CUDA they are allocated where torch_memory_saver can unmap
+        them and map them again at the same addresses). At most `KEPT_CACHES` are kept, the least recently used freed
+        first: shapes that keep changing (a rollout's row count, evaluation remainders) must not accumulate caches
+        until the GPU is out of memory."""
         if self.decode != "compiled":
             cache = NarrowStaticCache(config=self.model.config, max_cache_len=cache_len)
             self._allocate(cache, n_rows)
