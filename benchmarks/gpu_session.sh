@@ -1,42 +1,67 @@
 #!/usr/bin/env bash
-# What a session with a lent GPU runs (issue 12; /work/shared/gpu/README.md for the machine and its .gpu/ wheels), as
-# parts that each fit the device tool's 10-minute call, writing their logs into $OUT (default ./gpu-out):
+# What a session with a lent GPU runs for issue 12 (/work/shared/gpu/README.md: the machine and its .gpu/ wheels).
 #
-#   source .gpu/on_device.sh && bash benchmarks/gpu_session.sh check   # demo on CUDA, then the suite with the GPU visible
-#   source .gpu/on_device.sh && bash benchmarks/gpu_session.sh dense   # A/B against TRL, Qwen3-0.6B shape, + op tables
-#   source .gpu/on_device.sh && bash benchmarks/gpu_session.sh moe     # A/B against TRL, Qwen3-MoE 2.8B
-#   source .gpu/on_device.sh && bash benchmarks/gpu_session.sh decode  # decode attention: grouped vs repeat_kv
-#   source .gpu/on_device.sh && bash benchmarks/gpu_session.sh update  # the update phase, layers eager vs compiled
-#   source .gpu/on_device.sh && bash benchmarks/gpu_session.sh compiled  # A/B against TRL with trainer.compile, and
-#                                                                        # the decode caches' memory released
+# The budget (2026-11-28): 15 minutes of device time per session, counted from the machine's start (a minute or more)
+# to its return, idle time included; at most 10 minutes per call; at most 8 files back from $OUT per call; the machine
+# is given back 30 s after a call returns. Issue 12's checks are therefore two calls of about 5-7 minutes, the second
+# made as soon as the first returns (read the first one's output after, or the machine is gone and the next call
+# pays for a fresh start):
 #
-# A session's 30 minutes of device time hold about three parts. In order of what the issue's open targets need:
-# `dense` (the default sides: autocast sampling, grouped decode attention), `compiled` (trainer.compile and the
-# released decode caches against TRL, with the device-level peak), `check` (the demo and the suite on CUDA, with the
-# test of the released caches); then `update`, `decode`, `moe`.
+#   here, once per session:  bash benchmarks/gpu_session.sh prepare    # .gpu/: the wheels the machine lacks
+#   device call 1 (timeout_s 420, carry [".gpu"]):  source .gpu/on_device.sh && bash benchmarks/gpu_session.sh check
+#   device call 2 (timeout_s 540, carry [".gpu"]):  source .gpu/on_device.sh && bash benchmarks/gpu_session.sh bench
 #
-# `compiled` and the suite's test of rollout.release_decode_cache need torch_memory_saver among the carried wheels:
-#   pip download --no-deps --only-binary=:all: --platform manylinux2014_x86_64 --python-version 3.12 \
-#     torch_memory_saver==0.0.9.post1 -d .gpu/whl
+# check (~5 min): a smoke import first (a broken set-up fails in seconds, not after the call), then `gspo demo
+#   trainer.device=cuda` beside the fast suite with the GPU visible (-n 12); 4 files: env.txt, demo.log, suite.log,
+#   unfinished.txt (the tests the time limit cut off: `python3 -m pytest -n 12 $(cat unfinished.txt)` runs them).
+# bench (~6-8 min, by the H100 figures of RESULTS.md §5): the A/B against TRL that issue 12's JSON line needs, one round
+#   of 1 warm-up + 2 measured batches per side: dense (trl, exact, fast), then moe (trl, fast); then, while BUDGET_S
+#   (default 500 s from the start) leaves COMPILED_S (default 150 s), dense "exact compiled" (trainer.compile). Each
+#   later command merges the earlier ones' results, so the last JSON line of bench.log holds every side; 4 files.
 #
-# Measured on an H100 on 2026-11-24 (benchmarks/RESULTS.md §5): `check` needs more than 10 minutes (demo 202 s, the
-# suite ~330 s at -n 8), so its suite stops at SUITE_S seconds and prints the tests that did not finish; run them with
-# `python -m pytest -n 8 $(cat $OUT/unfinished.txt)` in the next call. `dense` took 398 s, `moe` (no sampler rows) 298 s.
+# Later sessions, with time to spare, one per call: `compiled` (trainer.compile and the released decode caches
+# against TRL, the device-level peak), `profile` (each dense gspo side's op tables and what is live at its memory
+# peak), `sampler` (decode loops against the forward-only bound), `decode` (grouped vs repeat_kv decode attention),
+# `update` (the update phase, layers eager vs compiled), `moe` (the MoE A/B with its exact side).
+# `compiled` and the suite's test of rollout.release_decode_cache need torch_memory_saver, which `prepare` adds.
 set -uo pipefail
-part="${1:?usage: gpu_session.sh check|dense|moe|decode|update|compiled}"
+part="${1:?usage: gpu_session.sh prepare|check|bench|compiled|profile|sampler|decode|update|moe}"
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
 out="${OUT:-gpu-out}"
 mkdir -p "$out"
+ab=(python3 benchmarks/run.py --device cuda --rounds 1 --threads 8)
+
+env_info() {  # the machine, and whether the carried set-up imports: exit 3 at once when it does not
+  { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    git log -1 --format='commit %h %s' 2>/dev/null
+    python3 -c "import torch, transformers, trl, gspo; assert torch.cuda.is_available(), 'no CUDA'; print('torch', \
+torch.__version__, 'CUDA', torch.version.cuda, 'transformers', transformers.__version__, 'trl', trl.__version__)"
+  } > "$out/env.txt" 2>&1 || { cat "$out/env.txt"; exit 3; }
+}
+
 case "$part" in
+  prepare)  # on the development machine (package index reachable): .gpu/ = wheels for Python 3.12 + on_device.sh
+    shared="$root/../shared/gpu"
+    [ -f "$shared/fetch_wheels.sh" ] || { echo "gpu_session.sh prepare: $shared/fetch_wheels.sh not found" >&2; exit 2; }
+    grep -qxF /.gpu/ .git/info/exclude 2>/dev/null || echo /.gpu/ >> .git/info/exclude  # never committed
+    { bash "$shared/fetch_wheels.sh" .gpu/whl && python3 -m pip download -q --no-deps --only-binary=:all: \
+        --platform manylinux2014_x86_64 --python-version 3.12 torch_memory_saver==0.0.9.post1 -d .gpu/whl
+    } > /tmp/gpu_prepare.log 2>&1 || { grep -v '^WARNING: Location' /tmp/gpu_prepare.log >&2; exit 2; }
+    cp "$shared/on_device.sh" .gpu/
+    echo "$(ls .gpu/whl | wc -l) wheels, $(du -sh .gpu | cut -f1) in .gpu/ (a call carries at most 64 MiB)"
+    ;;
   check)
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/env.txt" 2>&1
-    python3 -c "import torch, transformers; print(torch.__version__, torch.version.cuda, transformers.__version__)" \
-      >> "$out/env.txt" 2>&1
+    env_info
     start=$(date +%s)
-    timeout "${DEMO_S:-230}" python3 -m gspo demo --out /tmp/gspo-demo --overwrite trainer.device=cuda > "$out/demo.log" 2>&1
-    echo "demo exit $? after $(($(date +%s) - start)) s" >> "$out/demo.log"
-    start=$(date +%s)
-    timeout "${SUITE_S:-330}" python3 -m pytest -v -n 8 -p no:cacheprovider --timeout 240 -rfE > "$out/suite.log" 2>&1
+    ( timeout "${DEMO_S:-360}" python3 -m gspo demo --out /tmp/gspo-demo --overwrite trainer.device=cuda \
+        > "$out/demo.log" 2>&1
+      echo "demo exit $? after $(($(date +%s) - start)) s" >> "$out/demo.log" ) &
+    demo=$!
+    timeout "${SUITE_S:-330}" python3 -m pytest -v -n "${WORKERS:-12}" -p no:cacheprovider --timeout 240 -rfE \
+      > "$out/suite.log" 2>&1
     echo -e "\nsuite exit $? after $(($(date +%s) - start)) s" >> "$out/suite.log"
+    wait "$demo"
     # the tests the time limit cut off: collected, never reported
     python3 -m pytest --collect-only -q -p no:cacheprovider 2>/dev/null | grep '::' | sort > /tmp/collected.txt
     sed -nE 's/^\[gw[0-9]+\] \[ *[0-9]+%\] (PASSED|FAILED|SKIPPED|ERROR) (tests\/.*[^ ]) *$/\2/p' "$out/suite.log" \
@@ -44,31 +69,54 @@ case "$part" in
     comm -23 /tmp/collected.txt /tmp/done.txt > "$out/unfinished.txt"
     tail -n 3 "$out/demo.log"
     grep -E 'FAILED|ERROR' "$out/suite.log" | sort -u
+    tail -n 2 "$out/suite.log"
     echo "$(grep -c PASSED "$out/suite.log") passed; $(wc -l < "$out/unfinished.txt") did not finish ($out/unfinished.txt)"
     ;;
-  dense)
-    python3 benchmarks/run.py --device cuda --models dense --rounds 1 --threads 8 --profile "$out" \
-      --memory-peak "$out" --save "$out/dense.json" 2>&1 | tee "$out/dense.log"
+  bench)
+    env_info
+    deadline=$((SECONDS + ${BUDGET_S:-500}))
+    log="$out/bench.log"
+    timeout $((deadline - SECONDS)) "${ab[@]}" --models dense --sides trl,exact,fast --measured 2 --no-sampler \
+      --save "$out/dense.json" 2>&1 | tee "$log"
+    timeout $((deadline - SECONDS)) "${ab[@]}" --models moe --sides trl,fast --measured 2 --no-sampler \
+      --save "$out/moe.json" --merge "$out/dense.json" 2>&1 | tee -a "$log"
+    if (( deadline - SECONDS > ${COMPILED_S:-150} )); then
+      timeout $((deadline - SECONDS)) "${ab[@]}" --models dense --sides exact-compiled --measured 2 --no-sampler \
+        --merge "$out/dense.json,$out/moe.json" 2>&1 | tee -a "$log"
+    else
+      echo "exact compiled: left out, $((deadline - SECONDS)) s left of BUDGET_S" | tee -a "$log"
+    fi
     ;;
-  moe)
-    python3 benchmarks/run.py --device cuda --models moe --rounds 1 --threads 8 --no-sampler \
-      --save "$out/moe.json" 2>&1 | tee "$out/moe.log"
+  compiled)
+    env_info
+    "${ab[@]}" --models dense --no-sampler --sides trl,exact-compiled,fast-compiled --release-decode-cache \
+      --save "$out/dense_compiled.json" 2>&1 | tee "$out/compiled.log"
+    ;;
+  profile)  # 4 tables (2 sides × op times and memory peak) + log
+    env_info
+    "${ab[@]}" --models dense --sides exact,fast --measured 1 --no-sampler --profile "$out" --memory-peak "$out" \
+      2>&1 | tee "$out/profile.log"
+    ;;
+  sampler)
+    env_info
+    "${ab[@]}" --models dense --sides fast --measured 2 2>&1 | tee "$out/sampler.log"
     ;;
   decode)
+    env_info
     python3 benchmarks/decode_attention.py --device cuda --layers 28 --rows 128 --new-tokens 256 --vocab 151936 \
       --threads 8 2>&1 | tee "$out/decode.log"
     ;;
   update)
+    env_info
     python3 benchmarks/compile_update.py --device cuda --widths 1024 --rows 128 --new-tokens 256 --vocab 151936 \
       --precision autocast --threads 8 2>&1 | tee "$out/update.log"
     ;;
-  compiled)
-    python3 benchmarks/run.py --device cuda --models dense --rounds 1 --threads 8 --no-sampler \
-      --sides trl,exact-compiled,fast-compiled --release-decode-cache --save "$out/dense_compiled.json" 2>&1 \
-      | tee "$out/dense_compiled.log"
+  moe)
+    env_info
+    "${ab[@]}" --models moe --no-sampler --save "$out/moe.json" 2>&1 | tee "$out/moe.log"
     ;;
   *)
-    echo "gpu_session.sh: unknown part $part (check, dense, moe, decode, update or compiled)" >&2
+    echo "gpu_session.sh: unknown part $part (prepare, check, bench, compiled, profile, sampler, decode, update, moe)" >&2
     exit 2
     ;;
 esac

@@ -703,7 +703,9 @@ def main_gpu(a: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     for flag, folder in (("--profile", a.profile), ("--memory-peak", a.memory_peak)):  # before minutes of compute
         if folder and Path(folder).exists() and not Path(folder).is_dir():
             parser.error(f"{flag} {folder} is a file: it names a folder for the tables")
-    rounds, batches, warmup = (1, 1, 1) if a.quick else (a.rounds, 3, 1)
+    if a.measured < 1:
+        parser.error(f"--measured {a.measured}: at least 1 measured batch per side")
+    rounds, batches, warmup = (1, 1, 1) if a.quick else (a.rounds, a.measured, 1)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__} (CUDA {torch.version.cuda}), transformers "
           f"{transformers.__version__}, trl {trl.__version__}, python {platform.python_version()}, "
           f"{a.threads} threads, {rounds} rounds × ({warmup} warm-up + {batches} measured batches) per side",
@@ -787,6 +789,8 @@ def main() -> None:
     p.add_argument("--memory-lengths", default="1024,2048,4096,8192", help="completion lengths of the memory rows")
     p.add_argument("--quick", action="store_true", help="1 round, fewer batches, memory at 1k and 4k only (cuda: 1 "
                    "round of 1 warm-up + 1 measured batch per side)")
+    p.add_argument("--measured", type=int, default=3, help="cuda: measured rollout batches per side and round, after "
+                   "1 warm-up (default 3)")
     a = p.parse_args()
     if a.worker:
         import torch
@@ -799,7 +803,7 @@ def main() -> None:
         return
     gpu_only = {"--decode": a.decode != "auto", "--no-sampler": a.no_sampler, "--sides": a.sides, "--save": a.save,
                 "--merge": a.merge, "--profile": a.profile, "--memory-peak": a.memory_peak,
-                "--release-decode-cache": a.release_decode_cache}
+                "--release-decode-cache": a.release_decode_cache, "--measured": a.measured != 3}
     if given := [flag for flag, value in gpu_only.items() if value]:
         p.error(f"{', '.join(given)}: only with --device cuda (the CPU comparison has no such setting)")
 

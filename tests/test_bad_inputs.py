@@ -199,7 +199,7 @@ def test_repeated_training_prompts_are_counted_in_the_summary_and_the_check(tmp_
 
 
 @pytest.mark.parametrize("args", [["--profile", "prof"], ["--sides", "trl"], ["--decode", "dynamic"],
-                                  ["--memory-peak", "mem"], ["--release-decode-cache"]])
+                                  ["--memory-peak", "mem"], ["--release-decode-cache"], ["--measured", "2"]])
 def test_the_benchmarks_gpu_flags_are_refused_on_the_cpu_comparison(args):
     """benchmarks/run.py's --device cuda settings did nothing on the CPU comparison, after ~15 minutes of it."""
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "run.py"

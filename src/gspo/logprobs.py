@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from transformers import PreTrainedModel
 
-from gspo.models import cache_keyword, output_cache
+from gspo.models import cache_keyword, compile_options, output_cache
 
 LOGPROB_CHUNK_MIB: dict[str, int] = {"cpu": 64, "cuda": 512}
 """Default size of one chunk of `chunked_token_logprobs`, as MiB of float32 logits, by device type (other devices:
@@ -165,7 +165,7 @@ _FUSED: dict[Callable, Callable] = {}
 def _fused(fn: Callable) -> Callable:
     """`fn` compiled by torch.compile (dynamic shapes: chunks differ in rows), made once per process."""
     if fn not in _FUSED:
-        _FUSED[fn] = torch.compile(fn, dynamic=True)
+        _FUSED[fn] = torch.compile(fn, dynamic=True, options=compile_options())
     return _FUSED[fn]
 
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel, StaticCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from gspo.models import cache_keyword, output_cache, resolve_dtype
+from gspo.models import cache_keyword, compile_options, output_cache, resolve_dtype
 from gspo.moe import RolloutRoutingRecorder, config_has_experts, require_replay_support
 from gspo.rollout import cache_memory
 from gspo.rollout.assemble import encode_prompts, eos_ids, pad_id
@@ -656,13 +656,15 @@ class HFSampler:
 
     def _decode_step(self):
         """The model's forward for one decode step: as is ("static"), or compiled once per engine ("compiled"): with
-        CUDA graphs on CUDA (mode reduce-overhead), inductor alone elsewhere; shapes fixed (dynamic=False)."""
+        CUDA graphs on CUDA (`triton.cudagraphs`: what mode="reduce-overhead" sets, which torch.compile does not take
+        together with options), inductor alone elsewhere; shapes fixed (dynamic=False); eager's roundings under
+        autocast (`gspo.models.COMPILE_OPTIONS`), so that it samples what the eager loops sample."""
         if self.decode != "compiled":
             return self.model
         if self._compiled_step is None:
             cuda = next(self.model.parameters()).device.type == "cuda"
-            self._compiled_step = torch.compile(self.model, dynamic=False, fullgraph=False,
-                                                mode="reduce-overhead" if cuda else "default")
+            options = compile_options({"triton.cudagraphs": True} if cuda else None)
+            self._compiled_step = torch.compile(self.model, dynamic=False, fullgraph=False, options=options)
         return self._compiled_step
 
     # ------------------------------------------------------------------ stop strings
