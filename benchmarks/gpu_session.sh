@@ -8,16 +8,19 @@
 # pays for a fresh start):
 #
 #   here, once per session:  bash benchmarks/gpu_session.sh prepare    # .gpu/: the wheels the machine lacks
-#   device call 1 (timeout_s 420, carry [".gpu"]):  source .gpu/on_device.sh && bash benchmarks/gpu_session.sh check
-#   device call 2 (timeout_s 540, carry [".gpu"]):  source .gpu/on_device.sh && bash benchmarks/gpu_session.sh bench
+#   device call 1 (timeout_s 390, carry [".gpu"]):  source .gpu/on_device.sh && bash benchmarks/gpu_session.sh check
+#   device call 2 (carry [".gpu"]), its timeout_s T = the budget_left_s that the first call's lease reports, less 30 s,
+#     at most 600:  source .gpu/on_device.sh && BUDGET_S=<T - 40> bash benchmarks/gpu_session.sh bench
 #
 # check (~5 min): a smoke import first (a broken set-up fails in seconds, not after the call), then `gspo demo
-#   trainer.device=cuda` beside the fast suite with the GPU visible (-n 12); 4 files: env.txt, demo.log, suite.log,
-#   unfinished.txt (the tests the time limit cut off: `python3 -m pytest -n 12 $(cat unfinished.txt)` runs them).
-# bench (~6-8 min, by the H100 figures of RESULTS.md §5): the A/B against TRL that issue 12's JSON line needs, one round
+#   trainer.device=cuda` beside the fast suite with the GPU visible (-n 12; the suite stops at SUITE_S = 300 s);
+#   4 files: env.txt, demo.log, suite.log, unfinished.txt (the tests the time limit cut off:
+#   `python3 -m pytest -n 12 $(cat unfinished.txt)` runs them).
+# bench (~6-7 min, by the H100 figures of RESULTS.md §5): the A/B against TRL that issue 12's JSON line needs, one round
 #   of 1 warm-up + 2 measured batches per side: dense (trl, exact, fast), then moe (trl, fast); then, while BUDGET_S
-#   (default 500 s from the start) leaves COMPILED_S (default 150 s), dense "exact compiled" (trainer.compile). Each
-#   later command merges the earlier ones' results, so the last JSON line of bench.log holds every side; 4 files.
+#   (default 420 s from the start) leaves COMPILED_S (default 150 s), dense "exact compiled" (trainer.compile). Each
+#   command is stopped at BUDGET_S, and each later one merges the earlier ones' results, so the last JSON line of
+#   bench.log holds every side measured; 4 files.
 #
 # Later sessions, with time to spare, one per call: `compiled` (trainer.compile and the released decode caches
 # against TRL, the device-level peak), `profile` (each dense gspo side's op tables and what is live at its memory
@@ -54,11 +57,11 @@ case "$part" in
   check)
     env_info
     start=$(date +%s)
-    ( timeout "${DEMO_S:-360}" python3 -m gspo demo --out /tmp/gspo-demo --overwrite trainer.device=cuda \
+    ( timeout "${DEMO_S:-330}" python3 -m gspo demo --out /tmp/gspo-demo --overwrite trainer.device=cuda \
         > "$out/demo.log" 2>&1
       echo "demo exit $? after $(($(date +%s) - start)) s" >> "$out/demo.log" ) &
     demo=$!
-    timeout "${SUITE_S:-330}" python3 -m pytest -v -n "${WORKERS:-12}" -p no:cacheprovider --timeout 240 -rfE \
+    timeout "${SUITE_S:-300}" python3 -m pytest -v -n "${WORKERS:-12}" -p no:cacheprovider --timeout 240 -rfE \
       > "$out/suite.log" 2>&1
     echo -e "\nsuite exit $? after $(($(date +%s) - start)) s" >> "$out/suite.log"
     wait "$demo"
@@ -74,18 +77,23 @@ case "$part" in
     ;;
   bench)
     env_info
-    deadline=$((SECONDS + ${BUDGET_S:-500}))
+    deadline=$((SECONDS + ${BUDGET_S:-420}))
     log="$out/bench.log"
-    timeout $((deadline - SECONDS)) "${ab[@]}" --models dense --sides trl,exact,fast --measured 2 --no-sampler \
-      --save "$out/dense.json" 2>&1 | tee "$log"
-    timeout $((deadline - SECONDS)) "${ab[@]}" --models moe --sides trl,fast --measured 2 --no-sampler \
-      --save "$out/moe.json" --merge "$out/dense.json" 2>&1 | tee -a "$log"
-    if (( deadline - SECONDS > ${COMPILED_S:-150} )); then
-      timeout $((deadline - SECONDS)) "${ab[@]}" --models dense --sides exact-compiled --measured 2 --no-sampler \
-        --merge "$out/dense.json,$out/moe.json" 2>&1 | tee -a "$log"
-    else
-      echo "exact compiled: left out, $((deadline - SECONDS)) s left of BUDGET_S" | tee -a "$log"
-    fi
+    : > "$log"
+    step() {  # step MIN_S NAME ARGS...: run.py ARGS --save NAME.json, merging the earlier steps' files, if at least
+      local need=$1 name=$2 left=$((deadline - SECONDS)) merge  # MIN_S of BUDGET_S is left; stopped at BUDGET_S
+      shift 2
+      merge=$(ls "$out"/*.json 2>/dev/null | paste -sd, -)
+      if (( left < need )); then
+        echo "$name: left out, $left s left of BUDGET_S" | tee -a "$log"
+        return
+      fi
+      timeout "$left" "${ab[@]}" "$@" --no-sampler --measured 2 --save "$out/$name.json" ${merge:+--merge "$merge"} \
+        2>&1 | tee -a "$log"
+    }
+    step 60 dense --models dense --sides trl,exact,fast
+    step 60 moe --models moe --sides trl,fast
+    step "${COMPILED_S:-150}" dense_compiled --models dense --sides exact-compiled
     ;;
   compiled)
     env_info

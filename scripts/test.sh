@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Quick start, tests: set up .venv with the dev extra, lint, then the fast suite. `--slow` runs the slow tests only.
+# Quick start, tests: set up .venv with the dev extra, lint, then the fast suite in GSPO_TEST_WORKERS pytest-xdist
+# processes (default 2: on a 2-core machine 9 minutes instead of 13 serially). `--slow` runs the slow tests only,
+# serially.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 . "$root/scripts/setup.sh" dev
@@ -9,4 +11,4 @@ if [ "${1:-}" = "--slow" ]; then
   shift
   exec python -m pytest -m slow "$@"
 fi
-exec python -m pytest "$@"
+exec python -m pytest -n "${GSPO_TEST_WORKERS:-2}" "$@"
