@@ -43,6 +43,7 @@ while torch still counts them allocated). Each model is built once, saved in bf1
 worker. The last line's JSON has speedup_{dense,moe}_gpu (TRL / gspo fast, per
 rollout batch), speedup_*_gpu_exact, and update_ratio_*_gpu (gspo exact update / TRL update: the same work on both);
 the compiled sides add the same keys ending in _compiled; peak_device_ratio_* are the device-level peaks' ratios.
+Before it, one line per target of issue 12 (GPU_TARGETS): the value, met or NOT met, or not measured in this run.
 A full run of both models takes longer than 10 minutes: run `--models dense` and `--models moe` separately, and
 where one model's sides do not fit one call, split them: `--sides trl --save trl.json --no-sampler`, then
 `--sides exact,fast --merge trl.json` (one table, the ratios across the calls).
@@ -559,6 +560,31 @@ GPU_SUMMARY_KEYS = {GPU_HEADLINE: ("speedup_{m}_gpu", "update_ratio_{m}_gpu_fast
                                        "peak_gpu_ratio_{m}_exact_compiled")}
 
 
+# issue 12's targets for this comparison, by JSON key: (key, bound, "min" (at least) or "max" (at most), what it is)
+GPU_TARGETS = [
+    ("speedup_dense_gpu", 3.0, "min", "s / batch, TRL over gspo fast, 0.6B shape"),
+    ("update_ratio_dense_gpu", 0.8, "max", "update phase, gspo exact over TRL, 0.6B shape"),
+    ("speedup_moe_gpu", 5.0, "min", "s / batch, TRL over gspo fast, MoE shape"),
+    ("peak_gpu_ratio_dense_exact", 1.0, "max", "peak GPU memory, gspo exact over TRL, 0.6B shape"),
+    ("peak_gpu_ratio_dense_fast", 1.0, "max", "peak GPU memory, gspo fast over TRL, 0.6B shape"),
+    ("update_ratio_dense_gpu_compiled", 0.8, "max", "update phase, gspo exact + trainer.compile over TRL, 0.6B"),
+]
+
+
+def target_lines(summary: dict) -> list[str]:
+    """One line per issue-12 target: the measured value and whether it is met, or that this run did not measure it."""
+    lines = []
+    for key, bound, kind, what in GPU_TARGETS:
+        value = summary.get(key)
+        sign = "≥" if kind == "min" else "≤"
+        if value is None:
+            lines.append(f"  {key} {sign} {bound:g} ({what}): not measured in this run")
+            continue
+        met = value >= bound if kind == "min" else value <= bound
+        lines.append(f"  {key} {sign} {bound:g} ({what}): {value:.3f}, {'met' if met else 'NOT met'}")
+    return lines
+
+
 def padded_tokenizer(vocab_size: int):
     """gspo's character tokenizer (same specials, characters and ids) followed by plain tokens <x0>, <x1>, ... up to
     `vocab_size`, so that every id a model of that vocabulary samples decodes to text."""
@@ -724,6 +750,8 @@ def main_gpu(a: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     results = merge_gpu_results(results, a.save, a.merge)
     summary = {"device": torch.cuda.get_device_name(), "quick": a.quick,
                "release_decode_cache": a.release_decode_cache, **print_gpu_report(results)}
+    print("\nissue 12's targets (from the sides in the table above):",
+          *target_lines(summary), sep="\n")
     for model, by_decode in samplers.items():
         for decode, r in by_decode.items():
             summary[f"sampler_tokens_per_s_{model}_{decode}"] = r["tokens"] / median(r["sample"])
