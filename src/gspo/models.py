@@ -465,6 +465,7 @@ def compile_options(extra: dict | None = None) -> dict:
 
     return {**{k: v for k, v in COMPILE_OPTIONS.items() if hasattr(config, k)}, **(extra or {})}
 
+
 _COMPILED: dict[Callable, Callable] = {}  # a layer class's forward -> its forward, compiled except with a KV cache
 _CACHE_KEYWORDS = ("cache", "past_key_values", "past_key_value")  # a decoder layer's KV-cache keyword, by version
 

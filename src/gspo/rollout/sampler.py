@@ -658,7 +658,8 @@ class HFSampler:
         """The model's forward for one decode step: as is ("static"), or compiled once per engine ("compiled"): with
         CUDA graphs on CUDA (`triton.cudagraphs`: what mode="reduce-overhead" sets, which torch.compile does not take
         together with options), inductor alone elsewhere; shapes fixed (dynamic=False); eager's roundings under
-        autocast (`gspo.models.COMPILE_OPTIONS`), so that it samples what the eager loops sample."""
+        autocast (`gspo.models.COMPILE_OPTIONS`), so that it samples what the eager loops sample (on the CPU bit for
+        bit)."""
         if self.decode != "compiled":
             return self.model
         if self._compiled_step is None:
