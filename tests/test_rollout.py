@@ -744,6 +744,33 @@ def test_compiled_mode_keeps_a_bounded_number_of_caches(tok, tiny, monkeypatch):
     assert next(reversed(engine._static_caches))[0] == 2 * len(PROMPTS)
 
 
+def test_compiled_mode_keeps_its_caches_within_a_share_of_the_devices_memory(tok, tiny, monkeypatch):
+    """KEPT_CACHE_SHARE: the kept caches hold together at most that share of the device's memory (here a budget of
+    2.5 times a 4-row cache): a shape that would pass it frees the least recently used first, and a cache over the
+    budget alone serves its own call and leaves the kept ones be. A cache's bytes are what its layout predicts (bf16
+    K and V under autocast), and the samples are those of a fresh cache throughout."""
+    from gspo.rollout.sampler import cache_bytes, kept_bytes
+
+    monkeypatch.setattr(HFSampler, "_decode_step", lambda self: self.model)
+    params = SamplingParams(temperature=0.8, max_new_tokens=6)
+    engine = HFSampler(tiny["dense"], tok, params, decode="compiled", autocast="bfloat16")
+    reference = HFSampler(tiny["dense"], tok, params, decode="static", autocast="bfloat16")
+    layout = engine._cache_layout()
+    assert {t.dtype for kv in layout for t in kv} == {torch.bfloat16}
+    unit = cache_bytes(layout, 4, 128)  # every call below: prompt + new tokens within one 128-slot bucket
+    assert unit == 4 * 128 * 2 * 2 * 2 * 16 * 2  # rows × slots × layers × (K, V) × KV heads × head_dim × bytes
+    monkeypatch.setattr(engine, "_cache_budget", lambda: int(2.5 * unit))
+    kept = []
+    for n_prompts, group in ((4, 1), (3, 1), (2, 1), (4, 2), (4, 3), (4, 2), (4, 3)):
+        a = reference.generate(PROMPTS[:n_prompts], group, SEEDS[:n_prompts])
+        assert_same_samples(a, engine.generate(PROMPTS[:n_prompts], group, SEEDS[:n_prompts]))
+        kept.append([rows for rows, _ in engine._static_caches])
+        assert sum(map(kept_bytes, engine._static_caches.values())) <= 2.5 * unit
+    assert kept_bytes(next(iter(engine._static_caches.values()))) == cache_bytes(layout, *next(iter(
+        engine._static_caches)))
+    assert kept == [[4], [4, 3], [4, 3, 2], [2, 8], [2, 8], [2, 8], [2, 8]]
+
+
 def test_multi_turn_episodes_decode_dynamically_under_auto(tmp_path, monkeypatch):
     """`auto` would compile the decode step on CUDA; episodes change their row count and context every turn, so the
     engine of an `env` run decodes dynamically unless rollout.decode says otherwise."""

@@ -11,6 +11,7 @@ import contextlib
 import copy
 import ctypes
 import inspect
+import os
 from collections.abc import Callable, Iterable
 
 import torch
@@ -98,6 +99,28 @@ def sample_from_logits(
 KEPT_CACHES = 4
 """Static KV caches a compiled decode loop keeps, one per (rows, cache length) shape: a run's rollout shape, its
 evaluation's and their remainders; a fifth shape frees the least recently used."""
+
+KEPT_CACHE_SHARE = 0.25
+"""The most memory a compiled decode loop's kept caches may hold together: this share of the device's total (GPU
+memory on CUDA, RAM elsewhere). A new cache that would take the kept ones past it frees the least recently used
+first, and a cache larger than the share alone serves its own call only and is freed at its end, as the dynamic loop
+frees its cache. Why: at real lengths one cache is large (Qwen3-0.6B keeps 112 KiB of bf16 K/V per token: an
+evaluation of 256 rows × 1,280 slots holds 37.6 GB, a rollout of 128 × 1,280 18.8 GB), and kept through the updates
+they would leave an 80 GB GPU less than half of its memory for training. The price of a cache not kept: its next call
+allocates it again, at other addresses, and the compiled step records its CUDA graph again (no recompile)."""
+
+
+def cache_bytes(layout: list[tuple[torch.Tensor, torch.Tensor] | None], n_rows: int, cache_len: int) -> int:
+    """Bytes of a static cache of `n_rows` × `cache_len` slots whose layers hold K and V as `layout` says
+    (`HFSampler._cache_layout`)."""
+    per_slot = sum(k.shape[1] * k.shape[-1] * k.element_size() + v.shape[1] * v.shape[-1] * v.element_size()
+                   for k, v in filter(None, layout))
+    return n_rows * cache_len * per_slot
+
+
+def kept_bytes(cache: StaticCache) -> int:
+    """Bytes a static cache's allocated K and V tensors hold."""
+    return sum(t.nbytes for layer in cache.layers if layer.is_initialized for t in (layer.keys, layer.values))
 
 
 def resolve_decode(decode: str, model: PreTrainedModel, device: torch.device | str,
@@ -606,9 +629,11 @@ class HFSampler:
         rows × 384 slots of bf16 K/V: 5.6 GB on the Qwen3-0.6B shape, also under bf16 autocast; 11.3 GB in float32;
         benchmarks/RESULTS.md §5); rollout.decode=dynamic frees everything between rollouts, and `release_cache`
         gives the caches' memory back at `release` (on CUDA they are allocated where torch_memory_saver can unmap
-        them and map them again at the same addresses). At most `KEPT_CACHES` are kept, the least recently used freed
-        first: shapes that keep changing (a rollout's row count, evaluation remainders) must not accumulate caches
-        until the GPU is out of memory."""
+        them and map them again at the same addresses). At most `KEPT_CACHES` are kept, holding together at most
+        `KEPT_CACHE_SHARE` of the device's memory, the least recently used freed first (a cache larger than that
+        share alone serves its call only): shapes that keep changing (a rollout's row count, evaluation remainders)
+        must not accumulate caches until the GPU is out of memory, nor may a long evaluation's cache stay through
+        the updates."""
         if self.decode != "compiled":
             cache = NarrowStaticCache(config=self.model.config, max_cache_len=cache_len)
             self._allocate(cache, n_rows)
@@ -616,15 +641,30 @@ class HFSampler:
         if self._pauses_caches:
             cache_memory.resume()  # (contents undefined: reset below, or made by _allocate)
         cache = self._static_caches.pop((n_rows, cache_len), None)  # re-inserted below: the most recently used
+        budget = self._cache_budget()
         if cache is None:
-            while len(self._static_caches) >= KEPT_CACHES:
+            layout = self._cache_layout()
+            size = cache_bytes(layout, n_rows, cache_len)
+            while size <= budget and self._static_caches and (  # (one over the budget leaves the kept ones be)
+                    len(self._static_caches) >= KEPT_CACHES
+                    or size + sum(map(kept_bytes, self._static_caches.values())) > budget):
                 del self._static_caches[next(iter(self._static_caches))]
             cache = NarrowStaticCache(config=self.model.config, max_cache_len=cache_len)
-            self._allocate(cache, n_rows)
+            self._allocate(cache, n_rows, layout)
         else:
             cache.reset()
-        self._static_caches[n_rows, cache_len] = cache
+        if kept_bytes(cache) <= budget:  # else this call's only (KEPT_CACHE_SHARE)
+            self._static_caches[n_rows, cache_len] = cache
         return cache
+
+    def _cache_budget(self) -> int:
+        """KEPT_CACHE_SHARE of the total memory of the device the engine's weights are on, in bytes."""
+        device = next(self.model.parameters()).device
+        if device.type == "cuda":
+            total = torch.cuda.get_device_properties(device).total_memory
+        else:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return int(KEPT_CACHE_SHARE * total)
 
     @property
     def _pauses_caches(self) -> bool:
@@ -632,27 +672,35 @@ class HFSampler:
         return (self.release_cache and self.decode == "compiled"
                 and next(self.model.parameters()).device.type == "cuda")
 
-    def _allocate(self, cache: StaticCache, n_rows: int) -> None:
-        """Allocate `cache`'s tensors now, zeroed (transformers allocates a layer's on its first update, inside the
-        prefill): each layer's K and V take the head shapes the model computes them in and its dtypes, or the
-        autocast dtype under autocast (`NarrowStaticCache`: K leaves the rotary embedding in float32 there, and is
-        read in bf16), read off a one-token forward of one row through a one-slot scratch cache. That forward runs
-        before the `cache_memory.region` (with `release_cache` on CUDA), so only the caches' own tensors are
-        allocated in it: a library buffer made by a first matmul there (cuBLAS's workspace) would be unmapped with
-        them."""
+    def _cache_layout(self) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Each layer's K and V as the static caches hold them, as empty [1, heads, 0, head_dim] tensors on the
+        model's device: the head shapes the model computes them in and their dtypes, or the autocast dtype under
+        autocast (`NarrowStaticCache`: K leaves the rotary embedding in float32 there, and is read in bf16), read off
+        a one-token forward of one row through a one-slot scratch cache; None for a layer the model never fills."""
         device = next(self.model.parameters()).device
         scratch = StaticCache(config=self.model.config, max_cache_len=1)
         extra = {"logits_to_keep": 1} if self._forward_takes_logits_to_keep else {}
         one = torch.zeros((1, 1), dtype=torch.long, device=device)
         self.model(input_ids=one, attention_mask=torch.ones_like(one), position_ids=one, use_cache=True,
                    **{self._cache: scratch}, **extra)
+        return [(seen.keys.new_empty((1, seen.keys.shape[1], 0, seen.keys.shape[-1]),
+                                     dtype=self.autocast or seen.keys.dtype),
+                 seen.values.new_empty((1, seen.values.shape[1], 0, seen.values.shape[-1]),
+                                       dtype=self.autocast or seen.values.dtype))
+                if seen.is_initialized else None for seen in scratch.layers]
+
+    def _allocate(self, cache: StaticCache, n_rows: int, layout: list | None = None) -> None:
+        """Allocate `cache`'s tensors now, zeroed (transformers allocates a layer's on its first update, inside the
+        prefill), as `layout` (`_cache_layout`, probed here when not given) says; a layer the model never fills is
+        left to its first update. The probe's forward runs before the `cache_memory.region` (with `release_cache` on
+        CUDA), so only the caches' own tensors are allocated in it: a library buffer made by a first matmul there
+        (cuBLAS's workspace) would be unmapped with them."""
+        layout = self._cache_layout() if layout is None else layout
         with cache_memory.region() if self._pauses_caches else contextlib.nullcontext():
-            for layer, seen in zip(cache.layers, scratch.layers, strict=True):
-                if seen.is_initialized:  # (a layer the model never fills is left to its first update)
-                    k, v = seen.keys, seen.values
-                    layer.lazy_initialization(
-                        k.new_empty((n_rows, k.shape[1], 0, k.shape[-1]), dtype=self.autocast or k.dtype),
-                        v.new_empty((n_rows, v.shape[1], 0, v.shape[-1]), dtype=self.autocast or v.dtype))
+            for layer, kv in zip(cache.layers, layout, strict=True):
+                if kv is not None:
+                    k, v = kv
+                    layer.lazy_initialization(k.new_empty((n_rows, *k.shape[1:])), v.new_empty((n_rows, *v.shape[1:])))
 
     def _decode_step(self):
         """The model's forward for one decode step: as is ("static"), or compiled once per engine ("compiled"): with
