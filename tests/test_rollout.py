@@ -746,29 +746,38 @@ def test_compiled_mode_keeps_a_bounded_number_of_caches(tok, tiny, monkeypatch):
 
 def test_compiled_mode_keeps_its_caches_within_a_share_of_the_devices_memory(tok, tiny, monkeypatch):
     """KEPT_CACHE_SHARE: the kept caches hold together at most that share of the device's memory (here a budget of
-    2.5 times a 4-row cache): a shape that would pass it frees the least recently used first, and a cache over the
-    budget alone serves its own call and leaves the kept ones be. A cache's bytes are what its layout predicts (bf16
-    K and V under autocast), and the samples are those of a fresh cache throughout."""
+    2.5 times a 4-row cache): a shape that would pass it frees the least recently used first, and a call whose cache
+    would be over the budget alone decodes with the dynamic loop, leaving the kept caches be. A cache's bytes are what
+    its layout predicts (bf16 K and V under autocast), and the samples are those of a fresh cache throughout."""
     from gspo.rollout.sampler import cache_bytes, kept_bytes
 
     monkeypatch.setattr(HFSampler, "_decode_step", lambda self: self.model)
     params = SamplingParams(temperature=0.8, max_new_tokens=6)
     engine = HFSampler(tiny["dense"], tok, params, decode="compiled", autocast="bfloat16")
-    reference = HFSampler(tiny["dense"], tok, params, decode="static", autocast="bfloat16")
+    references = {loop: HFSampler(tiny["dense"], tok, params, decode=decode, autocast="bfloat16")  # bf16 rounds
+                  for loop, decode in (("_decode", "dynamic"), ("_decode_static", "static"))}  # differ per loop
     layout = engine._cache_layout()
     assert {t.dtype for kv in layout for t in kv} == {torch.bfloat16}
     unit = cache_bytes(layout, 4, 128)  # every call below: prompt + new tokens within one 128-slot bucket
     assert unit == 4 * 128 * 2 * 2 * 2 * 16 * 2  # rows × slots × layers × (K, V) × KV heads × head_dim × bytes
     monkeypatch.setattr(engine, "_cache_budget", lambda: int(2.5 * unit))
+    loops = []
+
+    def spy(name):
+        loop = getattr(engine, name)
+        return lambda *args: loops.append(name) or loop(*args)
+
+    for name in ("_decode", "_decode_static"):
+        monkeypatch.setattr(engine, name, spy(name))
     kept = []
     for n_prompts, group in ((4, 1), (3, 1), (2, 1), (4, 2), (4, 3), (4, 2), (4, 3)):
-        a = reference.generate(PROMPTS[:n_prompts], group, SEEDS[:n_prompts])
-        assert_same_samples(a, engine.generate(PROMPTS[:n_prompts], group, SEEDS[:n_prompts]))
+        b = engine.generate(PROMPTS[:n_prompts], group, SEEDS[:n_prompts])
+        assert_same_samples(references[loops[-1]].generate(PROMPTS[:n_prompts], group, SEEDS[:n_prompts]), b)
         kept.append([rows for rows, _ in engine._static_caches])
         assert sum(map(kept_bytes, engine._static_caches.values())) <= 2.5 * unit
-    assert kept_bytes(next(iter(engine._static_caches.values()))) == cache_bytes(layout, *next(iter(
-        engine._static_caches)))
+    assert kept_bytes(engine._static_caches[2, 128]) == cache_bytes(layout, 2, 128)
     assert kept == [[4], [4, 3], [4, 3, 2], [2, 8], [2, 8], [2, 8], [2, 8]]
+    assert loops == ["_decode_static"] * 4 + ["_decode", "_decode_static", "_decode"]  # 12 rows: 3 units, dynamic
 
 
 def test_multi_turn_episodes_decode_dynamically_under_auto(tmp_path, monkeypatch):

@@ -101,13 +101,19 @@ KEPT_CACHES = 4
 evaluation's and their remainders; a fifth shape frees the least recently used."""
 
 KEPT_CACHE_SHARE = 0.25
-"""The most memory a compiled decode loop's kept caches may hold together: this share of the device's total (GPU
-memory on CUDA, RAM elsewhere). A new cache that would take the kept ones past it frees the least recently used
-first, and a cache larger than the share alone serves its own call only and is freed at its end, as the dynamic loop
-frees its cache. Why: at real lengths one cache is large (Qwen3-0.6B keeps 112 KiB of bf16 K/V per token: an
-evaluation of 256 rows × 1,280 slots holds 37.6 GB, a rollout of 128 × 1,280 18.8 GB), and kept through the updates
-they would leave an 80 GB GPU less than half of its memory for training. The price of a cache not kept: its next call
-allocates it again, at other addresses, and the compiled step records its CUDA graph again (no recompile)."""
+"""The most memory a compiled decode loop's kept caches may hold together: this share of the device's total (GPU memory
+on CUDA, RAM elsewhere). A new cache that would take the kept ones past it frees the least recently used first, and a
+call whose cache is larger than the share alone decodes with the dynamic loop (`HFSampler._keeps`), which frees its
+cache at the end and records no CUDA graph. Why: at real lengths one cache is large (Qwen3-0.6B keeps 112 KiB of bf16
+K/V per token: an evaluation of 256 rows × 1,280 slots holds 37.6 GB, a rollout of 128 × 1,280 18.8 GB), and kept
+through the updates they would leave an 80 GB GPU less than half of its memory for training. The price of an evicted
+cache: its shape's next call allocates it again, at other addresses, and the compiled step records its CUDA graph
+again (no recompile; torch 2.11 stops using CUDA graphs for a function after 128 such re-recordings)."""
+
+
+def static_cache_len(prompt_len: int, max_new_tokens: int) -> int:
+    """A static cache's slots for prompts of `prompt_len` tokens (left-padded) and `max_new_tokens` new ones."""
+    return -(-(prompt_len + max_new_tokens) // STATIC_CACHE_BUCKET) * STATIC_CACHE_BUCKET
 
 
 def cache_bytes(layout: list[tuple[torch.Tensor, torch.Tensor] | None], n_rows: int, cache_len: int) -> int:
@@ -302,6 +308,7 @@ class HFSampler:
         self.release_cache = release_cache
         self._compiled_step = None  # the compiled decode forward, made on first use ("compiled")
         self._static_caches: dict[tuple[int, int], StaticCache] = {}  # ("compiled") kept per shape: see _static_cache
+        self._layout: list | None = None  # the static caches' K/V layout, probed at the first (`_cache_layout`)
         self.record_routing = record_routing
         model_dtype = next(model.parameters()).dtype
         target = model_dtype if dtype is None else resolve_dtype(dtype)
@@ -442,7 +449,9 @@ class HFSampler:
                         else torch.autocast(unique_ids.device.type, dtype=self.autocast))
             with (torch.inference_mode(), self._routing or contextlib.nullcontext(), autocast,
                   gqa_decoding(self.model) if self.grouped_decode else contextlib.nullcontext()):
-                decode = self._decode if self.decode == "dynamic" else self._decode_static
+                dynamic = self.decode == "dynamic" or (self.decode == "compiled" and not self._keeps(
+                    unique_ids.shape[0] * group_size, static_cache_len(unique_ids.shape[1], params.max_new_tokens)))
+                decode = self._decode if dynamic else self._decode_static
                 raw = decode(unique_ids, unique_mask, group_size, uniforms.to(unique_ids.device), params)
         finally:
             self.model.train(was_training)
@@ -591,7 +600,7 @@ class HFSampler:
         out_ids, out_logprobs, lengths, alive, versions, eos_ids = self._outputs(n_rows, p.max_new_tokens, device)
         rows = torch.arange(n_rows, device=device)
 
-        cache_len = -(-(prompt_len + p.max_new_tokens) // STATIC_CACHE_BUCKET) * STATIC_CACHE_BUCKET
+        cache_len = static_cache_len(prompt_len, p.max_new_tokens)
         cache = self._static_cache(n_rows, cache_len)
         # One mask for the whole run: the prompt's, then ones (slots past the current token are causally masked).
         attention = torch.ones((n_rows, cache_len), dtype=torch.long, device=device)
@@ -624,16 +633,16 @@ class HFSampler:
     def _static_cache(self, n_rows: int, cache_len: int) -> StaticCache:
         """A KV cache of fixed shape for one `generate` call (a `NarrowStaticCache`, allocated by `_allocate`):
         "static" makes a new one, freed with the call; "compiled" keeps one per (rows, length) for the engine's life
-        and resets it, so that the CUDA graph recorded on it is replayed on the same addresses (transformers' generate
-        keeps its static cache the same way). The price: the cache stays allocated during the updates (28 layers × 128
-        rows × 384 slots of bf16 K/V: 5.6 GB on the Qwen3-0.6B shape, also under bf16 autocast; 11.3 GB in float32;
-        benchmarks/RESULTS.md §5); rollout.decode=dynamic frees everything between rollouts, and `release_cache`
-        gives the caches' memory back at `release` (on CUDA they are allocated where torch_memory_saver can unmap
-        them and map them again at the same addresses). At most `KEPT_CACHES` are kept, holding together at most
-        `KEPT_CACHE_SHARE` of the device's memory, the least recently used freed first (a cache larger than that
-        share alone serves its call only): shapes that keep changing (a rollout's row count, evaluation remainders)
-        must not accumulate caches until the GPU is out of memory, nor may a long evaluation's cache stay through
-        the updates."""
+        and resets it, so that the CUDA graph recorded on it is replayed on the same addresses (transformers'
+        generate keeps its static cache the same way). The price: the cache stays allocated during the updates (28
+        layers × 128 rows × 384 slots of bf16 K/V: 5.6 GB on the Qwen3-0.6B shape, also under bf16 autocast; 11.3 GB
+        in float32; benchmarks/RESULTS.md §5); rollout.decode=dynamic frees everything between rollouts, and
+        `release_cache` gives the caches' memory back at `release` (on CUDA they are allocated where
+        torch_memory_saver can unmap them and map them again at the same addresses). At most `KEPT_CACHES` are kept,
+        holding together at most `KEPT_CACHE_SHARE` of the device's memory, the least recently used freed first (a
+        call whose cache is larger than that share alone decodes dynamically: `_keeps`): shapes that keep changing (a
+        rollout's row count, evaluation remainders) must not accumulate caches until the GPU is out of memory, nor
+        may a long evaluation's cache stay through the updates."""
         if self.decode != "compiled":
             cache = NarrowStaticCache(config=self.model.config, max_cache_len=cache_len)
             self._allocate(cache, n_rows)
@@ -641,21 +650,24 @@ class HFSampler:
         if self._pauses_caches:
             cache_memory.resume()  # (contents undefined: reset below, or made by _allocate)
         cache = self._static_caches.pop((n_rows, cache_len), None)  # re-inserted below: the most recently used
-        budget = self._cache_budget()
         if cache is None:
-            layout = self._cache_layout()
-            size = cache_bytes(layout, n_rows, cache_len)
-            while size <= budget and self._static_caches and (  # (one over the budget leaves the kept ones be)
-                    len(self._static_caches) >= KEPT_CACHES
-                    or size + sum(map(kept_bytes, self._static_caches.values())) > budget):
+            size, budget = cache_bytes(self._cache_layout(), n_rows, cache_len), self._cache_budget()
+            while self._static_caches and (len(self._static_caches) >= KEPT_CACHES
+                                           or size + sum(map(kept_bytes, self._static_caches.values())) > budget):
                 del self._static_caches[next(iter(self._static_caches))]
             cache = NarrowStaticCache(config=self.model.config, max_cache_len=cache_len)
-            self._allocate(cache, n_rows, layout)
+            self._allocate(cache, n_rows)
         else:
             cache.reset()
-        if kept_bytes(cache) <= budget:  # else this call's only (KEPT_CACHE_SHARE)
-            self._static_caches[n_rows, cache_len] = cache
+        self._static_caches[n_rows, cache_len] = cache
         return cache
+
+    def _keeps(self, n_rows: int, cache_len: int) -> bool:
+        """Whether the compiled loop keeps a cache of this shape (`KEPT_CACHE_SHARE`): `generate` decodes a call whose
+        cache would not fit dynamically, which allocates as the completions grow and frees it all at the end, and
+        records no CUDA graph for a shape whose cache could not stay (each new allocation would record it again)."""
+        return ((n_rows, cache_len) in self._static_caches
+                or cache_bytes(self._cache_layout(), n_rows, cache_len) <= self._cache_budget())
 
     def _cache_budget(self) -> int:
         """KEPT_CACHE_SHARE of the total memory of the device the engine's weights are on, in bytes."""
@@ -676,7 +688,13 @@ class HFSampler:
         """Each layer's K and V as the static caches hold them, as empty [1, heads, 0, head_dim] tensors on the
         model's device: the head shapes the model computes them in and their dtypes, or the autocast dtype under
         autocast (`NarrowStaticCache`: K leaves the rotary embedding in float32 there, and is read in bf16), read off
-        a one-token forward of one row through a one-slot scratch cache; None for a layer the model never fills."""
+        a one-token forward of one row through a one-slot scratch cache (once per engine); None for a layer the model
+        never fills."""
+        if self._layout is None:
+            self._layout = self._probe_layout()
+        return self._layout
+
+    def _probe_layout(self) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
         device = next(self.model.parameters()).device
         scratch = StaticCache(config=self.model.config, max_cache_len=1)
         extra = {"logits_to_keep": 1} if self._forward_takes_logits_to_keep else {}
@@ -689,13 +707,13 @@ class HFSampler:
                                        dtype=self.autocast or seen.values.dtype))
                 if seen.is_initialized else None for seen in scratch.layers]
 
-    def _allocate(self, cache: StaticCache, n_rows: int, layout: list | None = None) -> None:
+    def _allocate(self, cache: StaticCache, n_rows: int) -> None:
         """Allocate `cache`'s tensors now, zeroed (transformers allocates a layer's on its first update, inside the
-        prefill), as `layout` (`_cache_layout`, probed here when not given) says; a layer the model never fills is
-        left to its first update. The probe's forward runs before the `cache_memory.region` (with `release_cache` on
-        CUDA), so only the caches' own tensors are allocated in it: a library buffer made by a first matmul there
-        (cuBLAS's workspace) would be unmapped with them."""
-        layout = self._cache_layout() if layout is None else layout
+        prefill), as `_cache_layout` says; a layer the model never fills is left to its first update. The layout's
+        probe forward runs before the `cache_memory.region` (with `release_cache` on CUDA), so only the caches' own
+        tensors are allocated in it: a library buffer made by a first matmul there (cuBLAS's workspace) would be
+        unmapped with them."""
+        layout = self._cache_layout()
         with cache_memory.region() if self._pauses_caches else contextlib.nullcontext():
             for layer, kv in zip(cache.layers, layout, strict=True):
                 if kv is not None:
