@@ -20,7 +20,7 @@
 #   of 1 warm-up + 2 measured batches per side: dense (trl, exact, fast), then moe (trl, fast); then, while BUDGET_S
 #   (default 420 s from the start) leaves COMPILED_S (default 150 s), dense "exact compiled" (trainer.compile). Each
 #   command is stopped at BUDGET_S, and each later one merges the earlier ones' results, so the last JSON line of
-#   bench.log holds every side measured; 4 files.
+#   bench.log holds every side measured; 5 files (env.txt, bench.log, dense.json, moe.json, dense_compiled.json).
 #
 # Later sessions, with time to spare, one per call: `compiled` (trainer.compile and the released decode caches
 # against TRL, the device-level peak), `profile` (each dense gspo side's op tables and what is live at its memory
