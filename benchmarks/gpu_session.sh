@@ -16,11 +16,12 @@
 #   trainer.device=cuda` beside the fast suite with the GPU visible (-n 12; the suite stops at SUITE_S = 300 s);
 #   4 files: env.txt, demo.log, suite.log, unfinished.txt (the tests the time limit cut off:
 #   `python3 -m pytest -n 12 $(cat unfinished.txt)` runs them).
-# bench (~6-7 min, by the H100 figures of RESULTS.md §5): the A/B against TRL that issue 12's JSON line needs, one round
-#   of 1 warm-up + 2 measured batches per side: dense (trl, exact, fast), then moe (trl, fast); then, while BUDGET_S
-#   (default 420 s from the start) leaves COMPILED_S (default 150 s), dense "exact compiled" (trainer.compile). Each
-#   command is stopped at BUDGET_S, and each later one merges the earlier ones' results, so the last JSON line of
-#   bench.log holds every side measured; 5 files (env.txt, bench.log, dense.json, moe.json, dense_compiled.json).
+# bench (~6-7 min, by the H100 figures of RESULTS.md §5): the A/B against TRL that the JSON line of issue 12 needs,
+#   one round of 1 warm-up + 2 measured batches per side: dense (trl, exact, fast), then moe (trl, fast); then, while
+#   BUDGET_S (default 420 s from the start) leaves COMPILED_S (default 150 s), dense "exact compiled" (trainer.compile).
+#   Each command is stopped at BUDGET_S, and each later one merges the earlier ones' results, so the last JSON line of
+#   bench.log holds every side measured, after one line per target; 5 files (env.txt, bench.log, dense.json,
+#   moe.json, dense_compiled.json).
 #
 # Later sessions, with time to spare, one per call: `compiled` (trainer.compile and the released decode caches
 # against TRL, the device-level peak), `profile` (each dense gspo side's op tables and what is live at its memory
