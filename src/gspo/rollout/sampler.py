@@ -124,11 +124,6 @@ def cache_bytes(layout: list[tuple[torch.Tensor, torch.Tensor] | None], n_rows: 
     return n_rows * cache_len * per_slot
 
 
-def kept_bytes(cache: StaticCache) -> int:
-    """Bytes a static cache's allocated K and V tensors hold."""
-    return sum(t.nbytes for layer in cache.layers if layer.is_initialized for t in (layer.keys, layer.values))
-
-
 def resolve_decode(decode: str, model: PreTrainedModel, device: torch.device | str,
                    record_routing: bool = False) -> str:
     """The decode mode `HFSampler` runs for `rollout.decode` (DECODE_MODES or "auto"): auto is compiled on CUDA for a
@@ -651,9 +646,10 @@ class HFSampler:
             cache_memory.resume()  # (contents undefined: reset below, or made by _allocate)
         cache = self._static_caches.pop((n_rows, cache_len), None)  # re-inserted below: the most recently used
         if cache is None:
-            size, budget = cache_bytes(self._cache_layout(), n_rows, cache_len), self._cache_budget()
-            while self._static_caches and (len(self._static_caches) >= KEPT_CACHES
-                                           or size + sum(map(kept_bytes, self._static_caches.values())) > budget):
+            layout, budget = self._cache_layout(), self._cache_budget()
+            size = cache_bytes(layout, n_rows, cache_len)
+            while self._static_caches and (len(self._static_caches) >= KEPT_CACHES or size + sum(
+                    cache_bytes(layout, *shape) for shape in self._static_caches) > budget):
                 del self._static_caches[next(iter(self._static_caches))]
             cache = NarrowStaticCache(config=self.model.config, max_cache_len=cache_len)
             self._allocate(cache, n_rows)
