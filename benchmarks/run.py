@@ -205,6 +205,11 @@ def gspo_worker(path: str, batches: int, warmup: int, options: dict) -> dict:
     from gspo.trainer import RLStep, default_hooks, rl_step
 
     prompts, group, new_tokens, device = worker_shape(options)
+    if options.get("cuda_head"):  # the chunked head as on CUDA: a bf16 matmul under autocast, CUDA's chunk size
+        import gspo.logprobs
+
+        gspo.logprobs.HEAD_AUTOCAST_DEVICES = frozenset({*gspo.logprobs.HEAD_AUTOCAST_DEVICES, device})
+        gspo.logprobs.LOGPROB_CHUNK_MIB[device] = gspo.logprobs.LOGPROB_CHUNK_MIB["cuda"]
     rewards = {"functions": {"run:hash_reward": 1.0}} if options.get("reward") == "hash" else {}
     cfg = validate_config({
         "model": {"name": path, **options.get("model", {})},
@@ -243,7 +248,8 @@ def gspo_worker(path: str, batches: int, warmup: int, options: dict) -> dict:
     if options.get("memory_peak"):  # one more with the allocator's history: what is live at the peak
         from memory_peak import record
 
-        record(options["memory_peak"], lambda: rl_step(warmup + batches + 1, model, optimizer, scheduler, rows, ctx))
+        record(options["memory_peak"], lambda: rl_step(warmup + batches + 1, model, optimizer, scheduler, rows, ctx),
+               device)
     return {"times": times, "tokens": tokens, "rollout": rollout, "rss_before": rss0, "peak_rss": peak_rss_bytes(),
             "peak_gpu": peak_gpu, "peak_device": device_peak.peak}
 
@@ -287,6 +293,11 @@ def trl_worker(path: str, batches: int, warmup: int, options: dict) -> dict:
     stamps: list[float] = []
     rss: list[int] = []
     generation: list[float] = []
+    recording, recorded, peak = None, 0, []
+    if options.get("memory_peak"):  # one more rollout batch, recorded: what is live at its memory peak
+        from memory_peak import Recording
+
+        recording, recorded = Recording(options["memory_peak"], device), 1
 
     class Stamp(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
@@ -297,6 +308,9 @@ def trl_worker(path: str, batches: int, warmup: int, options: dict) -> dict:
         def on_step_end(self, args, state, control, **kwargs):
             sync(device)
             stamps.append(time.perf_counter())
+            if recording is not None and state.global_step == MINIBATCHES * (warmup + batches):
+                peak.append(gpu_peak_bytes(device))  # the measured batches' (a CUDA recording resets it)
+                recording.start()  # the next step generates the recorded batch
 
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(
@@ -307,7 +321,7 @@ def trl_worker(path: str, batches: int, warmup: int, options: dict) -> dict:
             temperature=1.0, top_p=1.0, importance_sampling_level="sequence", loss_type="grpo",
             epsilon=3e-4, epsilon_high=4e-4, beta=0.0, learning_rate=1e-5, max_grad_norm=1.0,
             gradient_checkpointing=False, bf16=options.get("bf16", False), disable_dropout=True, log_completions=False,
-            max_steps=MINIBATCHES * (warmup + batches), dataloader_num_workers=0,
+            max_steps=MINIBATCHES * (warmup + batches + recorded), dataloader_num_workers=0,
         )
         trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
                               processing_class=tokenizer, callbacks=[Stamp()])
@@ -325,11 +339,13 @@ def trl_worker(path: str, batches: int, warmup: int, options: dict) -> dict:
             trainer._generate = timed_generate
         with DevicePeak(device) as device_peak:
             trainer.train()
+        if recording is not None:
+            recording.stop()
     ends = stamps[::MINIBATCHES]  # train begin, then the end of every 4th optimizer step
-    times = [b - a for a, b in itertools.pairwise(ends)][warmup:]
+    times = [b - a for a, b in itertools.pairwise(ends)][warmup:warmup + batches]
     return {"times": times, "tokens": [n_prompts * group * new_tokens] * len(times), "rss_before": rss[0],
             "peak_rss": peak_rss_bytes(), "rollout": generation[warmup:warmup + len(times)],
-            "peak_gpu": gpu_peak_bytes(device), "peak_device": device_peak.peak}
+            "peak_gpu": peak[0] if peak else gpu_peak_bytes(device), "peak_device": device_peak.peak}
 
 
 def padding_worker(path: str, batches: int, warmup: int, options: dict) -> dict:
@@ -635,8 +651,9 @@ def compare_gpu(paths: dict[str, Path], rounds: int, threads: int, batches: int,
     round), each a fresh worker subprocess, gspo's engine decoding with `decode` (rollout.decode) and, with `release`,
     rollout.release_decode_cache; returns {model: {side: {"times", "rollout", "update", "peak_gpu", "peak_device"}}}.
     `profile` (a folder): each gspo side's worker of the last round profiles one more rollout batch into
-    `profile/MODEL_SIDE.txt` (`profile_step`); `memory_peak` (a folder): one more again, whose allocations live at
-    its peak go to `memory_peak/MODEL_SIDE_memory.txt` (`memory_peak.record`)."""
+    `profile/MODEL_SIDE.txt` (`profile_step`); `memory_peak` (a folder): every side's worker of the last round runs
+    one more again (TRL: one more rollout batch), whose allocations live at its peak go to
+    `memory_peak/MODEL_SIDE_memory.txt` (`memory_peak.Recording`)."""
     results: dict[str, dict[str, dict]] = {}
     sides = sides or GPU_DEFAULT_SIDES
     for model, path in paths.items():
@@ -649,11 +666,10 @@ def compare_gpu(paths: dict[str, Path], rounds: int, threads: int, batches: int,
                 if worker == "gspo":
                     options["rollout"] = {**options.get("rollout", {}), "decode": decode,
                                           **({"release_decode_cache": True} if release else {})}
-                    stem = f"{model}_{side.replace(' ', '_')}"
                     if profile is not None and r == rounds - 1:
-                        options["profile"] = str(Path(profile) / f"{stem}.txt")
-                    if memory_peak is not None and r == rounds - 1:
-                        options["memory_peak"] = str(Path(memory_peak) / f"{stem}_memory.txt")
+                        options["profile"] = str(Path(profile) / f"{model}_{side.replace(' ', '_')}.txt")
+                if memory_peak is not None and r == rounds - 1:
+                    options["memory_peak"] = str(Path(memory_peak) / f"{model}_{side.replace(' ', '_')}_memory.txt")
                 # a compiled side compiles in its first batch and again when a dimension first changes (then as
                 # dynamic): one more warm-up batch keeps that out of the measured ones
                 warm = warmup + 1 if options.get("trainer", {}).get("compile") else warmup

@@ -101,9 +101,9 @@ def test_the_fused_head_computes_the_eager_logprobs_entropy_and_gradients(head_d
     targets = torch.randint(0, 50, (23,), generator=g)
     upstream = torch.randn(23, generator=g)
 
-    def run():
+    def run(vocab_chunk=None):
         lp, ent = chunked_token_logprobs(hidden, weight, targets, bias, temperature=0.8, chunk_size=5,
-                                         with_entropy=True, head_dtype=head_dtype)
+                                         with_entropy=True, head_dtype=head_dtype, vocab_chunk=vocab_chunk)
         grads = torch.autograd.grad((lp * upstream).sum(), (hidden, weight, bias))
         return lp.detach(), ent, grads
 
@@ -115,11 +115,15 @@ def test_the_fused_head_computes_the_eager_logprobs_entropy_and_gradients(head_d
         fused = run()
     assert stats["calls_captured"] > captured  # compiled, not the eager functions under another name
     assert stats["unique_graphs"] - graphs == 2  # the forward's pass and the backward's, dynamic over the chunks' rows
-    torch.testing.assert_close(fused[0], eager[0], atol=1e-6, rtol=0)
-    torch.testing.assert_close(fused[1], eager[1], atol=1e-5, rtol=0)
+    with fused_head():  # slices of the vocabulary (16, 16, 16, 2 words): the same graphs, dynamic over widths too
+        sliced = run(vocab_chunk=16)
+    assert stats["unique_graphs"] - graphs == 2
     tolerance = 1e-6 if head_dtype == torch.float32 else 1e-2
-    for e, c in zip(eager[2], fused[2], strict=True):
-        assert (c - e).abs().max() <= tolerance * e.abs().max()
+    for got in (fused, sliced):
+        torch.testing.assert_close(got[0], eager[0], atol=1e-6 if got is fused else 1e-5, rtol=0)
+        torch.testing.assert_close(got[1], eager[1], atol=1e-5, rtol=0)
+        for e, c in zip(eager[2], got[2], strict=True):
+            assert (c - e).abs().max() <= tolerance * e.abs().max()
 
 
 def test_prompt_sharing_forwards_run_eager_inside_compiled_layers(device):

@@ -15,6 +15,7 @@ from gspo.logprobs import (
     chunked_token_logprobs,
     completion_logprobs,
     default_chunk_tokens,
+    default_vocab_chunk,
 )
 from gspo.models import build_preset
 
@@ -200,7 +201,10 @@ def test_chunked_path_is_zero_at_padding_and_differentiable(model):
     assert bool((logprobs[~batch[3].bool()] == 0).all())
 
 
-def test_chunked_token_logprobs_matches_log_softmax_with_bias():
+@pytest.mark.parametrize("vocab_chunk", [None, 7, 100])
+def test_chunked_token_logprobs_matches_log_softmax_with_bias(vocab_chunk):
+    """Chunks of tokens, whole rows of logits or slices of the vocabulary (7 words: 15 slices, the last of 3; 100:
+    the last of 1): the log-probs, the entropy and every gradient of the full log-softmax."""
     g = torch.Generator().manual_seed(0)
     hidden = (0.5 * torch.randn(37, 16, generator=g)).requires_grad_()
     weight = torch.randn(101, 16, generator=g, requires_grad=True)
@@ -211,7 +215,7 @@ def test_chunked_token_logprobs_matches_log_softmax_with_bias():
     for chunked in (False, True):
         if chunked:
             lp, ent = chunked_token_logprobs(hidden, weight, targets, bias, temperature=0.8, chunk_size=4,
-                                             with_entropy=True)
+                                             with_entropy=True, vocab_chunk=vocab_chunk)
         else:
             logp = torch.log_softmax((hidden @ weight.T + bias) / 0.8, -1)
             lp, ent = logp.gather(-1, targets[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
@@ -333,11 +337,61 @@ def test_head_dtype_follows_autocast_only_on_the_listed_devices(model, monkeypat
         assert torch.equal(plain, completion_logprobs(model, *batch, head_dtype=torch.float32)[0][mask])
 
 
-def test_default_chunk_is_a_budget_of_float32_logits_per_device():
+def test_default_tiles_are_a_budget_of_float32_logits_per_device():
+    """CPU: as many tokens as whole rows of logits fit 64 MiB; CUDA: 4,096 tokens over slices of 128 MiB."""
     assert default_chunk_tokens(151_936, "cpu") == (1 << 24) // 151_936 == 110  # 64 MiB, as before
-    assert default_chunk_tokens(151_936, torch.device("cuda")) == (512 << 20) // (4 * 151_936) == 883
-    assert default_chunk_tokens(52, "cpu") == (1 << 24) // 52
-    assert default_chunk_tokens(10**9, "cuda") == 1
+    assert default_vocab_chunk(151_936, 110, "cpu") == 151_936  # whole rows
+    assert default_chunk_tokens(52, "cpu") == (1 << 24) // 52 and default_vocab_chunk(52, (1 << 24) // 52, "cpu") == 52
+    assert default_chunk_tokens(151_936, torch.device("cuda")) == 4096
+    assert default_vocab_chunk(151_936, 4096, torch.device("cuda")) == (128 << 20) // (4 * 4096) == 8192
+    assert default_vocab_chunk(5_000, 4096, "cuda") == 5_000  # a small vocabulary: whole rows
+    assert default_chunk_tokens(10**9, "cpu") == 1 and default_vocab_chunk(10**9, 1, "cpu") == 1 << 24
+
+
+def test_the_head_never_holds_a_second_copy_of_its_weight():
+    """The mixed-precision head (a bf16 matmul over float32 weights, as CUDA runs it; forced on the CPU), over slices
+    of the vocabulary: the forward holds no more than a few slices (no bf16 copy of the whole weight), the backward
+    the float32 weight gradient and a few slices (no weight-sized bf16 product, nor its float32 sum). Measured with
+    torch.profiler's memory events (allocations of the call only): 0.04× and 1.12× the weight's bytes; before
+    slicing, 1.13× (a bf16 copy of the weight, and the chunk's logits) and 3.13× (the gradient, a bf16 copy of the
+    weight, the bf16 product and, on the CPU, its float32 sum)."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator().manual_seed(0)
+    m, h, v, width = 64, 256, 16_384, 1_024
+    hidden = torch.randn(m, h, generator=g).requires_grad_()
+    weight = (torch.randn(v, h, generator=g) / h ** 0.5).requires_grad_()
+    targets = torch.randint(0, v, (m,), generator=g)
+    weight_bytes = weight.numel() * 4
+
+    def peak(step) -> int:
+        """The most bytes that `step` had allocated at once (frees of older memory left out)."""
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            step()
+        events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+        while stack:
+            node = stack.pop()
+            if node.typed[0] == _EventType.Allocation:
+                events.append((node.start_time_ns, node.typed[1].ptr, node.typed[1].alloc_size))
+            stack.extend(node.children)
+        live, total, top = {}, 0, 0
+        for _, ptr, size in sorted(events):
+            if size > 0:
+                live[ptr] = size
+                total += size
+                top = max(top, total)
+            elif ptr in live:
+                total -= live.pop(ptr)
+        return top
+
+    out = {}
+    forward = peak(lambda: out.update(lp=chunked_token_logprobs(hidden, weight, targets, chunk_size=m,
+                                                                 head_dtype=torch.bfloat16, vocab_chunk=width)[0]))
+    backward = peak(lambda: out["lp"].sum().backward())
+    slice_bytes = m * width * 4 + width * h * 4  # a float32 tile of logits and a float32 slice of the weight
+    assert forward < 0.25 * weight_bytes and forward < 8 * slice_bytes
+    assert weight.grad is not None and weight_bytes <= backward < weight_bytes + 8 * slice_bytes
 
 
 def test_ddp_policy_takes_the_chunked_head_inside_one_ddp_forward(model, tmp_path, monkeypatch):

@@ -1,4 +1,5 @@
-"""benchmarks/memory_peak.py: what is live at a GPU's allocation peak, from the allocator's trace and snapshot."""
+"""benchmarks/memory_peak.py: what is live at a device's allocation peak: from the CUDA allocator's trace and snapshot,
+or from torch.profiler's memory events on the CPU."""
 
 from __future__ import annotations
 
@@ -70,3 +71,26 @@ def test_a_recorded_step_on_cuda_reports_its_peak(tmp_path):
     text = (tmp_path / "m.txt").read_text()
     assert float(text.splitlines()[1].split()[2]) >= 0.09  # "peak allocated 0.09 GiB in ...": 96 MiB at once
     assert "test_memory_peak.py" in text
+
+
+def test_the_cpu_replay_counts_what_the_recording_allocated_and_ignores_older_frees():
+    allocations = [(1, 500, -4000, "old"),  # memory from before the recording, freed in it: not counted
+                   (2, 300, 2000, "head"), (3, 400, 700, "attention"), (4, 300, -2000, "head"),
+                   (5, 300, 100, "torch")]
+    peak, live = memory_peak.cpu_live_at_peak(allocations)
+    assert peak == 2700 and live == {300: (2000, "head"), 400: (700, "attention")}
+
+
+def test_a_recorded_step_on_the_cpu_reports_its_peak_by_frame(tmp_path):
+    """On the CPU (torch.profiler's memory events): a step that holds 64 MiB and 32 MiB at once, then frees them and
+    runs a small backward, reports at least 96 MiB, named by this file's function."""
+    def step():
+        a = torch.empty(64 * 2**20, dtype=torch.uint8)
+        b = torch.empty(32 * 2**20, dtype=torch.uint8)
+        del a, b
+        torch.nn.Linear(64, 64)(torch.randn(8, 64, requires_grad=True)).sum().backward()
+
+    memory_peak.record(tmp_path / "m.txt", step, device="cpu")
+    lines = (tmp_path / "m.txt").read_text().splitlines()
+    assert lines[1].startswith("peak growth 0.09") and " in 2 allocations" in lines[1]
+    assert "test_memory_peak.py" in lines[3] and "step" in lines[3] and lines[3].split()[1] == "100.0%"

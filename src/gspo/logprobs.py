@@ -5,8 +5,9 @@ Two things keep this cheap (both exact up to float rounding, both tested against
 - Memory: log π(y_t) is computed from the final hidden states in chunks of tokens (`chunked_token_logprobs`), so the
   N×T×V logits never exist at once; the backward recomputes each chunk's logits instead of keeping them. At Qwen3's
   vocabulary (151,936) and 4k completion tokens that is ~0.3 GB instead of ~7 GB for logits, log-softmax and their
-  gradients (benchmarks/logprobs_memory.py). Chunks are sized by a budget of float32 logits per device
-  (`LOGPROB_CHUNK_MIB`: larger on CUDA, where a chunk must fill the GPU).
+  gradients (benchmarks/logprobs_memory.py). Tiles of chunk × vocabulary slice are sized by a budget of float32
+  logits per device (`LOGPROB_CHUNK_MIB`; on CUDA chunks of 4,096 tokens, `LOGPROB_CHUNK_ROWS`, whose matmuls fill
+  the GPU, over slices of the vocabulary).
 - Padding (`trim_padding=True`): rows are forwarded in length buckets, each cut to its own longest prompt and
   completion, and the last completion token (which predicts nothing) is not fed, so left/right padding costs
   (almost) nothing; a prompt shared by several rows (a group) can run once (`share_prompts`). This changes the token
@@ -31,13 +32,18 @@ from transformers import PreTrainedModel
 
 from gspo.models import cache_keyword, compile_options, output_cache
 
-LOGPROB_CHUNK_MIB: dict[str, int] = {"cpu": 64, "cuda": 512}
-"""Default size of one chunk of `chunked_token_logprobs`, as MiB of float32 logits, by device type (other devices:
-the CPU's): chunk tokens = MiB · 2^20 // (4 · vocabulary), e.g. 110 tokens on a CPU and 883 on CUDA at Qwen3's
-vocabulary (151,936). Every chunk reads the whole head weight, so a chunk must be large enough for the projection to
-be a real matmul rather than a weight-bandwidth-bound one: on a GPU that takes hundreds of rows (at 883 × 1,024 ×
-151,936 a chunk is 275 GFLOP). The peak is ~2 chunks of float32 logits (so ~1 GiB expected on CUDA, not measured
-yet, vs 5 GiB for the float32 logits alone of 32 × 256 tokens; on a CPU 175 MiB at 1,024 tokens, RESULTS.md)."""
+LOGPROB_CHUNK_MIB: dict[str, int] = {"cpu": 64, "cuda": 128}
+"""Default size of one tile of `chunked_token_logprobs` (a chunk of tokens × a slice of the vocabulary), as MiB of
+float32 logits, by device type (other devices: the CPU's). The head's transient memory is a few tiles (the matmul's
+logits, their float32 upcast, the gradient), besides the float32 weight gradient the backward accumulates."""
+
+LOGPROB_CHUNK_ROWS: dict[str, int] = {"cuda": 4096}
+"""Tokens per chunk by device type; a device type not listed (the CPU) takes as many as one slice of the whole
+vocabulary fits LOGPROB_CHUNK_MIB (110 at Qwen3's 151,936 words), so its tiles are whole rows of logits. Why CUDA
+slices the vocabulary: every chunk reads the whole head weight, so a chunk must be hundreds of tokens for its
+matmul to be compute-bound rather than weight-bandwidth-bound, and whole rows of that many tokens are large (883
+rows of Qwen3's vocabulary are 512 MiB of float32). At 4,096 tokens a tile is 8,192 words wide (128 MiB): a
+275-GFLOP matmul on a third of the memory, and no tile ever holds the head weight in bf16 whole."""
 
 HEAD_AUTOCAST_DEVICES: frozenset[str] = frozenset({"cuda"})
 """Device types on which the chunked head's matmul follows torch.autocast (`trainer.mixed_precision`): bf16 tensor
@@ -47,10 +53,21 @@ weights' dtype under autocast too, as before (float32 over float32 weights), so 
 
 
 def default_chunk_tokens(vocab_size: int, device: torch.device | str) -> int:
-    """Rows of logits per chunk of `chunked_token_logprobs` by default on `device`: LOGPROB_CHUNK_MIB of float32."""
+    """Tokens per chunk of `chunked_token_logprobs` by default on `device` (LOGPROB_CHUNK_ROWS)."""
     device_type = torch.device(device).type
-    budget = LOGPROB_CHUNK_MIB.get(device_type, LOGPROB_CHUNK_MIB["cpu"]) << 20
-    return max(1, budget // (4 * vocab_size))
+    if device_type in LOGPROB_CHUNK_ROWS:
+        return LOGPROB_CHUNK_ROWS[device_type]
+    return max(1, _budget(device_type) // (4 * vocab_size))
+
+
+def default_vocab_chunk(vocab_size: int, rows: int, device: torch.device | str) -> int:
+    """Words per vocabulary slice of `chunked_token_logprobs` for chunks of `rows` tokens: as many as a tile of
+    LOGPROB_CHUNK_MIB of float32 logits holds, at most the whole vocabulary."""
+    return min(vocab_size, max(1, _budget(torch.device(device).type) // (4 * rows)))
+
+
+def _budget(device_type: str) -> int:
+    return LOGPROB_CHUNK_MIB.get(device_type, LOGPROB_CHUNK_MIB["cpu"]) << 20
 
 
 def head_compute_dtype(weight: torch.Tensor, device_type: str) -> torch.dtype:
@@ -66,29 +83,33 @@ _SCALED_LOGITS_KEYS = ("final_logit_softcapping", "logit_scale", "logits_scaling
 
 
 class _ChunkedTokenLogprob(torch.autograd.Function):
-    """log softmax(h W^T + b)/τ at the target token, computed `chunk` rows at a time; backward recomputes the chunk's
-    logits (∂/∂logits = (onehot − softmax)·g/τ), so only the [M] log-sum-exps are saved besides the inputs.
+    """log softmax(h W^T + b)/τ at the target token, computed one tile at a time: `chunk` tokens × `width` words of
+    the vocabulary (a slice of W and b). Each tile gives its log-sum-exp, the target's logit if the target is in it,
+    and its share of the entropy; the tiles of a chunk combine exactly (`_combine`). The backward recomputes each
+    tile's logits (∂/∂logits = (onehot − softmax)·g/τ), so only the [M] log-sum-exps are saved besides the inputs.
 
-    The matmuls (forward and both backward ones) run in `dtype` with autocast off; the logits are upcast to float32
-    before anything else, so the log-softmax, its gradient and the entropy are float32 whatever `dtype` is."""
+    The matmuls (forward and the backward ones) run in `dtype` with autocast off, on a slice of the weights cast to
+    it (never the whole weight at once); the logits are upcast to float32 before anything else, so the log-softmax,
+    its gradient and the entropy are float32 whatever `dtype` is, and the gradients of the hidden states (over
+    several slices) and of the weights (over several chunks) are accumulated in float32 (`_add_product`)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk, with_entropy, dtype):
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk, width, with_entropy, dtype):
         n = hidden.shape[0]
         logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=hidden.device)
-        w, b = _cast(weight, dtype), _cast(bias, dtype)  # once per call: a no-op in the weights' own dtype
         ctx.fused = _FUSED_HEAD["on"]
-        stats = _fused(_chunk_stats) if ctx.fused else _chunk_stats
+        stats = _fused(_tile_stats) if ctx.fused else _tile_stats
         for s in range(0, n, chunk):
-            logits = _chunk_matmul(hidden[s:s + chunk], w, b)
-            lse[s:s + chunk], logprobs[s:s + chunk], ent = stats(logits, targets[s:s + chunk], temperature,
-                                                                 with_entropy)
+            h, t = hidden[s:s + chunk], targets[s:s + chunk]
+            tiles = [stats(_chunk_matmul(h, *_slice(weight, bias, v, width, dtype)), t - v, temperature, with_entropy)
+                     for v in range(0, weight.shape[0], width)]
+            lse[s:s + chunk], logprobs[s:s + chunk], ent = _combine(tiles)
             if with_entropy:
                 entropy[s:s + chunk] = ent
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
-        ctx.temperature, ctx.chunk, ctx.head_dtype = temperature, chunk, dtype
+        ctx.temperature, ctx.chunk, ctx.width, ctx.head_dtype = temperature, chunk, width, dtype
         ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
 
@@ -96,63 +117,106 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
     def backward(ctx, grad_logprobs, _grad_entropy):
         hidden, weight, bias, targets, lse = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        w, b = _cast(weight, ctx.head_dtype), _cast(bias, ctx.head_dtype)
-        grad_h = torch.empty_like(hidden) if need_h else None
+        width, vocab = ctx.width, weight.shape[0]
+        sliced = width < vocab  # several slices: the hidden states' gradient is a sum, accumulated in float32
+        grad_h = None if not need_h else (torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+                                          if sliced else torch.empty_like(hidden))
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
-        logits_grad = _fused(_chunk_logits_grad) if ctx.fused else _chunk_logits_grad
+        logits_grad = _fused(_tile_logits_grad) if ctx.fused else _tile_logits_grad
         for s in range(0, hidden.shape[0], ctx.chunk):
             h = hidden[s:s + ctx.chunk].to(ctx.head_dtype)
-            grad_logits = logits_grad(_chunk_matmul(h, w, b), lse[s:s + ctx.chunk], targets[s:s + ctx.chunk],
-                                      grad_logprobs[s:s + ctx.chunk], ctx.temperature, ctx.head_dtype)
-            with torch.autocast(hidden.device.type, enabled=False):
-                if need_h:
-                    grad_h[s:s + ctx.chunk] = grad_logits @ w
-                if need_w:
-                    grad_w += grad_logits.t() @ h  # a low-precision product is accumulated in float32
-                if need_b:
-                    grad_b += grad_logits.float().sum(0)
+            for v in range(0, vocab, width):
+                w, b = _slice(weight, bias, v, width, ctx.head_dtype)
+                grad_logits = logits_grad(_chunk_matmul(h, w, b), lse[s:s + ctx.chunk], targets[s:s + ctx.chunk] - v,
+                                          grad_logprobs[s:s + ctx.chunk], ctx.temperature, ctx.head_dtype)
+                with torch.autocast(hidden.device.type, enabled=False):
+                    if need_h and sliced:
+                        _add_product(grad_h[s:s + ctx.chunk], grad_logits, w)
+                    elif need_h:
+                        grad_h[s:s + ctx.chunk] = grad_logits @ w
+                    if need_w:
+                        _add_product(grad_w[v:v + width], grad_logits.t(), h)
+                    if need_b:
+                        grad_b[v:v + width] += grad_logits.float().sum(0)
+        grad_h = None if grad_h is None else grad_h.to(hidden.dtype)
         grad_w = None if grad_w is None else grad_w.to(weight.dtype)
         grad_b = None if grad_b is None else grad_b.to(bias.dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None
 
 
-def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    return None if t is None else t.to(dtype)
+def _slice(weight: torch.Tensor, bias: torch.Tensor | None, start: int, width: int,
+           dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Words start..start + width of the head, in `dtype` (a view, no copy, in the weights' own dtype)."""
+    return weight[start:start + width].to(dtype), None if bias is None else bias[start:start + width].to(dtype)
+
+
+def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b for a float32 `acc`, in place, the product never rounded to the dtype of `a` and `b` first nor
+    held as a tensor of its own: a weight-sized bf16 product and its float32 sum would be two more copies of the
+    head weight at the top of the backward. On CUDA a bf16 / fp16 matmul writes float32 directly (cuBLAS, torch's
+    out_dtype); elsewhere the operands are upcast (one tile, and the chunk's hidden states)."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif acc.device.type == "cuda" and hasattr(torch.ops.aten.addmm, "dtype_out"):
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
 
 
 def _chunk_matmul(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """One chunk's logits in the dtype of `weight` (autocast off). With float32 weights this is exactly what the
+    """One tile's logits in the dtype of `weight` (autocast off). With float32 weights this is exactly what the
     model's own float32 head computes without autocast."""
     with torch.autocast(hidden.device.type, enabled=False):
         return nn.functional.linear(hidden.to(weight.dtype), weight, bias)
 
 
-def _chunk_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
-                 with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Float32 log-sum-exp, target log-prob and entropy (H = lse − Σ p·z; None without `with_entropy`) of one chunk
-    of logits z / τ, whatever the logits' dtype (the matmul's)."""
+def _tile_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Of one tile of logits z / τ [rows, words], in float32 whatever the logits' dtype (the matmul's): the
+    log-sum-exp, the target's logit where `targets` (relative to the tile's first word) falls in it and 0 elsewhere,
+    and Σ softmax(z)·z over the tile (None without `with_entropy`)."""
     z = logits.float()
     if temperature != 1.0:
         z = z / temperature
     lse = torch.logsumexp(z, -1)
-    logprob = z.gather(-1, targets[:, None]).squeeze(-1) - lse
+    inside = (targets >= 0) & (targets < z.shape[-1])
+    target = z.gather(-1, targets.clamp(0, z.shape[-1] - 1)[:, None]).squeeze(-1).where(inside, 0.0)
     if not with_entropy:
-        return lse, logprob, None
+        return lse, target, None
     probs = (z - lse[:, None]).exp_()
-    return lse, logprob, lse - probs.mul_(z).sum(-1)
+    return lse, target, probs.mul_(z).sum(-1)
 
 
-def _chunk_logits_grad(logits: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, g: torch.Tensor,
-                       temperature: float, dtype: torch.dtype) -> torch.Tensor:
-    """∂(Σ g·log-prob)/∂logits of one chunk, (onehot − softmax(z / τ))·g / τ, in float32, returned in `dtype` (the
-    matmul's). In place on the upcast logits, which are not needed after."""
+def _combine(tiles: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A chunk's (log-sum-exp, target log-prob, entropy H = lse − Σ p·z) from its tiles' `_tile_stats`: the
+    log-sum-exp of theirs, and each tile's Σ softmax·z weighted by its share of the probability, exp(lse_t − lse).
+    One tile (the whole vocabulary) is taken as it is."""
+    if len(tiles) == 1:
+        lse, target, dot = tiles[0]
+        return lse, target - lse, None if dot is None else lse - dot
+    lses = torch.stack([t[0] for t in tiles])
+    lse = torch.logsumexp(lses, 0)
+    target = torch.stack([t[1] for t in tiles]).sum(0)
+    if tiles[0][2] is None:
+        return lse, target - lse, None
+    dot = ((lses - lse).exp() * torch.stack([t[2] for t in tiles])).sum(0)
+    return lse, target - lse, lse - dot
+
+
+def _tile_logits_grad(logits: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, g: torch.Tensor,
+                      temperature: float, dtype: torch.dtype) -> torch.Tensor:
+    """∂(Σ g·log-prob)/∂logits of one tile, (onehot − softmax(z / τ))·g / τ with the chunk's log-sum-exp `lse` and
+    `targets` relative to the tile's first word (a target outside the tile adds nothing), computed in float32 and
+    returned in `dtype` (the matmul's). In place on the upcast logits, which are not needed after."""
     z = logits.float()
     if temperature != 1.0:
         z = z / temperature
     g = g[:, None].float()
     grad = z.sub_(lse[:, None]).exp_().mul_(-g)
-    grad.scatter_add_(-1, targets[:, None], g)
+    inside = (targets >= 0) & (targets < grad.shape[-1])
+    grad.scatter_add_(-1, targets.clamp(0, grad.shape[-1] - 1)[:, None], g * inside[:, None])
     if temperature != 1.0:
         grad /= temperature
     return grad.to(dtype)
@@ -172,11 +236,11 @@ def _fused(fn: Callable) -> Callable:
 @contextlib.contextmanager
 def fused_head(enabled: bool = True) -> Iterator[None]:
     """Within (`trainer.compile`, beside `gspo.models.compiled_layers`): `chunked_token_logprobs` runs the float32
-    passes over each chunk of logits compiled, so that inductor fuses them: the forward's upcast, log-sum-exp, target
+    passes over each tile of logits compiled, so that inductor fuses them: the forward's upcast, log-sum-exp, target
     gather and entropy, and the backward's upcast, softmax gradient and downcast, each read the matmul's logits once
-    instead of 3 to 6 eager passes over a float32 chunk (at 883 rows of Qwen3's 151,936-word vocabulary, 512 MiB
-    each: ~75 GB of memory traffic per minibatch forward and backward of 32 × 256 tokens, by arithmetic). The matmuls
-    stay as they are. Values: the same computation within float rounding (`tests/test_compile.py`)."""
+    instead of 3 to 6 eager passes over a float32 tile (at Qwen3's 151,936-word vocabulary ~75 GB of memory traffic
+    per minibatch forward and backward of 32 × 256 tokens, by arithmetic). The matmuls stay as they are. Values:
+    the same computation within float rounding (`tests/test_compile.py`)."""
     before = _FUSED_HEAD["on"]
     _FUSED_HEAD["on"] = enabled
     try:
@@ -194,32 +258,35 @@ def chunked_token_logprobs(
     chunk_size: int | None = None,
     with_entropy: bool = False,
     head_dtype: torch.dtype | None = None,
+    vocab_chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax((hidden @ weight.T + bias) / temperature)[targets] for hidden [M, H], targets [M]: returns
     (logprobs [M] float32 with gradient to hidden/weight/bias, entropy [M] float32 detached or None).
 
-    Never holds more than `chunk_size` rows of logits (default: `default_chunk_tokens`, LOGPROB_CHUNK_MIB of float32
-    logits for the device).
+    Never holds more than one tile of logits: `chunk_size` tokens (default: `default_chunk_tokens`) × `vocab_chunk`
+    words (default: `default_vocab_chunk`, LOGPROB_CHUNK_MIB of float32 logits for the device), nor the head weight
+    in another dtype than its own beyond one slice; the backward adds the float32 weight gradient.
 
     head_dtype: the dtype of the head's matmuls (forward and backward); None = `head_compute_dtype`: under autocast
         on CUDA the autocast dtype (bf16 tensor cores, like the model's own head and the full-logits path), otherwise
         the weights' dtype. The logits are upcast to float32 before the log-softmax, its gradient and the entropy,
-        and the weight gradient is accumulated over chunks in float32.
+        and the gradients are accumulated over chunks and slices in float32.
 
     Precision: in float32 (float32 weights without autocast, or autocast on a CPU) this equals the naive full-logits
     computation in value and gradient up to float rounding (tests: values within 2e-5, gradients within 1e-5 of each
-    parameter's largest entry). With a bf16 matmul the log-probs carry the bf16 rounding of the hidden states, the
-    weights and the logits (the log-softmax itself adds none): measured on a CPU under torch.autocast (64 tokens,
-    hidden 256, vocabulary 8,192, logits of standard deviation 2; four seeds) the largest error against the float32
-    reference is 1.2e-2 to 2.2e-2 (mean 4.0e-3 to 4.9e-3), where a log-softmax computed in bf16 too is off by up to
-    3.7e-2 to 4.8e-2 (mean 1.5e-2 to 1.75e-2); gradients are within 4e-3 to 7e-3 of each one's largest entry. The
-    errors grow in proportion to the logits' scale. `test_bf16_head_matmul_keeps_a_float32_log_softmax` asserts
-    3e-2 (mean 1e-2), and gradients within 1.5e-2.
+    parameter's largest entry, whole rows or slices of the vocabulary). With a bf16 matmul the log-probs carry the
+    bf16 rounding of the hidden states, the weights and the logits (the log-softmax itself adds none): measured on a
+    CPU under torch.autocast (64 tokens, hidden 256, vocabulary 8,192, logits of standard deviation 2; four seeds)
+    the largest error against the float32 reference is 1.2e-2 to 2.2e-2 (mean 4.0e-3 to 4.9e-3), where a
+    log-softmax computed in bf16 too is off by up to 3.7e-2 to 4.8e-2 (mean 1.5e-2 to 1.75e-2); gradients are within
+    4e-3 to 7e-3 of each one's largest entry. The errors grow in proportion to the logits' scale.
+    `test_bf16_head_matmul_keeps_a_float32_log_softmax` asserts 3e-2 (mean 1e-2), and gradients within 1.5e-2.
     """
     chunk = max(1, chunk_size or default_chunk_tokens(weight.shape[0], weight.device))
+    width = max(1, vocab_chunk or default_vocab_chunk(weight.shape[0], chunk, weight.device))
     dtype = head_compute_dtype(weight, hidden.device.type) if head_dtype is None else head_dtype
-    logprobs, entropy = _ChunkedTokenLogprob.apply(hidden, weight, bias, targets, temperature, chunk, with_entropy,
-                                                   dtype)
+    logprobs, entropy = _ChunkedTokenLogprob.apply(hidden, weight, bias, targets, temperature, chunk, width,
+                                                   with_entropy, dtype)
     return logprobs, entropy if with_entropy else None
 
 
