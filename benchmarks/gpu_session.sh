@@ -24,8 +24,8 @@
 #   moe.json, dense_compiled.json).
 #
 # Later sessions, with time to spare, one per call: `compiled` (trainer.compile and the released decode caches
-# against TRL, the device-level peak), `profile` (each dense gspo side's op tables and what is live at its memory
-# peak), `sampler` (decode loops against the forward-only bound), `decode` (grouped vs repeat_kv decode attention),
+# against TRL, the device-level peak), `profile` (each dense gspo side's op tables, and what is live at each side's
+# memory peak, TRL's too: 6 files), `sampler` (decode loops against the forward-only bound), `decode` (grouped vs repeat_kv decode attention),
 # `update` (the update phase, layers eager vs compiled), `moe` (the MoE A/B with its exact side).
 # `compiled` and the suite's test of rollout.release_decode_cache need torch_memory_saver, which `prepare` adds.
 set -uo pipefail
@@ -101,9 +101,9 @@ case "$part" in
     "${ab[@]}" --models dense --no-sampler --sides trl,exact-compiled,fast-compiled --release-decode-cache \
       --save "$out/dense_compiled.json" 2>&1 | tee "$out/compiled.log"
     ;;
-  profile)  # 4 tables (2 sides × op times and memory peak) + log
+  profile)  # 2 op tables (gspo exact, fast) + 3 memory tables (TRL, gspo exact, fast) + log
     env_info
-    "${ab[@]}" --models dense --sides exact,fast --measured 1 --no-sampler --profile "$out" --memory-peak "$out" \
+    "${ab[@]}" --models dense --sides trl,exact,fast --measured 1 --no-sampler --profile "$out" --memory-peak "$out" \
       2>&1 | tee "$out/profile.log"
     ;;
   sampler)

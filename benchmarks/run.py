@@ -824,9 +824,9 @@ def main() -> None:
     p.add_argument("--sides", default=None, help="cuda: comma-separated subset of trl, exact, fast (default: all)")
     p.add_argument("--profile", default=None, help="cuda: a folder; each gspo side profiles one more rollout batch "
                    "(torch.profiler op tables by device and CPU time) into FOLDER/MODEL_SIDE.txt")
-    p.add_argument("--memory-peak", default=None, help="cuda: a folder; each gspo side runs one more rollout batch "
-                   "with the allocator's history recorded and writes what is live at its peak, by where it was "
-                   "allocated (benchmarks/memory_peak.py)")
+    p.add_argument("--memory-peak", default=None, help="cuda: a folder; each side (TRL's too) runs one more rollout "
+                   "batch with the allocator's history recorded and writes what is live at its peak, by where it was "
+                   "allocated (benchmarks/memory_peak.py; on the CPU: python benchmarks/memory_peak.py)")
     p.add_argument("--save", default=None, help="cuda: write this call's raw results to this JSON file")
     p.add_argument("--merge", default=None, help="cuda: comma-separated JSON files of earlier calls' --save, "
                    "printed in one table with this call's")

@@ -425,3 +425,20 @@ def test_ddp_policy_takes_the_chunked_head_inside_one_ddp_forward(model, tmp_pat
     for name, g in grads.items():
         name = name.removeprefix("module.module.")
         torch.testing.assert_close(g, want_grads[name], atol=1e-6 * float(want_grads[name].abs().max()), rtol=1e-5)
+
+
+def test_a_low_precision_product_is_accumulated_in_float32_without_rounding_it_first(device):
+    """`_add_product` (the head's gradients over chunks and slices): acc += a @ b for bf16 a and b is the float32
+    product of their values (on CUDA cuBLAS writes float32 directly; elsewhere the operands are upcast), not the
+    product rounded to bf16 and then added (which is ~2^-9 of each entry off)."""
+    from gspo.logprobs import _add_product
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(64, 256, generator=g).bfloat16().to(device)
+    b = torch.randn(256, 48, generator=g).bfloat16().to(device)
+    acc = torch.full((64, 48), 3.0, device=device)
+    want = 3.0 + a.double() @ b.double()
+    _add_product(acc, a, b)
+    rounded = 3.0 + (a @ b).double()  # the bf16 product, then the sum
+    assert acc.dtype == torch.float32
+    assert float((acc.double() - want).abs().max()) < 1e-4 < float((rounded - want).abs().max())
