@@ -205,11 +205,12 @@ def gspo_worker(path: str, batches: int, warmup: int, options: dict) -> dict:
     from gspo.trainer import RLStep, default_hooks, rl_step
 
     prompts, group, new_tokens, device = worker_shape(options)
-    if options.get("cuda_head"):  # the chunked head as on CUDA: a bf16 matmul under autocast, CUDA's chunk size
+    if options.get("cuda_head"):  # the chunked head as on CUDA: a bf16 matmul under autocast, CUDA's tiles
         import gspo.logprobs
 
         gspo.logprobs.HEAD_AUTOCAST_DEVICES = frozenset({*gspo.logprobs.HEAD_AUTOCAST_DEVICES, device})
         gspo.logprobs.LOGPROB_CHUNK_MIB[device] = gspo.logprobs.LOGPROB_CHUNK_MIB["cuda"]
+        gspo.logprobs.LOGPROB_CHUNK_ROWS[device] = gspo.logprobs.LOGPROB_CHUNK_ROWS["cuda"]
     rewards = {"functions": {"run:hash_reward": 1.0}} if options.get("reward") == "hash" else {}
     cfg = validate_config({
         "model": {"name": path, **options.get("model", {})},
