@@ -43,7 +43,7 @@ vocabulary fits LOGPROB_CHUNK_MIB (110 at Qwen3's 151,936 words), so its tiles a
 slices the vocabulary: every chunk reads the whole head weight, so a chunk must be hundreds of tokens for its
 matmul to be compute-bound rather than weight-bandwidth-bound, and whole rows of that many tokens are large (883
 rows of Qwen3's vocabulary are 512 MiB of float32). At 4,096 tokens a tile is 8,192 words wide (128 MiB): a
-275-GFLOP matmul on a third of the memory, and no tile ever holds the head weight in bf16 whole."""
+69-GFLOP matmul at hidden size 1,024 in a quarter of that memory, and no tile holds the head weight in bf16 whole."""
 
 HEAD_AUTOCAST_DEVICES: frozenset[str] = frozenset({"cuda"})
 """Device types on which the chunked head's matmul follows torch.autocast (`trainer.mixed_precision`): bf16 tensor
