@@ -215,7 +215,14 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default="memory-peak", help="folder for one table per side")
     a = p.parse_args()
-    shape = [int(x) for x in a.shape.split(",")]
+    try:
+        shape = [int(x) for x in a.shape.split(",")]
+    except ValueError:
+        shape = []
+    if len(shape) != 3 or min(shape) < 1:
+        p.error(f"--shape {a.shape!r}: three positive integers, prompts,completions,new tokens (e.g. 2,4,8)")
+    if unknown := [x for x in a.sides.split(",") if x not in ("trl", "exact", "fast")]:
+        p.error(f"--sides: unknown {unknown}; sides: trl, exact, fast")
     sides = [run.GPU_SIDE_NAMES[x] for x in a.sides.split(",")]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
