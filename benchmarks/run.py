@@ -664,13 +664,14 @@ def compare_gpu(paths: dict[str, Path], rounds: int, threads: int, batches: int,
             for side in sides if r % 2 == 0 else sides[::-1]:
                 worker, options = GPU_SIDES[side]
                 options = {**options, "shape": list(shape), "device": device, "reward": "hash", "time_generation": True}
+                stem = f"{model}_{side.replace(' ', '_')}"
                 if worker == "gspo":
                     options["rollout"] = {**options.get("rollout", {}), "decode": decode,
                                           **({"release_decode_cache": True} if release else {})}
                     if profile is not None and r == rounds - 1:
-                        options["profile"] = str(Path(profile) / f"{model}_{side.replace(' ', '_')}.txt")
+                        options["profile"] = str(Path(profile) / f"{stem}.txt")
                 if memory_peak is not None and r == rounds - 1:
-                    options["memory_peak"] = str(Path(memory_peak) / f"{model}_{side.replace(' ', '_')}_memory.txt")
+                    options["memory_peak"] = str(Path(memory_peak) / f"{stem}_memory.txt")
                 # a compiled side compiles in its first batch and again when a dimension first changes (then as
                 # dynamic): one more warm-up batch keeps that out of the measured ones
                 warm = warmup + 1 if options.get("trainer", {}).get("compile") else warmup

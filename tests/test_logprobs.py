@@ -355,8 +355,9 @@ def test_the_head_never_holds_a_second_copy_of_its_weight():
     torch.profiler's memory events (allocations of the call only): 0.04× and 1.12× the weight's bytes; before
     slicing, 1.13× (a bf16 copy of the weight, and the chunk's logits) and 3.13× (the gradient, a bf16 copy of the
     weight, the bf16 product and, on the CPU, its float32 sum)."""
-    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
+
+    from test_memory_peak import memory_peak  # benchmarks/memory_peak.py, loaded there
 
     g = torch.Generator().manual_seed(0)
     m, h, v, width = 64, 256, 16_384, 1_024
@@ -369,21 +370,7 @@ def test_the_head_never_holds_a_second_copy_of_its_weight():
         """The most bytes that `step` had allocated at once (frees of older memory left out)."""
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             step()
-        events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-        while stack:
-            node = stack.pop()
-            if node.typed[0] == _EventType.Allocation:
-                events.append((node.start_time_ns, node.typed[1].ptr, node.typed[1].alloc_size))
-            stack.extend(node.children)
-        live, total, top = {}, 0, 0
-        for _, ptr, size in sorted(events):
-            if size > 0:
-                live[ptr] = size
-                total += size
-                top = max(top, total)
-            elif ptr in live:
-                total -= live.pop(ptr)
-        return top
+        return memory_peak.cpu_live_at_peak(memory_peak.profiled_allocations(prof))[0]
 
     out = {}
     forward = peak(lambda: out.update(lp=chunked_token_logprobs(hidden, weight, targets, chunk_size=m,
