@@ -429,3 +429,10 @@ def test_a_low_precision_product_is_accumulated_in_float32_without_rounding_it_f
     rounded = 3.0 + (a @ b).double()  # the bf16 product, then the sum
     assert acc.dtype == torch.float32
     assert float((acc.double() - want).abs().max()) < 1e-4 < float((rounded - want).abs().max())
+
+
+@pytest.mark.parametrize("sizes", [{"chunk_size": -1}, {"vocab_chunk": -8}])
+def test_a_negative_chunk_or_slice_is_refused(sizes):
+    hidden, weight, targets = torch.randn(4, 8), torch.randn(16, 8), torch.randint(0, 16, (4,))
+    with pytest.raises(ValueError, match="chunk_size and vocab_chunk are positive"):
+        chunked_token_logprobs(hidden, weight, targets, **sizes)

@@ -282,8 +282,11 @@ def chunked_token_logprobs(
     4e-3 to 7e-3 of each one's largest entry. The errors grow in proportion to the logits' scale.
     `test_bf16_head_matmul_keeps_a_float32_log_softmax` asserts 3e-2 (mean 1e-2), and gradients within 1.5e-2.
     """
-    chunk = max(1, chunk_size or default_chunk_tokens(weight.shape[0], weight.device))
-    width = max(1, vocab_chunk or default_vocab_chunk(weight.shape[0], chunk, weight.device))
+    if (chunk_size or 0) < 0 or (vocab_chunk or 0) < 0:
+        raise ValueError(f"chunked_token_logprobs: chunk_size and vocab_chunk are positive (None or 0: the device's "
+                         f"default), got chunk_size={chunk_size}, vocab_chunk={vocab_chunk}")
+    chunk = chunk_size or default_chunk_tokens(weight.shape[0], weight.device)
+    width = vocab_chunk or default_vocab_chunk(weight.shape[0], chunk, weight.device)
     dtype = head_compute_dtype(weight, hidden.device.type) if head_dtype is None else head_dtype
     logprobs, entropy = _ChunkedTokenLogprob.apply(hidden, weight, bias, targets, temperature, chunk, width,
                                                    with_entropy, dtype)
