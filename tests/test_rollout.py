@@ -783,6 +783,39 @@ def test_compiled_mode_keeps_its_caches_within_a_share_of_the_devices_memory(tok
     assert loops == ["_decode_static"] * 4 + ["_decode", "_decode_static", "_decode"]  # 12 rows: 3 units, dynamic
 
 
+def test_compiled_mode_decodes_shapes_past_dynamos_recompile_limit_dynamically(tok, tiny, monkeypatch, caplog):
+    """The compiled step is compiled once per (rows, cache slots) shape, and past dynamo's recompile limit (here set to
+    2) dynamo would run the model's forward eagerly for every new shape: the static loop, eager, with a kept cache
+    each. Past the limit a new shape decodes with the dynamic loop instead, said once in a warning; the shapes already
+    compiled keep their compiled step, and the samples are the loop's own throughout. (The step itself is left
+    uncompiled here, as in the test above; test_compiled_decode_on_cpu_stays_within_the_recompile_limit compiles it.)"""
+    import logging
+
+    import torch._dynamo
+
+    monkeypatch.setattr(HFSampler, "_decode_step", lambda self: self.model)
+    params = SamplingParams(temperature=0.8, max_new_tokens=6)
+    engine = HFSampler(tiny["dense"], tok, params, decode="compiled")
+    references = {"_decode": HFSampler(tiny["dense"], tok, params, decode="dynamic"),
+                  "_decode_static": HFSampler(tiny["dense"], tok, params, decode="static")}
+    loops = []
+
+    def spy(name):
+        loop = getattr(engine, name)
+        return lambda *args: loops.append(name) or loop(*args)
+
+    for name in references:
+        monkeypatch.setattr(engine, name, spy(name))
+    with torch._dynamo.config.patch(recompile_limit=2), caplog.at_level(logging.WARNING, "gspo.rollout.sampler"):
+        for n_prompts, group in ((4, 1), (4, 2), (3, 1), (4, 1), (2, 1), (4, 2)):
+            b = engine.generate(PROMPTS[:n_prompts], group, SEEDS[:n_prompts])
+            assert_same_samples(references[loops[-1]].generate(PROMPTS[:n_prompts], group, SEEDS[:n_prompts]), b)
+    assert loops == ["_decode_static"] * 2 + ["_decode", "_decode_static", "_decode", "_decode_static"]
+    assert engine._compiled_shapes == {(4, 128), (8, 128)} == set(engine._static_caches)
+    warnings = [r.getMessage() for r in caplog.records if "recompile limit" in r.getMessage()]
+    assert len(warnings) == 1 and "(3, 128)" in warnings[0]
+
+
 def test_multi_turn_episodes_decode_dynamically_under_auto(tmp_path, monkeypatch):
     """`auto` would compile the decode step on CUDA; episodes change their row count and context every turn, so the
     engine of an `env` run decodes dynamically unless rollout.decode says otherwise."""
@@ -1027,3 +1060,29 @@ def test_kv_cache_passed_by_the_forward_s_own_keyword(tok, tiny, decode, recwarn
                             batch.completion_mask, trim_padding=True, share_prompts=True)
     said = [str(w.message) for w in recwarn] + [r.getMessage() for r in caplog.records]
     assert not [m for m in said if "past_key_values" in m], said
+
+
+@pytest.mark.slow
+def test_compiled_decode_on_cpu_stays_within_the_recompile_limit(tok, tiny, caplog):
+    """With dynamo's recompile limit at 1, the compiled loop compiles its step for the first shape only; a second
+    shape decodes with the dynamic loop and compiles nothing (dynamo would otherwise run the step eagerly over a
+    static cache, saying it hit the limit), and the first shape's compiled step still serves it afterwards. Samples:
+    the eager loop's."""
+    import logging
+
+    import torch._dynamo
+
+    params = SamplingParams(temperature=0.9, max_new_tokens=16)
+    compiled = HFSampler(tiny["dense"], tok, params, decode="compiled")
+    dynamic = HFSampler(tiny["dense"], tok, params)
+    torch._dynamo.reset()
+    stats = torch._dynamo.utils.counters["stats"]
+    graphs = []
+    with torch._dynamo.config.patch(recompile_limit=1), caplog.at_level(logging.WARNING, "torch._dynamo"):
+        for n_prompts in (4, 2, 4):
+            assert_same_samples(dynamic.generate(PROMPTS[:n_prompts], 4, SEEDS[:n_prompts]),
+                                compiled.generate(PROMPTS[:n_prompts], 4, SEEDS[:n_prompts]))
+            graphs.append(stats["unique_graphs"])
+    assert graphs[0] > 0 and graphs[1] == graphs[2] == graphs[0]
+    assert not [r.getMessage() for r in caplog.records if r.name.startswith("torch")]  # e.g. "hit recompile_limit"
+    assert compiled._compiled_shapes == {(16, 128)} == set(compiled._static_caches)

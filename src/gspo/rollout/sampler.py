@@ -11,6 +11,7 @@ import contextlib
 import copy
 import ctypes
 import inspect
+import logging
 import os
 from collections.abc import Callable, Iterable
 
@@ -26,6 +27,8 @@ from gspo.rollout.assemble import encode_prompts, eos_ids, pad_id
 from gspo.rollout.base import SamplingParams
 from gspo.rollout.weights import unwrap_model
 from gspo.trajectory import NO_VERSION, Trajectory, concat, pad_left
+
+log = logging.getLogger(__name__)
 
 __all__ = ["DECODE_MODES", "HFSampler", "filter_scores", "resolve_decode", "row_seed", "sample_from_logits"]
 
@@ -109,6 +112,23 @@ K/V per token: an evaluation of 256 rows × 1,280 slots holds 37.6 GB, a rollout
 through the updates they would leave an 80 GB GPU less than half of its memory for training. The price of an evicted
 cache: its shape's next call allocates it again, at other addresses, and the compiled step records its CUDA graph
 again (no recompile; torch 2.11 stops using CUDA graphs for a function after 128 such re-recordings)."""
+
+
+def compiled_shapes_limit() -> int:
+    """How many (rows, cache length) shapes a compiled decode loop compiles its step for: dynamo's recompile limit
+    (`torch._dynamo.config.recompile_limit`, 8 by default; read at each new shape, so raising it raises this).
+
+    Why: the step is compiled with fixed shapes, once per shape, and past that limit dynamo stops compiling the
+    model's forward and runs it eagerly for every new shape, with a warning of its own and no other sign: the static
+    loop, eager, keeping every finished row to the end and a kept cache per shape, which is slower than the dynamic
+    loop and holds more memory. A run meets new shapes as its prompts' lengths cross `STATIC_CACHE_BUCKET`s and as
+    evaluation batches and their remainders differ from the rollout's; `HFSampler._compiles` decodes a shape past the
+    limit with the dynamic loop instead. Each engine counts its own shapes; dynamo counts per compiled function, which
+    the engines of one model class in a process share (a run has one compiled engine)."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    return int(getattr(config, "recompile_limit", None) or getattr(config, "cache_size_limit", 8))
 
 
 def static_cache_len(prompt_len: int, max_new_tokens: int) -> int:
@@ -303,6 +323,8 @@ class HFSampler:
         self.release_cache = release_cache
         self._compiled_step = None  # the compiled decode forward, made on first use ("compiled")
         self._static_caches: dict[tuple[int, int], StaticCache] = {}  # ("compiled") kept per shape: see _static_cache
+        self._compiled_shapes: set[tuple[int, int]] = set()  # ("compiled") shapes its step was compiled for
+        self._warned_shapes = False  # whether _compiles has said that a shape went past the limit
         self._layout: list | None = None  # the static caches' K/V layout, probed at the first (`_cache_layout`)
         self.record_routing = record_routing
         model_dtype = next(model.parameters()).dtype
@@ -444,7 +466,7 @@ class HFSampler:
                         else torch.autocast(unique_ids.device.type, dtype=self.autocast))
             with (torch.inference_mode(), self._routing or contextlib.nullcontext(), autocast,
                   gqa_decoding(self.model) if self.grouped_decode else contextlib.nullcontext()):
-                dynamic = self.decode == "dynamic" or (self.decode == "compiled" and not self._keeps(
+                dynamic = self.decode == "dynamic" or (self.decode == "compiled" and not self._compiles(
                     unique_ids.shape[0] * group_size, static_cache_len(unique_ids.shape[1], params.max_new_tokens)))
                 decode = self._decode if dynamic else self._decode_static
                 raw = decode(unique_ids, unique_mask, group_size, uniforms.to(unique_ids.device), params)
@@ -664,6 +686,28 @@ class HFSampler:
         records no CUDA graph for a shape whose cache could not stay (each new allocation would record it again)."""
         return ((n_rows, cache_len) in self._static_caches
                 or cache_bytes(self._cache_layout(), n_rows, cache_len) <= self._cache_budget())
+
+    def _compiles(self, n_rows: int, cache_len: int) -> bool:
+        """Whether the compiled loop decodes a call of this shape with its compiled step (and records the shape): a
+        shape it compiled for, or a new one whose cache it keeps (`_keeps`) while fewer than `compiled_shapes_limit()`
+        shapes are compiled. Past that limit a new shape decodes with the dynamic loop (a warning, once per engine)
+        rather than dynamo's eager fallback of the static loop."""
+        shape = (n_rows, cache_len)
+        if shape in self._compiled_shapes:
+            return True
+        if not self._keeps(n_rows, cache_len):
+            return False
+        limit = compiled_shapes_limit()
+        if len(self._compiled_shapes) >= limit:
+            if not self._warned_shapes:
+                log.warning("compiled decode: the step is compiled for %d shapes (rows, cache slots) %s, dynamo's "
+                            "recompile limit (torch._dynamo.config.recompile_limit); a call of another shape, here "
+                            "%s, decodes with the dynamic loop. Raise that limit to compile more shapes (each a "
+                            "compile of its own).", limit, sorted(self._compiled_shapes), shape)
+                self._warned_shapes = True
+            return False
+        self._compiled_shapes.add(shape)
+        return True
 
     def _cache_budget(self) -> int:
         """KEPT_CACHE_SHARE of the total memory of the device the engine's weights are on, in bytes."""
