@@ -814,6 +814,9 @@ def test_compiled_mode_decodes_shapes_past_dynamos_recompile_limit_dynamically(t
     assert engine._compiled_shapes == {(4, 128), (8, 128)} == set(engine._static_caches)
     warnings = [r.getMessage() for r in caplog.records if "recompile limit" in r.getMessage()]
     assert len(warnings) == 1 and "(3, 128)" in warnings[0]
+    fresh = HFSampler(tiny["dense"], tok, params, decode="compiled")
+    with torch._dynamo.config.patch(recompile_limit=0):  # no compile at all: every shape decodes dynamically
+        assert not fresh._compiles(4, 128) and fresh._compiled_shapes == set()
 
 
 def test_multi_turn_episodes_decode_dynamically_under_auto(tmp_path, monkeypatch):

@@ -128,7 +128,8 @@ def compiled_shapes_limit() -> int:
     import torch._dynamo
 
     config = torch._dynamo.config
-    return int(getattr(config, "recompile_limit", None) or getattr(config, "cache_size_limit", 8))
+    limit = getattr(config, "recompile_limit", None)  # its name since torch 2.7; cache_size_limit before
+    return int(config.cache_size_limit if limit is None else limit)
 
 
 def static_cache_len(prompt_len: int, max_new_tokens: int) -> int:
