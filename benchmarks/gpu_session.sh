@@ -25,8 +25,9 @@
 #
 # Later sessions, with time to spare, one per call: `compiled` (trainer.compile and the released decode caches
 # against TRL, the device-level peak), `profile` (each dense gspo side's op tables, and what is live at each side's
-# memory peak, TRL's too: 6 files), `sampler` (decode loops against the forward-only bound), `decode` (grouped vs repeat_kv decode attention),
-# `update` (the update phase, layers eager vs compiled), `moe` (the MoE A/B with its exact side).
+# memory peak, TRL's too: 6 files), `sampler` (decode loops against the forward-only bound), `decode` (grouped vs
+# repeat_kv decode attention; under autocast, bf16 weight copies vs casts per step), `update` (the update phase,
+# layers eager vs compiled), `moe` (the MoE A/B with its exact side).
 # `compiled` and the suite's test of rollout.release_decode_cache need torch_memory_saver, which `prepare` adds.
 set -uo pipefail
 part="${1:?usage: gpu_session.sh prepare|check|bench|compiled|profile|sampler|decode|update|moe}"
@@ -114,6 +115,8 @@ case "$part" in
     env_info
     python3 benchmarks/decode_attention.py --device cuda --layers 28 --rows 128 --new-tokens 256 --vocab 151936 \
       --threads 8 2>&1 | tee "$out/decode.log"
+    python3 benchmarks/decode_weights.py --device cuda --layers 28 --rows 1,32,128 --new-tokens 256 --vocab 151936 \
+      --threads 8 2>&1 | tee "$out/decode_weights.log"
     ;;
   update)
     env_info

@@ -20,6 +20,7 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
+import gspo.rollout.sampler as sampler_module
 from gspo.rollout import HFSampler, SamplingParams, filter_scores, policy_weights, row_seed, sample_from_logits
 from gspo.trajectory import Trajectory
 
@@ -624,7 +625,7 @@ def test_compiled_mode_reuses_its_cache_and_keeps_its_weights(tok, tiny, monkeyp
     """The compiled loop's fixed addresses: one KV cache per shape, reset between calls (results as a fresh cache
     gives), and an own copy's weights stay allocated through release(). The compile itself is replaced by the eager
     step here (it takes a minute on this CPU; the CUDA test and the slow test run it)."""
-    monkeypatch.setattr(HFSampler, "_decode_step", lambda self: self.model)
+    monkeypatch.setattr(sampler_module, "compile_decode_step", lambda model, cuda: model)
     params = SamplingParams(temperature=0.8, max_new_tokens=12)
     engine = HFSampler(tiny["moe"], tok, params, dtype="bf16", decode="compiled")
     reference = HFSampler(tiny["moe"], tok, params, dtype="bf16", decode="static")
@@ -648,7 +649,7 @@ def test_compiled_mode_releases_its_caches_when_asked(tok, tiny, monkeypatch, dt
     import gc
     import weakref
 
-    monkeypatch.setattr(HFSampler, "_decode_step", lambda self: self.model)
+    monkeypatch.setattr(sampler_module, "compile_decode_step", lambda model, cuda: model)
     params = SamplingParams(temperature=0.8, max_new_tokens=12)
     engine = HFSampler(tiny["dense"], tok, params, dtype=dtype, decode="compiled", autocast=autocast,
                        release_cache=True)
@@ -669,12 +670,123 @@ def test_compiled_mode_releases_its_caches_when_asked(tok, tiny, monkeypatch, dt
     assert_same_samples(first, engine.generate(PROMPTS, 4, SEEDS))
 
 
+def test_an_autocast_twin_holds_its_linear_weights_in_bf16_and_shares_every_other_tensor(tok):
+    """`autocast_twin`, the module the compiled decode step runs under bf16 autocast over float32 weights: every
+    nn.Linear's weight and bias is a bf16 copy of the model's (one copy for a weight two layers share), every other
+    parameter, buffer and the config are the model's own objects (no second float32 copy: the twin costs 2 bytes per
+    Linear parameter), a tied embedding stays the float32 tensor the model's head shares (the model's own tie is
+    untouched), and under autocast the twin computes the model's logits bit for bit. `refresh_twin`
+    follows the model's weights in place."""
+    from gspo.rollout.sampler import autocast_twin, refresh_twin
+
+    config = Qwen3Config(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, intermediate_size=128, max_position_embeddings=128,
+                         pad_token_id=PAD, eos_token_id=EOS, tie_word_embeddings=True, attention_bias=True)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config).eval()
+    twin, pairs = autocast_twin(model, torch.bfloat16)
+    refresh_twin(pairs)
+    linear = {name for name, m in model.named_modules() if type(m) is torch.nn.Linear}
+    ours = dict(model.named_parameters(remove_duplicate=False))
+    theirs = dict(twin.named_parameters(remove_duplicate=False))
+    assert ours.keys() == theirs.keys()
+    for name, p in theirs.items():
+        if name.rsplit(".", 1)[0] in linear:
+            assert p.dtype == torch.bfloat16 and p is not ours[name] and not p.requires_grad
+            assert torch.equal(p, ours[name].detach().to(torch.bfloat16)), name
+        else:
+            assert p is ours[name], name
+    assert all(a is b for a, b in zip(model.buffers(), twin.buffers(), strict=True)) and twin.config is model.config
+    assert any(".bias" in name for name in theirs if name.rsplit(".", 1)[0] in linear)
+    assert twin.model.embed_tokens.weight is model.model.embed_tokens.weight  # float32, for the embedding lookup
+    assert twin.lm_head.weight.dtype == torch.bfloat16 and model.lm_head.weight is model.model.embed_tokens.weight
+    assert sum(c.numel() for c, _ in pairs) == sum(p.numel() for p in {id(p): p for n, p in ours.items()
+                                                                      if n.rsplit(".", 1)[0] in linear}.values())
+    assert not twin.training
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(twin(input_ids=ids).logits, model(input_ids=ids).logits)
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.mul_(-1)
+        model.lm_head.weight.add_(1.0)
+    refresh_twin(pairs)
+    for name in ("model.layers.0.mlp.up_proj.weight", "lm_head.weight"):
+        assert torch.equal(theirs[name], ours[name].detach().to(torch.bfloat16)), name
+
+
+def test_compiled_mode_under_autocast_samples_the_weights_of_the_moment(tok, monkeypatch):
+    """The compiled step runs the twin's bf16 copies of the weights, so they must follow the weights the engine is
+    given: between calls (`update_weights`) and within one (a partial rollout's `between_tokens` bringing a new
+    version). An own-copy float32 engine under bf16 autocast (an asynchronous worker's) samples, call after call, what
+    the eager static loop samples with the same weights at the same steps (each call's start and a mid-generation
+    switch at the 4th token), and the new weights do sample other tokens. (The compile is replaced by the eager
+    step, as above.)"""
+    monkeypatch.setattr(sampler_module, "compile_decode_step", lambda model, cuda: model)
+    model = build_model("dense", len(tok))
+    old = {k: v.clone() for k, v in model.state_dict().items()}
+    noise = torch.Generator().manual_seed(5)
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=noise) for k, v in old.items()}
+    params = SamplingParams(temperature=0.8, max_new_tokens=12)
+
+    def run(decode: str) -> tuple[HFSampler, list[Trajectory]]:
+        engine = HFSampler(model, tok, params, own_copy=True, decode=decode, autocast="bfloat16")
+        batches = [engine.generate(PROMPTS, 4, SEEDS)]
+        engine.update_weights(new.items(), 1)
+        batches.append(engine.generate(PROMPTS, 4, SEEDS))
+        engine.update_weights(old.items(), 2)
+        calls = []
+
+        def between_tokens() -> None:
+            calls.append(None)
+            if len(calls) == 3:  # after the 4th token was sampled
+                engine.update_weights(new.items(), 3)
+
+        engine.between_tokens = between_tokens
+        batches.append(engine.generate(PROMPTS, 4, SEEDS))
+        return engine, batches
+
+    compiled, got = run("compiled")
+    _, want = run("static")
+    assert compiled._twin_pairs  # the step ran the twin
+    for a, b in zip(want, got, strict=True):
+        assert_same_samples(a, b)
+    assert not torch.equal(got[0].completion_ids, got[1].completion_ids)
+    assert not torch.equal(got[0].completion_ids, got[2].completion_ids)
+    assert set(got[2].versions[got[2].completion_mask.bool()].tolist()) == {2, 3}
+
+
+def test_static_caches_are_laid_out_as_the_model_computes_k_and_v(tok, tiny, monkeypatch):
+    """Before transformers 5.24 a StaticCache layer allocated V in K's dtype (float32 under bf16 autocast over
+    float32 weights, whose rotary embedding leaves K in float32), and then refused the bf16 V ("index_copy_(): self
+    and source expected to have the same dtype"): the engine's layout probe ran through such a cache, so every
+    static and compiled decode under autocast failed there (the GPU machine has transformers 5.17). The probe now
+    records what each layer hands its cache: with that allocation restored, both loops sample what they sample
+    without it."""
+    from transformers.cache_utils import StaticLayer
+
+    params = SamplingParams(temperature=0.8, max_new_tokens=12)
+    monkeypatch.setattr(sampler_module, "compile_decode_step", lambda model, cuda: model)
+    want = {decode: HFSampler(tiny["dense"], tok, params, decode=decode, autocast="bfloat16").generate(PROMPTS, 4,
+                                                                                                        SEEDS)
+            for decode in ("static", "compiled")}
+    allocate = StaticLayer.lazy_initialization
+
+    def values_in_the_keys_dtype(self, key_states, value_states, *args, **kwargs):  # transformers < 5.24
+        return allocate(self, key_states, value_states.to(key_states.dtype), *args, **kwargs)
+
+    monkeypatch.setattr(StaticLayer, "lazy_initialization", values_in_the_keys_dtype)
+    for decode, batch in want.items():
+        engine = HFSampler(tiny["dense"], tok, params, decode=decode, autocast="bfloat16")
+        assert {t.dtype for kv in engine._cache_layout() for t in kv} == {torch.bfloat16}
+        assert_same_samples(batch, engine.generate(PROMPTS, 4, SEEDS))
+
+
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_a_static_cache_under_autocast_holds_bf16_keys_and_samples_the_same(tok, tiny, kind):
     """Under bf16 autocast over float32 weights the rotary embedding leaves K in float32, and a static cache allocated
-    as transformers does (on the first update) holds it so: 1.5× the bf16 cache. Every op reading K casts it to bf16
-    first, so `NarrowStaticCache` stores it in bf16: the same samples and log-probs, bit for bit, as the same loop
-    over the cache transformers would allocate (float32 keys)."""
+    as transformers does (on the first update) holds it so: 1.5× the bf16 cache (transformers 5.24; before, V too,
+    and the bf16 V was then refused). Every op reading K casts it to bf16 first, so `NarrowStaticCache` stores it in
+    bf16: the same samples and log-probs, bit for bit, as the same loop over a float32 cache."""
     from transformers import DynamicCache
 
     from gspo.rollout.sampler import NarrowStaticCache
@@ -682,7 +794,7 @@ def test_a_static_cache_under_autocast_holds_bf16_keys_and_samples_the_same(tok,
     params = SamplingParams(temperature=0.8, max_new_tokens=20)
     static = HFSampler(tiny[kind], tok, params, decode="static", autocast="bfloat16")
     wide_keys = HFSampler(tiny[kind], tok, params, decode="static", autocast="bfloat16")
-    wide_keys._allocate = lambda cache, n_rows: None  # left to transformers' lazy allocation, in the model's dtypes
+    wide_keys._layout = [tuple(t.float() for t in kv) for kv in static._cache_layout()]  # float32 K and V
     caches = []
     update = NarrowStaticCache.update
 
@@ -697,7 +809,7 @@ def test_a_static_cache_under_autocast_holds_bf16_keys_and_samples_the_same(tok,
     wide = DynamicCache(config=tiny[kind].config)  # what the growing loop holds: float32 keys
     with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
         tiny[kind](input_ids=narrow.prompt_ids[:1], use_cache=True, past_key_values=wide)
-    assert (wide.layers[0].keys.dtype, wide.layers[0].values.dtype) == (torch.float32, torch.bfloat16)
+    assert wide.layers[0].keys.dtype == torch.float32
     reference = wide_keys.generate(PROMPTS, 4, SEEDS)
     assert torch.equal(reference.completion_ids, narrow.completion_ids)
     assert torch.equal(reference.logprobs, narrow.logprobs)
@@ -731,7 +843,7 @@ def test_compiled_mode_keeps_a_bounded_number_of_caches(tok, tiny, monkeypatch):
     used freed first, and the samples are still those of a fresh cache."""
     from gspo.rollout.sampler import KEPT_CACHES
 
-    monkeypatch.setattr(HFSampler, "_decode_step", lambda self: self.model)
+    monkeypatch.setattr(sampler_module, "compile_decode_step", lambda model, cuda: model)
     params = SamplingParams(temperature=0.8, max_new_tokens=6)
     engine = HFSampler(tiny["moe"], tok, params, decode="compiled")
     reference = HFSampler(tiny["moe"], tok, params, decode="static")
@@ -754,7 +866,7 @@ def test_compiled_mode_keeps_its_caches_within_a_share_of_the_devices_memory(tok
     def allocated(cache) -> int:  # what its K and V tensors hold
         return sum(t.nbytes for layer in cache.layers if layer.is_initialized for t in (layer.keys, layer.values))
 
-    monkeypatch.setattr(HFSampler, "_decode_step", lambda self: self.model)
+    monkeypatch.setattr(sampler_module, "compile_decode_step", lambda model, cuda: model)
     params = SamplingParams(temperature=0.8, max_new_tokens=6)
     engine = HFSampler(tiny["dense"], tok, params, decode="compiled", autocast="bfloat16")
     references = {loop: HFSampler(tiny["dense"], tok, params, decode=decode, autocast="bfloat16")  # bf16 rounds
@@ -793,7 +905,7 @@ def test_compiled_mode_decodes_shapes_past_dynamos_recompile_limit_dynamically(t
 
     import torch._dynamo
 
-    monkeypatch.setattr(HFSampler, "_decode_step", lambda self: self.model)
+    monkeypatch.setattr(sampler_module, "compile_decode_step", lambda model, cuda: model)
     params = SamplingParams(temperature=0.8, max_new_tokens=6)
     engine = HFSampler(tiny["dense"], tok, params, decode="compiled")
     references = {"_decode": HFSampler(tiny["dense"], tok, params, decode="dynamic"),

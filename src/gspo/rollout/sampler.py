@@ -30,7 +30,8 @@ from gspo.trajectory import NO_VERSION, Trajectory, concat, pad_left
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DECODE_MODES", "HFSampler", "filter_scores", "resolve_decode", "row_seed", "sample_from_logits"]
+__all__ = ["DECODE_MODES", "HFSampler", "autocast_twin", "compile_decode_step", "filter_scores", "refresh_twin",
+           "resolve_decode", "row_seed", "sample_from_logits"]
 
 DECODE_MODES = ("dynamic", "static", "compiled")
 """How `HFSampler` runs its decode loop. dynamic: a growing KV cache; finished rows leave the batch (the fastest eager
@@ -249,11 +250,82 @@ class NarrowStaticCache(StaticCache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
+class _ProbeCache(StaticCache):
+    """A one-slot StaticCache that stores nothing: it records the K and V each layer hands it (`seen`, by layer) and
+    attends over them as they are. `HFSampler._probe_layout` reads the static caches' layout off it: the dtypes the
+    model computes K and V in, not the ones transformers would allocate (before 5.24 a StaticCache layer allocated V
+    in K's dtype, float32 under bf16 autocast, and then refused the bf16 V: "index_copy_(): self and source expected
+    to have the same dtype")."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        self.seen[layer_idx] = (key_states, value_states)
+        return key_states, value_states
+
+
+def autocast_twin(model: torch.nn.Module, dtype: torch.dtype,
+                  region: contextlib.AbstractContextManager | None = None,
+                  ) -> tuple[torch.nn.Module, list[tuple[torch.Tensor, ...]]]:
+    """A second module tree over `model`'s own tensors (its parameters, buffers and config are shared, not copied),
+    except that each `nn.Linear` with float32 weights holds its weight and bias as a `dtype` copy of its own: what
+    the compiled decode loop runs under `dtype` autocast (`HFSampler._decode_step`). Returns the twin, in eval mode,
+    and its copies as (copy, source) pairs; the copies are empty until `refresh_twin` fills them, and are allocated
+    inside `region` (`gspo.rollout.cache_memory.region`: given back with the KV caches). A weight that several Linear
+    layers share gets one copy, and a tied embedding keeps the float32 weight it shares with the head.
+
+    Why: autocast casts a float32 weight to `dtype` at every linear it enters. Eager autocast casts each weight once
+    per autocast block (its cast cache), but a compiled step casts inside its graph, at every call: per decode token
+    it reads the float32 weights (4 bytes a parameter), writes their cast (2) and reads that (2), where `dtype`
+    copies are read once (2): 4× the weights' memory traffic (at Qwen3-0.6B's shape ~4.8 GB per step instead of
+    1.2). The values are autocast's own (the same round-to-nearest cast, once per generate call instead of once per
+    token). The price is the copies' memory: 2 bytes per Linear parameter (1.2 GB at that shape)."""
+    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    config = getattr(model, "config", None)
+    if config is not None:
+        shared[id(config)] = config  # gqa_decoding switches the attention on the model's config: the twin sees it
+    twin = copy.deepcopy(model, shared).eval()
+    copies: dict[int, torch.Tensor] = {}
+    pairs = []
+    with region or contextlib.nullcontext():
+        for source_module, module in zip(model.modules(), twin.modules(), strict=True):
+            if type(module) is not torch.nn.Linear or module.weight.dtype != torch.float32:
+                continue  # subclasses (quantized layers) are left as they are
+            for name in ("weight", "bias"):
+                source = getattr(source_module, name)
+                if source is None:
+                    continue
+                if id(source) not in copies:
+                    copies[id(source)] = torch.nn.Parameter(torch.empty_like(source, dtype=dtype),
+                                                            requires_grad=False)
+                    pairs.append((copies[id(source)], source))
+                setattr(module, name, copies[id(source)])
+    return twin, pairs
+
+
+@torch.no_grad()
+def refresh_twin(pairs: list[tuple[torch.Tensor, ...]]) -> None:
+    """Cast the sources' current values into an `autocast_twin`'s copies, in place (their addresses stay)."""
+    for copied, source in pairs:
+        copied.copy_(source)
+
+
 def _trim_heap() -> None:
     """Return the C heap's free pages to the system (glibc's malloc_trim; nothing elsewhere): freed tensors of a few
     MB live in the heap, and without this the process's resident memory keeps them."""
     with contextlib.suppress(AttributeError, OSError):
         ctypes.CDLL(None).malloc_trim(0)
+
+
+def compile_decode_step(model: torch.nn.Module, cuda: bool) -> Callable:
+    """`model`'s forward compiled for the compiled decode loop: with CUDA graphs on CUDA (`triton.cudagraphs`: what
+    mode="reduce-overhead" sets, which torch.compile does not take together with options), inductor alone elsewhere;
+    shapes fixed (dynamic=False); eager's roundings under autocast (`gspo.models.COMPILE_OPTIONS`), so that it samples
+    what the eager loops sample (on the CPU bit for bit)."""
+    options = compile_options({"triton.cudagraphs": True} if cuda else None)
+    return torch.compile(model, dynamic=False, fullgraph=False, options=options)
 
 
 class HFSampler:
@@ -293,6 +365,9 @@ class HFSampler:
     grouped_decode: bool = True
     """Decode a grouped-query sdpa model with `gqa_decode_sdpa` (same values; False: the model's own sdpa path, for
     comparison in benchmarks/decode_attention.py)."""
+    twin_weights: bool = True
+    """Under autocast over float32 weights, run the compiled decode step on `autocast_twin` (False: on the model
+    itself, casting every weight at every step; for comparison in benchmarks/decode_weights.py)."""
     between_tokens: Callable[[], None] | None = None
     """Called between two decode steps (after a token is sampled, before the next forward): an asynchronous rollout
     worker takes new weights there (`update_weights`), so a generation in flight continues under them (a partial
@@ -323,6 +398,7 @@ class HFSampler:
             cache_memory.check_release(self.decode, device or next(model.parameters()).device)
         self.release_cache = release_cache
         self._compiled_step = None  # the compiled decode forward, made on first use ("compiled")
+        self._twin_pairs: list[tuple[torch.Tensor, ...]] = []  # ("compiled" under autocast) see _decode_step
         self._static_caches: dict[tuple[int, int], StaticCache] = {}  # ("compiled") kept per shape: see _static_cache
         self._compiled_shapes: set[tuple[int, int]] = set()  # ("compiled") shapes its step was compiled for
         self._warned_shapes = False  # whether _compiles has said that a shape went past the limit
@@ -641,7 +717,10 @@ class HFSampler:
             if t == p.max_new_tokens - 1 or (t % 8 == 7 and not alive.any()):
                 break
             if self.between_tokens is not None:
+                version = self.version
                 self.between_tokens()
+                if self.version != version:  # new weights (a partial rollout): the twin's copies follow
+                    refresh_twin(self._twin_pairs)
             if self.decode == "compiled":
                 torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs (logits) are consumed
             logits = step(input_ids=tokens[:, None], attention_mask=attention, position_ids=next_position + t,
@@ -729,24 +808,23 @@ class HFSampler:
         """Each layer's K and V as the static caches hold them, as empty [1, heads, 0, head_dim] tensors on the
         model's device: the head shapes the model computes them in and their dtypes, or the autocast dtype under
         autocast (`NarrowStaticCache`: K leaves the rotary embedding in float32 there, and is read in bf16), read off
-        a one-token forward of one row through a one-slot scratch cache (once per engine); None for a layer the model
-        never fills."""
+        a one-token forward of one row that records what each layer hands its cache (`_ProbeCache`; once per engine);
+        None for a layer the model never fills."""
         if self._layout is None:
             self._layout = self._probe_layout()
         return self._layout
 
     def _probe_layout(self) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
         device = next(self.model.parameters()).device
-        scratch = StaticCache(config=self.model.config, max_cache_len=1)
+        scratch = _ProbeCache(config=self.model.config, max_cache_len=1)
         extra = {"logits_to_keep": 1} if self._forward_takes_logits_to_keep else {}
         one = torch.zeros((1, 1), dtype=torch.long, device=device)
         self.model(input_ids=one, attention_mask=torch.ones_like(one), position_ids=one, use_cache=True,
                    **{self._cache: scratch}, **extra)
-        return [(seen.keys.new_empty((1, seen.keys.shape[1], 0, seen.keys.shape[-1]),
-                                     dtype=self.autocast or seen.keys.dtype),
-                 seen.values.new_empty((1, seen.values.shape[1], 0, seen.values.shape[-1]),
-                                       dtype=self.autocast or seen.values.dtype))
-                if seen.is_initialized else None for seen in scratch.layers]
+        seen = [scratch.seen.get(i) for i in range(len(scratch.layers))]
+        return [None if kv is None else
+                tuple(t.new_empty((1, t.shape[1], 0, t.shape[-1]), dtype=self.autocast or t.dtype) for t in kv)
+                for kv in seen]
 
     def _allocate(self, cache: StaticCache, n_rows: int) -> None:
         """Allocate `cache`'s tensors now, zeroed (transformers allocates a layer's on its first update, inside the
@@ -762,17 +840,23 @@ class HFSampler:
                     layer.lazy_initialization(k.new_empty((n_rows, *k.shape[1:])), v.new_empty((n_rows, *v.shape[1:])))
 
     def _decode_step(self):
-        """The model's forward for one decode step: as is ("static"), or compiled once per engine ("compiled"): with
-        CUDA graphs on CUDA (`triton.cudagraphs`: what mode="reduce-overhead" sets, which torch.compile does not take
-        together with options), inductor alone elsewhere; shapes fixed (dynamic=False); eager's roundings under
-        autocast (`gspo.models.COMPILE_OPTIONS`), so that it samples what the eager loops sample (on the CPU bit for
-        bit)."""
+        """The model's forward for one decode step: as is ("static"), or compiled once per engine ("compiled"), by
+        `compile_decode_step`. Under autocast over float32 weights the compiled step runs the model's `autocast_twin`
+        (its Linear weights held in the autocast dtype: the same values; with `release_cache` on CUDA given back and
+        mapped again with the caches), whose copies are refreshed from the model's weights here, at the start of
+        every compiled loop, and after `between_tokens` brings new weights: the step samples the current policy."""
         if self.decode != "compiled":
             return self.model
         if self._compiled_step is None:
-            cuda = next(self.model.parameters()).device.type == "cuda"
-            options = compile_options({"triton.cudagraphs": True} if cuda else None)
-            self._compiled_step = torch.compile(self.model, dynamic=False, fullgraph=False, options=options)
+            model = self.model
+            if self.autocast is not None and self.twin_weights:
+                with torch.inference_mode(False):  # ordinary tensors, updated in place under inference mode
+                    model, self._twin_pairs = autocast_twin(
+                        self.model, self.autocast, cache_memory.region() if self._pauses_caches else None)
+            self._compiled_step = compile_decode_step(model, next(self.model.parameters()).device.type == "cuda")
+        if self._pauses_caches:
+            cache_memory.resume()  # (the copies are paused with the caches)
+        refresh_twin(self._twin_pairs)
         return self._compiled_step
 
     # ------------------------------------------------------------------ stop strings
