@@ -563,11 +563,12 @@ def test_compiled_decode_on_cuda_matches_the_dynamic_loop(tok):
 ])
 def test_compiled_decode_under_autocast_samples_what_the_eager_loop_samples(tok, device):
     """The sampler of `trainer.mixed_precision: bfloat16` (bf16 autocast over float32 weights, as TRL's generation)
-    with the compiled decode loop: bf16 static caches (`NarrowStaticCache`), grouped decode attention, inductor with
-    eager's roundings (`gspo.models.COMPILE_OPTIONS`), CUDA graphs on CUDA. It samples what the eager static loop
-    samples under the same autocast: on the CPU bit for bit (without those options 2 of these 16 rows differed and
-    log-probs by up to 0.02); on CUDA, whose fused reductions may sum in another order than eager's kernels, the same
-    tokens in at least 14 of 16 rows and log-probs within 0.01 where they agree."""
+    with the compiled decode loop: bf16 static caches (`NarrowStaticCache`), grouped decode attention, bf16 copies of
+    the Linear weights (`autocast_twin`), inductor with eager's roundings (`gspo.models.COMPILE_OPTIONS`), CUDA
+    graphs on CUDA. It samples what the eager static loop samples under the same autocast: on the CPU bit for bit
+    (without those options 2 of these 16 rows differed and log-probs by up to 0.02); on CUDA, whose fused reductions
+    may sum in another order than eager's kernels, the same tokens in at least 14 of 16 rows and log-probs within
+    0.01 where they agree."""
     model = build_model("dense", len(tok)).to(device)
     params = SamplingParams(temperature=0.9, max_new_tokens=24)
     compiled = HFSampler(model, tok, params, decode="compiled", autocast="bfloat16")
@@ -583,6 +584,7 @@ def test_compiled_decode_under_autocast_samples_what_the_eager_loop_samples(tok,
             torch.testing.assert_close(a.logprobs[same], b.logprobs[same], atol=1e-2, rtol=0)
     (cache,) = compiled._static_caches.values()
     assert {(layer.keys.dtype, layer.values.dtype) for layer in cache.layers} == {(torch.bfloat16,) * 2}
+    assert compiled._twin_pairs  # the compiled step ran on bf16 copies of the Linear weights (autocast_twin)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA graphs of the compiled decode step need a GPU")

@@ -274,7 +274,8 @@ def autocast_twin(model: torch.nn.Module, dtype: torch.dtype,
     the compiled decode loop runs under `dtype` autocast (`HFSampler._decode_step`). Returns the twin, in eval mode,
     and its copies as (copy, source) pairs; the copies are empty until `refresh_twin` fills them, and are allocated
     inside `region` (`gspo.rollout.cache_memory.region`: given back with the KV caches). A weight that several Linear
-    layers share gets one copy, and a tied embedding keeps the float32 weight it shares with the head.
+    layers share gets one copy, and a tied embedding keeps the float32 weight it shares with the head. Module
+    attributes that are not tensors (flags, rates) are copied as they are when the twin is made.
 
     Why: autocast casts a float32 weight to `dtype` at every linear it enters. Eager autocast casts each weight once
     per autocast block (its cast cache), but a compiled step casts inside its graph, at every call: per decode token
