@@ -8,6 +8,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "run.py"
 spec = importlib.util.spec_from_file_location("benchmark_run", SCRIPT)
 run = importlib.util.module_from_spec(spec)
@@ -43,3 +45,24 @@ def test_the_report_computes_the_ratios_and_the_targets_verdicts(tmp_path, capsy
     assert lines["peak_gpu_ratio_dense_exact"].endswith("): 1.111, NOT met")
     assert lines["peak_gpu_ratio_dense_fast"].endswith("): 0.963, met")
     assert lines["update_ratio_dense_gpu_compiled"].endswith("): not measured in this run")
+
+
+TINY_DENSE = {"tiny": ("Qwen3Config", {**run._GPU_COMMON, "vocab_size": 4096, "hidden_size": 128,
+                                       "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                       "head_dim": 32, "intermediate_size": 256})}
+
+
+@pytest.mark.parametrize("decode", ["dynamic", "static", pytest.param("compiled", marks=pytest.mark.slow)])
+def test_the_gpu_modes_gspo_sides_run_a_rollout_batch_on_the_cpu(tmp_path, decode):
+    """`--device cuda`'s gspo workers ("gspo exact": the engine shares the float32 policy and samples under bf16
+    autocast; "gspo fast": a bf16 engine, π_old from it) run end to end on the CPU with each decode loop: a model
+    saved as the GPU mode saves its own (bf16 on disk), 2 prompts × 4 completions × 16 forced tokens, one warm-up and
+    one measured batch, every completion of the fixed length (`compare_gpu` raises otherwise), a generation time and
+    an update after it. What a GPU session's `bench` runs, so that a crash there is found here first (with
+    transformers before 5.24 the exact side's static and compiled loops failed at their first call)."""
+    paths = run.build_gpu_models(tmp_path, ["tiny"], TINY_DENSE, "cpu")
+    results = run.compare_gpu(paths, 1, 2, 1, 1, shape=(2, 4, 16), device="cpu", decode=decode,
+                              sides=["gspo exact", "gspo fast"])
+    for name, result in results["tiny"].items():
+        assert len(result["times"]) == len(result["rollout"]) == 1, name
+        assert 0 < result["rollout"][0] < result["times"][0], name
