@@ -20,6 +20,47 @@ import json
 import statistics
 import time
 
+PROMPTS = ["12+34=", "5+678=", "90+1=", "2345+67="]
+
+
+def decode_model(layers: int, vocab: int, device: str, dtype: str):
+    """A random-init Qwen3 with Qwen3-0.6B's layer shape (hidden 1,024, 16 query heads sharing 8 KV heads of 128,
+    MLP 3,072, tied head), `layers` deep, attending with sdpa, in eval mode, and a tokenizer of `vocab` plain tokens."""
+    import torch
+    from run import padded_tokenizer  # benchmarks/run.py: this script's folder is on sys.path
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=vocab, hidden_size=1024, num_hidden_layers=layers, num_attention_heads=16,
+                         num_key_value_heads=8, head_dim=128, intermediate_size=3072, max_position_embeddings=4096,
+                         tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3ForCausalLM._from_config(config, attn_implementation="sdpa", dtype=getattr(torch, dtype)).eval()
+    return model, padded_tokenizer(vocab)
+
+
+def alternate(engines: dict, request: tuple, batches: int, device: str) -> tuple[dict, dict, dict]:
+    """Time `engines[side].generate(*request)` for the sides False and True, alternating (the order reversed every
+    other round): one warm-up call per side, then `batches` measured ones. Returns (each side's measured seconds, its
+    first call's seconds, its last Trajectory)."""
+    from run import sync
+
+    times: dict[bool, list[float]] = {False: [], True: []}
+    firsts: dict[bool, float] = {}
+    last = {}
+    for rep in range(1 + batches):
+        for side in ((False, True) if rep % 2 == 0 else (True, False)):
+            sync(device)
+            t0 = time.perf_counter()
+            last[side] = engines[side].generate(*request)
+            sync(device)
+            elapsed = time.perf_counter() - t0
+            if rep:
+                times[side].append(elapsed)
+            else:
+                firsts[side] = elapsed
+    return times, firsts, last
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -33,25 +74,19 @@ def main() -> None:
     p.add_argument("--batches", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     a = p.parse_args()
+    if a.batches < 1:
+        p.error(f"--batches {a.batches}: at least 1 measured call per side")
 
     import torch
     import transformers
-    from run import padded_tokenizer, sync  # benchmarks/run.py: this script's folder is on sys.path
-    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from gspo.rollout import HFSampler, SamplingParams
 
     torch.set_num_threads(a.threads)
     dtype = a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32")
     decodes = (a.decodes or "dynamic,static,compiled").split(",")
-    config = Qwen3Config(vocab_size=a.vocab, hidden_size=1024, num_hidden_layers=a.layers, num_attention_heads=16,
-                         num_key_value_heads=8, head_dim=128, intermediate_size=3072, max_position_embeddings=4096,
-                         tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=None)
-    torch.manual_seed(0)
-    with torch.device(a.device):
-        model = Qwen3ForCausalLM._from_config(config, attn_implementation="sdpa", dtype=getattr(torch, dtype)).eval()
-    tokenizer = padded_tokenizer(a.vocab)
-    prompts = ["12+34=", "5+678=", "90+1=", "2345+67="]
+    model, tokenizer = decode_model(a.layers, a.vocab, a.device, dtype)
+    prompts = PROMPTS
     group = a.rows // len(prompts)
     print(f"decode steps, Qwen3-0.6B attention layout × {a.layers} layers, vocab {a.vocab}, {dtype}, {a.device}, "
           f"{len(prompts) * group} rows × {a.new_tokens} tokens; torch {torch.__version__}, "
@@ -64,21 +99,8 @@ def main() -> None:
             engine = HFSampler(model, tokenizer, SamplingParams(max_new_tokens=a.new_tokens), decode=decode)
             engine.eos_ids, engine.grouped_decode = [], grouped
             engines[grouped] = engine
-        times: dict[bool, list[float]] = {False: [], True: []}
-        firsts: dict[bool, float] = {}
-        samples = {}
-        for rep in range(1 + a.batches):
-            for grouped in ((False, True) if rep % 2 == 0 else (True, False)):
-                sync(a.device)
-                t0 = time.perf_counter()
-                batch = engines[grouped].generate(prompts, group, list(range(len(prompts))))
-                sync(a.device)
-                elapsed = time.perf_counter() - t0
-                if rep:
-                    times[grouped].append(elapsed)
-                else:
-                    firsts[grouped] = elapsed
-                samples[grouped] = batch.completion_ids
+        times, firsts, batches = alternate(engines, (prompts, group, list(range(len(prompts)))), a.batches, a.device)
+        samples = {grouped: batch.completion_ids for grouped, batch in batches.items()}
         tokens = samples[True].numel()
         rate = {g: tokens / statistics.median(times[g]) for g in (False, True)}
         same = float((samples[True] == samples[False]).float().mean())

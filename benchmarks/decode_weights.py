@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 
 def main() -> None:
@@ -37,23 +36,18 @@ def main() -> None:
             raise ValueError
     except ValueError:
         p.error(f"--rows: comma-separated positive integers, got {a.rows!r}")
+    if a.batches < 1:
+        p.error(f"--batches {a.batches}: at least 1 measured call per side")
 
     import torch
     import torch._dynamo
     import transformers
-    from run import padded_tokenizer, sync  # benchmarks/run.py: this script's folder is on sys.path
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from decode_attention import PROMPTS, alternate, decode_model  # this script's folder is on sys.path
 
     from gspo.rollout import HFSampler, SamplingParams
 
     torch.set_num_threads(a.threads)
-    config = Qwen3Config(vocab_size=a.vocab, hidden_size=1024, num_hidden_layers=a.layers, num_attention_heads=16,
-                         num_key_value_heads=8, head_dim=128, intermediate_size=3072, max_position_embeddings=4096,
-                         tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=None)
-    torch.manual_seed(0)
-    with torch.device(a.device):
-        model = Qwen3ForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
-    tokenizer = padded_tokenizer(a.vocab)
+    model, tokenizer = decode_model(a.layers, a.vocab, a.device, "float32")
     linear = sum(m.weight.numel() for m in model.modules() if type(m) is torch.nn.Linear)
     print(f"compiled decode under bf16 autocast, float32 weights, Qwen3-0.6B layer shape × {a.layers} layers, vocab "
           f"{a.vocab}, {a.device}, {a.new_tokens} tokens per row; Linear weights {linear / 1e6:.1f}M parameters "
@@ -69,22 +63,8 @@ def main() -> None:
                                autocast="bfloat16")
             engine.eos_ids, engine.twin_weights = [], twin
             engines[twin] = engine
-        prompts = (["12+34=", "5+678=", "90+1=", "2345+67="] * n)[:n]
-        times: dict[bool, list[float]] = {False: [], True: []}
-        firsts: dict[bool, float] = {}
-        samples = {}
-        for rep in range(1 + a.batches):
-            for twin in ((False, True) if rep % 2 == 0 else (True, False)):
-                sync(a.device)
-                t0 = time.perf_counter()
-                batch = engines[twin].generate(prompts, 1, list(range(n)))
-                sync(a.device)
-                elapsed = time.perf_counter() - t0
-                if rep:
-                    times[twin].append(elapsed)
-                else:
-                    firsts[twin] = elapsed
-                samples[twin] = batch
+        prompts = (PROMPTS * n)[:n]
+        times, firsts, samples = alternate(engines, (prompts, 1, list(range(n))), a.batches, a.device)
         assert bool(engines[True]._twin_pairs) and not engines[False]._twin_pairs
         same = float((samples[True].completion_ids == samples[False].completion_ids).float().mean())
         gap = float((samples[True].logprobs - samples[False].logprobs).abs().max())
