@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates .venv (once) and installs gspo into it. Sourced by scripts/demo.sh and scripts/test.sh.
-# torch is installed first, pinned to the CPU wheel, so that resolving gspo's `torch>=2.4` never pulls a CUDA build.
+# torch is installed first, pinned to the CPU wheel, so that resolving gspo's `torch>=2.11` never pulls a CUDA build.
 # Override with GSPO_TORCH_SPEC (e.g. GSPO_TORCH_SPEC="torch --index-url <your CUDA index>") on GPU machines.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

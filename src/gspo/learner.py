@@ -290,6 +290,8 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
             step_metrics.add("entropy", float(first.mean()), count=first.numel())
             step_metrics.add("clip_frac_tokens_first_mb", m["clip_frac_tokens"], count=m.get("count_tokens", 1.0))
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip if s.grad_clip else float("inf"))
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor; with torch 2.9 a partial norm, whose float() is
+            grad_norm = grad_norm.full_tensor()  # this process's part (clipping itself used the whole norm)
         if group.all_finite(loss.detach(), grad_norm):  # every process steps, or none does
             optimizer.step()
             grad_norms.append(float(grad_norm))

@@ -455,7 +455,8 @@ bf16 autocast over float32 weights the compiled decode loop samples what the eag
 bit; without it 2 of 16 rows of the rollout tests' model differed, log-probs by up to 0.02), and compiled layers'
 log-probs are 10× closer to eager's (mean 8e-5 vs 8e-4; `tests/test_compile.py`). The trainer's forwards, the
 sampler's log-probs (π_old under `algorithm.old_logprobs: rollout`) and evaluation then agree whichever ran compiled.
-The extra roundings are in-register arithmetic inside fused kernels: no memory traffic."""
+The extra roundings are in-register arithmetic inside fused kernels: no memory traffic. inductor's CPU code generator
+honours the option from torch 2.13 (2.11 and 2.12 ignore it there; README, Installing)."""
 
 
 def compile_options(extra: dict | None = None) -> dict:
