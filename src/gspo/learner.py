@@ -34,7 +34,7 @@ from gspo.hooks import LearnHook
 from gspo.logprobs import completion_logprobs, fused_head
 from gspo.models import compiled_layers
 from gspo.objectives import COUNT_KEYS, METRIC_AGGREGATION, Metrics, Objective, kl_to_reference, process_normaliser
-from gspo.parallel import ProcessGroup, autocast, gradient_sync
+from gspo.parallel import ProcessGroup, autocast, gradient_sync, whole
 from gspo.trajectory import Trajectory
 
 __all__ = ["LearnSettings", "learn", "micro_batches"]
@@ -289,9 +289,9 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
             first = entropy[mb][mask[mb]]
             step_metrics.add("entropy", float(first.mean()), count=first.numel())
             step_metrics.add("clip_frac_tokens_first_mb", m["clip_frac_tokens"], count=m.get("count_tokens", 1.0))
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip if s.grad_clip else float("inf"))
-        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor; with torch 2.9 a partial norm, whose float() is
-            grad_norm = grad_norm.full_tensor()  # this process's part (clipping itself used the whole norm)
+        # under FSDP2 a DTensor; with torch 2.9 a partial norm, whose float() is this process's part (clipping itself
+        # used the whole norm)
+        grad_norm = whole(torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip or float("inf")))
         if group.all_finite(loss.detach(), grad_norm):  # every process steps, or none does
             optimizer.step()
             grad_norms.append(float(grad_norm))

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from gspo.logprobs import LogprobForward
+from gspo.parallel.wrap import whole
 
 if TYPE_CHECKING:
     from gspo.config import LoraConfig
@@ -181,15 +182,10 @@ def merged_weights(model: nn.Module, state: dict[str, torch.Tensor] | None = Non
         if key.startswith(adapter_prefixes):
             continue
         with torch.no_grad():  # not across the yield: see policy_weights
-            tensor = _whole(tensor)
+            tensor = whole(tensor)
             deltas = [d for name, layer in adapted.get(key, ()) for d in _deltas(name, layer, tensors, state)]
             merged = (tensor + sum(deltas)).to(tensor.dtype) if deltas else tensor
         yield _base_name(key, tuners), merged.detach()
-
-
-def _whole(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` gathered whole when it is a shard (a DTensor under FSDP: a collective), else itself."""
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def _deltas(name: str, layer: nn.Module, tensors: dict[str, torch.Tensor],
@@ -214,7 +210,7 @@ def _deltas(name: str, layer: nn.Module, tensors: dict[str, torch.Tensor],
         if type(layer) is not Linear:
             raise NotImplementedError(f"merging sharded {type(layer).__name__} adapters is not supported (LoRA on "
                                       "nn.Linear only)")
-        weight_a, weight_b = (_whole(tensors[f"{name}.lora_{ab}.{a}.weight"]) for ab in "AB")
+        weight_a, weight_b = (whole(tensors[f"{name}.lora_{ab}.{a}.weight"]) for ab in "AB")
         delta = weight_b.float() @ weight_a.float()
         deltas.append(((delta.T if layer.fan_in_fan_out else delta) * layer.scaling[a]).to(weight_b.dtype))
     return deltas

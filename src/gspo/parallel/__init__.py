@@ -3,7 +3,7 @@ group and its collectives (`group`), wrapping the policy with DDP or FSDP2 (`wra
 wrapped policy (`state`). See `gspo.parallel.group` for what makes N processes train exactly like one."""
 
 from gspo.parallel.group import ProcessGroup, init_distributed, resolve_device, shutdown
-from gspo.parallel.wrap import autocast, gradient_sync, wrap_frozen, wrap_policy
+from gspo.parallel.wrap import autocast, gradient_sync, whole, wrap_frozen, wrap_policy
 
-__all__ = ["ProcessGroup", "autocast", "gradient_sync", "init_distributed", "resolve_device", "shutdown", "wrap_frozen",
-           "wrap_policy"]
+__all__ = ["ProcessGroup", "autocast", "gradient_sync", "init_distributed", "resolve_device", "shutdown", "whole",
+           "wrap_frozen", "wrap_policy"]

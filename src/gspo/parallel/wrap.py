@@ -17,7 +17,7 @@ from torch import nn
 from gspo.logprobs import LogprobForward
 from gspo.parallel.group import ProcessGroup
 
-__all__ = ["autocast", "gradient_sync", "wrap_frozen", "wrap_policy"]
+__all__ = ["autocast", "gradient_sync", "whole", "wrap_frozen", "wrap_policy"]
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,12 @@ def autocast(group: ProcessGroup, mixed_precision: str | None) -> contextlib.Abs
     from gspo.models import resolve_dtype
 
     return torch.autocast(group.device.type, dtype=resolve_dtype(mixed_precision))
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` gathered whole when it is a shard or a partial value (a DTensor under FSDP2: a collective, so every
+    process calls it), else itself."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 @contextlib.contextmanager

@@ -46,9 +46,10 @@ def policy_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         return
     # no torch.no_grad() here: a generator suspended inside it would leave gradients off in its consumer (and for
     # good, if it is not run to the end); state_dict() tensors are detached, so nothing is recorded anyway
+    from gspo.parallel.wrap import whole  # here: importing gspo.rollout should not import the trainer's config
+
     for name, tensor in bare.state_dict().items():
-        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-        yield name, full.detach()
+        yield name, whole(tensor).detach()
 
 
 def checkpoint_layout(model: nn.Module) -> Callable[[Weights, torch.dtype | None], Iterator[tuple[str, torch.Tensor]]]:
