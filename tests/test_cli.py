@@ -116,6 +116,17 @@ def test_sft_rejects_bad_arguments(tmp_path, capsys, flag, value):
     assert not (tmp_path / "m").exists()
 
 
+def test_sft_names_the_file_row_without_a_solution_before_loading_a_model(tmp_path, capsys, monkeypatch):
+    rows = [{"prompt": f"{i}+1=", "solution": str(i + 1)} for i in range(30)]
+    for i in (7, 20):
+        del rows[i]["solution"]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setattr("gspo.models.load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    assert main(["sft", "--out", str(tmp_path / "m"), "--data", str(data), "--size", "10", "--steps", "2"]) == 2
+    assert "row 7 has no 'solution' field, the target SFT trains on (2 of 30 rows have none)" in capsys.readouterr().err
+
+
 def test_eval_prints_accuracy(sft_dir, capsys):
     assert main(["eval", str(sft_dir), "--size", "8", "--max-new-tokens", "4"]) == 0
     result = last_json(capsys.readouterr().out)

@@ -120,18 +120,95 @@ def test_integral_float_answers_from_parquet_are_integers(tmp_path) -> None:
     assert [r["answer"] for r in load_rows(str(path), fields=FIELDS)] == ANSWER_TEXT
 
 
-def test_integral_float_answers_from_csv_are_integers(tmp_path) -> None:
+def test_csv_answers_are_the_text_as_written_in_a_file_or_a_folder(tmp_path) -> None:
+    """A CSV cell is text: what the file says is what a reward compares with. A type guess made "007" 7 (and, in a
+    column that turned to text after 10,000 rows, a pyarrow error); pandas' own float text stays as it wrote it."""
     folder = tmp_path / "csv"
     folder.mkdir()
-    # pandas writes 37.0 for an int column that has a gap; datasets reads the column back as float64
-    pd.DataFrame({"question": [f"q{i}" for i in range(len(ANSWERS))], "result": ANSWERS}).to_csv(
+    answers = ["007", "5.00", "1e3", "NA", "true", "37.0", "1,000", 'say "hi"']
+    pd.DataFrame({"question": [f"q{i}" for i in range(len(answers))], "result": answers}).to_csv(
         folder / "train.csv", index=False)
-    assert [r["answer"] for r in load_rows(str(folder), fields=FIELDS)] == ANSWER_TEXT
+    assert [r["answer"] for r in load_rows(str(folder), fields=FIELDS)] == answers
+    assert [r["answer"] for r in load_rows(str(folder / "train.csv"), fields=FIELDS)] == answers
 
 
 def test_integral_float_answers_from_jsonl_are_integers(tmp_path) -> None:
     src = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"q{i}", "answer": a} for i, a in enumerate(ANSWERS)])
     assert [r["answer"] for r in load_rows(src)] == ANSWER_TEXT
+
+
+# ---- 3b. CSV and TSV files: text as written, records as the header names them -------------------------------------
+
+
+def test_tsv_quotes_are_ordinary_characters_so_no_rows_merge(tmp_path) -> None:
+    path = tmp_path / "q.tsv"
+    path.write_text('question\tresult\n"quote opens here. 1+1=\t2\n2+2=\t4\n"Hi," she said. 3+3=\t6\n')
+    rows = load_rows(str(path), fields=FIELDS)
+    assert [r["prompt"] for r in rows] == ['"quote opens here. 1+1=', "2+2=", '"Hi," she said. 3+3=']
+    assert [r["answer"] for r in rows] == ["2", "4", "6"]
+
+
+def test_a_csv_record_spanning_lines_and_blank_lines_keep_their_line_numbers(tmp_path) -> None:
+    path = tmp_path / "d.csv"
+    path.write_text('question,result\n"two\nlines",1\n\nq2,\n')
+    with pytest.raises(ValueError, match=r"d\.csv: row 1 \(line 5\) field 'result' \(mapped to 'answer'\) is null"):
+        load_rows(str(path), fields=FIELDS)  # an empty cell is a missing value
+    assert load_rows(str(path), fields=FIELDS, limit=1) == [{"prompt": "two\nlines", "answer": "1"}]
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("question,result\n1+1=,2,\n", r"line 2 has 3 values where the header \(line 1\) names 2 columns"),
+    ("question,result\n1+1=\n", r"line 2 has 1 values where the header \(line 1\) names 2"),
+    ("question,result,\n1+1=,2,\n", r"the header \(line 1\) has an empty column name at position 3"),
+    ("question,question\n1+1=,2\n", r"the header \(line 1\) names the column 'question' twice"),
+    ('question,result\n"1+1="x,2\n', r"line 2 is not valid CSV"),
+    ('question,result\n"1+1=,2\n', r"line 2 is not valid CSV: unexpected end of data"),
+])
+def test_malformed_csv_is_an_error_naming_the_line(tmp_path, text: str, message: str) -> None:
+    path = tmp_path / "bad.csv"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=rf"bad\.csv: {message}"):
+        load_rows(str(path), fields=FIELDS)
+
+
+def test_a_csv_that_is_not_utf8_is_named_by_its_line(tmp_path) -> None:
+    path = tmp_path / "latin1.csv"
+    path.write_bytes("question,result\n1+1=,2\ncafé?,3\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1\.csv: line 3 is not UTF-8 text: its byte 4 is 0xe9"):
+        load_rows(str(path), fields=FIELDS)
+
+
+def test_a_folder_of_csv_files_reads_each_split_as_text(tmp_path) -> None:
+    data = tmp_path / "ds" / "data"
+    data.mkdir(parents=True)
+    for name, rows in (("train-00000-of-00002", [("a", "007")]), ("train-00001-of-00002", [("b", "008")]),
+                       ("test-00000-of-00001", [("c", "009")])):
+        (data / f"{name}.csv").write_text("question,result\n" + "".join(f"{q},{a}\n" for q, a in rows))
+    assert load_rows(str(tmp_path / "ds"), fields=FIELDS) == [{"prompt": "a", "answer": "007"},
+                                                               {"prompt": "b", "answer": "008"}]
+    assert load_rows(str(tmp_path / "ds"), split="test", fields=FIELDS) == [{"prompt": "c", "answer": "009"}]
+    assert load_rows(str(tmp_path / "ds"), fields=FIELDS, limit=1) == [{"prompt": "a", "answer": "007"}]
+    with pytest.raises(ValueError, match=r"has no split 'validation'; its splits are \['test', 'train'\]"):
+        load_rows(str(tmp_path / "ds"), split="validation", fields=FIELDS)
+
+
+def test_upper_case_suffixes_load_like_lower_case_ones(tmp_path) -> None:
+    rows = [{"prompt": "1+1=", "answer": "2"}]
+    _write_jsonl(tmp_path / "D.JSONL", rows)
+    pd.DataFrame(rows).to_parquet(tmp_path / "D.PARQUET")
+    (tmp_path / "D.TSV").write_text("prompt\tanswer\n1+1=\t2\n")
+    for name in ("D.JSONL", "D.PARQUET", "D.TSV"):
+        assert load_rows(str(tmp_path / name)) == rows, name
+
+
+def test_numeric_solutions_become_text_and_a_field_mapped_from_one_of_ours_keeps_it(tmp_path) -> None:
+    src = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1=", "answer": 2}])
+    # {"solution": "answer"}: the cold start trains on the answer, and the reward still reads `answer`
+    assert load_rows(src, fields={"solution": "answer"}) == [{"prompt": "1+1=", "answer": "2", "solution": "2"}]
+    assert load_rows(src, fields={"prompt": "prompt", "solution": "answer"})[0]["answer"] == "2"
+    # a column mapped to one of ours is still renamed when it is not one of ours itself
+    src = _write_jsonl(tmp_path / "e.jsonl", [{"question": "1+1=", "result": 2}])
+    assert load_rows(src, fields=FIELDS) == [{"prompt": "1+1=", "answer": "2"}]
 
 
 # ---- 4. data.prompt_template ----------------------------------------------------------------------------------------
@@ -192,6 +269,47 @@ def test_load_data_checks_the_template_before_any_model_is_loaded(tmp_path, temp
     assert good.train[0]["prompt"].endswith("+1=")  # checked only: the template is applied with the chat template
 
 
+def _passage_rows(n: int, questions: list[str], start: int = 0) -> list[dict]:
+    """Rows whose `prompt` field is one of a few questions and whose `passage` holds the problem: only a template
+    "{passage} {prompt}" makes each row its own prompt."""
+    return [{"prompt": questions[i % len(questions)], "passage": f"a is {i} and b is {i + 1}", "answer": str(2 * i + 1)}
+            for i in range(start, start + n)]
+
+
+def test_held_out_rows_are_compared_by_the_prompt_the_template_makes(tmp_path) -> None:
+    train = _write_jsonl(tmp_path / "train.jsonl", _passage_rows(100, ["what is the sum?", "what is the total?"]))
+    held = _write_jsonl(tmp_path / "held.jsonl", _passage_rows(40, ["what is the sum?"], start=100))
+    template = "{passage}. {prompt}"
+    # every held-out `prompt` field is a training one, but no templated prompt is: all 40 are held out, once each
+    splits = load_data(DataConfig(path=train, eval_path=held, prompt_template=template), seed=0)
+    assert len(splits.heldout) == 40
+    assert splits.heldout_source["dropped_training_prompts"] == 0 and splits.heldout_source["repeated_prompts"] == 0
+    # a held-out row whose templated prompt is a training one (up to case) is still dropped
+    copied = _write_jsonl(tmp_path / "copied.jsonl", [{**_passage_rows(1, ["What is the SUM?"])[0]},
+                                                      *_passage_rows(3, ["what is the sum?"], start=200)])
+    splits = load_data(DataConfig(path=train, eval_path=copied, prompt_template=template), seed=0)
+    assert [r["passage"] for r in splits.heldout] == [f"a is {i} and b is {i + 1}" for i in (200, 201, 202)]
+    assert splits.heldout_source["dropped_training_prompts"] == 1
+    # a fraction of one file splits by templated prompt: both sides non-empty, disjoint in templated prompts
+    cfg = DataConfig(path=train, eval_fraction=0.2, prompt_template=template)
+    splits = load_data(cfg, seed=0)
+    made = {side: {template.format_map(r) for r in getattr(splits, side)} for side in ("train", "heldout")}
+    assert 0 < len(splits.heldout) < 100 and len(splits.train) + len(splits.heldout) == 100
+    assert not made["train"] & made["heldout"]
+
+
+def test_a_capped_sample_under_a_template_is_not_the_first_rows_of_one_prompt_field(tmp_path) -> None:
+    # sorted by question: a sample by the `prompt` field would take the first rows of one question, in file order
+    rows = sorted(_passage_rows(200, ["what is the sum?", "what is the total?"]), key=lambda r: r["prompt"])
+    train = _write_jsonl(tmp_path / "train.jsonl", rows)
+    held = _write_jsonl(tmp_path / "held.jsonl", _passage_rows(5, ["q?"], start=500))
+    splits = load_data(DataConfig(path=train, eval_path=held, train_size=20, prompt_template="{passage}. {prompt}"),
+                       seed=0)
+    chosen = [rows.index(r) for r in splits.train]
+    assert len(chosen) == 20 and chosen != list(range(20))
+    assert {r["prompt"] for r in splits.train} == {"what is the sum?", "what is the total?"}
+
+
 # ---- 5. errors name the user's columns ------------------------------------------------------------------------------
 
 
@@ -208,7 +326,7 @@ def test_row_errors_name_the_mapped_column(tmp_path, row: dict, message: str) ->
 
 
 def test_a_mapped_solution_column_is_named_in_its_error(tmp_path) -> None:
-    src = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1=", "worked": 2}])
+    src = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1=", "worked": [2]}])
     with pytest.raises(ValueError, match=r"row 0 \(line 1\) field 'worked' \(mapped to 'solution'\) must be"):
         load_rows(src, fields={"solution": "worked"})
 

@@ -157,7 +157,13 @@ def _cmd_sft(args: argparse.Namespace) -> int:
         raise ConfigError(f"sft: --out {args.out} exists and is not a folder")
     device = resolve_device(args.device, key="--device")
     if args.data is not None:  # every row, or --size N of them chosen by prompt hash
-        rows = subset_rows(load_rows(args.data, split=args.split or "train", fields=_fields(args)), args.size)
+        every = load_rows(args.data, split=args.split or "train", fields=_fields(args))
+        missing = [i for i, r in enumerate(every) if "solution" not in r]
+        if missing:  # named by the file's row, before the model is loaded
+            raise ConfigError(f"sft: {args.data}: row {missing[0]} has no 'solution' field, the target SFT trains on "
+                              f"({len(missing)} of {len(every)} rows have none): map a column to it with --fields "
+                              "'{\"solution\": \"COLUMN\"}'")
+        rows = subset_rows(every, args.size)
     else:
         rows = make_task(args.task or "addition", split=args.split or "train", size=args.size or TASK_ROWS["train"],
                          seed=args.seed, **options)

@@ -12,6 +12,7 @@ index (and line number for JSON Lines) and by the field that is wrong, named as 
 from __future__ import annotations
 
 import codecs
+import csv
 import json
 import math
 import re
@@ -25,7 +26,8 @@ __all__ = ["ROLES", "check_messages", "load_rows"]
 _SAVED_DATASET_MARKERS = ("state.json", "dataset_info.json")
 _SAVED_DATASET_DICT_MARKER = "dataset_dict.json"
 _FILE_SUFFIXES = (".jsonl", ".parquet")
-_BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json"}  # other single files: the `datasets` builder reading them
+_DELIMITERS = {".csv": ",", ".tsv": "\t"}  # files read as text, cell by cell (`_delimited_records`)
+_BUILDERS = {".json": "json"}  # other single files: the `datasets` builder reading them
 # Suffixes of data files (ours and those `datasets.load_dataset` reads from a folder): a source ending with one is a
 # file, never a Hub dataset id, so a missing one is reported at once rather than looked up on the Hub.
 _DATA_SUFFIXES = (*_FILE_SUFFIXES, ".json", ".csv", ".tsv", ".txt", ".arrow")
@@ -34,6 +36,8 @@ _DATA_SUFFIXES = (*_FILE_SUFFIXES, ".json", ".csv", ".tsv", ".txt", ".arrow")
 _HUB_ID = re.compile(r"(\w[\w.-]*/)?\w[\w.-]*", re.ASCII)
 # Floats up to this size are exactly integers when integral, so 37.0 can be written "37" without inventing digits.
 _EXACT_INT = 2**53
+# The fields gspo itself reads from a row (`_check_known_fields`; a `messages` column is a prompt, never kept twice).
+_KNOWN_FIELDS = ("prompt", "answer", "solution", "tests")
 # The roles of OpenAI-style chat messages; a prompt must not end with "assistant" (the answer is not part of it).
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -84,7 +88,9 @@ def _normalize_row(raw: Any, index: int, line: int | None, fields: Mapping[str, 
     where = _where(index, line)
     if not isinstance(raw, Mapping):
         raise ValueError(f"{source}: {where} is a {type(raw).__name__}, expected an object with a 'prompt' field")
-    renamed_from = set(fields.values())
+    # mapped columns are renamed, except one that is itself a field gspo reads and no mapping replaces: with
+    # {"solution": "answer"} the row keeps its `answer` too (a copy, not a move that would leave the reward without it)
+    renamed_from = set(fields.values()) - (set(_KNOWN_FIELDS) - set(fields))
     row = {key: value for key, value in raw.items() if key not in renamed_from}
     for ours, theirs in fields.items():
         value = _lookup(raw, theirs)
@@ -153,17 +159,20 @@ def check_messages(messages: Any, where: str) -> list[dict[str, Any]]:
 def _check_known_fields(row: dict[str, Any], where: str, fields: Mapping[str, str] | None = None) -> None:
     """Check (in place) the optional fields whose meaning we know, so that a wrong type is reported here, at its row,
     instead of as a reward failure at every step that draws the row. A numeric `answer` (JSON `42`) becomes text
-    (`_number_text`). Errors name a field by the source's column when `fields` maps one to it."""
+    (`_number_text`), and so does a numeric `solution` (a cold start's target "37"). Errors name a field by the
+    source's column when `fields` maps one to it."""
     fields = fields or {}
+    for name in ("answer", "solution"):
+        value = row.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            row[name] = _number_text(value)
     answer = row.get("answer", "")
-    if "answer" in row and isinstance(answer, (int, float)) and not isinstance(answer, bool) and math.isfinite(answer):
-        row["answer"] = answer = _number_text(answer)
     if "answer" in row and not (isinstance(answer, str) and answer.strip()):
         raise ValueError(f"{where} field {_named('answer', fields)} must be a non-empty string or a number, got "
                          f"{_shown(answer)}")
     solution = row.get("solution", "")
     if "solution" in row and not (isinstance(solution, str) and solution.strip()):
-        raise ValueError(f"{where} field {_named('solution', fields)} must be a non-empty string, got "
+        raise ValueError(f"{where} field {_named('solution', fields)} must be a non-empty string or a number, got "
                          f"{_shown(solution)}")
     tests = row.get("tests", "")
     if "tests" in row and not (
@@ -188,27 +197,30 @@ def _shown(value: Any) -> str:
     return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
 
 
-def _jsonl_records(path: Path) -> Iterator[tuple[Any, int]]:
-    """Yield (parsed object, 1-based line number) for each non-blank line of a JSON Lines file.
-
-    Lines are decoded one at a time, so text that is not UTF-8 (a file saved as Latin-1) is reported by its line and
-    the byte's place in it rather than by an offset into a read buffer; a UTF-8 byte order mark at the start
-    (Windows editors write one) is skipped."""
+def _text_lines(path: Path) -> Iterator[str]:
+    """The lines of a text file, each with its line ending, decoded one at a time, so that text that is not UTF-8 (a
+    file saved as Latin-1) is reported by its line and the byte's place in it rather than by an offset into a read
+    buffer; a UTF-8 byte order mark at the start (Windows editors write one) is skipped."""
     with path.open("rb") as handle:
         for line_no, data in enumerate(handle, start=1):
             if line_no == 1 and data.startswith(codecs.BOM_UTF8):
                 data = data[len(codecs.BOM_UTF8):]
             try:
-                text = data.decode("utf-8")
+                yield data.decode("utf-8")
             except UnicodeDecodeError as exc:
                 raise ValueError(f"{path}: line {line_no} is not UTF-8 text: its byte {exc.start + 1} is "
                                  f"{data[exc.start]:#04x} ({exc.reason}); save the file as UTF-8") from None
-            if not text.strip():
-                continue
-            try:
-                yield json.loads(text), line_no
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}: line {line_no} is not valid JSON: {exc.msg} (column {exc.colno})") from exc
+
+
+def _jsonl_records(path: Path) -> Iterator[tuple[Any, int]]:
+    """Yield (parsed object, 1-based line number) for each non-blank line of a JSON Lines file (`_text_lines`)."""
+    for line_no, text in enumerate(_text_lines(path), start=1):
+        if not text.strip():
+            continue
+        try:
+            yield json.loads(text), line_no
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: line {line_no} is not valid JSON: {exc.msg} (column {exc.colno})") from exc
 
 
 def _dataset_records(dataset: Any, limit: int | None) -> Iterator[tuple[Any, None]]:
@@ -275,21 +287,94 @@ def _hub_records(source: str, split: str | None, limit: int | None) -> Iterator[
     return _dataset_records(loaded if split is not None else _pick_split(loaded, source, None), limit)
 
 
+def _delimited_records(path: Path, limit: int | None) -> Iterator[tuple[dict[str, str | None], int]]:
+    """Yield (row, its first line) for each record of a CSV or TSV file: every value the text as written ("007",
+    "1e3", "NA", "true" stay what they are: an exact-match answer is never rewritten by a type guess), an empty cell
+    null (a missing value), blank lines skipped, a UTF-8 byte order mark skipped. CSV quoting is RFC 4180's (a quoted
+    value may hold commas, quotes written twice and line breaks; anything else is an error, `strict`); a TSV has no
+    quoting: tabs separate values and a quote is an ordinary character (the IANA text/tab-separated-values format).
+
+    Raises ValueError naming the file and line for a header with an empty or repeated column name, a record with more
+    or fewer values than the header names, malformed CSV quoting, or text that is not UTF-8."""
+    tsv = path.suffix.lower() == ".tsv"
+    reader = csv.reader(_text_lines(path), delimiter=_DELIMITERS[path.suffix.lower()], strict=True,
+                        quoting=csv.QUOTE_NONE if tsv else csv.QUOTE_MINIMAL)
+    header, line, rows = None, 1, 0
+    try:
+        for values in reader:
+            start, line = line, reader.line_num + 1  # a quoted value may span lines: the record's first one
+            if header is None:
+                if values:
+                    header, header_line = _header(values, path, start), start
+                continue
+            if not any(values):
+                continue  # a blank line, or one of empty cells
+            if len(values) != len(header):
+                raise ValueError(f"{path}: line {start} has {len(values)} values where the header (line {header_line}) "
+                                 f"names {len(header)} columns {header}" + ("; a value cannot hold a tab in a TSV file"
+                                 if tsv else "; a value holding a comma must be quoted"))
+            yield {name: value or None for name, value in zip(header, values, strict=True)}, start
+            rows += 1
+            if limit is not None and rows >= limit:
+                return
+    except csv.Error as exc:
+        raise ValueError(f"{path}: line {reader.line_num} is not valid CSV: {exc} (a quoted value ends with a quote "
+                         'followed by a comma or the line\'s end; a quote inside it is written "")') from None
+
+
+def _header(values: list[str], path: Path, line: int) -> list[str]:
+    """A CSV / TSV file's column names (its first record), each non-empty and once: a header that is not one (an
+    empty name, the same name twice) would silently drop or mislabel a column."""
+    names = [v.strip() for v in values]
+    if "" in names:
+        raise ValueError(f"{path}: the header (line {line}) has an empty column name at position "
+                         f"{names.index('') + 1} of {names}: name every column (a trailing comma makes an empty one)")
+    twice = next((n for n in names if names.count(n) > 1), None)
+    if twice is not None:
+        raise ValueError(f"{path}: the header (line {line}) names the column {twice!r} twice: {names}")
+    return names
+
+
 def _data_file_records(path: Path, limit: int | None) -> Iterator[tuple[Any, None]]:
-    """Rows of one CSV, TSV or JSON file (an array of objects, or one object a line), read by the `datasets` builder
-    for its format, as a folder of such files is. Its column types are inferred (a number column gives numbers: an
-    `answer` becomes text in `_check_known_fields`)."""
+    """Rows of one JSON file (an array of objects, or one object a line), read by the `datasets` builder for its
+    format, as a folder of such files is."""
     import datasets
 
     builder = _BUILDERS[path.suffix.lower()]
-    options = {"delimiter": "\t"} if path.suffix.lower() == ".tsv" else {}
     try:
-        loaded = datasets.load_dataset(builder, data_files=str(path), split="train", **options)
+        loaded = datasets.load_dataset(builder, data_files=str(path), split="train")
     except Exception as exc:
         root = _root_cause(exc)
         raise ValueError(f"{path}: could not read it as {builder.upper()} with datasets.load_dataset: "
                          f"{type(root).__name__}: {root}") from exc
     return _dataset_records(loaded, limit)
+
+
+def _folder_records(path: Path, split: str | None, limit: int | None) -> Iterable[tuple[Any, int | None]]:
+    """Rows of a folder of data files, its splits found by file name as `datasets.load_dataset` finds them
+    (`train.csv`, `data/test-00000-of-00001.csv`, ...). A folder of CSV / TSV files only is read as single such files
+    are (`_delimited_records`: values as written, where `datasets` would guess types, per chunk of rows); any other
+    folder is `datasets.load_dataset`'s (`_hub_records`)."""
+    from datasets.data_files import DataFilesDict, get_data_patterns
+
+    try:
+        files = {str(name): list(found) for name, found in
+                 DataFilesDict.from_patterns(get_data_patterns(str(path)), base_path=str(path)).items()}
+    except Exception:  # no data files it recognises: load_dataset's own error says so
+        return _hub_records(str(path), split, limit)
+    if not files or not all(Path(f).suffix.lower() in _DELIMITERS for found in files.values() for f in found):
+        return _hub_records(str(path), split, limit)
+    chosen = _pick_split(files, str(path), split)
+
+    def records() -> Iterator[tuple[Any, None]]:
+        n = 0
+        for f in chosen:
+            for row, _ in _delimited_records(Path(f), None if limit is None else limit - n):
+                yield row, None
+                n += 1
+            if limit is not None and n >= limit:
+                return
+    return records()
 
 
 def _root_cause(exc: BaseException) -> BaseException:
@@ -330,20 +415,23 @@ def _records(source: str, split: str | None, limit: int | None,
     path = Path(source).expanduser()
     if path.is_file():
         _single_split(source, split, f"a single {path.suffix or 'data'} file", lone_split_ok)
-        if path.suffix == ".jsonl":
+        suffix = path.suffix.lower()
+        if suffix == ".jsonl":
             return _jsonl_records(path)
-        if path.suffix == ".parquet":
+        if suffix == ".parquet":
             return _parquet_records(path, limit)
-        if path.suffix.lower() in _BUILDERS:
+        if suffix in _DELIMITERS:
+            return _delimited_records(path, limit)
+        if suffix in _BUILDERS:
             return _data_file_records(path, limit)
         raise ValueError(f"{source}: unsupported file type {path.suffix!r}; expected one of "
-                         f"{[*_FILE_SUFFIXES, *_BUILDERS]}")
+                         f"{[*_FILE_SUFFIXES, *_DELIMITERS, *_BUILDERS]}")
     if path.is_dir() and (
         (path / _SAVED_DATASET_DICT_MARKER).is_file() or all((path / m).is_file() for m in _SAVED_DATASET_MARKERS)
     ):
         return _saved_dataset_records(path, split, limit, lone_split_ok)
-    if path.is_dir():  # a folder of data files (train.csv, test.jsonl, ...), for `datasets.load_dataset`
-        return _hub_records(str(path), split, limit)
+    if path.is_dir():  # a folder of data files (train.csv, test.jsonl, ...), split as `datasets.load_dataset` does
+        return _folder_records(path, split, limit)
     if _looks_like_path(source):
         raise _missing(source, path)
     return _hub_records(source, split, limit)  # a Hub dataset id

@@ -10,6 +10,10 @@ The held-out rows come from exactly one place:
 * `data.eval_fraction` of `data.path`'s rows, chosen by a hash of the prompt (`holdout_bucket`), so the same prompt
   is always on the same side: disjoint by construction, and the same rows whatever the seed or the file's order.
 
+"The prompt" of a row is always the text the model is given: with `data.prompt_template`, the template filled in from
+the row (`PromptOf`), not the row's `prompt` field alone (a template "{passage} {prompt}" over rows that share one
+question makes every row another prompt, and rows that share a passage and a question one prompt).
+
 For the two sources that are not disjoint by construction, a held-out row whose prompt is also a training prompt is
 dropped from the held-out rows (counted in the record, and logged), so that "held-out" accuracy is never measured
 on what the policy was trained on.
@@ -25,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,8 +38,9 @@ from gspo.data.chat import apply_prompt_template
 from gspo.data.files import load_rows
 from gspo.data.tasks import make_task
 
-__all__ = ["DATA_SOURCE", "EVAL_SET", "MAX_GROUPS", "TASK_ROWS", "DataSplits", "eval_group_field", "eval_groups",
-           "holdout_bucket", "load_data", "near_key", "source_names", "split_by_fraction", "subset_rows"]
+__all__ = ["DATA_SOURCE", "EVAL_SET", "MAX_GROUPS", "TASK_ROWS", "DataSplits", "PromptOf", "eval_group_field",
+           "eval_groups", "holdout_bucket", "load_data", "near_key", "prompt_of", "source_names", "split_by_fraction",
+           "subset_rows"]
 
 # Problems an embedded task draws when data.train_size / data.eval_size are not set (a file or dataset: all rows).
 TASK_ROWS = {"train": 20000, "eval": 200}
@@ -47,6 +53,21 @@ SUBSET_SALT = b"gspo/subset\0"  # the hash that picks a capped sample, independe
 TRAINING_ONLY_FIELDS = ("solution",)
 
 log = logging.getLogger(__name__)
+
+PromptOf = Callable[[dict], Any]
+"""A row's prompt as the split, the deduplication and the capped sample compare rows: the text the model is given."""
+
+
+def _own_prompt(row: dict) -> Any:
+    return row["prompt"]
+
+
+def prompt_of(template: str | None) -> PromptOf:
+    """The `PromptOf` of rows under `data.prompt_template` `template` (None: a row's own `prompt`): the template
+    filled in from the row, as `gspo.data.chat.apply_prompt_template` fills it (rows are checked there first)."""
+    if not template:
+        return _own_prompt
+    return lambda row: template.format_map(row)
 
 
 @dataclass
@@ -86,70 +107,75 @@ def holdout_bucket(prompt: Any, salt: bytes = b"") -> float:
     return int.from_bytes(digest[:8], "big") / 2**64
 
 
-def split_by_fraction(rows: list[dict], fraction: float) -> tuple[list[dict], list[dict]]:
-    """(training rows, held-out rows): a row is held out when its prompt's `holdout_bucket` is below `fraction`.
-    Rows with the same prompt land on the same side, so the two are disjoint in prompts, not only in rows."""
+def split_by_fraction(rows: list[dict], fraction: float,
+                      prompt: PromptOf = _own_prompt) -> tuple[list[dict], list[dict]]:
+    """(training rows, held-out rows): a row is held out when its prompt's (`prompt(row)`) `holdout_bucket` is below
+    `fraction`. Rows with the same prompt land on the same side, so the two are disjoint in prompts, not only in
+    rows."""
     if not 0 < fraction < 1:
         raise ValueError(f"split_by_fraction: fraction must be in (0, 1), got {fraction!r}")
     train, heldout = [], []
     for row in rows:
-        (heldout if holdout_bucket(row["prompt"]) < fraction else train).append(row)
+        (heldout if holdout_bucket(prompt(row)) < fraction else train).append(row)
     return train, heldout
 
 
-def _drop_training_prompts(heldout: list[dict], train: list[dict], where: str) -> tuple[list[dict], int]:
-    """Held-out rows without those whose prompt is also a training prompt, up to case and whitespace (`near_key`),
-    and how many were dropped."""
-    seen = {near_key(r["prompt"]) for r in train}
-    kept = [r for r in heldout if near_key(r["prompt"]) not in seen]
+def _drop_training_prompts(heldout: list[dict], train: list[dict], where: str, prompt: PromptOf = _own_prompt,
+                           advice: str = "use a separate file (data.eval_path) or data.eval_fraction",
+                           ) -> tuple[list[dict], int]:
+    """Held-out rows without those whose prompt (`prompt(row)`) is also a training prompt, up to case and whitespace
+    (`near_key`), and how many were dropped. `advice`: what the error for nothing left says to do."""
+    seen = {near_key(prompt(r)) for r in train}
+    kept = [r for r in heldout if near_key(prompt(r)) not in seen]
     dropped = len(heldout) - len(kept)
     if dropped:
         log.warning("%s: %d of %d held-out rows have a prompt that is also a training prompt (up to case and "
                     "whitespace); they are left out of the held-out evaluation", where, dropped, len(heldout))
     if not kept:
         raise ValueError(f"{where}: every held-out row's prompt is also a training prompt, so nothing is held out: "
-                         "use a separate file (data.eval_path) or data.eval_fraction")
+                         f"{advice}")
     return kept, dropped
 
 
-def subset_rows(rows: list[dict], size: int | None) -> list[dict]:
-    """At most `size` of `rows` (None: all of them), in their order: the rows whose prompt's `holdout_bucket` under
-    `SUBSET_SALT` is smallest. The choice depends only on the prompts, so it is a uniform sample of them whatever the
-    order of the source (a file sorted by difficulty or by source gives no biased prefix) and the same on every
-    machine and run."""
+def subset_rows(rows: list[dict], size: int | None, prompt: PromptOf = _own_prompt) -> list[dict]:
+    """At most `size` of `rows` (None: all of them), in their order: the rows whose prompt's (`prompt(row)`)
+    `holdout_bucket` under `SUBSET_SALT` is smallest. The choice depends only on the prompts, so it is a uniform
+    sample of them whatever the order of the source (a file sorted by difficulty or by source gives no biased prefix)
+    and the same on every machine and run."""
     if size is None or len(rows) <= size:
         return rows
-    keys = [holdout_bucket(r["prompt"], SUBSET_SALT) for r in rows]
+    keys = [holdout_bucket(prompt(r), SUBSET_SALT) for r in rows]
     chosen = sorted(sorted(range(len(rows)), key=keys.__getitem__)[:size])  # stable: equal prompts keep their order
     return [rows[i] for i in chosen]
 
 
-def _drawn(kind: dict[str, Any], rows: list[dict], size: int | None, what: str) -> tuple[list[dict], dict[str, Any]]:
-    """`subset_rows(rows, size)` and the record of it: `rows` kept, `of` how many there were (logged when fewer).
-    Held-out rows are first kept once per prompt (`_once`; `repeated_prompts` counts the others)."""
+def _drawn(kind: dict[str, Any], rows: list[dict], size: int | None, what: str,
+           prompt: PromptOf) -> tuple[list[dict], dict[str, Any]]:
+    """`subset_rows(rows, size, prompt)` and the record of it: `rows` kept, `of` how many there were (logged when
+    fewer). Held-out rows are first kept once per prompt (`_once`; `repeated_prompts` counts the others)."""
     repeated = {}
     if what == "held-out":
-        rows, n = _once(rows, kind.get("path") or kind.get("task"))
+        rows, n = _once(rows, kind.get("path") or kind.get("task"), prompt)
         repeated = {"repeated_prompts": n}
-    kept = subset_rows(rows, size)
+    kept = subset_rows(rows, size, prompt)
     if len(kept) < len(rows):
         log.info("%s rows: %d of %d (data.%s_size), a sample by prompt hash", what, len(kept), len(rows),
                  "train" if what == "training" else "eval")
     return kept, {**kind, "rows": len(kept), "of": len(rows), **repeated}
 
 
-def repeated_prompts(rows: list[dict]) -> int:
-    """How many of `rows` repeat an earlier row's prompt up to case and whitespace (`near_key`)."""
-    return len(rows) - len({near_key(r["prompt"]) for r in rows})
+def repeated_prompts(rows: list[dict], prompt: PromptOf = _own_prompt) -> int:
+    """How many of `rows` repeat an earlier row's prompt (`prompt(row)`) up to case and whitespace (`near_key`)."""
+    return len(rows) - len({near_key(prompt(r)) for r in rows})
 
 
-def _once(rows: list[dict], where: Any) -> tuple[list[dict], int]:
+def _once(rows: list[dict], where: Any, prompt: PromptOf) -> tuple[list[dict], int]:
     """Held-out `rows` with each prompt once (the first row of each `near_key`), and how many repeats were left out:
     a problem listed twice would count twice in the accuracy, and its interval would assume two independent rows."""
     seen: set[str] = set()
     kept = []
     for row in rows:
-        key = near_key(row["prompt"])
+        key = near_key(prompt(row))
         if key not in seen:
             seen.add(key)
             kept.append(row)
@@ -165,22 +191,33 @@ def source_names(paths: list[str]) -> list[str]:
     return [stem if stems.count(stem) == 1 else path for stem, path in zip(stems, paths, strict=True)]
 
 
+def _templated(data, rows: list[dict], where: str) -> list[dict]:
+    """`rows`, checked to fill in `data.prompt_template` (when set: `apply_prompt_template`, whose error names the
+    row and the field) before their prompts are compared (`prompt_of`)."""
+    template = getattr(data, "prompt_template", None)
+    if template:
+        apply_prompt_template(rows, template, where, data.fields)
+    return rows
+
+
 def _load_paths(data, split: str | None, heldout: bool = False) -> list[dict]:
     """The rows of `data.path` (a file or dataset, or a list of them, concatenated in order) for `split`; with a list,
     each row without a `DATA_SOURCE` field gets its source's name there (`source_names`), so that `rewards.route_by`
     and `data.eval_by` can tell the sources apart. `heldout`: the rows are only evaluated, so the data.fields
-    columns of `TRAINING_ONLY_FIELDS` may be missing."""
+    columns of `TRAINING_ONLY_FIELDS` may be missing. Checked against `data.prompt_template` (`_templated`)."""
     optional = TRAINING_ONLY_FIELDS if heldout else ()
+    where = f"{'held-out' if heldout else 'training'} rows of {data.path} (split {split!r})"
     if isinstance(data.path, str):
-        return load_rows(data.path, split=split, fields=data.fields or None, optional=optional)
+        return _templated(data, load_rows(data.path, split=split, fields=data.fields or None, optional=optional),
+                          where)
     rows = []
     for path, name in zip(data.path, source_names(data.path), strict=True):
         rows += [r if DATA_SOURCE in r else {**r, DATA_SOURCE: name}
                  for r in load_rows(path, split=split, fields=data.fields or None, optional=optional)]
-    return rows
+    return _templated(data, rows, where)
 
 
-def _eval_files(data, every_train: list[dict]) -> tuple[list[dict], dict[str, Any]]:
+def _eval_files(data, every_train: list[dict], prompt: PromptOf) -> tuple[list[dict], dict[str, Any]]:
     """The held-out rows of `data.eval_path` (one file or dataset, or a list: each row then carries its file's name in
     `EVAL_SET`, and in `DATA_SOURCE` when it has none, as a list of training sources gives: `train/gsm8k.jsonl` and
     `test/gsm8k.jsonl` are both `gsm8k` for `rewards.routes`) and their record; each file loses its training prompts
@@ -192,8 +229,10 @@ def _eval_files(data, every_train: list[dict]) -> tuple[list[dict], dict[str, An
     for path, name in zip(paths, source_names(paths), strict=True):
         part = load_rows(path, split=data.eval_split, fields=data.fields or None, lone_split_ok=True,
                          optional=TRAINING_ONLY_FIELDS)  # held-out rows are not trained on: no solution needed
-        part, dropped = _drop_training_prompts(part, every_train, f"data.eval_path {path}")
-        part, record = _drawn({"kind": "eval_path", "path": path}, part, data.eval_size, "held-out")
+        part = _templated(data, part, f"held-out rows of data.eval_path {path}")
+        part, dropped = _drop_training_prompts(part, every_train, f"data.eval_path {path}", prompt,
+                                               "hold out other problems in data.eval_path")
+        part, record = _drawn({"kind": "eval_path", "path": path}, part, data.eval_size, "held-out", prompt)
         if several:
             clash = next((i for i, r in enumerate(part) if EVAL_SET in r), None)
             if clash is not None:
@@ -206,7 +245,7 @@ def _eval_files(data, every_train: list[dict]) -> tuple[list[dict], dict[str, An
         return rows, next(iter(records.values()))
     files_of: dict[str, set[str]] = {}
     for r in rows:
-        files_of.setdefault(near_key(r["prompt"]), set()).add(r[EVAL_SET])
+        files_of.setdefault(near_key(prompt(r)), set()).add(r[EVAL_SET])
     shared = sum(len(names) > 1 for names in files_of.values())
     if shared:  # kept in each file's accuracy, where each belongs; the pooled one then counts them once per file
         log.warning("%d held-out prompts are in more than one of the data.eval_path files: each file's accuracy "
@@ -255,8 +294,8 @@ def load_data(data, seed: int) -> DataSplits:
     problems (default `TASK_ROWS`). Training prompts are left out of the held-out rows before the cap. The held-out
     rows' groups (`eval_group_field`, `eval_groups`) and `data.prompt_template` (on every row, `apply_prompt_template`;
     the rows keep their prompts: the template is applied with the chat template, `gspo.data.render_chat`) are checked
-    here, before any compute or model loading. Held-out rows need not have the columns data.fields maps to
-    `TRAINING_ONLY_FIELDS`.
+    here, before any compute or model loading; rows are compared by the prompt the template makes (`prompt_of`).
+    Held-out rows need not have the columns data.fields maps to `TRAINING_ONLY_FIELDS`.
 
     Raises ValueError / FileNotFoundError naming the source and the setting when a split does not exist, a file is
     missing or malformed, nothing is left to hold out, a held-out row has no group, or the prompt template cannot
@@ -272,6 +311,7 @@ def load_data(data, seed: int) -> DataSplits:
 
 def _load_data(data, seed: int) -> DataSplits:
     """`load_data` before the groups are checked."""
+    prompt = prompt_of(getattr(data, "prompt_template", None))
     if data.eval_split is not None and data.eval_split == data.split and data.eval_path is None \
             and data.eval_fraction is None:
         raise ValueError(f"data.eval_split {data.eval_split!r} is the training split data.split: held-out rows must "
@@ -288,27 +328,29 @@ def _load_data(data, seed: int) -> DataSplits:
                                            "rows": len(heldout), "dropped_training_prompts": 0}, train_source)
     if data.eval_fraction is not None:
         rows = _load_paths(data, data.split)
-        train, heldout = split_by_fraction(rows, data.eval_fraction)
+        train, heldout = split_by_fraction(rows, data.eval_fraction, prompt)
         if not train or not heldout:
             raise ValueError(f"data.eval_fraction={data.eval_fraction:g} of the {len(rows)} rows of {data.path} "
                              f"leaves {len(train)} training and {len(heldout)} held-out rows; both must be non-empty")
         # the same prompt lands on one side; one that differs only in case or spacing may not
-        heldout, dropped = _drop_training_prompts(heldout, train, f"data.eval_fraction of {data.path}")
+        heldout, dropped = _drop_training_prompts(heldout, train, f"data.eval_fraction of {data.path}", prompt)
         train, train_source = _drawn({"kind": "eval_fraction_rest", "path": data.path, "split": data.split},
-                                     train, data.train_size, "training")
+                                     train, data.train_size, "training", prompt)
         heldout, heldout_source = _drawn({"kind": "eval_fraction", "path": data.path, "fraction": data.eval_fraction},
-                                         heldout, data.eval_size, "held-out")
+                                         heldout, data.eval_size, "held-out", prompt)
         return DataSplits(train, heldout, {**heldout_source, "dropped_training_prompts": dropped}, train_source)
     every_train = _load_paths(data, data.split)
     train, train_source = _drawn({"kind": "path", "path": data.path, "split": data.split}, every_train,
-                                 data.train_size, "training")
+                                 data.train_size, "training", prompt)
     if data.eval_path is not None:
-        heldout, source = _eval_files(data, every_train)
+        heldout, source = _eval_files(data, every_train, prompt)
         return DataSplits(train, heldout, source, train_source)
     if data.eval_split is None:
         return DataSplits(train, [], {"kind": "none"}, train_source)
     heldout = _load_paths(data, data.eval_split, heldout=True)
-    heldout, dropped = _drop_training_prompts(heldout, every_train, f"data.path {data.path} split {data.eval_split!r}")
+    heldout, dropped = _drop_training_prompts(heldout, every_train, f"data.path {data.path} split {data.eval_split!r}",
+                                              prompt, "hold out other problems in that split, or use data.eval_path "
+                                              "or data.eval_fraction")
     heldout, source = _drawn({"kind": "dataset_split", "path": data.path, "split": data.eval_split}, heldout,
-                             data.eval_size, "held-out")
+                             data.eval_size, "held-out", prompt)
     return DataSplits(train, heldout, {**source, "dropped_training_prompts": dropped}, train_source)
