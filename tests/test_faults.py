@@ -162,6 +162,18 @@ def test_over_long_prompts_are_skipped_counted_logged_and_reported(tmp_path, cap
     assert "skipped 3 of 8 prompts of the training rows: longer than 10 tokens" in messages
 
 
+def test_each_held_out_files_record_counts_the_rows_evaluated_after_over_long_prompts(tmp_path):
+    data = write_rows(tmp_path / "rows.jsonl", ["1+1=", "2+1=", "3+1=", "4+1="])
+    a = write_rows(tmp_path / "a.jsonl", ["2+2=", "2" * 12 + "+1=", "3+3="])
+    b = write_rows(tmp_path / "b.jsonl", ["5+5=", "6+6="])
+    summary = train(cfg_for(tmp_path / "run", "trainer.steps=1", f"data.path={data}", "data.task=null",
+                            f"data.eval_path=[{a}, {b}]", "data.max_prompt_tokens=10"))
+    sets = summary["heldout"]["sets"]
+    assert summary["heldout"]["rows"] == 4 and summary["skipped_prompts"]["eval"] == 1
+    assert (sets["a"]["rows"], sets["a"]["skipped_prompts"], sets["a"]["of"]) == (2, 1, 3)
+    assert (sets["b"]["rows"], sets["b"]["skipped_prompts"]) == (2, 0)
+
+
 def test_gspo_eval_of_a_run_scores_the_rows_the_run_scored(tmp_path, capsys):
     """The run drops held-out prompts over its limit; `gspo eval RUN` (its config's rows) must drop the same ones: a
     reward that pays exactly the long prompt would otherwise report 1 of 3 solved where the run reported 0 of 3."""

@@ -31,6 +31,7 @@ import math
 import os
 import shutil
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -44,6 +45,7 @@ from gspo.agent import EpisodeRunner, build_env, episode_metrics, make_episode_r
 from gspo.checkpoint import STATE_FILENAME, checkpoint_path, find_latest_checkpoint, list_checkpoints, set_seed
 from gspo.config import Config, ConfigError, accuracy_means, config_to_dict
 from gspo.data import eval_group_field, eval_groups, load_data, render_chat, repeated_prompts
+from gspo.data.heldout import EVAL_SET
 from gspo.evaluation import (
     accuracy_by_group,
     accuracy_ci95,
@@ -590,6 +592,11 @@ def prepare(cfg: Config, resume: bool = False, overwrite: bool = False, create_o
         eval_limit = prompt_token_limit(cfg, model, cfg.env.max_tokens if cfg.env else eval_tokens)
         eval_rows, skipped_eval = drop_long_prompts(data.heldout, tokenizer, eval_limit, "held-out")
     heldout_source = {**data.heldout_source, "rows": len(eval_rows)} if eval_rows else {"kind": "none"}
+    if "sets" in heldout_source:  # several data.eval_path files: each one's rows as evaluated, too
+        evaluated = Counter(r[EVAL_SET] for r in eval_rows)
+        heldout_source["sets"] = {name: {**rec, "rows": evaluated[name],
+                                         "skipped_prompts": rec["rows"] - evaluated[name]}
+                                  for name, rec in heldout_source["sets"].items()}
     train_source = {**data.train_source, "rows": len(train_rows)}
     # A data set's repeats (upsampling, or a file written twice) are said; an embedded task's draws repeat by design
     if "task" not in data.train_source and (repeats := repeated_prompts(train_rows)):
