@@ -23,6 +23,7 @@ from gspo.cli import main
 from gspo.config import ConfigError, config_to_dict, load_config
 from gspo.models import load_model
 from gspo.parallel import resolve_device
+from gspo.preflight import check
 from gspo.runfolder import check_resume_config
 from gspo.sft import over_positions, sft
 from gspo.trainer import train
@@ -123,10 +124,30 @@ def test_resume_refuses_when_every_checkpoint_is_damaged_and_keeps_the_run(tmp_p
     for step_dir in (out / "checkpoints").iterdir():
         weights = step_dir / "model" / "model.safetensors"
         weights.write_bytes(weights.read_bytes()[:100])
-    records = (out / "metrics.jsonl").read_bytes()
+    records, saved = (out / "metrics.jsonl").read_bytes(), (out / "config.yaml").read_bytes()
+    cfg = load_config(DEMO, [*overrides, "trainer.steps=3"])
     with pytest.raises(ConfigError, match=rf"none of the {len(steps)} checkpoints .* is intact.*--overwrite"):
-        train(load_config(DEMO, [*overrides, "trainer.steps=3"]), resume=True)
+        check(cfg, resume=True)  # `--check --resume` refuses what the run refuses
+    with pytest.raises(ConfigError, match=rf"none of the {len(steps)} checkpoints .* is intact.*--overwrite"):
+        train(cfg, resume=True)
     assert (out / "metrics.jsonl").read_bytes() == records
+    assert (out / "config.yaml").read_bytes() == saved  # a refused resume writes nothing
+
+
+def test_a_resume_below_the_checkpoints_step_is_refused_by_check_and_run_before_writing(tmp_path):
+    out = tmp_path / "run"
+    overrides = tiny_overrides(out, "cold_start=null", "trainer.steps=2", "trainer.checkpoint_every=1",
+                               "trainer.eval_every=0")
+    train(load_config(DEMO, overrides))
+    saved = (out / "config.yaml").read_bytes()
+    cfg = load_config(DEMO, [*overrides, "trainer.steps=1"])
+    for run in (check, train):
+        with pytest.raises(ConfigError, match=r"trainer\.steps=1 is below the step of the checkpoint to resume from "
+                                              r"\(2, .*step_00000002\)"):
+            run(cfg, resume=True)
+        assert (out / "config.yaml").read_bytes() == saved
+    assert check(load_config(DEMO, [*overrides, "trainer.steps=3"]), resume=True)["config"]["resume_from"] \
+        == "step_00000002"
 
 
 def test_resume_refuses_a_finished_run_whose_checkpoints_were_deleted(tmp_path):

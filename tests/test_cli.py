@@ -211,6 +211,16 @@ def test_demo_without_held_out_data_or_cold_start(tmp_path, capsys):
     assert (out / "curves.png").is_file()
 
 
+def test_demo_names_the_folder_it_wrote_when_trainer_out_is_given_instead_of_out(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default --out runs/demo, relative: it must stay empty
+    out = tmp_path / "elsewhere"
+    overrides = [o for o in tiny_overrides(out) if not o.startswith("trainer.steps=")]
+    assert main(["demo", "--steps", "1", *overrides, "data.eval_split=null", "cold_start=null"]) == 0
+    printed = capsys.readouterr().out
+    assert f"model in {out / 'final'}" in printed and f"→ {out}" in printed and "runs/demo" not in printed
+    assert (out / "final").is_dir() and not (tmp_path / "runs").exists()
+
+
 @pytest.mark.parametrize("argv", [["--help"], ["train", "--help"]])
 def test_python_dash_m_gspo_help(argv):
     proc = subprocess.run([sys.executable, "-m", "gspo", *argv], capture_output=True, text=True, timeout=120)

@@ -125,6 +125,8 @@ def test_unknown_key_in_the_yaml_file_is_an_error(tmp_path):
         ("rollout.stop=abc", "rollout.stop"),  # a string for a list
         ("model=3", "model"),  # a number for a section
         ("optim.betas=[0.9]", "optim.betas"),  # a tuple of the wrong length
+        ("optim.betas=[1.5, 0.9]", "optim.betas.0"),  # torch refused it only once the optimizer was built
+        ("optim.betas=[0.9, 1.0]", "optim.betas.1"),
         ("trainer.micro_batch_tokens=0", "trainer.micro_batch_tokens"),
         ("rollout.max_batch_rows=0", "rollout.max_batch_rows"),
     ],

@@ -344,7 +344,8 @@ def test_resume_accepts_what_does_not_change_the_math_and_names_what_it_refuses(
     assert [r["step"] for r in read_metrics(moved / "metrics.jsonl")] == [1, 2, 3]
     assert yaml.safe_load((moved / "config.yaml").read_text())["trainer"]["steps"] == 3
     with pytest.raises(ConfigError, match=r"differs in optim\.lr, rollout\.group_size, which would change the "
-                                          r"training math \(a resume may change only: trainer\.steps"):
+                                          r"training math or what its evaluations measure \(a resume may change only: "
+                                          r"trainer\.steps"):
         train(load_config(DEMO, tiny_overrides(moved, *base, "trainer.steps=4", "optim.lr=1e-3",
                                                "rollout.group_size=2")), resume=True)
     with pytest.raises(ConfigError, match="can extend a run, not shorten it"):
@@ -500,6 +501,26 @@ def test_ctrl_c_ends_with_a_resume_hint_and_exit_130(tmp_path):
     assert last.endswith("--resume")
 
 
+@pytest.mark.parametrize("command", ["train", "demo"])
+def test_the_resume_hint_is_the_command_that_was_run_as_shell_words(command):
+    """The demo's hint dropped --steps and every override (the pasted command was refused, or silently trained 400
+    steps); the train hint lost the quoting of an override with spaces ("model.lora={r: 4, alpha: 8}")."""
+    import argparse
+    import shlex
+
+    from gspo.cli import _resume_hint
+
+    overrides = ["model.lora={r: 4, alpha: 8}", "rollout.group_size=4"]
+    args = argparse.Namespace(command=command, config="my run.yaml", overrides=overrides, out="runs/x y", steps=6)
+    error = KeyboardInterrupt()
+    error.step, error.checkpoint_step = 3, 2
+    hint = _resume_hint(args, error)
+    assert hint.startswith(" at step 3; its last checkpoint is step 2. Continue with: ")
+    words = shlex.split(hint.split("Continue with: ", 1)[1])
+    head = ["train", "my run.yaml"] if command == "train" else ["demo", "--out", "runs/x y", "--steps", "6"]
+    assert words == ["gspo", *head, *overrides, "--resume"]
+
+
 # ---------------------------------------------------------------------------------------- 9. what users expect
 
 
@@ -600,7 +621,7 @@ def test_a_users_config_kept_in_trainer_out_is_not_replaced(tmp_path):
     out.mkdir()
     mine = DEMO.read_text() + "# my notes on this run\n"
     (out / "config.yaml").write_text(mine)
-    for flags in ({}, {"overwrite": True}):
+    for flags in ({}, {"overwrite": True}, {"resume": True}):  # --resume of a folder without a run is a start
         with pytest.raises(ConfigError, match=r"holds a config\.yaml that gspo did not write"):
             train(load_config(out / "config.yaml", tiny_overrides(out, *QUICK)), **flags)
         assert (out / "config.yaml").read_text() == mine and sorted(p.name for p in out.iterdir()) == ["config.yaml"]

@@ -382,5 +382,8 @@ def test_trainer_runs_lora_and_writes_an_adapter_and_a_merged_model(tmp_path, mo
     assert changed and all("proj" in n for n in changed)  # the adapters moved the targeted projections only
     adapter, _ = load_model(str(out / "final"))  # the adapter folder: its base (cold_start) with the adapters merged
     assert all(torch.allclose(p, merged.state_dict()[n], atol=1e-6) for n, p in adapter.state_dict().items())
+    # the last checkpoint's adapters load the same way (`gspo eval` of a stopped run's checkpoint): it names its base
+    checkpoint, _ = load_model(str(out / "checkpoints" / "step_00000002" / "model"))
+    assert all(torch.equal(p, adapter.state_dict()[n]) for n, p in checkpoint.state_dict().items())
     summary = train(load_config(DEMO, [*overrides[:-2], "trainer.steps=3", "optim.lr=1e-2"]), resume=True)
     assert summary["status"] == "completed"

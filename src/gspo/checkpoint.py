@@ -268,6 +268,14 @@ def _restore_set_aside(root: Path) -> None:
 # ------------------------------------------------------------------------------------------------- finding, verifying
 
 
+def checkpoint_step(path: str | os.PathLike) -> int:
+    """The step of the checkpoint folder `path` (``step_00000006``: 6), read from its name."""
+    match = _STEP_DIR_RE.match(Path(path).name)
+    if match is None:
+        raise ValueError(f"{path} is not a checkpoint folder (step_NNNNNNNN)")
+    return int(match.group(1))
+
+
 def _step_dirs(root: Path) -> dict[int, Path]:
     """step -> folder for every ``step_*`` folder in `root` (complete or not)."""
     found: dict[int, Path] = {}

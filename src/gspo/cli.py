@@ -8,6 +8,7 @@ import contextlib
 import json
 import logging
 import os
+import shlex
 import sys
 import time
 from importlib import resources
@@ -129,9 +130,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     steps = f"{cfg.trainer.steps} GSPO steps" if cfg.trainer.steps else f"{cfg.trainer.epochs:g} epochs of GSPO steps"
     print(f"gspo demo: {cold}{steps} of "
           f"{cfg.rollout.prompts_per_step} prompts × {cfg.rollout.group_size} completions on the embedded "
-          f"{cfg.model.name} / {cfg.data.task} task → {args.out}", flush=True)
+          f"{cfg.model.name} / {cfg.data.task} task → {cfg.trainer.out}", flush=True)
     summary = train(cfg, resume=args.resume, overwrite=args.overwrite)
-    out = Path(args.out)
+    out = Path(cfg.trainer.out)  # --out, or a trainer.out=... override after it
     if line := _accuracy_line(summary, "after cold-start SFT", "after GSPO", _run_decoding(cfg)):
         print(line)
     print(f"wrote {out / 'metrics.jsonl'}, {out / 'summary.json'}, {out / 'curves.png'}, model in {out / 'final'}")
@@ -869,11 +870,13 @@ def _resume_hint(args: argparse.Namespace, error: KeyboardInterrupt) -> str:
     step, checkpoint = getattr(error, "step", None), getattr(error, "checkpoint_step", None)
     where = f" at step {step}" if step is not None else ""
     if args.command == "train":
-        command = " ".join(["gspo train", args.config, *args.overrides, "--resume"])
-    elif args.command == "demo":
-        command = f"gspo demo --out {args.out} --resume"
+        words = ["gspo", "train", args.config, *args.overrides, "--resume"]
+    elif args.command == "demo":  # the same settings: --out, --steps and every override, as given
+        steps = [] if args.steps is None else ["--steps", str(args.steps)]
+        words = ["gspo", "demo", "--out", args.out, *steps, *args.overrides, "--resume"]
     else:
         return where
+    command = shlex.join(words)  # pasted into a shell, each override stays one word ("model.lora={r: 4}")
     kept = (f"; its last checkpoint is step {checkpoint}" if checkpoint is not None
             else "; it has no checkpoint yet (a resume starts over, reusing a finished cold start)")
     return f"{where}{kept}. Continue with: {command}"

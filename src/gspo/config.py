@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -525,7 +525,8 @@ class OptimConfig(_Section):
 
     lr: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
+    # AdamW's moment decays, each in [0, 1) (torch refuses others only when the optimizer is built, after a cold start)
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.999)
     grad_clip: float | None = Field(1.0, gt=0)
     warmup_steps: int = Field(0, ge=0)
     schedule: Literal["cosine", "constant"] = "cosine"

@@ -55,7 +55,7 @@ def is_peft_model(model: nn.Module) -> bool:
 # ------------------------------------------------------------------------------------------------------- wrapping
 
 
-def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
+def apply_lora(model: nn.Module, cfg: LoraConfig, base_model: str | None = None) -> nn.Module:
     """Wrap `model` (a Hugging Face causal LM) with LoRA adapters as `cfg` says; returns the `peft.PeftModel`.
 
     peft replaces the targeted `nn.Linear` modules of `model` in place (the returned wrapper and `model` share every
@@ -68,6 +68,9 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
     experts fused into 3-D weights), or when a targeted weight is tied to another tensor (an output head tied to the
     embeddings); ImportError when peft is missing. Call it after building the rollout engine from the plain model (an
     engine with its own copy keeps the base layout that `merged_weights` fills) and before DDP / FSDP wrapping.
+    `base_model` (the base's path or name) is what every adapter folder saved from it records as
+    `base_model_name_or_path` (a run's checkpoints, as its final/), where `gspo eval` finds the base; by default peft
+    records the model's `name_or_path`, empty for a model built in code.
     """
     peft = _peft()
     if is_peft_model(model):
@@ -75,7 +78,11 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
     targets = _target_modules(model, cfg.target_modules)
     config = peft.LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
                              task_type="CAUSAL_LM")
-    return peft.get_peft_model(model, config)
+    wrapped = peft.get_peft_model(model, config)
+    if base_model is not None:  # get_peft_model records the model's name_or_path
+        for each in wrapped.peft_config.values():
+            each.base_model_name_or_path = base_model
+    return wrapped
 
 
 def _matches(name: str, pattern: str) -> bool:

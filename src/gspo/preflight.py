@@ -35,7 +35,6 @@ from typing import Any
 
 from torch import nn
 
-from gspo.checkpoint import find_latest_checkpoint
 from gspo.config import Config
 from gspo.evaluation import wilson_ci95
 from gspo.optim import warmup_warning
@@ -163,7 +162,7 @@ def check(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[st
     train_lengths = lengths(setup.train_rows)
     share = (cfg.rollout.prompts_per_step * cfg.rollout.group_size  # one process's rows of an update
              // (cfg.algorithm.minibatches * setup.group.world_size))
-    latest = find_latest_checkpoint(setup.out) if resume else None
+    latest = setup.checkpoint
     cs = cfg.cold_start
     demonstrated = [r for r in setup.train_rows if isinstance(r.get("solution"), (str, list))]
     too_long = len(over_positions(model, tokenizer, demonstrated, chat_format=run_chat_format(cfg, tokenizer))

@@ -196,7 +196,8 @@ def clear_run(out: Path) -> list[str]:
 
 def check_resume_config(out: Path, cfg_dict: dict[str, Any]) -> list[str]:
     """Compare the run's saved config with the new one; returns the changed keys a resume accepts (`RESUMABLE`), and
-    raises ConfigError naming the ones it refuses (they change the training math) and the ones it would accept."""
+    raises ConfigError naming the ones it refuses (they change the training math, or what the run's evaluations
+    measure: held-out verdicts before and after are paired) and the ones it would accept."""
     saved_path = out / "config.yaml"
     if not saved_path.exists():
         return []
@@ -214,6 +215,7 @@ def check_resume_config(out: Path, cfg_dict: dict[str, Any]) -> list[str]:
     refused = [key for key in diff if not any(fnmatch.fnmatchcase(key, pattern) for pattern in RESUMABLE)]
     if refused:
         raise ConfigError(f"cannot resume in {out}: its saved config differs in {', '.join(refused)}, which would "
-                          f"change the training math (a resume may change only: {', '.join(RESUMABLE)}); use the "
-                          "saved config, or start a new run (another trainer.out, or --overwrite)")
+                          "change the training math or what its evaluations measure (a resume may change only: "
+                          f"{', '.join(RESUMABLE)}); use the saved config, or start a new run (another trainer.out, "
+                          "or --overwrite)")
     return diff

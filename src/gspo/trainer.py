@@ -42,7 +42,14 @@ from torch import nn
 
 from gspo.advantages import group_advantages, turn_advantages, zero_variance_groups
 from gspo.agent import EpisodeRunner, build_env, episode_metrics, make_episode_runner
-from gspo.checkpoint import STATE_FILENAME, checkpoint_path, find_latest_checkpoint, list_checkpoints, set_seed
+from gspo.checkpoint import (
+    STATE_FILENAME,
+    checkpoint_path,
+    checkpoint_step,
+    find_latest_checkpoint,
+    list_checkpoints,
+    set_seed,
+)
 from gspo.config import Config, ConfigError, accuracy_means, config_to_dict
 from gspo.data import eval_group_field, eval_groups, load_data, render_chat, repeated_prompts
 from gspo.data.heldout import EVAL_SET
@@ -420,8 +427,8 @@ def _start_checks(cfg: Config, out: Path, cfg_dict: dict, resume: bool, overwrit
     if resume and overwrite:
         raise ConfigError("--resume continues the run in trainer.out and --overwrite deletes it: pass one of them")
     check_output_dir(out, create)
-    if not resume:  # a fresh start writes OUT/config.yaml, --overwrite deletes it: not a user's own file
-        check_config_file(out)
+    if not resume or not run_started(out):  # a start writes OUT/config.yaml, --overwrite deletes it: not a user's
+        check_config_file(out)  # own file (a --resume of a folder without a run is a start)
     if run_started(out) and not resume and not overwrite:
         raise ConfigError(f"{out} already holds a run: pass --resume to continue it, --overwrite to delete it and "
                           "start over, or choose another trainer.out")
@@ -548,6 +555,7 @@ class Setup:
     prompt_limits: tuple[int | None, int | None]  # the longest training / held-out prompt kept, in tokens
     skipped_prompts: dict[str, int]  # rows dropped for a prompt over that limit
     unknown: dict[str, int]  # rows with characters the tokenizer cannot encode
+    checkpoint: Path | None  # the checkpoint a resume continues from (None: a start)
     wall0: float  # when the run's set-up began (perf_counter)
 
 
@@ -606,6 +614,7 @@ def prepare(cfg: Config, resume: bool = False, overwrite: bool = False, create_o
     if cfg.trainer.epochs is not None:  # the step count that many passes over the rows take
         steps = math.ceil(cfg.trainer.epochs * len(train_rows) / ro.prompts_per_step)
         cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"steps": steps})})
+    checkpoint = group.main_first(lambda: _resume_point(out, cfg.trainer.steps)) if resume else None
     train_source["passes"] = cfg.trainer.steps * ro.prompts_per_step / len(train_rows)
     log.info("%d steps × %d prompts: %.2f passes over the training rows", cfg.trainer.steps, ro.prompts_per_step,
              train_source["passes"])
@@ -618,7 +627,27 @@ def prepare(cfg: Config, resume: bool = False, overwrite: bool = False, create_o
                  tool_schemas=tool_schemas, model=model, tokenizer=tokenizer, train_rows=train_rows,
                  eval_rows=eval_rows, train_source=train_source, heldout_source=heldout_source, eval_group=eval_group,
                  eval_tokens=eval_tokens, prompt_limits=(train_limit[0], eval_limit[0] if eval_limit else None),
-                 skipped_prompts={"train": skipped_train, "eval": skipped_eval}, unknown=unknown, wall0=wall0)
+                 skipped_prompts={"train": skipped_train, "eval": skipped_eval}, unknown=unknown,
+                 checkpoint=checkpoint, wall0=wall0)
+
+
+def _resume_point(out: Path, steps: int) -> Path | None:
+    """The checkpoint a resume of the run in `out` continues from (`find_latest_checkpoint`; rank 0 repairs first),
+    or None when it has none yet. Raises ConfigError when the run cannot go on, before anything is written: every
+    checkpoint is damaged (starting over would overwrite the run's records), or `steps` (trainer.steps) is below the
+    checkpoint's step (a resume extends a run, it does not shorten it)."""
+    checkpoint = find_latest_checkpoint(out)
+    if checkpoint is None:
+        if damaged := list_checkpoints(out):
+            raise ConfigError(f"--resume: none of the {len(damaged)} checkpoints in {out / 'checkpoints'} (steps "
+                              f"{', '.join(map(str, damaged))}) is intact (the warnings above say why), so the run "
+                              "cannot continue; restore one, or start over with --overwrite")
+        return None
+    step = checkpoint_step(checkpoint)
+    if step > steps:
+        raise ConfigError(f"trainer.steps={steps} is below the step of the checkpoint to resume from ({step}, "
+                          f"{checkpoint}): a resume can extend a run, not shorten it")
+    return checkpoint
 
 
 def check_rewards(setup: Setup) -> dict[str, dict | None]:
@@ -673,7 +702,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
     if not group.fsdp:  # FSDP moves only its shards, when wrapping
         model = model.to(group.device)
 
-    checkpoint = group.main_first(lambda: find_latest_checkpoint(out)) if resume else None  # rank 0 repairs first
+    checkpoint = setup.checkpoint
     n_eval = cfg.trainer.eval_samples  # > 1: sampled evaluation with pass@k / maj@k (gspo.evaluation)
     eval_settings = {} if n_eval == 1 else {
         "samples_per_prompt": n_eval, "temperature": cfg.trainer.eval_temperature, "seed": cfg.trainer.seed,
@@ -733,6 +762,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         else:
             log.warning("trainer.disable_dropout=false and the model has dropout (%s): π_θ is random, so the "
                         "on-policy minibatch's ratios are noise, not 1", listed)
+    lora_base = str(out / "cold_start") if cfg.cold_start is not None else cfg.model.name  # what LoRA adapts
     kl_copy = cfg.algorithm.kl_beta > 0 and cfg.model.lora is None  # LoRA: the base with its adapters off, no copy
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if kl_copy else None
     # before wrapping: it may copy the full model. Async: the learner's engine only evaluates, and vLLM servers belong
@@ -742,7 +772,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
     else:
         engine = make_engine(cfg, model, tokenizer, out=out, dist=group)
     if cfg.model.lora is not None:  # after the engine: an own-copy engine is built from the plain model
-        model = apply_lora(model, cfg.model.lora)  # only the adapters train; engines receive merged weights
+        model = apply_lora(model, cfg.model.lora, base_model=lora_base)  # only the adapters train; engines receive
+        # merged weights; every adapter folder saved (checkpoints, final/) names the base it was trained on
     model = wrap_policy(group, model, cfg.trainer.mixed_precision)  # DDP / FSDP2; one process: as is
     if cfg.model.lora is not None and cfg.algorithm.kl_beta > 0:  # the policy with its adapters off; under FSDP
         ref_model = BaseReference(model if group.fsdp else unwrap_model(model))  # the sharded root gathers them
@@ -756,21 +787,14 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         betas=cfg.optim.betas, warmup_steps=cfg.optim.warmup_steps, min_lr_ratio=cfg.optim.min_lr_ratio,
         cosine=cfg.optim.schedule == "cosine")
     start, bad_steps, state = 0, 0, {}  # bad_steps: consecutive steps whose updates were all skipped (non-finite)
-    if checkpoint is not None:
+    if checkpoint is not None:  # found and checked against trainer.steps before anything was written (`prepare`)
         state = load_state(group, checkpoint, model, optimizer, scheduler)
         start, bad_steps = state["step"], state.get("bad_steps", 0)
-        if start > cfg.trainer.steps:
-            raise ConfigError(f"trainer.steps={cfg.trainer.steps} is below the step of the checkpoint to resume from "
-                              f"({start}, {checkpoint}): a resume can extend a run, not shorten it")
         wall0 -= state.get("wall_seconds", 0.0)  # the run's wall time up to that checkpoint (not the lost work after)
         # counts up to the checkpoint, so that the summary covers the whole run, not just this process
         rewards.load_state_dict({"failures": state.get("reward_failures", {}),
                                  "timeouts": state.get("reward_timeouts", {})})
         log.info("resumed from %s at step %d", checkpoint, start)
-    elif resume and (damaged := list_checkpoints(out)):  # starting over would overwrite the run's records
-        raise ConfigError(f"--resume: none of the {len(damaged)} checkpoints in {out / 'checkpoints'} (steps "
-                          f"{', '.join(map(str, damaged))}) is intact (the warnings above say why), so the run cannot "
-                          "continue; restore one, or start over with --overwrite")
     elif resume:
         log.info("no checkpoint in %s yet: starting the run over", out)
     sync(engine, model, start)  # the policy as it is now (cold start, resume), not what the engine was built from
@@ -834,8 +858,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
                     peft, weights = ((full_model.model, full_model.weights) if isinstance(full_model, FullModelView)
                                      else (full_model, None))  # FSDP: the full weights gathered on this process
                     save_lora_final(peft, tokenizer, tmp, merged=cfg.model.lora.merged_final, state=weights,
-                                    base_model=str(out / "cold_start") if cfg.cold_start is not None
-                                    else cfg.model.name)
+                                    base_model=lora_base)
                 else:
                     save_model(full_model, tokenizer, tmp)
                 publish_dir(tmp, out / name)
