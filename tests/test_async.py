@@ -149,6 +149,23 @@ def test_a_killed_worker_is_restarted_and_the_run_goes_on(tmp_path):
     assert last["rollout_lost_batches"] in (0, 1)  # 1 when it died holding a batch (generating, or on a full queue)
 
 
+@pytest.mark.timeout(300)
+def test_batches_lost_beyond_the_staleness_bound_do_not_stall_the_workers(tmp_path):
+    """Each lost batch index used up a version of the bound for good: with max_staleness=0 the first worker death left
+    every worker waiting for a version the learner could not publish (the run hung). Killed at three steps here."""
+    def kill_worker(done: int, metrics: dict) -> None:
+        if done in (1, 2, 3):
+            (worker,) = multiprocessing.active_children()
+            os.kill(worker.pid, signal.SIGKILL)
+
+    summary = train(async_cfg(tmp_path, "trainer.steps=5", "rollout.max_staleness=0"), callbacks=[kill_worker])
+    assert summary["status"] == "completed"
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    assert records[-1]["rollout_worker_restarts"] == 3 and records[-1]["rollout_lost_batches"] >= 1
+    assert all(r["staleness_max"] == 0 for r in records)  # the bound still holds for what is trained
+
+
 def test_an_async_run_resumes_after_a_crash_from_its_checkpoint(tmp_path):
     cfg = async_cfg(tmp_path, "trainer.checkpoint_every=2")
     with pytest.raises(SimulatedCrash):

@@ -368,10 +368,13 @@ def test_dynamic_sampling_trains_on_full_batches_of_informative_groups(tmp_path,
         assert "reward/overlong" in record and "overlong_filtered" in record
 
 
-def test_dynamic_sampling_on_a_constant_reward_stops_with_a_clear_error(tmp_path, counted_reward):
+@pytest.mark.parametrize("engine", [[], ["rollout.dtype=bfloat16"]])
+def test_dynamic_sampling_on_a_constant_reward_stops_with_a_clear_error(tmp_path, counted_reward, engine):
+    """With an engine that holds its own weights (rollout.dtype), the first round released them and the refill round
+    failed: "generate: this engine's weights were released"; the engine is released after the last round."""
     out = tmp_path / "run"
-    with pytest.raises(TrainingError, match=r"equal rewards.*dynamic_sampling"):
-        train(load_config(DEMO, tiny_overrides(out, "rewards.functions={constant: 1.0}",
+    with pytest.raises(TrainingError, match=r"every one of the \d+ groups sampled in 2 rounds.*equal rewards"):
+        train(load_config(DEMO, tiny_overrides(out, "rewards.functions={constant: 1.0}", *engine,
                                                "rollout.dynamic_sampling=true", "rollout.dynamic_max_rounds=2")))
 
 

@@ -383,6 +383,9 @@ def test_trainer_runs_lora_and_writes_an_adapter_and_a_merged_model(tmp_path, mo
     adapter, _ = load_model(str(out / "final"))  # the adapter folder: its base (cold_start) with the adapters merged
     assert all(torch.allclose(p, merged.state_dict()[n], atol=1e-6) for n, p in adapter.state_dict().items())
     # the last checkpoint's adapters load the same way (`gspo eval` of a stopped run's checkpoint): it names its base
+    for folder in (out / "final", out / "checkpoints" / "step_00000002" / "model"):
+        named = json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"]
+        assert named == str((out / "cold_start").absolute())
     checkpoint, _ = load_model(str(out / "checkpoints" / "step_00000002" / "model"))
     assert all(torch.equal(p, adapter.state_dict()[n]) for n, p in checkpoint.state_dict().items())
     summary = train(load_config(DEMO, [*overrides[:-2], "trainer.steps=3", "optim.lr=1e-2"]), resume=True)

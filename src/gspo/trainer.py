@@ -233,6 +233,7 @@ def _collect_sync(step: int, train_rows: list[dict], ctx: RLStep) -> Collected:
     if ro.dynamic_sampling:
         scored, every = keep_informative(step, train_rows, scored, lambda r, s: _sample(r, s, ctx), ro,
                                          cfg.trainer.seed, pad_id=ctx.engine.pad_id, world_size=ctx.group.world_size)
+    ctx.engine.release()  # after the last refill round: e.g. an own-copy engine frees its copy until the sync
     return Collected(scored.traj, scored.rewards, torch.zeros_like(scored.rewards), scored.stats, scored.seconds,
                      sampled_rewards=every)
 
@@ -247,7 +248,6 @@ def _sample(rows: list[dict], seeds: list[int], ctx: RLStep) -> Scored:
         traj = ctx.episodes.run(rows[mine], ro.group_size, seeds[mine]).to(group.device)
     else:
         traj = ctx.engine.generate([r["prompt"] for r in rows[mine]], ro.group_size, seeds[mine]).to(group.device)
-    ctx.engine.release()  # e.g. an own-copy engine frees its copy until the sync
     seconds = time.perf_counter() - t0
 
     total, stats = score_trajectory(ctx.rewards, rows[mine], traj, cfg.rewards, ro.max_new_tokens)
@@ -762,7 +762,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         else:
             log.warning("trainer.disable_dropout=false and the model has dropout (%s): π_θ is random, so the "
                         "on-policy minibatch's ratios are noise, not 1", listed)
-    lora_base = str(out / "cold_start") if cfg.cold_start is not None else cfg.model.name  # what LoRA adapts
+    # what LoRA adapts, as adapter folders name it: an absolute path, so `gspo eval RUN/final` finds it from anywhere
+    lora_base = str((out / "cold_start").absolute()) if cfg.cold_start is not None else cfg.model.name
     kl_copy = cfg.algorithm.kl_beta > 0 and cfg.model.lora is None  # LoRA: the base with its adapters off, no copy
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if kl_copy else None
     # before wrapping: it may copy the full model. Async: the learner's engine only evaluates, and vLLM servers belong

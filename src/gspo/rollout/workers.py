@@ -2,9 +2,13 @@
 
     learner   step k: take a finished batch from a worker (dropping any older than `max_staleness` versions), train
               on it with policy version k, publish version k + 1 into the shared weights
-    worker    claim the next batch index i, wait until version >= i - max_staleness is published, generate (or play
-              the episodes of an `env` run) and score batch i with its own engine, send it to the learner through its
-              own pipe
+    worker    claim the next batch index i, wait until version + skipped >= i - max_staleness is published, generate
+              (or play the episodes of an `env` run) and score batch i with its own engine, send it to the learner
+              through its own pipe
+
+`skipped` counts the batch indices that will never be trained (lost with a dead worker, dropped as stale; at a resume,
+the indices the run had passed by then): without it each one would use up a version of the bound for good, and once
+more than `max_staleness` were skipped every worker would wait for a version the learner cannot publish.
 
 A worker's engine is the one `rollout.engine` names (`gspo.rollout.worker_engine`): the built-in sampler on its own
 copy of the weights, an in-process vLLM engine, or a vLLM server of its own (`rollout.vllm.server_url[worker]`).
@@ -22,8 +26,9 @@ A worker that dies (killed, out of memory) is restarted with the current weights
 counted as lost; an exception in a worker stops the run with the worker's traceback, except a ValueError (a
 ConfigError included: a bad input the worker met, e.g. an environment's reset that failed), which the learner raises
 as it is, with the message a sync run would give (the worker's traceback logged at debug level). On resume, batch
-indices continue after the last trained one: a batch in flight at a crash was never trained, and it is generated
-again.
+indices continue after the highest one trained: a batch in flight at a crash was never trained, and it is generated
+again (with several workers, not one whose index is below a batch that arrived and was trained before it: its prompts
+are skipped, as a lost batch's are).
 """
 
 from __future__ import annotations
@@ -148,7 +153,7 @@ class SharedWeights:
 
 
 def _worker_main(worker: int, model_config, tokenizer, cfg, train_rows: list[dict], shared: SharedWeights, channel,
-                 claim, in_flight, device: str, out: str, source: str | None, registered: dict) -> None:
+                 claim, in_flight, skipped, device: str, out: str, source: str | None, registered: dict) -> None:
     """A rollout worker process: claim, wait for fresh-enough weights, generate (or play episodes), score, send; until
     the learner stops it. Its engine (`gspo.rollout.worker_engine`: the built-in sampler or vLLM) is built for the
     policy's architecture and takes every weight from `shared`. Exceptions go to the learner as ("error", worker,
@@ -187,11 +192,12 @@ def _worker_main(worker: int, model_config, tokenizer, cfg, train_rows: list[dic
             return Scored(traj, total.cpu(), stats, 0.0)
 
         while True:
-            with claim.get_lock():
+            with claim.get_lock():  # claimed and held as one: a worker killed now leaves no index uncounted
                 i = claim.value
                 claim.value += 1
-            in_flight[worker] = i
-            while shared.version.value < i - ro.max_staleness:  # the staleness bound, enforced before generating
+                in_flight[worker] = i
+            # the staleness bound, enforced before generating, over the indices that will be trained
+            while shared.version.value + skipped.value < i - ro.max_staleness:
                 time.sleep(0.002)
             shared.pull(engine)
             t0 = time.perf_counter()
@@ -210,7 +216,9 @@ def _worker_main(worker: int, model_config, tokenizer, cfg, train_rows: list[dic
             # plain pickle bytes: tensors sent through torch's shared-memory reductions live in the sender's file
             # descriptors, which a worker killed right after sending takes with it
             channel.send_bytes(pickle.dumps(batch))  # killed before it returns: the batch is lost
-            in_flight[worker] = IDLE
+            with claim.get_lock():
+                if in_flight[worker] == i:  # (the learner may have marked it taken already)
+                    in_flight[worker] = IDLE
     except NoSignal as e:  # dynamic sampling found no informative group: the learner stops as a sync run does
         channel.send_bytes(pickle.dumps(("no_signal", worker, str(e))))
     except ValueError as e:  # a bad input (config, data, environment): the learner raises its message as sync would
@@ -301,6 +309,8 @@ class AsyncRollouts:
         self.model_config = unwrap_model(model).config
         self.claim = self.ctx.Value("q", start_index)
         self.in_flight = self.ctx.Array("q", [IDLE] * ro.workers)
+        # indices that will never be trained: at a resume those the run passed (its next index less its version)
+        self.skipped = self.ctx.Value("q", start_index - version, lock=False)
         self.next_index = start_index  # after the last trained batch: where a resume continues
         self.counts = {**dict.fromkeys(ROLLOUT_COUNTS, 0), **(counts or {})}
         self.workers: list = [None] * ro.workers
@@ -313,7 +323,7 @@ class AsyncRollouts:
         process = self.ctx.Process(
             target=_worker_main, daemon=True, name=f"gspo-rollout-{worker}",
             args=(worker, self.model_config, self.tokenizer, self.cfg, self.train_rows, self.shared, writer,
-                  self.claim, self.in_flight, self.device, str(self.out), self.source, self.registered))
+                  self.claim, self.in_flight, self.skipped, self.device, str(self.out), self.source, self.registered))
         process.start()
         writer.close()  # the worker holds the only write end: its death reads as end-of-file here
         self.workers[worker], self.readers[worker] = process, reader
@@ -345,10 +355,14 @@ class AsyncRollouts:
                     log.debug("rollout worker %d raised:\n%s", item[1], item[2])
                     raise (ConfigError if item[4] else ValueError)(item[3])
                 raise WorkerError(f"rollout worker {item[1]} failed:\n{item[2]}")
+            with self.claim.get_lock():  # arrived: a death of its worker from now on loses no batch
+                if self.in_flight[w] == item.index:
+                    self.in_flight[w] = IDLE
             sampled = item.traj.versions[item.traj.versions != NO_VERSION]
             oldest = int(sampled.min()) if sampled.numel() else version
             if version - oldest > self.cfg.rollout.max_staleness:
                 self.counts["dropped_stale"] += 1
+                self.skipped.value += 1
                 continue
             self.next_index = max(self.next_index, item.index + 1)
             return item, time.perf_counter() - t0
@@ -360,6 +374,7 @@ class AsyncRollouts:
         self.readers[w].close()
         if self.in_flight[w] != IDLE:
             self.counts["lost_batches"] += 1
+            self.skipped.value += 1
             self.in_flight[w] = IDLE
         self.counts["worker_restarts"] += 1
         if self.counts["worker_restarts"] > 10 * len(self.workers):
