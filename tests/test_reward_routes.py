@@ -101,9 +101,9 @@ def test_routes_are_validated_with_the_config_and_the_verifiers_are_the_default_
         load_config(None, ["rewards.functions={math: 1.0}", "rewards.route_by=s", "rewards.routes={x: [code]}"])
     with pytest.raises(ConfigError, match="name the one that decides"):  # without routes two verifiers are ambiguous
         load_config(None, ["rewards.functions={math: 1.0, code: 1.0}"])
-    cfg = load_config(None, ["rewards.functions={math: 1.0, code: 1.0, last_number: 0.1}", "rewards.route_by=s",
-                             "rewards.routes={gsm: [math], apps: [code]}"])
-    assert cfg.rewards.accuracy_reward == ["math", "code"]
+    cfg = load_config(None, ["rewards.functions={math: 1.0, code: 1.0, conftest:varied_reward: 0.1}",
+                             "rewards.route_by=s", "rewards.routes={gsm: [math], apps: [code]}"])
+    assert cfg.rewards.accuracy_reward == ["math", "code"]  # the verifiers, not the shaping reward
     assert accuracy_means(cfg.rewards.accuracy_reward, 1.0) == "math | code >= 1"
     with pytest.raises(ConfigError, match="each once"):
         load_config(None, ["rewards.functions={math: 1.0, code: 1.0}", "rewards.accuracy_reward=[math, math]"])

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import gspo.rewards as rewards_module
+from gspo.config import load_config
 from gspo.data import make_task
 from gspo.rewards import (
     REWARDS,
@@ -148,6 +149,39 @@ def test_countdown_reward_rejects_unusable_rows() -> None:
 )
 def test_math_reward(completion: str, answer: str, expected: float) -> None:
     assert math_reward("q", completion, answer=answer) == expected
+
+
+@pytest.mark.parametrize(("completion", "answer", "expected"), [
+    # LaTeX gold answers without $ (MATH's, verl's ground_truth): plain parsing kept their leading number or nothing
+    ("6", "6\\pi", 0.0), ("\\boxed{6\\pi}", "6\\pi", 1.0), ("2", "2^{10}", 0.0), ("\\boxed{1024}", "2^{10}", 1.0),
+    ("3", "\\left( 3, \\frac{\\pi}{2} \\right)", 0.0),
+    ("\\boxed{(3, \\frac{\\pi}{2})}", "\\left( 3, \\frac{\\pi}{2} \\right)", 1.0),
+    ("\\boxed{\\sqrt{5}}", "\\sqrt{5}", 1.0), ("0.75", "\\dfrac{3}{4}", 1.0), ("\\boxed{B}", "A", 0.0),
+    # numbers in scientific notation (a jsonl 0.00001 loads as "1e-05"): their value, not their mantissa
+    ("1", "1e-05", 0.0), ("0.00001", "1e-05", 1.0), ("1", "1e+20", 0.0), ("\\boxed{10^{20}}", "1e+20", 1.0),
+    ("2.5", "2.5e-06", 0.0),
+])
+def test_math_reward_reads_gold_answers_as_written_in_math_datasets(completion, answer, expected) -> None:
+    assert math_reward("q", completion, answer=answer) == expected
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("completion", ["The answer is 10^10^10", "\\boxed{10^{10^{10}}}", "$10^{10^{10}}$",
+                                        "9**9**9**9", "(10^10)^(10^10)", "\\boxed{10^{1000000000}}",
+                                        "\\boxed{2^{2^{2^{2^{2}}}}}"])
+def test_math_reward_does_not_evaluate_a_power_tower_in_a_worker_thread(completion) -> None:
+    """sympy computed 10**(10**10) holding the GIL: the runner's deadline never fired and a step hung for hours."""
+    from gspo.rewards.builtin import _math_answer
+
+    runner = RewardRunner({"math": 1.0}, timeout_s=5.0)
+    scores = runner.score(["q"], [completion], [{"answer": "1"}])
+    assert scores.total.tolist() == [0.0] and not scores.failed["math"].any() and _math_answer(completion) is None
+
+
+def test_last_number_is_a_verifier_the_accuracy_reward_defaults_to() -> None:
+    """It was missing from VERIFIERS: beside a shaping reward, the config asked to name the accuracy reward."""
+    cfg = load_config(None, ["rewards.functions={last_number: 1.0, conftest:varied_reward: 0.1}"])
+    assert cfg.rewards.accuracy_reward == "last_number"
 
 
 def test_math_reward_needs_a_parseable_answer() -> None:
@@ -454,10 +488,13 @@ def test_runner_validates_timeout_and_workers() -> None:
 
 
 @pytest.mark.parametrize("completion, expected", [
-    ("57 + 58 = 115", 1.0), ("115", 1.0), ("The answer is 1,15.", 1.0), ("115 is wrong, it is 116", 0.0),
-    ("no number", 0.0), ("-115", 0.0), ("1150", 0.0),
+    ("57 + 58 = 115", 1.0), ("115", 1.0), ("115 is wrong, it is 116", 0.0), ("no number", 0.0), ("-115", 0.0),
+    ("1150", 0.0), ("x = 115.0", 1.0),
+    # a decimal is one number (it read "115.5" as 115 and 5), a comma before 3 digits a thousands separator only
+    ("it is 1.115", 0.0), ("it is 115.5", 0.0), ("The answer is 1,15.", 0.0), ("(1,1,5)", 0.0), ("1,115", 0.0),
+    ("The answer is \u2212115", 0.0),  # a Unicode minus is a minus
 ])
-def test_last_number_reward_reads_the_last_integer(completion, expected):
+def test_last_number_reward_reads_the_last_number(completion, expected):
     from gspo.rewards import REWARDS
 
     assert REWARDS["last_number"]("q", completion, answer="115") == expected

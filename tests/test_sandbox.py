@@ -353,6 +353,11 @@ def test_code_reward_scores_completions_and_rejects_rows_without_tests():
     for tests in (None, "", [], [1], 3):
         with pytest.raises(ValueError, match="tests"):
             code_reward("p", right, tests=tests)
+    # tests that judge nothing (every program that runs passed them) or cannot run (every program failed them)
+    for tests, says in (([""], "hold no statement"), (["  ", ""], "hold no statement"), (["# TODO"], "no statement"),
+                        ("assert square(3) == ", "not valid Python")):
+        with pytest.raises(ValueError, match=says):
+            code_reward("p", right, tests=tests)
 
 
 def test_code_is_a_registered_reward_that_runs_concurrently_in_the_runner():

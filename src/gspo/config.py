@@ -239,7 +239,8 @@ class RewardConfig(_Section):
         return self
 
 
-VERIFIERS = ("addition", "code", "countdown", "math")  # the built-in rewards: 1.0 exactly when the answer is right
+# the built-in rewards: 1.0 exactly when the answer is right
+VERIFIERS = ("addition", "code", "countdown", "last_number", "math")
 
 
 def check_model_threshold(accuracy_reward: str | list[str], key: str) -> None:

@@ -177,7 +177,7 @@ def _check_known_fields(row: dict[str, Any], where: str, fields: Mapping[str, st
     tests = row.get("tests", "")
     if "tests" in row and not (
         (isinstance(tests, str) and tests.strip())
-        or (isinstance(tests, list) and tests and all(isinstance(t, str) for t in tests))
+        or (isinstance(tests, list) and tests and all(isinstance(t, str) for t in tests) and any(map(str.strip, tests)))
     ):
         raise ValueError(f"{where} field {_named('tests', fields)} must be a non-empty string or list of strings, "
                          f"got {_shown(tests)}")

@@ -18,6 +18,7 @@ import re
 import threading
 from collections import Counter
 from collections.abc import Callable, Hashable
+from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 from typing import Any, TypeVar
 
@@ -49,6 +50,14 @@ def answer_extractor(fn: Callable[..., Any]) -> Callable[[str], Hashable | None]
 
 _ANSWER_PREFIX = re.compile(r"-?[0-9]*")
 _INTEGER = re.compile(r"-?[0-9]+")
+_NUMBER = re.compile(r"-?[0-9]+(?:\.[0-9]+)?")  # what last_number_reward reads: an integer or a decimal
+_THOUSANDS = re.compile(r"(?<=[0-9]),(?=[0-9]{3}(?![0-9]))")  # "1,000": a separator; "(1,2,3)": a list
+_PLAIN_NUMBER = re.compile(r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
+_WORDS = re.compile(r"[A-Za-z]{2,}(?: [A-Za-z]+)*")  # a text answer: parsed as LaTeX it would be a product of symbols
+# A power a sympy evaluation could take hours on, holding the GIL (so no deadline can stop it): a numeric power of a
+# power (10^{10^{10}}, 9**9**9, (10^10)^(10^10)) or an exponent of 5 or more digits. Such an answer is not evaluated.
+_POWER = r"(?:\^|\*\*)\s*[{(]?\s*"
+_HUGE_POWER = re.compile(r"[0-9)}]\s*" + _POWER + r"(?:[0-9]{5,}|[0-9.]+\s*[})]?\s*" + _POWER + r"[0-9({])")
 _TOKEN = re.compile(r"\s*(?:([0-9]+)|([-+*/()]))")
 _COUNTDOWN_PROMPT = re.compile(r"\s*([0-9]+(?:,[0-9]+)*):([0-9]+)=\s*")
 _MAX_NESTING = 64  # parentheses deeper than this are rejected (bounds the parser's recursion)
@@ -66,10 +75,12 @@ def _answer_prefix(completion: str) -> str | None:
     return prefix.group(0) if prefix is not None and prefix.group(0) not in ("", "-") else None
 
 
-def _last_integer(completion: str) -> int | None:
-    """What `last_number_reward` compares: the completion's last integer (thousands commas dropped), None if none."""
-    numbers = _INTEGER.findall(completion.replace(",", ""))
-    return int(numbers[-1]) if numbers else None
+def _last_number(completion: str) -> Decimal | None:
+    """What `last_number_reward` compares: the completion's last number, an integer or a decimal ("37.5" is 37.5, not
+    37 and 5; thousands commas "1,000" dropped, a list "(1,2,3)" kept apart; a Unicode minus "−5" is -5), exact;
+    None if none."""
+    numbers = _NUMBER.findall(_THOUSANDS.sub("", completion.replace("\u2212", "-")))
+    return Decimal(numbers[-1]).normalize() if numbers else None
 
 
 @with_answer(_answer_prefix)
@@ -87,15 +98,16 @@ def addition_reward(prompt: str, completion: str, **row: Any) -> float:
     return 1.0 if _answer_prefix(completion) == answer else 0.0
 
 
-@with_answer(_last_integer)
+@with_answer(_last_number)
 @after_thinking
 def last_number_reward(prompt: str, completion: str, **row: Any) -> float:
-    """1.0 if the last integer in the completion equals the integer `row["answer"]`, else 0.0: for chat models that
-    answer in a sentence or an equation ("57 + 58 = 115" scores 1 for 115; "115 is wrong, it is 116" scores 0)."""
+    """1.0 if the last number in the completion equals the integer `row["answer"]`, else 0.0: for chat models that
+    answer in a sentence or an equation ("57 + 58 = 115" scores 1 for 115, and so does "115.0"; "115 is wrong, it is
+    116" scores 0, and so does "115.5")."""
     answer = str(_required(row, "answer", "last_number_reward")).strip()
     if not _INTEGER.fullmatch(answer):
         raise ValueError(f"last_number_reward needs an integer answer, got {answer!r}")
-    return 1.0 if _last_integer(completion) == int(answer) else 0.0
+    return 1.0 if _last_number(completion) == int(answer) else 0.0
 
 
 class _Parser:
@@ -219,6 +231,8 @@ def _math_answer(completion: str) -> str | None:
     import sympy
     from math_verify import parse
 
+    if _HUGE_POWER.search(completion):  # sympy could take hours on it
+        return None
     in_main_thread = threading.current_thread() is threading.main_thread()
     predicted = parse(completion, parsing_timeout=5 if in_main_thread else None)
     if not predicted:
@@ -227,7 +241,24 @@ def _math_answer(completion: str) -> str | None:
     if isinstance(answer, sympy.Basic) and answer.is_number:
         with contextlib.suppress(TypeError, ValueError, ArithmeticError, RecursionError):  # else: as parsed
             answer = sympy.nsimplify(answer.doit(), rational=True)
-    return str(answer)
+    try:
+        return str(answer)
+    except ValueError:  # an integer past Python's 4,300 digits of text: no answer a vote can hold
+        return None
+
+
+def _gold_text(answer: str) -> str:
+    """The gold answer as `math_reward` parses it: a number as its exact decimal ("1e-05" -> "0.00001": Math-Verify
+    reads scientific notation as its mantissa, 1); LaTeX without delimiters ("6\\pi", "2^{10}", MATH's and verl's
+    ground truths) inside `$...$`, where Math-Verify's plain parse would keep the leading number (6, 2) or nothing;
+    a text answer ("yes") and anything already delimited as written."""
+    text = answer.strip()
+    if _PLAIN_NUMBER.fullmatch(text):
+        with contextlib.suppress(InvalidOperation, ValueError):
+            return format(Decimal(text), "f")
+    if "$" in text or "\\boxed" in text or _WORDS.fullmatch(text):
+        return text
+    return f"${text}$"
 
 
 @with_answer(_math_answer)
@@ -235,8 +266,10 @@ def _math_answer(completion: str) -> str | None:
 def math_reward(prompt: str, completion: str, **row: Any) -> float:
     """1.0 if Math-Verify finds the completion's final answer equivalent to `row["answer"]`, else 0.0.
 
-    Both sides go through `math_verify.parse` (LaTeX and plain expressions), so "$\\frac{1}{2}$" matches "0.5".
-    A gold answer that does not parse raises ValueError (a data problem, not a wrong completion). Math-Verify's
+    Both sides go through `math_verify.parse` (LaTeX and plain expressions), so "$\\frac{1}{2}$" matches "0.5"; a gold
+    answer is read as `_gold_text` says (LaTeX without `$`, as MATH and verl store it, is LaTeX). A gold answer that
+    does not parse raises ValueError (a data problem, not a wrong completion). A completion with a numeric power tower
+    or an exponent of 5+ digits (`_HUGE_POWER`) scores 0 unparsed: sympy would evaluate it for hours. Math-Verify's
     signal-based timeouts only work in the main thread, so elsewhere they are turned off.
     """
     from math_verify import parse, verify
@@ -244,9 +277,11 @@ def math_reward(prompt: str, completion: str, **row: Any) -> float:
     answer = str(_required(row, "answer", "math_reward"))
     in_main_thread = threading.current_thread() is threading.main_thread()
     timeout = 5 if in_main_thread else None
-    gold = parse(answer, parsing_timeout=timeout)
+    gold = parse(_gold_text(answer), parsing_timeout=timeout)
     if not gold:
         raise ValueError(f"math_reward could not parse the gold answer {answer[:60]!r}")
+    if _HUGE_POWER.search(completion):  # sympy could take hours on it, holding the GIL: no deadline stops it
+        return 0.0
     predicted = parse(completion, parsing_timeout=timeout)
     if not predicted:
         return 0.0

@@ -6,6 +6,7 @@ must be, and the score. Running the program safely is `gspo.sandbox.run_sandboxe
 
 from __future__ import annotations
 
+import ast
 import logging
 import re
 from collections.abc import Callable
@@ -36,6 +37,20 @@ def extract_code(completion: str) -> str:
     return ""
 
 
+def _check_tests(tests: str | list[str]) -> None:
+    """Raise ValueError when a row's tests cannot judge a program: they are not Python (every program would fail
+    them), or hold no statement (blank strings, a comment: every program that runs would pass them)."""
+    text = tests if isinstance(tests, str) else "\n".join(tests)
+    try:
+        body = ast.parse(text).body
+    except SyntaxError as e:
+        raise ValueError(f"code_reward: the row's tests are not valid Python ({e.msg}, line {e.lineno}): "
+                         f"{text[:80]!r}") from None
+    if not body:
+        raise ValueError(f"code_reward: the row's tests hold no statement, so every program that runs would pass: "
+                         f"{text[:80]!r}")
+
+
 def make_code_reward(
     *, timeout_s: float = 5.0, cpu_s: float = 5.0, memory_mb: int = 512, max_procs: int = 32,
     python: str | None = None,
@@ -58,6 +73,7 @@ def make_code_reward(
             isinstance(tests, list) and tests and all(isinstance(t, str) for t in tests)
         ):
             raise ValueError(f"code_reward needs a row field 'tests' (a non-empty str or list of str), got {tests!r}")
+        _check_tests(tests)
         code = extract_code(completion)
         if not code.strip():
             return 0.0
