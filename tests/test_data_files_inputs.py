@@ -159,7 +159,6 @@ def test_a_csv_record_spanning_lines_and_blank_lines_keep_their_line_numbers(tmp
 @pytest.mark.parametrize(("text", "message"), [
     ("question,result\n1+1=,2,\n", r"line 2 has 3 values where the header \(line 1\) names 2 columns"),
     ("question,result\n1+1=\n", r"line 2 has 1 values where the header \(line 1\) names 2"),
-    ("question,result,\n1+1=,2,\n", r"the header \(line 1\) has an empty column name at position 3"),
     ("question,question\n1+1=,2\n", r"the header \(line 1\) names the column 'question' twice"),
     ('question,result\n"1+1="x,2\n', r"line 2 is not valid CSV"),
     ('question,result\n"1+1=,2\n', r"line 2 is not valid CSV: unexpected end of data"),
@@ -169,6 +168,15 @@ def test_malformed_csv_is_an_error_naming_the_line(tmp_path, text: str, message:
     path.write_text(text)
     with pytest.raises(ValueError, match=rf"bad\.csv: {message}"):
         load_rows(str(path), fields=FIELDS)
+
+
+def test_a_csv_with_an_index_column_or_trailing_commas_loads(tmp_path) -> None:
+    frame = pd.DataFrame({"question": ["1+1=", "2+2="], "result": ["2", "4"]})
+    frame.to_csv(tmp_path / "indexed.csv")  # pandas' default: an unnamed index column first
+    assert [r["Unnamed: 0"] for r in load_rows(str(tmp_path / "indexed.csv"), fields=FIELDS)] == ["0", "1"]
+    (tmp_path / "trailing.csv").write_text("question,result,\n1+1=,2,\n")
+    assert load_rows(str(tmp_path / "trailing.csv"), fields=FIELDS) == [{"prompt": "1+1=", "answer": "2",
+                                                                          "Unnamed: 2": None}]
 
 
 def test_a_csv_that_is_not_utf8_is_named_by_its_line(tmp_path) -> None:

@@ -294,8 +294,8 @@ def _delimited_records(path: Path, limit: int | None) -> Iterator[tuple[dict[str
     value may hold commas, quotes written twice and line breaks; anything else is an error, `strict`); a TSV has no
     quoting: tabs separate values and a quote is an ordinary character (the IANA text/tab-separated-values format).
 
-    Raises ValueError naming the file and line for a header with an empty or repeated column name, a record with more
-    or fewer values than the header names, malformed CSV quoting, or text that is not UTF-8."""
+    Raises ValueError naming the file and line for a header that repeats a column name, a record with more or fewer
+    values than the header names, malformed CSV quoting, or text that is not UTF-8."""
     tsv = path.suffix.lower() == ".tsv"
     reader = csv.reader(_text_lines(path), delimiter=_DELIMITERS[path.suffix.lower()], strict=True,
                         quoting=csv.QUOTE_NONE if tsv else csv.QUOTE_MINIMAL)
@@ -323,12 +323,9 @@ def _delimited_records(path: Path, limit: int | None) -> Iterator[tuple[dict[str
 
 
 def _header(values: list[str], path: Path, line: int) -> list[str]:
-    """A CSV / TSV file's column names (its first record), each non-empty and once: a header that is not one (an
-    empty name, the same name twice) would silently drop or mislabel a column."""
-    names = [v.strip() for v in values]
-    if "" in names:
-        raise ValueError(f"{path}: the header (line {line}) has an empty column name at position "
-                         f"{names.index('') + 1} of {names}: name every column (a trailing comma makes an empty one)")
+    """A CSV / TSV file's column names (its first record), each once: a repeated name would silently drop a column.
+    An empty name (the index column `DataFrame.to_csv` writes, a trailing comma) is `Unnamed: i`, as pandas names it."""
+    names = [v.strip() or f"Unnamed: {i}" for i, v in enumerate(values)]
     twice = next((n for n in names if names.count(n) > 1), None)
     if twice is not None:
         raise ValueError(f"{path}: the header (line {line}) names the column {twice!r} twice: {names}")
