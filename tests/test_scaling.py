@@ -203,6 +203,16 @@ def test_engine_samples_are_laid_out_as_a_rollout_batch(drawn):
         assert (r[:s - p] == FREE).all() and (r[s + c - 1:] == FREE).all()
 
 
+def test_a_sample_that_ends_with_eos_is_not_truncated_whatever_the_engine_said():
+    """vLLM releases that checked the length limit before EOS reported finish_reason "length" for an EOS sampled
+    exactly at max_tokens: such a completion finished, and overlong_filter must not drop it."""
+    eos = TOKENIZER.eos_token_id
+    samples = [Sample([5, 6], [7, eos], [-1.0, -1.0], truncated=True), Sample([5, 6], [7, 8], [-1.0, -1.0],
+                                                                              truncated=True)]
+    batch = assemble(samples, 2, TOKENIZER, pad=0, eos=[eos])
+    assert batch.truncated.tolist() == [False, True]
+
+
 def test_routing_of_the_wrong_length_is_refused():
     bad = Sample([5, 6], [7, 8], [-1.0, -1.0], truncated=True, routing=torch.zeros(4, 2, 2))  # needs 2 + 2 - 1 rows
     with pytest.raises(ValueError, match="expected \\(3, 2, 2\\)"):
