@@ -230,6 +230,7 @@ def test_measure_times_a_few_steps_elsewhere_and_estimates_the_run(tmp_path, cap
     captured = capsys.readouterr()
     assert "measured (5 steps of the model as loaded, no cold start)" in captured.out and "the run ≈" in captured.out
     assert "nothing was written to trainer.out" in captured.err and not (tmp_path / "run").exists()
+    assert f"gspo train {cfg_file} --measure: " in captured.err  # it said --check
 
 
 def test_measure_under_torchrun_is_refused_before_anything_runs(tmp_path, capsys, monkeypatch):

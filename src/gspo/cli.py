@@ -63,7 +63,7 @@ def _check(cfg, args: argparse.Namespace) -> int:
     command = "gspo demo" if args.command == "demo" else f"gspo train {args.config}"
     done = ("nothing was written to trainer.out (the timed steps ran in a temporary folder)" if args.measure
             else "nothing was computed or written")
-    print(f"{command} --check: {len(found)} warning(s); {done}", file=sys.stderr)
+    print(f"{command} {'--measure' if args.measure else '--check'}: {len(found)} warning(s); {done}", file=sys.stderr)
     return 1 if found else 0
 
 
