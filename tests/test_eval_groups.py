@@ -123,6 +123,18 @@ def test_a_run_reports_each_held_out_files_accuracy_and_gspo_eval_repeats_it(tmp
     assert "  easy: 75.0% (95% CI" in captured.err and "  hard: 25.0%" in captured.err
 
 
+def test_the_printed_line_names_a_group_the_first_evaluation_did_not_have():
+    """A resume with other held-out rows can bring a group the first evaluation lacked: its before_rl is None, and
+    printing it raised TypeError after the run had finished."""
+    summary = {"heldout_accuracy_before_rl": 0.5, "heldout_accuracy_after_rl": 0.75, "heldout_same_rows": False,
+               "wall_seconds": 3.0, "heldout_accuracy_by": {
+                   "old": {"rows": 4, "before_rl": 0.5, "after_rl": 0.75, "ci95": None},
+                   "new": {"rows": 2, "before_rl": None, "after_rl": 1.0, "ci95": None}}}
+    lines = _accuracy_line(summary, "before RL", "after RL").splitlines()
+    assert lines[1] == "  old (4 rows): 50.0% → 75.0% (+25.0 points)"
+    assert lines[2] == "  new (2 rows): 100.0% after RL (not in the first evaluation)"
+
+
 def test_gspo_eval_splits_a_files_accuracy_by_a_field(tmp_path, capsys):
     (tmp_path / "rw.py").write_text(FLAGGED)
     data = write_jsonl(tmp_path / "d.jsonl", rows(0, 10, 7, level=1) + rows(50, 5, 1, level=2))

@@ -27,6 +27,23 @@ def test_wilson_matches_published_values_and_never_has_zero_width():
     assert wilson_ci95(0, 0) == (0.0, 1.0)
 
 
+def test_an_accuracy_of_0_or_1_lies_inside_its_own_interval_for_every_row_count():
+    """Float rounding gave wilson_ci95(0, 3) a low of 5.6e-17 and wilson_ci95(10, 10) a high of 0.9999999999999999."""
+    for n in range(1, 1001):
+        assert wilson_ci95(0, n)[0] == 0.0 and wilson_ci95(n, n)[1] == 1.0, n
+
+
+def test_pass_at_1s_interval_is_the_accuracys_interval():
+    """With sampled evaluation the accuracy is pass@1, and it was given two intervals: Wilson's where every row's
+    fraction was 0 or 1 (10 rows all 0: 0 to 0.278), the mean interval's zero width for pass@1_ci95 (0 to 0)."""
+    from gspo.evaluation import pass_at_k_ci95
+
+    for values in ([0.0] * 10, [1.0] * 10, [0.0, 1.0] * 5, [0.25, 0.5, 1.0, 0.0, 0.75]):
+        ci = pass_at_k_ci95(values, 4, [1, 2, 4])
+        assert (ci["pass@1_ci95_low"], ci["pass@1_ci95_high"]) == accuracy_ci95(values), values
+        assert all(ci[f"pass@{k}_ci95_low"] < ci[f"pass@{k}_ci95_high"] for k in (1, 2, 4))  # never zero width
+
+
 @pytest.mark.parametrize("p", [0.03, 0.3, 0.5, 0.9])
 def test_wilson_covers_the_true_accuracy_about_95_percent_of_the_time(p):
     rng, rows, trials = random.Random(0), 100, 2000

@@ -96,6 +96,10 @@ def _accuracy_line(summary: dict, before_label: str, after_label: str, decoding:
              f"{change(before, after, summary.get('heldout_accuracy_ci95'))} {rows}) in "
              f"{summary['wall_seconds']:.0f} s"]
     for group, entry in (summary.get("heldout_accuracy_by") or {}).items():  # data.eval_by
+        if entry.get("before_rl") is None:  # a group only later evaluations have (a resume changed the held-out rows)
+            lines.append(f"  {group} ({entry['rows']} rows): {entry['after_rl']:.1%} {after_label} (not in the first "
+                         "evaluation)")
+            continue
         lines.append(f"  {group} ({entry['rows']} rows): {entry['before_rl']:.1%} → {entry['after_rl']:.1%} "
                      f"{change(entry['before_rl'], entry['after_rl'], entry['ci95'])})")
     return "\n".join(lines)

@@ -93,13 +93,16 @@ def mean_ci95(values: Sequence[float]) -> tuple[float, float]:
 
 def wilson_ci95(successes: int, total: int) -> tuple[float, float]:
     """The Wilson score 95% interval of a proportion (Wilson 1927): unlike mean ± 1.96·s.e. it never has zero width
-    and stays inside [0, 1], so 64 of 64 solved is [0.943, 1], not [1, 1]. (0, 1) for no trials."""
+    and stays inside [0, 1], so 64 of 64 solved is [0.943, 1], not [1, 1]. (0, 1) for no trials. Its bound at 0 of n
+    is exactly 0 and at n of n exactly 1 (the formula's float rounding gave 5.6e-17 and 0.9999999999999999: an
+    accuracy outside its own interval)."""
     if total <= 0:
         return 0.0, 1.0
     p, z2 = successes / total, _Z95 ** 2
     centre = (p + z2 / (2 * total)) / (1 + z2 / total)
     half = _Z95 * math.sqrt(p * (1 - p) / total + z2 / (4 * total ** 2)) / (1 + z2 / total)
-    return max(0.0, centre - half), min(1.0, centre + half)
+    low = 0.0 if successes <= 0 else max(0.0, centre - half)
+    return low, 1.0 if successes >= total else min(1.0, centre + half)
 
 
 def accuracy_ci95(row_values: Sequence[float]) -> tuple[float, float]:
@@ -326,12 +329,14 @@ def transcript(tokenizer, batch, i: int) -> str:
 
 def pass_at_k_ci95(row_values: Sequence[float], n: int, ks: Sequence[int]) -> dict[str, float]:
     """`pass@{k}_ci95_low` / `_high` for each k in `ks` from each row's solved fraction of its `n` samples (what
-    `evaluate(row_values=...)` collects): `mean_ci95` of the rows' `pass_at_k` estimates. A caller that evaluated
-    shards of the rows separately recomputes the intervals from every row's values with this."""
+    `evaluate(row_values=...)` collects): `accuracy_ci95` of the rows' `pass_at_k` estimates, the rule the accuracy's
+    interval follows (pass@1 is the accuracy: one interval for one number; Wilson's where every row's estimate is 0 or
+    1, which `mean_ci95` would give zero width). A caller that evaluated shards of the rows separately recomputes the
+    intervals from every row's values with this."""
     solved = [round(v * n) for v in row_values]
     out: dict[str, float] = {}
     for k in ks:
-        out[f"pass@{k}_ci95_low"], out[f"pass@{k}_ci95_high"] = mean_ci95([pass_at_k(n, c, k) for c in solved])
+        out[f"pass@{k}_ci95_low"], out[f"pass@{k}_ci95_high"] = accuracy_ci95([pass_at_k(n, c, k) for c in solved])
     return out
 
 
