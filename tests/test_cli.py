@@ -215,9 +215,10 @@ def test_demo_names_the_folder_it_wrote_when_trainer_out_is_given_instead_of_out
     monkeypatch.chdir(tmp_path)  # the default --out runs/demo, relative: it must stay empty
     out = tmp_path / "elsewhere"
     overrides = [o for o in tiny_overrides(out) if not o.startswith("trainer.steps=")]
-    assert main(["demo", "--steps", "1", *overrides, "data.eval_split=null", "cold_start=null"]) == 0
+    assert main(["demo", "--steps", "1", *overrides, "cold_start=null"]) == 0
     printed = capsys.readouterr().out
     assert f"model in {out / 'final'}" in printed and f"→ {out}" in printed and "runs/demo" not in printed
+    assert "before GSPO →" in printed and "cold-start SFT" not in printed  # there was none
     assert (out / "final").is_dir() and not (tmp_path / "runs").exists()
 
 

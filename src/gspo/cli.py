@@ -137,7 +137,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
           f"{cfg.model.name} / {cfg.data.task} task → {cfg.trainer.out}", flush=True)
     summary = train(cfg, resume=args.resume, overwrite=args.overwrite)
     out = Path(cfg.trainer.out)  # --out, or a trainer.out=... override after it
-    if line := _accuracy_line(summary, "after cold-start SFT", "after GSPO", _run_decoding(cfg)):
+    before = "after cold-start SFT" if cfg.cold_start is not None else "before GSPO"  # (demo cold_start=null)
+    if line := _accuracy_line(summary, before, "after GSPO", _run_decoding(cfg)):
         print(line)
     print(f"wrote {out / 'metrics.jsonl'}, {out / 'summary.json'}, {out / 'curves.png'}, model in {out / 'final'}")
     return 0
