@@ -360,6 +360,17 @@ def test_code_reward_scores_completions_and_rejects_rows_without_tests():
             code_reward("p", right, tests=tests)
 
 
+def test_a_batch_deadline_that_looping_programs_could_use_up_is_said_before_the_run():
+    """With the defaults (one 30 s deadline per batch, 1 worker, 5 s per sandboxed call) six looping programs used up
+    the deadline, and the correct programs queued behind them timed out: scored 0, or a RewardFailure."""
+    runner = RewardRunner({"code": 1.0}, timeout_s=30.0, workers=1)
+    note = runner.deadline_warning(256)
+    assert note is not None and "~1280 s" in note and "raise rewards.workers" in note and "to 43 " in note
+    assert RewardRunner({"code": 1.0}, timeout_s=30.0, workers=43).deadline_warning(256) is None
+    assert RewardRunner({"addition": 1.0}, timeout_s=30.0).deadline_warning(256) is None  # no call limit to add up
+    assert RewardRunner({"code": 1.0}, timeout_s=None).deadline_warning(256) is None  # no deadline
+
+
 def test_code_is_a_registered_reward_that_runs_concurrently_in_the_runner():
     assert REWARDS["code"] is code_reward
     row = {"tests": "assert inc(1) == 2"}

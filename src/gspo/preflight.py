@@ -186,7 +186,9 @@ def check(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[st
                     "ci95_half_width": (high - low) / 2 if heldout_n else None,
                     "shared_passages": shared_passages(setup.train_rows, setup.eval_rows)},
         "rewards": {"functions": dict(zip(rewards.names, rewards.weights, strict=True)), "accuracy": accuracy,
-                    "threshold": threshold, **check_rewards(setup)},
+                    "threshold": threshold, **check_rewards(setup),
+                    "deadline": rewards.deadline_warning(cfg.rollout.prompts_per_step * cfg.rollout.group_size
+                                                         // setup.group.world_size)},
         "plan": steps,
         "model": {"name": cfg.model.name, "parameters": params, "trainable": trainable,
                   "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
@@ -287,6 +289,8 @@ def warnings(report: dict[str, Any]) -> list[str]:
     """What in a `check` report makes the run's numbers doubtful: references judged wrong, empty or wrong answers
     judged right, no held-out rows, prompts dropped as too long."""
     found = split_warnings(report["rewards"])
+    if report["rewards"].get("deadline"):
+        found.append(report["rewards"]["deadline"])
     shared = report["heldout"]["shared_passages"]
     if shared["rows"]:
         e = shared["examples"][0]

@@ -577,6 +577,9 @@ def prepare(cfg: Config, resume: bool = False, overwrite: bool = False, create_o
                               f"have no `solution` (a string, or a list of messages), row {lacking[0]} first; add a "
                               "`solution` column or map one in data.fields (e.g. data.fields={solution: response})")
     rewards = RewardRunner.from_config(cfg.rewards, group.device)
+    share = cfg.rollout.prompts_per_step * cfg.rollout.group_size // group.world_size  # one process's batch
+    if (note := rewards.deadline_warning(share)) and group.is_main:
+        log.warning("rewards: %s", note)
     rewards.check_rows(data.train, cfg.rewards.accuracy_reward, "training row")  # signatures, routes (mixed data)
     rewards.check_rows(data.heldout, cfg.rewards.accuracy_reward, "held-out row")
     make_env, tool_schemas = build_env(cfg)  # env: one environment per episode, the tools the template describes

@@ -398,6 +398,7 @@ class RewardRunner:
         self._quiet = False  # `probing`: failures are not logged
         self._first_failures: dict[str, dict[str, Any]] | None = None  # `probing`: each function's first failure
         self._pool = DeadlinePool(workers, self.timeout_s) if self.timeout_s is not None or workers > 1 else None
+        self.workers = workers
         self._agreed = self.state_dict()  # the counters as every process last agreed on them (`sync_counts`)
 
     @contextlib.contextmanager
@@ -417,6 +418,24 @@ class RewardRunner:
             self.on_error, counts, self._warned, agreed = saved
             self.failures, self.timeouts = dict(counts["failures"]), dict(counts["timeouts"])
             self._agreed, self._quiet, self._first_failures = agreed, False, None
+
+    def deadline_warning(self, rows: int) -> str | None:
+        """Why a batch of `rows` completions could time out calls that are not slow themselves, or None: the
+        functions with a per-call time limit (`call_timeout_s`: the sandboxed `code` reward's) may take that long on
+        each row (a program that loops), and the `workers` threads then need more than the batch's one deadline
+        (`timeout_s`), so the calls queued behind them time out (scored as failures, a correct program included)."""
+        limits = [getattr(fn, "call_timeout_s", None) for fn in self.functions]
+        per_row = sum(t for t in limits if t is not None)
+        if self.timeout_s is None or not per_row:
+            return None
+        worst = math.ceil(rows / self.workers) * per_row
+        if worst <= self.timeout_s:
+            return None
+        return (f"rewards.timeout_s={self.timeout_s:g} s is one deadline for a batch's reward calls, but its {rows} "
+                f"completions' sandboxed calls may take up to {per_row:g} s each (a looping program) on "
+                f"rewards.workers={self.workers}: ~{worst:g} s, so calls queued behind slow ones time out, correct "
+                f"programs included; raise rewards.workers (sandboxed programs run in their own processes) to "
+                f"{math.ceil(rows * per_row / self.timeout_s)} or rewards.timeout_s to {worst:g}")
 
     @classmethod
     def from_config(cls, settings: Any, device: str | torch.device | None = None,

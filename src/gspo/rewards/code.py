@@ -85,6 +85,7 @@ def make_code_reward(
                 logger.warning("code reward sandbox: %s", warning)
         return result.score
 
+    code_reward.call_timeout_s = timeout_s  # the longest one call runs (RewardRunner.deadline_warning)
     return code_reward
 
 
