@@ -127,6 +127,16 @@ def test_sft_names_the_file_row_without_a_solution_before_loading_a_model(tmp_pa
     assert "row 7 has no 'solution' field, the target SFT trains on (2 of 30 rows have none)" in capsys.readouterr().err
 
 
+def test_eval_counts_rows_whose_text_the_tokenizer_cannot_encode(tmp_path, capsys, caplog):
+    """A training run warned about them (the model sees <unk>); `gspo eval` said nothing."""
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in [{"prompt": "1+1=", "answer": "2"},
+                                                          {"prompt": "WHAT IS 2+2=", "answer": "4"}]))
+    assert main(["eval", "tiny-moe", "--data", str(data), "--reward", "addition", "--max-new-tokens", "2"]) == 0
+    assert last_json(capsys.readouterr().out)["unknown_character_rows"] == 1
+    assert any("of the held-out rows have characters the tokenizer maps to" in r.getMessage() for r in caplog.records)
+
+
 def test_eval_prints_accuracy(sft_dir, capsys):
     assert main(["eval", str(sft_dir), "--size", "8", "--max-new-tokens", "4"]) == 0
     result = last_json(capsys.readouterr().out)

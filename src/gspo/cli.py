@@ -399,6 +399,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from gspo.parallel import resolve_device
     from gspo.rewards.checks import reward_checks, reward_warnings
     from gspo.rollout import HFSampler, SamplingParams
+    from gspo.schedule import unknown_character_rows
 
     _eval_run_folders(args)
     cfg = _eval_config(args)
@@ -420,18 +421,21 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     sampling["stop"] = cfg.rollout.stop if cfg is not None else []  # a run's completions end at its stop strings
     checked: dict | None = None
     kept: list[int] | None = None  # the rows evaluated: with --config, those its run evaluates (_rows_the_run_keeps)
+    unknown: int | None = None  # rows with text the model's tokenizer cannot encode
 
     def run(name: str) -> tuple[dict, list[float], dict[str, dict[str, int]], list[dict]]:
         """Evaluate model `name` on the rows (rendered with its own chat template): its result (each interval as one
         [low, high] pair), each row's solved fraction, its own reward failures and timeouts per function
         ({"reward_failures": ..., "reward_timeouts": ...}), and with --rows-out each row's first completion with its
         rewards and verdict."""
-        nonlocal checked, kept
+        nonlocal checked, kept, unknown
         model, tokenizer = load_model(name)
         rows = render_chat(data, data_cfg, tokenizer, tools=tools).heldout
         if kept is None:  # decided with the evaluated model's tokenizer; a --baseline gets the same rows
             kept = _rows_the_run_keeps(cfg, model, tokenizer, rows, new_tokens)
         rows = [rows[i] for i in kept]
+        if unknown is None:  # text the tokenizer maps to <unk>: the model never saw it (warned, as a run warns)
+            unknown = unknown_character_rows(tokenizer, rows, "held-out")
         if checked is None:  # the verifier on the rows' own answers, an empty one and another row's
             wanted = cfg is None or cfg.rewards.check  # a config's rewards.check=false turns it off
             checked = (reward_checks(rewards, rows, accuracy_reward, threshold) if wanted else None) or {}
@@ -480,7 +484,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             failed_all, failures_shown = True, base_failures["reward_failures"]
     by = {} if groups is None else {"by": _by_group(values, groups, base_values)}
     print(json.dumps({"model": args.model, "rows": len(values), "source": data.heldout_source,
-                      **({"skipped_prompts": skipped} if skipped else {}), "decoding": how,
+                      **({"skipped_prompts": skipped} if skipped else {}),
+                      **({"unknown_character_rows": unknown} if unknown else {}), "decoding": how,
                       "samples_per_prompt": n, "temperature": temperature, "top_p": top_p,
                       **({"seed": seed} if n > 1 else {}), **result, **counts,
                       "accuracy_means": accuracy_means(accuracy_reward, threshold), **failures, **comparison, **by,
