@@ -160,6 +160,7 @@ def test_math_reward(completion: str, answer: str, expected: float) -> None:
     # numbers in scientific notation (a jsonl 0.00001 loads as "1e-05"): their value, not their mantissa
     ("1", "1e-05", 0.0), ("0.00001", "1e-05", 1.0), ("1", "1e+20", 0.0), ("\\boxed{10^{20}}", "1e+20", 1.0),
     ("2.5", "2.5e-06", 0.0),
+    ("18.90", "\\$18.90", 1.0), ("18.91", "\\$18.90", 0.0),  # an escaped dollar sign is not a delimiter
 ])
 def test_math_reward_reads_gold_answers_as_written_in_math_datasets(completion, answer, expected) -> None:
     assert math_reward("q", completion, answer=answer) == expected

@@ -53,6 +53,7 @@ _INTEGER = re.compile(r"-?[0-9]+")
 _NUMBER = re.compile(r"-?[0-9]+(?:\.[0-9]+)?")  # what last_number_reward reads: an integer or a decimal
 _THOUSANDS = re.compile(r"(?<=[0-9]),(?=[0-9]{3}(?![0-9]))")  # "1,000": a separator; "(1,2,3)": a list
 _PLAIN_NUMBER = re.compile(r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
+_DELIMITER = re.compile(r"(?<!\\)\$")  # a math delimiter, not an escaped dollar sign ("\$18.90")
 _WORDS = re.compile(r"[A-Za-z]{2,}(?: [A-Za-z]+)*")  # a text answer: parsed as LaTeX it would be a product of symbols
 # A power a sympy evaluation could take hours on, holding the GIL (so no deadline can stop it): a numeric power of a
 # power (10^{10^{10}}, 9**9**9, (10^10)^(10^10)) or an exponent of 5 or more digits. Such an answer is not evaluated.
@@ -251,12 +252,12 @@ def _gold_text(answer: str) -> str:
     """The gold answer as `math_reward` parses it: a number as its exact decimal ("1e-05" -> "0.00001": Math-Verify
     reads scientific notation as its mantissa, 1); LaTeX without delimiters ("6\\pi", "2^{10}", MATH's and verl's
     ground truths) inside `$...$`, where Math-Verify's plain parse would keep the leading number (6, 2) or nothing;
-    a text answer ("yes") and anything already delimited as written."""
+    a text answer ("yes") and anything already delimited as written (an escaped "\\$18.90" is a dollar amount)."""
     text = answer.strip()
     if _PLAIN_NUMBER.fullmatch(text):
         with contextlib.suppress(InvalidOperation, ValueError):
             return format(Decimal(text), "f")
-    if "$" in text or "\\boxed" in text or _WORDS.fullmatch(text):
+    if _DELIMITER.search(text) or "\\boxed" in text or _WORDS.fullmatch(text):
         return text
     return f"${text}$"
 
