@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import math
 import os
 import pwd
 import shutil
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from gspo.rewards import REWARDS, RewardRunner
-from gspo.rewards.code import code_reward, extract_code
+from gspo.rewards.code import code_reward, extract_code, make_code_reward
 from gspo.sandbox import SandboxError, run_sandboxed
 from gspo.sandbox import process as sandbox_module  # the implementation: its file is what the launcher runs
 
@@ -360,12 +361,21 @@ def test_code_reward_scores_completions_and_rejects_rows_without_tests():
             code_reward("p", right, tests=tests)
 
 
-def test_a_batch_deadline_that_looping_programs_could_use_up_is_said_before_the_run():
+def test_a_batch_deadline_that_looping_programs_could_use_up_is_said_before_the_run(monkeypatch):
     """With the defaults (one 30 s deadline per batch, 1 worker, 5 s per sandboxed call) six looping programs used up
     the deadline, and the correct programs queued behind them timed out: scored 0, or a RewardFailure."""
     runner = RewardRunner({"code": 1.0}, timeout_s=30.0, workers=1)
     note = runner.deadline_warning(256)
     assert note is not None and "~1280 s" in note and "raise rewards.workers" in note and "to 43 " in note
+    for limit in (7.0, 11.0):  # the workers suggested fit the deadline, one fewer does not
+        monkeypatch.setitem(REWARDS, "slow_code", make_code_reward(timeout_s=limit))
+        note = RewardRunner({"slow_code": 1.0}, timeout_s=30.0).deadline_warning(256)
+        workers = int(note.split("rewards.workers (sandboxed programs run in their own processes) to ")[1].split()[0])
+        assert math.ceil(256 / workers) * limit <= 30 < math.ceil(256 / (workers - 1)) * limit
+    # one call outlasts the deadline: no number of workers fits, only a longer deadline
+    monkeypatch.setitem(REWARDS, "slow_code", make_code_reward(timeout_s=40.0))
+    note = RewardRunner({"slow_code": 1.0}, timeout_s=30.0).deadline_warning(256)
+    assert "raise rewards.workers" not in note and "raise rewards.timeout_s to 10240" in note
     assert RewardRunner({"code": 1.0}, timeout_s=30.0, workers=43).deadline_warning(256) is None
     assert RewardRunner({"addition": 1.0}, timeout_s=30.0).deadline_warning(256) is None  # no call limit to add up
     assert RewardRunner({"code": 1.0}, timeout_s=None).deadline_warning(256) is None  # no deadline

@@ -150,7 +150,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     from gspo.data import TASK_ROWS, DataSplits, load_rows, make_task, render_chat, subset_rows
     from gspo.models import check_compile_support, load_model, save_model
     from gspo.parallel import resolve_device
-    from gspo.sft import sft
+    from gspo.sft import rows_without_solution, sft
 
     if args.steps < 1 or args.batch_size < 1 or not args.lr > 0:
         raise ConfigError("sft: --steps and --batch-size must be >= 1 and --lr > 0")
@@ -164,7 +164,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     device = resolve_device(args.device, key="--device")
     if args.data is not None:  # every row, or --size N of them chosen by prompt hash
         every = load_rows(args.data, split=args.split or "train", fields=_fields(args))
-        missing = [i for i, r in enumerate(every) if "solution" not in r]
+        missing = rows_without_solution(every)
         if missing:  # named by the file's row, before the model is loaded
             raise ConfigError(f"sft: {args.data}: row {missing[0]} has no 'solution' field, the target SFT trains on "
                               f"({len(missing)} of {len(every)} rows have none): map a column to it with --fields "

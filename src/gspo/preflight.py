@@ -187,8 +187,7 @@ def check(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[st
                     "shared_passages": shared_passages(setup.train_rows, setup.eval_rows)},
         "rewards": {"functions": dict(zip(rewards.names, rewards.weights, strict=True)), "accuracy": accuracy,
                     "threshold": threshold, **check_rewards(setup),
-                    "deadline": rewards.deadline_warning(cfg.rollout.prompts_per_step * cfg.rollout.group_size
-                                                         // setup.group.world_size)},
+                    "deadline": setup.reward_deadline},
         "plan": steps,
         "model": {"name": cfg.model.name, "parameters": params, "trainable": trainable,
                   "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),

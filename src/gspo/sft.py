@@ -9,7 +9,7 @@ import json
 import logging
 import random
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -79,6 +79,13 @@ def over_positions(model: nn.Module, tokenizer, rows: list[dict], solution_field
     return over
 
 
+
+def rows_without_solution(rows: Sequence[dict], field: str = "solution") -> list[int]:
+    """The indices of the `rows` that have no demonstration to train on in `field`: a string, or a list of messages
+    (a multi-turn demonstration). What the cold start (`gspo train`) and `gspo sft` refuse before a model is loaded."""
+    return [i for i, r in enumerate(rows) if not isinstance(r.get(field), (str, list))]
+
+
 def sft(
     model: nn.Module,
     tokenizer,
@@ -115,7 +122,7 @@ def sft(
     the gradients add up to the batch's. `compile`: the decoder layers and the head's float32 passes compiled for the
     forwards and backwards (`gspo.models.compiled_layers`, `gspo.logprobs.fused_head`). Runs on the model's device
     (CPU or a GPU)."""
-    missing = [i for i, r in enumerate(rows) if not isinstance(r.get(solution_field), (str, list))]
+    missing = rows_without_solution(rows, solution_field)
     if missing:
         raise ValueError(f"cold-start SFT needs a {solution_field!r} in every row (a string, or a list of messages "
                          f"for a multi-turn demonstration); row {missing[0]} has none ({len(missing)} rows in total)")

@@ -101,7 +101,7 @@ from gspo.schedule import (
     step_prompts,
     unknown_character_rows,
 )
-from gspo.sft import cold_start
+from gspo.sft import cold_start, rows_without_solution
 from gspo.tracking import MetricsLogger, Progress, check_trackers, plot_curves, read_metrics
 from gspo.trajectory import Trajectory
 
@@ -556,6 +556,7 @@ class Setup:
     skipped_prompts: dict[str, int]  # rows dropped for a prompt over that limit
     unknown: dict[str, int]  # rows with characters the tokenizer cannot encode
     checkpoint: Path | None  # the checkpoint a resume continues from (None: a start)
+    reward_deadline: str | None  # `RewardRunner.deadline_warning` of one process's batch
     wall0: float  # when the run's set-up began (perf_counter)
 
 
@@ -571,15 +572,16 @@ def prepare(cfg: Config, resume: bool = False, overwrite: bool = False, create_o
     changed = group.main_first(lambda: _start_checks(cfg, out, cfg_dict, resume, overwrite, create_out))
     data = load_data(cfg.data, cfg.trainer.seed)
     if cfg.cold_start is not None:  # found before the model is loaded, not after the before-SFT evaluation
-        lacking = [i for i, r in enumerate(data.train) if not isinstance(r.get("solution"), (str, list))]
+        lacking = rows_without_solution(data.train)
         if lacking:
             raise ConfigError(f"cold_start trains on demonstrations: {len(lacking)} of {len(data.train)} training rows "
                               f"have no `solution` (a string, or a list of messages), row {lacking[0]} first; add a "
                               "`solution` column or map one in data.fields (e.g. data.fields={solution: response})")
     rewards = RewardRunner.from_config(cfg.rewards, group.device)
-    share = cfg.rollout.prompts_per_step * cfg.rollout.group_size // group.world_size  # one process's batch
-    if (note := rewards.deadline_warning(share)) and group.is_main:
-        log.warning("rewards: %s", note)
+    # one process's batch of completions against the reward deadline (also in `--check`'s warnings)
+    deadline = rewards.deadline_warning(cfg.rollout.prompts_per_step * cfg.rollout.group_size // group.world_size)
+    if deadline and group.is_main:
+        log.warning("rewards: %s", deadline)
     rewards.check_rows(data.train, cfg.rewards.accuracy_reward, "training row")  # signatures, routes (mixed data)
     rewards.check_rows(data.heldout, cfg.rewards.accuracy_reward, "held-out row")
     make_env, tool_schemas = build_env(cfg)  # env: one environment per episode, the tools the template describes
@@ -631,7 +633,7 @@ def prepare(cfg: Config, resume: bool = False, overwrite: bool = False, create_o
                  eval_rows=eval_rows, train_source=train_source, heldout_source=heldout_source, eval_group=eval_group,
                  eval_tokens=eval_tokens, prompt_limits=(train_limit[0], eval_limit[0] if eval_limit else None),
                  skipped_prompts={"train": skipped_train, "eval": skipped_eval}, unknown=unknown,
-                 checkpoint=checkpoint, wall0=wall0)
+                 checkpoint=checkpoint, reward_deadline=deadline, wall0=wall0)
 
 
 def _resume_point(out: Path, steps: int) -> Path | None:

@@ -303,7 +303,7 @@ def load_data(data, seed: int) -> DataSplits:
     splits = _load_data(data, seed)
     eval_groups(splits.heldout, eval_group_field(data))
     template = getattr(data, "prompt_template", None)
-    if template:
+    if template and data.task is not None:  # a file's rows were checked as they loaded (`_templated`)
         for rows, where in ((splits.train, "training rows"), (splits.heldout, "held-out rows")):
             apply_prompt_template(rows, template, where, data.fields)
     return splits

@@ -431,11 +431,13 @@ class RewardRunner:
         worst = math.ceil(rows / self.workers) * per_row
         if worst <= self.timeout_s:
             return None
+        rounds = math.floor(self.timeout_s / per_row)  # rounds of calls the deadline holds; workers that fit:
+        workers = (f"raise rewards.workers (sandboxed programs run in their own processes) to "
+                   f"{math.ceil(rows / rounds)} or " if rounds else "")
         return (f"rewards.timeout_s={self.timeout_s:g} s is one deadline for a batch's reward calls, but its {rows} "
                 f"completions' sandboxed calls may take up to {per_row:g} s each (a looping program) on "
                 f"rewards.workers={self.workers}: ~{worst:g} s, so calls queued behind slow ones time out, correct "
-                f"programs included; raise rewards.workers (sandboxed programs run in their own processes) to "
-                f"{math.ceil(rows * per_row / self.timeout_s)} or rewards.timeout_s to {worst:g}")
+                f"programs included; {workers}raise rewards.timeout_s to {worst:g}")
 
     @classmethod
     def from_config(cls, settings: Any, device: str | torch.device | None = None,
