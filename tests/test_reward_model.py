@@ -31,16 +31,17 @@ DIGITS = "0123456789"
 
 
 def save_reward_model(folder: Path, *, known: bool = True, chat_template: bool = False, num_labels: int = 1,
-                      seed: int = 0) -> Path:
+                      seed: int = 0, config_pad: int = 0) -> Path:
     """A one-layer Qwen3 sequence classifier with the presets' character tokenizer, saved to `folder`. `known`:
     scores 1.0 when the last token is a digit, else 0.0 (see the module docstring); otherwise random weights.
-    `chat_template`: keep the tokenizer's template (`role: content; `) or drop it."""
+    `chat_template`: keep the tokenizer's template (`role: content; `) or drop it. `config_pad`: the config's
+    pad_token_id (the tokenizer's is 0)."""
     tokenizer = build_tokenizer()
     if not chat_template:
         tokenizer.chat_template = None
     config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                          num_key_value_heads=1, head_dim=16, intermediate_size=64, max_position_embeddings=256,
-                         pad_token_id=0, eos_token_id=1, bos_token_id=None, num_labels=num_labels,
+                         pad_token_id=config_pad, eos_token_id=1, bos_token_id=None, num_labels=num_labels,
                          tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = Qwen3ForSequenceClassification(config)
@@ -91,6 +92,16 @@ def test_a_random_reward_model_scores_the_same_batched_as_one_by_one(tmp_path):
     single = [rm(["9+9="], [c])[0] for c in completions]
     assert batch == pytest.approx(single, abs=1e-5)
     assert len(set(np.round(batch, 4))) == 6  # the random head tells them apart: a constant would pass the above
+
+
+def test_a_config_pad_id_other_than_the_tokenizers_does_not_move_where_padded_rows_are_read(tmp_path, caplog):
+    # The model reads the last token that is not config.pad_token_id; batches are padded with the tokenizer's id (0).
+    # With the config saying 2, every padded row was scored at its padding (only the longest row was right).
+    rm = RewardModel(str(save_reward_model(tmp_path, known=False, config_pad=2)), batch_size=4)
+    assert "differs from its tokenizer's pad token id" in caplog.text
+    completions = ["1", "22 and more", "333", "a much longer completion 4444"]
+    batch = rm(["9+9="] * 4, completions)
+    assert batch == pytest.approx([rm(["9+9="], [c])[0] for c in completions], abs=1e-5)
 
 
 def test_it_scores_the_rows_conversation_in_the_reward_models_own_chat_template(tmp_path):

@@ -77,8 +77,13 @@ class RewardModel:
                 f"{name_or_path!r} has {model.config.num_labels} outputs (a classifier); a reward model has one "
                 "(num_labels=1). To reward with a classifier's probability, write a batched reward function "
                 "(gspo.rewards.batched) that computes it")
-        if model.config.pad_token_id is None:  # how the model finds each row's last token in a padded batch
-            model.config.pad_token_id = tokenizer.pad_token_id
+        # The model reads each row's score at its last token that is not config.pad_token_id, and batches are padded
+        # with the tokenizer's pad id: the two must agree, or a padded row is scored at its padding.
+        if model.config.pad_token_id not in (None, tokenizer.pad_token_id):
+            log.warning("reward model %r: its config's pad_token_id %s differs from its tokenizer's pad token id %s; "
+                        "using the tokenizer's (batches are padded with it)", name_or_path,
+                        model.config.pad_token_id, tokenizer.pad_token_id)
+        model.config.pad_token_id = tokenizer.pad_token_id
         tokenizer.padding_side = "right"
         self.model = model.to(self.device).eval()
         self.tokenizer = tokenizer
