@@ -80,10 +80,13 @@ def test_a_run_with_two_passes_steps_the_optimizer_and_the_schedule_twice_as_oft
     cfg = load_config(DEMO, tiny_overrides(out))
     optimizer, scheduler = make_optimizer(torch.nn.Linear(1, 1), cfg.optim.lr, 3 * cfg.algorithm.minibatches * 2,
                                           warmup_steps=0, min_lr_ratio=cfg.optim.min_lr_ratio)
+    used = []
     for _ in range(cfg.algorithm.minibatches * 2):
+        used.append(optimizer.param_groups[0]["lr"])
         optimizer.step()  # no gradients: nothing moves, the schedule advances
         scheduler.step()
-    assert metrics[0]["lr"] == pytest.approx(scheduler.get_last_lr()[0])
+    assert metrics[0]["lr"] == pytest.approx(sum(used) / len(used))  # the rates step 1's 8 updates used
+    assert metrics[1]["lr"] < scheduler.get_last_lr()[0] < metrics[0]["lr"]  # decaying: after step 1 is step 2's
 
 
 def test_epochs_below_one_are_refused(tmp_path):

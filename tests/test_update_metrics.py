@@ -119,6 +119,26 @@ def test_an_update_without_entries_leaves_the_metrics_alone(monkeypatch):
     assert not any(key.startswith("count_") for key in metrics)  # the counts weigh the metrics, they are not logged
 
 
+def test_a_first_minibatch_without_loss_tokens_gives_no_entropy_not_a_non_finite_one():
+    """The first minibatch's rows all left the loss (as rollout.overlong_filter does when all were truncated): its
+    entropy is a mean of nothing. It was logged as NaN, and the collapse guard flagged every such healthy step
+    'entropy not finite' and kept it out of its baseline."""
+    from gspo.guard import CollapseGuard, GuardSettings
+    model, _ = build_preset("tiny-dense", seed=1)
+    traj = ragged_trajectory(model)
+    first, second = torch.tensor([0, 2, 4, 6]), torch.tensor([1, 3, 5, 7])
+    loss_mask = traj.loss_mask.clone()
+    loss_mask[first] = 0
+    traj = dataclasses.replace(traj, loss_mask=loss_mask)
+    spec = OBJECTIVES["gspo"]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    metrics = learn(model, optimizer, scheduler, traj, torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.25, -0.25]),
+                    [first, second], LearnSettings(objective=spec, eps_low=spec.eps_low, eps_high=spec.eps_high))
+    assert "entropy" not in metrics and metrics["skipped_updates"] == 0 and metrics["loss"] == metrics["loss"]
+    assert CollapseGuard(GuardSettings()).observe(1, {**metrics, "reward_mean": 0.5}).flags == {}
+
+
 def test_micro_batches_do_not_change_a_steps_metrics(tmp_path):
     """The same run with micro-batches of at most 18 tokens (rows of 8-11 tokens: one or two rows a forward) logs the
     update metrics of the run without, to the rounding by which the two runs' weights differ."""

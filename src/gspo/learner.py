@@ -120,7 +120,9 @@ class _StepMetrics:
                    over the W processes is the minibatch's loss); a hook's update metrics: as the hook gives them,
                    averaged over the processes
 
-    Over no entries at all, a counted metric or an extremum is the value the objective gives for none."""
+    Over no entries at all, a counted metric or an extremum is the value the objective gives for none; one given as
+    None there (`entropy`: no mean of nothing, which the collapse guard would read as a numerical failure) is left
+    out of the step's metrics."""
 
     def __init__(self, updates: int) -> None:
         self.updates = updates
@@ -130,8 +132,8 @@ class _StepMetrics:
         self.extrema: dict[str, dict[str, float]] = {"max": {}, "min": {}}
         self.empty: dict[str, float] = {}  # the value given over no entries
 
-    def add(self, key: str, value: float, how: str = "mean", count: float = 1.0) -> None:
-        """`value`, the mean ("mean"), max or min ("max", "min") of `count` entries."""
+    def add(self, key: str, value: float | None, how: str = "mean", count: float = 1.0) -> None:
+        """`value`, the mean ("mean"), max or min ("max", "min") of `count` entries (None only for none)."""
         if count == 0:
             self.empty[key] = value
         if how == "mean":
@@ -160,7 +162,7 @@ class _StepMetrics:
                         for k in self.totals})
         for how in self.extrema:
             metrics.update({k: self.empty.get(k, v) if v == _NO_EXTREMUM[how] else v for k, v in reduced[how].items()})
-        return metrics
+        return {k: v for k, v in metrics.items() if v is not None}
 
 
 def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: Trajectory, advantages: torch.Tensor,
@@ -172,7 +174,8 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
     π_old); returns the step's metrics: the objective's metrics over the entries of every update and process (e.g.
     clip_frac_tokens: clipped tokens / tokens, ratio_max: the largest ratio; `_StepMetrics`), `loss` (averaged over
     the updates), `entropy` and `clip_frac_tokens_first_mb` (over the first update's tokens), `grad_norm`,
-    `skipped_updates`, `lr`, `micro_batches` (forwards per update, 1 without a budget), the hooks' metrics; with π_old
+    `skipped_updates`, `lr` (the mean of the rates the updates used: the scheduler's rate after them is the next
+    step's), `micro_batches` (forwards per update, 1 without a budget), the hooks' metrics; with π_old
     recomputed, the train–inference mismatch (`gspo.correction.mismatch_metrics`) and what its correction masked and
     truncated (0 when off)."""
     s, group = settings, group or ProcessGroup()
@@ -241,7 +244,7 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
             kept = loss_mask.any(-1) | ~mask.any(-1)
             batch_metrics.update(fracs)
 
-    grad_norms, skipped, n = [], 0, len(updates)
+    grad_norms, rates, skipped, n = [], [], 0, len(updates)
     step_metrics = _StepMetrics(n)
     logprobs = torch.zeros_like(old_logprobs)  # π_θ of this process's rows, filled micro-batch by micro-batch
     entropy = torch.zeros_like(old_logprobs)
@@ -286,12 +289,13 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
         for hook in hooks:
             step_metrics.averaged.update(hook.update_metrics(k, mb, logprobs[mb], old_logprobs))
         if k == 0:  # the on-policy minibatch: when π_old is recomputed its ratios are exactly 1 and nothing is clipped
-            first = entropy[mb][mask[mb]]
-            step_metrics.add("entropy", float(first.mean()), count=first.numel())
+            first = entropy[mb][mask[mb]]  # none on any process (e.g. all truncated under overlong_filter): no value
+            step_metrics.add("entropy", float(first.mean()) if first.numel() else None, count=first.numel())
             step_metrics.add("clip_frac_tokens_first_mb", m["clip_frac_tokens"], count=m.get("count_tokens", 1.0))
         # under FSDP2 a DTensor; with torch 2.9 a partial norm, whose float() is this process's part (clipping itself
         # used the whole norm)
         grad_norm = whole(torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip or float("inf")))
+        rates.append(optimizer.param_groups[0]["lr"])  # this update's rate (the scheduler then sets the next one's)
         if group.all_finite(loss.detach(), grad_norm):  # every process steps, or none does
             optimizer.step()
             grad_norms.append(float(grad_norm))
@@ -305,7 +309,7 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
         step_metrics.update(m)
     metrics = step_metrics.combine(group)
     metrics.update(grad_norm=sum(grad_norms) / len(grad_norms) if grad_norms else math.nan,
-                   skipped_updates=float(skipped), lr=scheduler.get_last_lr()[0],
+                   skipped_updates=float(skipped), lr=sum(rates) / n,
                    micro_batches=sum(map(len, micros_of)) / n, **batch_metrics)
     for hook in hooks:
         metrics.update(hook.batch_metrics(traj, old_logprobs))
