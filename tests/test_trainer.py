@@ -101,6 +101,24 @@ def test_metrics_jsonl_has_one_complete_record_per_step(run_a):
     assert [r["step"] for r in records if "heldout_accuracy" in r] == [2, 4]
 
 
+def test_scoring_time_is_rollout_time(tmp_path, monkeypatch):
+    """A reward model or a code sandbox takes time scoring: it belongs to time_rollout (the collect phase, as the
+    async workers count it), not time_update, or a reward-bound run reads as learner-bound (the preflight's split)."""
+    from gspo.rewards import REWARDS, batched
+
+    @batched
+    def slow(prompts, completions, **_):
+        time.sleep(0.5)
+        return [float(len(c) % 2) for c in completions]
+
+    monkeypatch.setitem(REWARDS, "slow", slow)
+    out = tmp_path / "run"
+    train(load_config(DEMO, tiny_overrides(out, "rewards.functions={slow: 1.0}", "rewards.accuracy_reward=slow",
+                                           "cold_start=null", "trainer.eval_every=0", "data.eval_split=null",
+                                           "trainer.steps=2", "rewards.check=false")))
+    assert [r["time_rollout"] >= 0.5 for r in read_metrics(out / "metrics.jsonl")] == [True, True]
+
+
 def test_metrics_lines_are_strict_json(run_a):
     out, _ = run_a
     for line in (out / "metrics.jsonl").read_text().splitlines():

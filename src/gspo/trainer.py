@@ -156,7 +156,7 @@ class Collected:
     rewards: torch.Tensor  # [N] weighted reward sums (with the overlong penalty, if configured)
     advantages: torch.Tensor  # [N] Â_i of Eq. 6, or [N, T] per-token advantages (multi-turn, token-level objectives)
     reward_stats: dict[str, float]  # per-function means (`reward/...`), failure counts, `solved`
-    seconds: float  # sampling time of this process (the rollout phase)
+    seconds: float  # sampling and scoring time of this process (the rollout phase)
     sampled_rewards: torch.Tensor | None = None  # [M] every completion sampled this step (dynamic sampling: M ≥ N)
 
     def __post_init__(self) -> None:
@@ -248,13 +248,13 @@ def _sample(rows: list[dict], seeds: list[int], ctx: RLStep) -> Scored:
         traj = ctx.episodes.run(rows[mine], ro.group_size, seeds[mine]).to(group.device)
     else:
         traj = ctx.engine.generate([r["prompt"] for r in rows[mine]], ro.group_size, seeds[mine]).to(group.device)
-    seconds = time.perf_counter() - t0
-
     total, stats = score_trajectory(ctx.rewards, rows[mine], traj, cfg.rewards, ro.max_new_tokens)
     if group.enabled:  # `solved` is a count: summed over processes
         ctx.rewards.sync_counts(group.all_sum)
     traj, rewards, stats = group.gather_trajectories(traj, total, stats, pad_id=ctx.engine.pad_id)
-    return Scored(traj, rewards, stats, seconds)
+    # the rollout phase: sampling and scoring (a reward model or code sandbox counted as update time made a run look
+    # learner-bound; the async workers count their scoring on the rollout side too)
+    return Scored(traj, rewards, stats, time.perf_counter() - t0)
 
 
 def _collect_async(step: int, ctx: RLStep) -> Collected:
