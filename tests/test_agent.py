@@ -171,6 +171,8 @@ def test_demonstration_layout_is_the_episode_layout():
         encode_demonstration(fmt, [{"role": "assistant", "content": "calc(2*3)"}, {"role": "tool", "content": "6"}])
     with pytest.raises(ValueError, match="starts with an assistant"):
         encode_demonstration(fmt, [{"role": "tool", "content": "6"}])
+    with pytest.raises(ValueError, match="at least one assistant message"):  # nothing to train: SFT's loss was 0/0
+        encode_demonstration(fmt, [])
 
 
 # ---- the episode driver, on the real built-in engine -----------------------------------------------------------------

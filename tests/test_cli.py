@@ -103,13 +103,26 @@ def test_sft_prints_its_loss(tmp_path, capsys, micro):
     assert result["out"] == str(out) and math.isfinite(result["final_loss"]) and result["final_loss"] > 0
 
 
+def test_sft_warns_when_its_warm_up_outlasts_its_steps(tmp_path, capsys, caplog):
+    """--steps 2 with the default 10 warm-up steps trained at 10-20 % of --lr without a word; --warmup-steps 0 is the
+    way out."""
+    args = ["sft", "--out", str(tmp_path / "m"), "--steps", "2", "--batch-size", "4", "--size", "16",
+            "--model", "tiny-dense"]
+    assert main(args) == 0
+    assert "warmup_steps=10 is not below its 2 steps" in caplog.text
+    caplog.clear()
+    assert main([*args, "--warmup-steps", "0"]) == 0
+    assert "warmup_steps" not in caplog.text
+
+
 def test_sft_compile_is_refused_for_an_moe_model_before_training(tmp_path, capsys):
     assert main(["sft", "--out", str(tmp_path / "m"), "--model", "tiny-moe", "--compile", "--steps", "2"]) == 2
     assert "--compile: MoE expert dispatch" in capsys.readouterr().err
     assert not (tmp_path / "m").exists()
 
 
-@pytest.mark.parametrize(("flag", "value"), [("--steps", "0"), ("--micro-batch-tokens", "0")])
+@pytest.mark.parametrize(("flag", "value"), [("--steps", "0"), ("--micro-batch-tokens", "0"),
+                                             ("--warmup-steps", "-1")])
 def test_sft_rejects_bad_arguments(tmp_path, capsys, flag, value):
     assert main(["sft", "--out", str(tmp_path / "m"), flag, value]) == 2
     assert flag in capsys.readouterr().err

@@ -152,8 +152,8 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     from gspo.parallel import resolve_device
     from gspo.sft import rows_without_solution, sft
 
-    if args.steps < 1 or args.batch_size < 1 or not args.lr > 0:
-        raise ConfigError("sft: --steps and --batch-size must be >= 1 and --lr > 0")
+    if args.steps < 1 or args.batch_size < 1 or not args.lr > 0 or args.warmup_steps < 0:
+        raise ConfigError("sft: --steps and --batch-size must be >= 1, --lr > 0 and --warmup-steps >= 0")
     if args.micro_batch_tokens is not None and args.micro_batch_tokens < 1:
         raise ConfigError(f"sft: --micro-batch-tokens must be >= 1, got {args.micro_batch_tokens}")
     _check_size(args)
@@ -184,8 +184,8 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     rows = render_chat(DataSplits(train=rows, heldout=[]), DataConfig(), tokenizer).train  # message prompts
     t0 = time.perf_counter()
     losses = sft(model, tokenizer, rows, steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-                 micro_batch_tokens=args.micro_batch_tokens, mixed_precision=args.mixed_precision,
-                 compile=args.compile)
+                 warmup_steps=args.warmup_steps, micro_batch_tokens=args.micro_batch_tokens,
+                 mixed_precision=args.mixed_precision, compile=args.compile)
     save_model(model, tokenizer, args.out)
     print(json.dumps({"out": args.out, "final_loss": losses[-1], "seconds": time.perf_counter() - t0}))
     return 0
@@ -766,6 +766,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup-steps", type=int, default=10,
+                   help="steps of linear warm-up to --lr, then a cosine decay to 0 (default 10)")
     p.add_argument("--micro-batch-tokens", type=int, default=None,
                    help="at most this many padded tokens per forward/backward (gradients accumulated: the same step)")
     p.add_argument("--mixed-precision", choices=("bfloat16",), default=None,

@@ -144,6 +144,9 @@ def sft(
                     over[0])
         left_out = set(over)
         rows = [r for i, r in enumerate(rows) if i not in left_out]
+    if warmup_steps >= steps:  # as optim.warmup_steps' warning: the rate never reaches lr and never decays
+        log.warning("cold-start SFT: warmup_steps=%d is not below its %d steps: the learning rate rises for the whole "
+                    "run and reaches %.0f%% of lr at its end", warmup_steps, steps, 100 * steps / max(warmup_steps, 1))
     from tqdm.auto import tqdm
 
     optimizer, scheduler = make_optimizer(model, lr, steps, warmup_steps=warmup_steps, min_lr_ratio=0.0)

@@ -116,6 +116,8 @@ def encode_demonstration(fmt: ChatFormat, messages: Sequence[dict]) -> tuple[lis
             pending.append(m)
     if pending:
         raise ValueError("a demonstration ends with an assistant message (its final answer)")
+    if not ids:  # nothing to train on: a batch of only such rows was a loss of 0/0 (NaN from then on)
+        raise ValueError("a demonstration has at least one assistant message, got none")
     return ids, mask
 
 
