@@ -7,6 +7,14 @@ import math
 
 import pytest
 import torch
+from transformers import (
+    CohereConfig,
+    CohereForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    RecurrentGemmaConfig,
+    RecurrentGemmaForCausalLM,
+)
 
 import gspo.logprobs
 from gspo.logprobs import (
@@ -20,6 +28,8 @@ from gspo.logprobs import (
 from gspo.models import build_preset
 
 PAD = 0
+TINY_LM = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+           "num_attention_heads": 2, "num_key_value_heads": 1, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 ATOL = 2e-5  # float32: a padded batch vs one row at a time differs in the last bits only
 
 
@@ -236,15 +246,29 @@ def test_length_buckets_cover_every_row_once_and_bound_the_padding():
     assert len(_length_buckets(torch.full((16,), 6), torch.full((16,), 16))) == 1  # equal lengths: one forward
 
 
-def test_models_with_scaled_logits_take_the_full_logits_path(model):
+SCALED_HEADS = {  # model classes whose logits are not head(last hidden state), each its own way
+    "gemma2-softcap": lambda: Gemma2ForCausalLM(Gemma2Config(final_logit_softcapping=30.0, head_dim=16, **TINY_LM)),
+    "recurrentgemma-softcap": lambda: RecurrentGemmaForCausalLM(RecurrentGemmaConfig(
+        lru_width=32, block_types=["attention"], attention_window_size=16, **TINY_LM)),  # logits_soft_cap=30
+    "cohere-scale": lambda: CohereForCausalLM(CohereConfig(logit_scale=0.0625, **TINY_LM)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCALED_HEADS))
+def test_models_with_scaled_logits_take_the_full_logits_path(model, name):
+    """Whether logits are the head's is found by running the model's own forward on stood-in hidden states, not by a
+    list of config keys: RecurrentGemma's `logits_soft_cap` was not on the list, and its π_θ came from uncapped logits
+    (0.78 nats off) while the engine sampled the capped ones."""
     assert _backbone_and_head(model) is not None
-    wrapper = torch.nn.Sequential()  # no backbone / head split: not recognised
-    assert _backbone_and_head(wrapper) is None
-    model.config.final_logit_softcapping = 30.0
-    try:
-        assert _backbone_and_head(model) is None
-    finally:
-        del model.config.final_logit_softcapping
+    assert _backbone_and_head(torch.nn.Sequential()) is None  # no backbone / head split: not recognised
+    torch.manual_seed(0)
+    scaled = SCALED_HEADS[name]()
+    assert _backbone_and_head(scaled) is None
+    batch = make_batch(TINY_LM["vocab_size"], seed=1)
+    want, _ = completion_logprobs(scaled, *batch, chunk_size=0)
+    torch.testing.assert_close(completion_logprobs(scaled, *batch)[0], want)
+    torch.testing.assert_close(completion_logprobs(scaled, *batch, trim_padding=True)[0] * batch[3], want * batch[3],
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_prompt_sharing_equals_the_full_logits_path(model):

@@ -22,6 +22,7 @@ stay float32; `chunked_token_logprobs` states the tolerance against float32.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -29,6 +30,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from transformers import PreTrainedModel
+from transformers.modeling_outputs import MoeModelOutputWithPast
 
 from gspo.models import cache_keyword, compile_options, output_cache
 
@@ -78,8 +80,7 @@ def head_compute_dtype(weight: torch.Tensor, device_type: str) -> torch.dtype:
     return weight.dtype
 
 
-_SCALED_LOGITS_KEYS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier",
-                       "lm_head_multiplier", "attn_logit_softcapping_final")
+_PLAIN_HEAD: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()  # `_logits_are_the_head`
 
 
 class _ChunkedTokenLogprob(torch.autograd.Function):
@@ -326,11 +327,50 @@ def _backbone_and_head(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
         return None
     if _is_fsdp_sharded(model):  # its parameters are whole only inside the root module's forward
         return None
-    config = getattr(model, "config", None)
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if any(getattr(text_config, key, None) not in (None, 1, 1.0) for key in _SCALED_LOGITS_KEYS):
+    if not _logits_are_the_head(model, prefix, head):
         return None
     return backbone, head
+
+
+class _StandIn(nn.Module):
+    """A backbone that returns the given hidden states whatever it is called with (`_logits_are_the_head`)."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        super().__init__()
+        self.hidden = hidden
+
+    def forward(self, *args: Any, **kwargs: Any) -> MoeModelOutputWithPast:
+        return MoeModelOutputWithPast(last_hidden_state=self.hidden)  # no router logits: no auxiliary loss
+
+
+def _logits_are_the_head(model: PreTrainedModel, prefix: str, head: nn.Linear) -> bool:
+    """Whether `model`'s logits are exactly `head(last hidden state)`, checked once per model: its own forward runs
+    on hidden states whose logits are ~100 in magnitude, with the backbone stood in for (no decoder layer runs, so no
+    routing hook sees the call), and its logits are compared with the head's. A soft cap (Gemma 2's
+    final_logit_softcapping, RecurrentGemma's logits_soft_cap), a logit scale (Cohere), a width multiplier or a cut
+    of the vocabulary shows as a mismatch; so does any other post-processing a model class adds, where a list of
+    config keys would have to know them all (RecurrentGemma's soft cap was missed so, silently: π_θ came from
+    uncapped logits while the engine sampled capped ones). False, and the full-logits path, on a mismatch or an
+    error."""
+    if model in _PLAIN_HEAD:
+        return _PLAIN_HEAD[model]
+    backbone, weight = getattr(model, prefix), head.weight
+    hidden = torch.randn(1, 2, head.in_features, generator=torch.Generator().manual_seed(0)).to(weight)
+    try:
+        with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
+            hidden = hidden * (100.0 / head(hidden).float().abs().max().clamp(min=1e-6))
+            want = head(hidden).float()
+            setattr(model, prefix, _StandIn(hidden))
+            try:
+                got = model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=weight.device),
+                            use_cache=False).logits.float()
+            finally:
+                setattr(model, prefix, backbone)
+        plain = got.shape == want.shape and bool(torch.allclose(got, want, rtol=1e-2, atol=0.5))
+    except Exception:  # a forward that needs more than hidden states: the general path
+        plain = False
+    _PLAIN_HEAD[model] = plain
+    return plain
 
 
 def _length_buckets(prompt_len: torch.Tensor, completion_len: torch.Tensor, min_waste: int = 128,
