@@ -130,6 +130,23 @@ def test_gspo_token_equals_gspo_for_sequence_advantages(seed, spread, empty):
         assert m2 == pytest.approx(m1, rel=1e-12, abs=1e-15)
 
 
+@pytest.mark.parametrize("far", [-80.0, 80.0])
+def test_gspo_token_equals_gspo_where_a_sequence_ratio_hits_the_clamp(far):
+    """A sequence whose mean log-ratio is beyond ±LOG_RATIO_CLAMP gets no gradient from GSPO (the clamp's); GSPO-token
+    sent it e^20 ≈ 4.9e8 times the log-probability's gradient through its detached s_i."""
+    lp = torch.tensor([[-1.0, -2.0, -1.5], [-0.5, -1.0, -2.0]], dtype=torch.float64)
+    old = lp.clone()
+    (old if far > 0 else lp)[0, 1] -= abs(far)  # row 0: mean log-ratio ±26.7, past the clamp; row 1 on-policy
+    lp.requires_grad_(True)
+    adv, mask = torch.tensor([-1.0 if far > 0 else 1.0, 1.0], dtype=torch.float64), torch.ones(2, 3)
+    g1, _ = grad_of(gspo_loss, lp, old, adv, mask)
+    assert (g1[0] == 0).all() and (g1[1] != 0).any()  # so the comparison can fail
+    for token_adv in (adv, adv[:, None].expand_as(lp).clone()):
+        g2, _ = grad_of(gspo_token_loss, lp, old, token_adv, mask)
+        torch.testing.assert_close(g2, g1, rtol=1e-12, atol=1e-15)
+        torch.testing.assert_close(gspo_token_loss(lp, old, token_adv, mask)[0], gspo_loss(lp, old, adv, mask)[0])
+
+
 @settings(max_examples=30, deadline=None)
 @given(seed=seeds)
 def test_on_policy_gspo_and_grpo_gradients_coincide(seed):

@@ -307,8 +307,12 @@ def gspo_token_loss(
     adv = advantages[:, None].expand_as(logprobs) if advantages.dim() == 1 else _masked(advantages, mask)  # [B, T]
     lp = _masked(logprobs, mask)
     log_w = lp - _masked(old_logprobs, mask)
-    log_s = _token_mean_per_seq(log_w, mask).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B]
-    s_it = torch.exp(log_s.detach()[:, None] + (lp - lp.detach()))  # [B, T]: value s_i exactly, gradient of log π_θ
+    raw = _token_mean_per_seq(log_w, mask)
+    log_s = raw.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B]
+    # value s_i exactly, gradient of log π_θ; none where s_i hit the clamp, as GSPO's clamp gives none (the
+    # detached s_i let e^20 times the gradient through there)
+    live = (raw.detach().abs() <= LOG_RATIO_CLAMP)[:, None]
+    s_it = torch.exp(log_s.detach()[:, None] + torch.where(live, lp - lp.detach(), 0.0))  # [B, T]
     per_seq = _token_mean_per_seq(_clipped_surrogate(s_it, adv, eps_low, eps_high), mask)  # [B]
     loss = -per_seq.sum() / (max(logprobs.shape[0], 1) if normaliser is None else normaliser)
 
