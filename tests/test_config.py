@@ -154,6 +154,8 @@ def test_all_errors_are_reported_at_once():
         (["data.path=train.jsonl"], ["data.task", "data.path"]),  # both (the demo sets data.task)
         (["data.task=null"], ["data.task", "data.path"]),  # neither
         (["rollout.max_batch_rows=7", "rollout.group_size=8"], ["max_batch_rows=7", "one group"]),
+        # an evaluation group of 16 under a cap of 8 rows recursed until RecursionError at the first evaluation
+        (["rollout.max_batch_rows=8", "trainer.eval_samples=16"], ["eval_samples=16", "max_batch_rows=8"]),
         (["rollout.max_batch_rows=64", "rollout.engine=vllm"], ["max_batch_rows", "max_num_seqs"]),
         # the cache release is for the built-in engine's compiled loop, between a sync run's rollouts and updates
         (["rollout.release_decode_cache=true", "rollout.decode=dynamic"], ["release_decode_cache", "decode=dynamic"]),

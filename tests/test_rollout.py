@@ -512,6 +512,19 @@ def test_a_row_cap_samples_in_batches_of_whole_groups_with_the_same_result(tok, 
         assert torch.equal(whole.extras["routing"], parts.extras["routing"])
 
 
+def test_a_group_larger_than_the_row_cap_runs_whole(tok, tiny, monkeypatch):
+    """A library caller's group above `max_rows` cannot be split: it runs whole, alone (it recursed until a
+    RecursionError)."""
+    params = SamplingParams(max_new_tokens=6)
+    capped = HFSampler(tiny["dense"], tok, params, max_rows=3)
+    rows: list[int] = []
+    decode = capped._decode
+    monkeypatch.setattr(capped, "_decode", lambda ids, *a: rows.append(4 * len(ids)) or decode(ids, *a))
+    traj = capped.generate(PROMPTS[:2], 4, SEEDS[:2])
+    assert rows == [4, 4] and len(traj) == 8
+    assert_same_samples(HFSampler(tiny["dense"], tok, params).generate(PROMPTS[:2], 4, SEEDS[:2]), traj)
+
+
 # ---------------------------------------------------------------------------------------------- 9. static KV cache
 
 

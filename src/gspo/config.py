@@ -677,6 +677,11 @@ class Config(_Section):
                 "algorithm.old_logprobs=rollout takes π_old from the sampler, whose top-p/top-k truncated distribution "
                 "is not the policy π_θ is trained as: use top_p=1 and top_k=0, or old_logprobs=recompute"
             )
+        cap = self.rollout.max_batch_rows
+        if cap is not None and self.trainer.eval_samples > cap:
+            raise ValueError(f"trainer.eval_samples={self.trainer.eval_samples} completions of one held-out prompt "
+                             f"are one group, more than rollout.max_batch_rows={cap}: a batch holds whole groups. "
+                             "Raise rollout.max_batch_rows or lower trainer.eval_samples")
         replay = self.algorithm.routing_replay
         if replay == "r2" and self.algorithm.old_logprobs != "recompute":
             raise ValueError("algorithm.routing_replay=r2 replays the routing of the trainer's π_old forward, which "

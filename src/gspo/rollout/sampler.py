@@ -348,7 +348,8 @@ class HFSampler:
     costing compute; the loop ends when every row is finished or `max_new_tokens` is reached. Set
     `drop_finished_rows = False` to keep finished rows in the batch instead (same results; for testing). `max_rows`
     caps the rows (completions) of one batch: a larger request runs as batches of whole groups, one after another
-    (each row draws from its own seeded generator, so the samples are the same up to float rounding). `decode`
+    (each row draws from its own seeded generator, so the samples are the same up to float rounding; a group larger
+    than the cap runs whole, alone). `decode`
     ("static", "compiled") runs the loop over a fixed-shape KV cache instead (see DECODE_MODES), which a compiled
     decode step needs ("compiled" keeps that cache and its weights between calls: `_static_cache`, `release`).
     `release_cache=True` (`rollout.release_decode_cache`) gives the compiled loop's KV-cache memory back at `release`:
@@ -520,7 +521,8 @@ class HFSampler:
             raise RuntimeError("generate: this engine's weights were released (release()); give it weights with "
                                "update_weights() first")
         params = params or self.params
-        if self.max_rows is not None and len(prompts) * group_size > self.max_rows:  # whole groups per batch
+        # whole groups per batch; one group larger than the cap decodes whole (it cannot be split)
+        if self.max_rows is not None and len(prompts) > 1 and len(prompts) * group_size > self.max_rows:
             per = max(1, self.max_rows // group_size)
             return concat([self.generate(prompts[i:i + per], group_size, seeds[i:i + per], params)
                            for i in range(0, len(prompts), per)], self.pad_id)
