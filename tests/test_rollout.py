@@ -512,6 +512,24 @@ def test_a_row_cap_samples_in_batches_of_whole_groups_with_the_same_result(tok, 
         assert torch.equal(whole.extras["routing"], parts.extras["routing"])
 
 
+def test_ids_the_model_samples_past_the_tokenizer_are_accepted_back_as_a_prompt(tok):
+    """Qwen's embedding has more rows than its tokenizer has words (151,936 vs 151,669) and the engine samples over
+    all of them: a multi-turn episode feeds the reply's ids back as the next prompt, which was refused as 'not all
+    ints in [0, len(tokenizer))' and stopped the run."""
+    torch.manual_seed(0)
+    model = build_model("dense", len(tok) + 48)  # untrained: the extra rows carry mass
+    engine = HFSampler(model, tok, SamplingParams(max_new_tokens=8))
+    first = engine.generate(["abc"], 8, [5])
+    beyond = (first.completion_ids * first.completion_mask >= len(tok)).any(-1)
+    assert beyond.any()  # so the test can fail
+    i = int(beyond.nonzero()[0])
+    reply = first.completion_ids[i, :int(first.completion_mask[i].sum())].tolist()
+    again = engine.generate([tok("abc", add_special_tokens=False)["input_ids"] + reply], 2, [0])
+    assert len(again) == 2
+    with pytest.raises(ValueError, match=rf"not all are ints in \[0, {len(tok) + 48}\)"):  # the model's rows
+        engine.generate([[len(tok) + 48]], 1, [0])
+
+
 def test_a_group_larger_than_the_row_cap_runs_whole(tok, tiny, monkeypatch):
     """A library caller's group above `max_rows` cannot be split: it runs whole, alone (it recursed until a
     RecursionError)."""

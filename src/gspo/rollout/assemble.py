@@ -17,7 +17,7 @@ from gspo.moe import FREE, ROUTING_DTYPE
 from gspo.rollout.base import check_request
 from gspo.trajectory import NO_VERSION, Trajectory, pad_left, pad_right
 
-__all__ = ["Sample", "assemble", "encode_prompts", "eos_ids", "pad_id", "place_routing"]
+__all__ = ["Sample", "assemble", "encode_prompts", "eos_ids", "output_rows", "pad_id", "place_routing"]
 
 
 def pad_id(tokenizer) -> int:
@@ -39,16 +39,25 @@ def eos_ids(tokenizer, generation_config: Any = None) -> list[int]:
     return ids
 
 
+def output_rows(model: Any) -> int | None:
+    """The rows of `model`'s output head: the token ids an engine samples over (more than the tokenizer's words for
+    Qwen's padded embedding); None when the model has no linear head to read it from."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return getattr(head, "out_features", None)
+
+
 def encode_prompts(tokenizer, prompts: list[str | list[int]], group_size: int, seeds: list[int], max_new_tokens: int,
-                   max_len: int | None = None, limit_name: str = "max_len") -> list[list[int]]:
+                   max_len: int | None = None, limit_name: str = "max_len",
+                   vocab_size: int | None = None) -> list[list[int]]:
     """Validate a `generate` request and tokenize its prompts without special tokens; a prompt given as token ids (a
     multi-turn episode's context, `gspo.agent.episodes`) is taken as it is. Raises ValueError for a prompt that
-    tokenizes to nothing, ids that are not ints in the vocabulary, or a prompt whose tokens plus `max_new_tokens`
-    exceed `max_len` (named `limit_name`)."""
+    tokenizes to nothing, ids that are not ints in the vocabulary (the model's `vocab_size` when given: Qwen's
+    embedding has 151,936 rows for a 151,669-word tokenizer, and an engine samples over all of them, so an episode
+    feeds such ids back), or a prompt whose tokens plus `max_new_tokens` exceed `max_len` (named `limit_name`)."""
     check_request(prompts, group_size, seeds)
     encoded = [list(p) if isinstance(p, (list, tuple)) else tokenizer(p, add_special_tokens=False)["input_ids"]
                for p in prompts]
-    vocab = len(tokenizer)
+    vocab = max(len(tokenizer), vocab_size or 0)
     for i, ids in enumerate(encoded):
         if isinstance(prompts[i], (list, tuple)) and not all(
                 isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):

@@ -23,7 +23,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from gspo.models import cache_keyword, compile_options, output_cache, resolve_dtype
 from gspo.moe import RolloutRoutingRecorder, config_has_experts, require_replay_support
 from gspo.rollout import cache_memory
-from gspo.rollout.assemble import encode_prompts, eos_ids, pad_id
+from gspo.rollout.assemble import encode_prompts, eos_ids, output_rows, pad_id
 from gspo.rollout.base import SamplingParams
 from gspo.rollout.weights import unwrap_model
 from gspo.trajectory import NO_VERSION, Trajectory, concat, pad_left
@@ -590,7 +590,7 @@ class HFSampler:
         if any(not s for s in params.stop):
             raise ValueError(f"generate: stop strings must be non-empty, got {params.stop!r}")
         encoded = encode_prompts(self.tokenizer, prompts, group_size, seeds, params.max_new_tokens, self.max_context,
-                                 "max_position_embeddings")
+                                 "max_position_embeddings", output_rows(self.model))
         ids, mask = pad_left(encoded, self.pad_id)
         device = next(self.model.parameters()).device
         return ids.to(device), mask.to(device)

@@ -78,7 +78,7 @@ def _checked_request(engine: Any, prompts: list[str | list[int]], group_size: in
     against the engine's `max_model_len`."""
     p = params or engine.params
     return p, encode_prompts(engine.tokenizer, prompts, group_size, seeds, p.max_new_tokens, engine.max_model_len,
-                             "the engine's max_model_len")
+                             "the engine's max_model_len", getattr(engine, "vocab_size", None))
 
 
 def _same_layout(weights: Weights, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -179,6 +179,8 @@ class VLLMEngine:
         self.pad_id = pad_id(tokenizer)
         self.eos_ids = eos_ids(tokenizer, self.llm.llm_engine.model_config.hf_config)
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
+        model_config = self.llm.llm_engine.model_config  # the vocabulary it samples over (ids fed back in episodes)
+        self.vocab_size = int(model_config.get_vocab_size()) if hasattr(model_config, "get_vocab_size") else None
         self.dtype = self.llm.llm_engine.model_config.dtype
         self.to_checkpoint = to_checkpoint
         self.version = 0
@@ -292,8 +294,10 @@ class VLLMServerEngine:
     def __init__(self, url: str, tokenizer, params: SamplingParams, *, sync_dir: str | os.PathLike,
                  timeout: float = 600.0, max_concurrent: int = 64, is_main: bool = True,
                  barrier: Callable[[], None] = lambda: None, eos: list[int] | None = None,
-                 record_routing: bool = False, to_checkpoint: ToCheckpoint = _same_layout) -> None:
+                 record_routing: bool = False, to_checkpoint: ToCheckpoint = _same_layout,
+                 vocab_size: int | None = None) -> None:
         self.url = url.rstrip("/")
+        self.vocab_size = vocab_size  # the policy's output rows, which the server samples over
         self.tokenizer = tokenizer
         self.params = params
         self.sync_dir = Path(sync_dir)
