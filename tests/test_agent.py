@@ -438,6 +438,10 @@ def test_env_settings_are_checked_before_any_compute(tmp_path):
         calc_config(tmp_path / "c", "rollout.max_new_tokens=64")
     with pytest.raises(ConfigError, match=r"env\.options \(\['x'\]\) are for a custom environment"):
         calc_config(tmp_path / "e", "env.options={x: 1}")
+    # episodes keep no engine routing: r3 trained as routing_replay=none, saying r3
+    with pytest.raises(ConfigError, match=r"routing_replay=r3 .*multi-turn episode.*use routing_replay=r2"):
+        calc_config(tmp_path / "r", "algorithm.routing_replay=r3")
+    assert calc_config(tmp_path / "r", "algorithm.routing_replay=r2").algorithm.routing_replay == "r2"
     with pytest.raises(ConfigError, match="unknown tool 'abacus'"):
         train(calc_config(tmp_path / "d", "env.tools=[abacus]"))
     assert not (tmp_path / "d" / "config.yaml").exists()  # nothing written: the start checks failed first

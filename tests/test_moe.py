@@ -255,6 +255,16 @@ def test_r3_replay_of_the_engines_routing_reproduces_its_logprobs(sampled):
     assert torch.equal(used[routing >= 0], routing[routing >= 0])
 
 
+def test_r3_on_rollouts_without_engine_routing_is_an_error_not_training_without_replay(sampled):
+    """A library caller's trajectory without `extras['routing']` under r3 trained silently as routing_replay=none."""
+    from gspo.hooks import MoERouting
+    model, tok = sampled
+    batch = HFSampler(copy.deepcopy(model), tok, SamplingParams(max_new_tokens=4)).generate(["12+3="], 2, [5])
+    MoERouting(model, "r2").start(batch)  # r2 replays the trainer's own π_old routing: nothing needed from the engine
+    with pytest.raises(ValueError, match=r"routing_replay=r3 .* carry none"):
+        MoERouting(model, "r3").start(batch)
+
+
 # ------------------------------------------------------------------------------------------------------ volatility
 
 routings = st.integers(1, 6).flatmap(lambda tokens: st.lists(

@@ -687,6 +687,10 @@ class Config(_Section):
             raise ValueError("algorithm.routing_replay=r2 replays the routing of the trainer's π_old forward, which "
                              "old_logprobs=rollout skips: use old_logprobs=recompute, or routing_replay=r3 (the "
                              "rollout engine's routing)")
+        if replay == "r3" and self.env is not None:
+            raise ValueError("algorithm.routing_replay=r3 replays the routing the engine recorded for each completion; "
+                             "a multi-turn episode (env) is laid out from several generations and keeps none of it, "
+                             "so nothing would be replayed: use routing_replay=r2 (the trainer's π_old routing)")
         if replay != "none" and self.trainer.gradient_checkpointing:
             raise ValueError(f"algorithm.routing_replay={replay} replays the routing inside each forward, which "
                              "trainer.gradient_checkpointing would recompute in the backward without it: turn one off")

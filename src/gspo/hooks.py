@@ -116,6 +116,9 @@ class MoERouting(LearnHook):
 
     def start(self, traj: Trajectory) -> None:
         self.engine_routing = traj.extras.get("routing")  # R3: the rollout engine's routing, [N, S+T, layers, k]
+        if self.replay_mode == "r3" and self.engine_routing is None:  # it trained as "none", saying r3
+            raise ValueError("routing_replay=r3 replays the rollout engine's routing, but these rollouts carry none "
+                             "(traj.extras['routing']: an engine with record_routing=True records it)")
         self.token_mask = traj.token_mask
         self.n_rows = len(traj)
         self.old_routing: torch.Tensor | None = None
