@@ -44,7 +44,7 @@ FALLBACK_WARNING = "every process trains on the CPU (gloo)"
 # metrics were combined by their counts and extrema, the gaps were 1e-2 to 2e-1, and 3e-5 for the entropy). CUDA's
 # kernels round differently from one batch composition to the next: a looser bound there.
 UPDATE_METRICS = ("ratio_max", "ratio_min", "ratio_mean", "clip_frac_tokens", "clip_frac_seqs", "approx_kl", "entropy",
-                  "clip_frac_tokens_first_mb")
+                  "clip_frac_tokens_first_mb", "expert_volatility")
 METRICS_REL_TOL = 1e-5 if TWO_PROCESS_DEVICE == "cpu" else 1e-3
 
 

@@ -36,6 +36,7 @@ from gspo.moe import (
     is_moe,
     require_replay_support,
     routing_change,
+    routing_change_counts,
 )
 from gspo.rewards import REWARDS
 from gspo.rollout import HFSampler, SamplingParams
@@ -300,6 +301,37 @@ def test_routing_change_properties(a_rows, b_rows, data):
     free[0] = FREE
     if a.shape[0] > 1:
         assert routing_change(free, b) == routing_change(a[1:], b[1:])
+
+
+@settings(max_examples=30, deadline=None)
+@given(routings, routings, st.integers(0, 6))
+def test_volatility_of_shares_adds_up_to_the_whole_batchs(a_rows, b_rows, cut):
+    """Under torchrun each process measures its share of the last minibatch: their counts add up to the whole
+    batch's volatility (an average of per-process fractions does not when the shares count different tokens)."""
+    n = min(len(a_rows), len(b_rows)) // 3 * 3
+    a, b = as_routing(a_rows[:n]), as_routing(b_rows[:n])
+    cut = min(cut, a.shape[0])
+    parts = [routing_change_counts(a[:cut], b[:cut]), routing_change_counts(a[cut:], b[cut:])]
+    changed, counted = (sum(p[i] for p in parts) for i in (0, 1))
+    assert changed / counted == pytest.approx(routing_change(a, b))
+
+
+def test_precision_ratio_noise_of_shares_adds_up_to_the_whole_batchs():
+    """`precision_ratio_std_seq` with one sequence per process read 0 (a std per process, averaged); the hooks now
+    sum each process's moments: two shares' sums give the whole batch's stds."""
+    from gspo.hooks import _ratio_stds, _ratio_sums, precision_ratio_metrics
+    g = torch.Generator().manual_seed(0)
+    trainer = -torch.rand(4, 6, generator=g) * 3
+    engine = trainer + 1e-3 * torch.randn(4, 6, generator=g)
+    mask = torch.rand(4, 6, generator=g) > 0.3
+    whole = precision_ratio_metrics(trainer, engine, mask)
+    ref = (torch.where(mask, trainer - engine, 0.0).sum(-1) / mask.sum(-1)).exp().std()
+    assert whole["precision_ratio_std_seq"] == pytest.approx(float(ref), rel=1e-4)
+    assert whole["precision_ratio_std_token"] == pytest.approx(float((trainer - engine)[mask].exp().std()), rel=1e-4)
+    for cut in (1, 2, 3):  # one sequence on a process, the rest on the other
+        sums = [x + y for x, y in zip(_ratio_sums(trainer[:cut], engine[:cut], mask[:cut]),
+                                      _ratio_sums(trainer[cut:], engine[cut:], mask[cut:]), strict=True)]
+        assert _ratio_stds(sums) == pytest.approx(whole, rel=1e-9)
 
 
 def test_routing_change_of_disjoint_sets_is_one():

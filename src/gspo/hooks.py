@@ -12,13 +12,14 @@ updates are done. `gspo.learner.learn` calls them; the trainer chooses which to 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
 import torch
 
-from gspo.moe import RoutingCapture, routing_change
+from gspo.moe import RoutingCapture, routing_change, routing_change_counts
 
 if TYPE_CHECKING:
     from gspo.parallel import ProcessGroup
@@ -64,14 +65,26 @@ def precision_ratio_metrics(trainer_logprobs: torch.Tensor, engine_logprobs: tor
     """Ratio noise between the trainer's and the engine's log-probabilities of the same tokens under the same weights
     (§5.4): std over tokens of w_{i,t} = π_trainer/π_engine, and std over sequences of s_i = exp(mean_t log w_{i,t}).
     Non-zero only through numerics (e.g. a bf16 engine for an fp32 trainer); GRPO clips w, GSPO clips s."""
+    return _ratio_stds(_ratio_sums(trainer_logprobs, engine_logprobs, mask))
+
+
+def _ratio_sums(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor) -> list[float]:
+    """Σ(w − 1), Σ(w − 1)², count over tokens, then the same over sequences for s: sums that add up over the rows of
+    several processes (a std per process, averaged, was 0 with one sequence per process)."""
     log_w = torch.where(mask, trainer_logprobs - engine_logprobs, trainer_logprobs.new_zeros(()))
     nonempty = mask.any(-1)
     log_s = log_w.sum(-1)[nonempty] / mask.sum(-1)[nonempty]
-    w = log_w[mask].exp()
-    return {
-        "precision_ratio_std_token": float(w.std()) if w.numel() > 1 else 0.0,
-        "precision_ratio_std_seq": float(log_s.exp().std()) if log_s.numel() > 1 else 0.0,
-    }
+    sums = []
+    for d in (log_w[mask].double().expm1(), log_s.double().expm1()):  # about 1 ± 1e-3: centred, no cancellation
+        sums += [float(d.sum()), float((d * d).sum()), float(d.numel())]
+    return sums
+
+
+def _ratio_stds(sums: Sequence[float]) -> dict[str, float]:
+    """The sample stds (ddof 1) of `_ratio_sums`' tokens and sequences; 0 for fewer than two."""
+    def std(total: float, squares: float, n: float) -> float:
+        return math.sqrt(max(squares - total * total / n, 0.0) / (n - 1)) if n > 1 else 0.0
+    return {"precision_ratio_std_token": std(*sums[:3]), "precision_ratio_std_seq": std(*sums[3:])}
 
 
 class PrecisionMetrics(LearnHook):
@@ -84,13 +97,13 @@ class PrecisionMetrics(LearnHook):
 
     def update_metrics(self, k: int, rows: torch.Tensor, logprobs: torch.Tensor,
                        old_logprobs: torch.Tensor) -> dict[str, float]:
-        if k != 0 or not self.from_engine:
-            return {}
-        return precision_ratio_metrics(logprobs.detach(), old_logprobs[rows], self._mask[rows])
+        if k == 0 and self.from_engine:  # this process's share; the stds are of every process's (`batch_metrics`)
+            self._sums = _ratio_sums(logprobs.detach(), old_logprobs[rows], self._mask[rows])
+        return {}
 
     def batch_metrics(self, traj: Trajectory, old_logprobs: torch.Tensor) -> dict[str, float]:
         if self.from_engine:
-            return {}
+            return _ratio_stds(self._group.all_sum(self._sums))
         mask = traj.loss_mask.bool()
         diff = (traj.logprobs - old_logprobs)[mask].abs()
         return {"rollout_logprob_diff": float(diff.mean()),
@@ -98,6 +111,10 @@ class PrecisionMetrics(LearnHook):
 
     def start(self, traj: Trajectory) -> None:
         self._mask = traj.loss_mask.bool()
+        self._sums = [0.0] * 6
+
+    def old_done(self, group: ProcessGroup, minibatches: Sequence[torch.Tensor]) -> None:
+        self._group = group
 
 
 class MoERouting(LearnHook):
@@ -123,6 +140,8 @@ class MoERouting(LearnHook):
         self.n_rows = len(traj)
         self.old_routing: torch.Tensor | None = None
         self.new_routing: torch.Tensor | None = None
+        self.measured = False  # whether the last update measures volatility (the same on every process)
+        self.volatility = [0.0, 0.0]  # changed, counted activations of this process's rows
 
     @property
     def replay(self) -> torch.Tensor | None:
@@ -142,11 +161,13 @@ class MoERouting(LearnHook):
 
     def old_done(self, group: ProcessGroup, minibatches: Sequence[torch.Tensor]) -> None:
         self.old_routing = group.merge_rows(self.old_routing, minibatches)
+        self.group = group
 
     def update_forward(self, k: int, rows: torch.Tensor, last: bool) -> AbstractContextManager:
         if not self.keeps_layout("update"):
             return contextlib.nullcontext()
         measure = self.old_routing is not None and last and k > 0
+        self.measured = self.measured or measure
         return self._capture(self.replay, rows, self._store_new if measure else None)
 
     def _store_new(self, rows: torch.Tensor, chosen: torch.Tensor) -> None:
@@ -157,15 +178,20 @@ class MoERouting(LearnHook):
 
     def update_metrics(self, k: int, rows: torch.Tensor, logprobs: torch.Tensor,
                        old_logprobs: torch.Tensor) -> dict[str, float]:
-        if self.new_routing is None:
-            return {}
-        new, self.new_routing = self.new_routing[rows], None
-        return {"expert_volatility": routing_change(self.old_routing[rows], new, self.token_mask[rows])}
+        if self.new_routing is not None:  # counts of this process's rows; the fraction is of all (`batch_metrics`)
+            new, self.new_routing = self.new_routing[rows], None
+            self.volatility = list(routing_change_counts(self.old_routing[rows], new, self.token_mask[rows]))
+        return {}
 
     def batch_metrics(self, traj: Trajectory, old_logprobs: torch.Tensor) -> dict[str, float]:
-        if self.engine_routing is None or self.old_routing is None:
-            return {}
-        return {"rollout_routing_mismatch": routing_change(self.engine_routing, self.old_routing, self.token_mask)}
+        metrics = {}
+        if self.measured:
+            changed, counted = self.group.all_sum(self.volatility)
+            metrics["expert_volatility"] = changed / counted if counted else float("nan")
+        if self.engine_routing is not None and self.old_routing is not None:
+            metrics["rollout_routing_mismatch"] = routing_change(self.engine_routing, self.old_routing,
+                                                                 self.token_mask)
+        return metrics
 
     @contextlib.contextmanager
     def _capture(self, replay: torch.Tensor | None, rows: torch.Tensor, then):

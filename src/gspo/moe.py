@@ -44,6 +44,7 @@ __all__ = [
     "replay_support_error",
     "require_replay_support",
     "routing_change",
+    "routing_change_counts",
     "softmax_topk_adapter",
 ]
 
@@ -362,6 +363,14 @@ def routing_change(old: torch.Tensor, new: torch.Tensor, valid: torch.Tensor | N
     old, new: [..., layers, k] routing of the same tokens; valid: [...] bool, the tokens to count (e.g. not
     padding). (token, layer) pairs where `old` is FREE (unrecorded) are skipped. NaN if nothing is counted.
     This is GSPO §5.3's "expert-activation volatility" when `old` is π_old's routing and `new` π_θ's."""
+    changed, total = routing_change_counts(old, new, valid)
+    return changed / total if total else float("nan")
+
+
+def routing_change_counts(old: torch.Tensor, new: torch.Tensor,
+                          valid: torch.Tensor | None = None) -> tuple[float, float]:
+    """(changed, counted) expert activations of `routing_change`, which is their ratio: counts add up over the
+    shares of several processes, fractions do not."""
     if old.shape != new.shape:
         raise ValueError(f"routing_change: shapes differ, {tuple(old.shape)} vs {tuple(new.shape)}")
     kept = (new.unsqueeze(-1) == old.unsqueeze(-2)).any(-1)  # [..., layers, k]
@@ -370,8 +379,4 @@ def routing_change(old: torch.Tensor, new: torch.Tensor, valid: torch.Tensor | N
         if valid.shape != old.shape[:-2]:
             raise ValueError(f"routing_change: valid has shape {tuple(valid.shape)}, expected {tuple(old.shape[:-2])}")
         counted = counted & valid.bool().unsqueeze(-1)
-    total = int(counted.sum()) * old.shape[-1]
-    if total == 0:
-        return float("nan")
-    changed = (~kept & counted.unsqueeze(-1)).sum()
-    return float(changed) / total
+    return float((~kept & counted.unsqueeze(-1)).sum()), float(counted.sum()) * old.shape[-1]
