@@ -169,6 +169,8 @@ def test_paired_comparison_uses_seed_pairs():
     (["--seeds", "0"], "--seeds must be >= 1"),
     (["--steps", "0"], "--steps must be >= 1"),
     (["algorithm.minibatches=3"], "does not split into algorithm.minibatches=3"),
+    # a dense model cannot replay routing: found after the cold start and two methods' runs before
+    (["model.name=tiny-dense"], "method 'grpo_r2' (algorithm.routing_replay=r2)"),
 ])
 def test_cli_rejects_bad_settings_before_compute(tmp_path, capsys, args, message):
     out = tmp_path / "study"

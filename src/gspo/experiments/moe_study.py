@@ -39,6 +39,7 @@ from typing import Any
 import yaml
 
 from gspo.config import Config, ConfigError, config_diff, config_to_dict, load_config, validate_config
+from gspo.moe import replay_support_error
 from gspo.objectives import default_eps
 from gspo.runfolder import RESUMABLE
 from gspo.tracking import read_metrics
@@ -141,7 +142,11 @@ def study_configs(opts: StudyOptions) -> tuple[dict[int, Config], dict[tuple[int
             cold[seed] = cfg
         for name, method in opts.methods().items():
             common = [*overrides, *method, "cold_start=null", f"trainer.out={opts.out / f'seed{seed}' / name}"]
-            check_heldout(load_config(base, [*common, f"model.name={cfg.model.name}"]), "compare")  # no folder yet
+            run = load_config(base, [*common, f"model.name={cfg.model.name}"])  # the cold start's folder: not yet
+            check_heldout(run, "compare")
+            replay = run.algorithm.routing_replay  # a dense model ran the cold start and two methods before this
+            if seed == 0 and (why := replay_support_error(run.model.name, replay, run.model.trust_remote_code)):
+                raise ValueError(f"compare: method {name!r} (algorithm.routing_replay={replay}): {why}")
             runs[(seed, name)] = [*common, f"model.name={_cold_start_dir(opts, seed)}"]
     return cold, runs
 
