@@ -139,6 +139,17 @@ def test_a_first_minibatch_without_loss_tokens_gives_no_entropy_not_a_non_finite
     assert CollapseGuard(GuardSettings()).observe(1, {**metrics, "reward_mean": 0.5}).flags == {}
 
 
+def test_a_kl_term_without_its_reference_model_is_an_error():
+    """learn(kl_beta > 0) without ref_model left the KL term out silently."""
+    model, _ = build_preset("tiny-dense", seed=1)
+    spec = OBJECTIVES["gspo"]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    with pytest.raises(ValueError, match=r"kl_beta=0\.1 needs the reference model"):
+        learn(model, optimizer, scheduler, ragged_trajectory(model), torch.ones(8), [torch.arange(8)],
+              LearnSettings(objective=spec, eps_low=spec.eps_low, eps_high=spec.eps_high, kl_beta=0.1))
+
+
 def test_micro_batches_do_not_change_a_steps_metrics(tmp_path):
     """The same run with micro-batches of at most 18 tokens (rows of 8-11 tokens: one or two rows a forward) logs the
     update metrics of the run without, to the rounding by which the two runs' weights differ."""

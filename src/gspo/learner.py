@@ -179,6 +179,8 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
     recomputed, the train–inference mismatch (`gspo.correction.mismatch_metrics`) and what its correction masked and
     truncated (0 when off)."""
     s, group = settings, group or ProcessGroup()
+    if s.kl_beta > 0 and ref_model is None:  # the KL term would silently be left out
+        raise ValueError(f"learn: kl_beta={s.kl_beta:g} needs the reference model (ref_model=)")
     mask = traj.loss_mask.bool()
     per_pass = sum(len(mb) for mb in minibatches)
     for e, later in enumerate(later_epochs, start=2):  # under torchrun a process's rows differ between passes
