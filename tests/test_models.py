@@ -261,6 +261,19 @@ def test_load_model_config_without_weights(tmp_path) -> None:
         load_model(str(tmp_path))
 
 
+def test_load_model_refuses_a_checkpoint_missing_weights(tmp_path) -> None:
+    """transformers initialises weights a checkpoint lacks at random and only reports it: the run trained from a
+    random layer (e.g. an untied model saved without lm_head.weight) without an error."""
+    from safetensors.torch import load_file, save_file
+    model, tok = build_preset("tiny-dense")
+    save_model(model, tok, tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    del weights["model.layers.0.mlp.down_proj.weight"]
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"no weights for \['model.layers.0.mlp.down_proj.weight'\]"):
+        load_model(str(tmp_path))
+
+
 def test_load_model_unreadable_config(tmp_path) -> None:
     model, tok = build_preset("tiny-dense")
     save_model(model, tok, tmp_path)

@@ -356,8 +356,13 @@ def load_model(
     elif (path.exists() or _looks_like_local_path(name_or_path)) and _is_adapter_folder(path):
         model, tokenizer = _load_adapter_folder(path, dtype=dtype, trust_remote_code=trust_remote_code, seed=seed)
     else:
-        model, tokenizer, _ = load_pretrained(name_or_path, AutoModelForCausalLM, dtype=torch_dtype,
-                                              trust_remote_code=trust_remote_code)
+        model, tokenizer, info = load_pretrained(name_or_path, AutoModelForCausalLM, dtype=torch_dtype,
+                                                 trust_remote_code=trust_remote_code)
+        if missing := sorted(info.get("missing_keys", ())):  # e.g. an untied model saved without lm_head.weight
+            raise ValueError(f"model {name_or_path!r}: its checkpoint has no weights for {missing[:5]}"
+                             f"{f' and {len(missing) - 5} more' if len(missing) > 5 else ''}, which transformers "
+                             "would initialise at random and train from there: the folder is incomplete or not this "
+                             f"architecture's ({model.config.architectures})")
     if attn_implementation is not None:
         set_attention(model, attn_implementation)
     return model, tokenizer
