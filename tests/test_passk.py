@@ -12,7 +12,7 @@ import torch
 
 from conftest import varied_reward
 from gspo.cli import main
-from gspo.evaluation import evaluate, maj_at_k, mean_ci95, pass_at_k, pass_at_k_ci95, vote_answer
+from gspo.evaluation import evaluate, maj_at_k, mean_ci95, pass_at_k, pass_at_k_ci95, t95, vote_answer
 from gspo.models import build_preset, save_model
 from gspo.rewards import REWARDS, RewardRunner, answer_extractor, with_answer
 
@@ -92,19 +92,34 @@ def test_vote_answer_normalises_whitespace_and_abstains_on_empty_text():
 # ------------------------------------------------------------------------------------------------ the 95% interval
 
 
-def test_ci_is_the_normal_interval_around_the_mean():
+def test_ci_is_the_t_interval_around_the_mean():
     values = [0.2, 0.5, 0.9, 0.4]
     mean = sum(values) / 4
     std = math.sqrt(sum((v - mean) ** 2 for v in values) / 3)
     low, high = mean_ci95(values)
     assert low < mean < high
-    assert (low, high) == pytest.approx((mean - 1.959964 * std / 2, mean + 1.959964 * std / 2), abs=1e-6)
+    # Student's t with 3 degrees of freedom (3.182): the normal's 1.96 gave an interval 38 % narrower
+    assert (low, high) == pytest.approx((mean - 3.182446 * std / 2, mean + 3.182446 * std / 2), abs=1e-6)
+
+
+@pytest.mark.parametrize("df, table", [(1, 12.706205), (2, 4.302653), (3, 3.182446), (4, 2.776445), (7, 2.364624),
+                                       (10, 2.228139), (15, 2.131450), (30, 2.042272), (100, 1.983972),
+                                       (1000, 1.962339)])
+def test_t95_is_students_97_5_percent_quantile(df, table):
+    assert t95(df) == pytest.approx(table, abs=1e-6)  # published tables, 6 decimals
+
+
+def test_t95_tends_to_the_normal_quantile():
+    assert 1.959964 < t95(100_000) < t95(10_000) < t95(1000)
+    assert t95(100_000) == pytest.approx(1.959964, abs=1e-4)
+    with pytest.raises(ValueError, match="degrees of freedom"):
+        t95(0)
 
 
 def test_ci_has_zero_width_when_all_problems_agree_and_stays_in_0_1():
     low, high = mean_ci95([0.7] * 5)
     assert low == high == pytest.approx(0.7)
-    assert mean_ci95([1.0, 1.0, 1.0, 0.0]) == (pytest.approx(0.26, abs=1e-2), 1.0)  # 0.75 ± 0.49, clipped at 1
+    assert mean_ci95([1.0, 1.0, 1.0, 1.0, 0.0]) == (pytest.approx(0.245, abs=1e-3), 1.0)  # 0.8 ± 0.555, clipped at 1
     assert mean_ci95([0.3]) == (0.0, 1.0)  # one problem: no spread to estimate
 
 
