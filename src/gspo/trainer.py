@@ -409,8 +409,9 @@ def rl_step(step: int, model: nn.Module, optimizer, scheduler, train_rows: list[
         "zero_variance_groups": float(zero_variance_groups(sampled, ctx.cfg.rollout.group_size).float().mean()),
         **learned,
         # completion tokens trained on per second of the whole step (dynamic sampling: the kept groups' tokens, over
-        # the time of every round: what the step yields for training, not the engine's generation rate)
-        "tokens_per_second": float(lengths.sum()) / t_total,
+        # the time of every round: what the step yields for training, not the engine's generation rate; the loss
+        # mask's: no environment tokens of an episode, no row the overlong filter dropped)
+        "tokens_per_second": float(traj.loss_mask.sum()) / t_total,
         "time_rollout": batch.seconds,
         "time_update": t_total - batch.seconds,
         **stats,
