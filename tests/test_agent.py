@@ -75,6 +75,21 @@ def test_hermes_parser_finds_calls_and_names_what_is_malformed():
     assert parse_hermes('<tool_call>{"name": "calc", "arguments": {"expression": "1"}}', TOOLS).calls  # cut: ok
 
 
+def test_hermes_parser_counts_json_past_the_interpreters_limits_as_malformed():
+    """JSON that json.loads refuses with ValueError (an integer of more digits than int() takes) or RecursionError
+    (arrays nested past the recursion limit) is a malformed call the model is shown, not an error of the episode."""
+    digits = '<tool_call>{"name": "calc", "arguments": {"expression": ' + "1" * 5000 + "}}</tool_call>"
+    nested = "<tool_call>" + "[" * 100_000 + "</tool_call>"
+    in_string = '<tool_call>{"name": "calc", "arguments": "' + "[" * 100_000 + '"}</tool_call>'
+    assert "digits" in parse_hermes(digits, TOOLS).error
+    assert "nests too deeply" in parse_hermes(nested, TOOLS).error
+    assert "must be {" in parse_hermes(in_string, TOOLS).error  # arguments given as a JSON string that cannot be read
+    env = ToolEnv(TOOLS, parse_hermes, DeadlinePool(1, 5.0), invalid_call_reward=-0.5, think_tags=None)
+    env.reset({"prompt": "x"})
+    step = env.step(nested)
+    assert not step.done and step.reward == -0.5 and step.info["invalid_calls"] == 1
+
+
 def test_call_parser():
     assert parse_call(" calc(482*37) ", TOOLS).calls == (ToolCall("calc", {"expression": "482*37"}),)
     assert parse_call("17834", TOOLS).calls == () and parse_call("17834", TOOLS).error is None
