@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import threading
 import time
 
 import pytest
@@ -25,9 +26,11 @@ from gspo.agent import (
     encode_demonstration,
     episode_metrics,
 )
+from gspo.agent.env import make_env_factory
+from gspo.agent.tools import TOOLS as BUILTIN_TOOLS
 from gspo.agent.tools import parse_call, parse_hermes, resolve_tool, run_calls
 from gspo.cli import main
-from gspo.config import ConfigError, load_config
+from gspo.config import ConfigError, EnvConfig, load_config
 from gspo.logprobs import completion_logprobs
 from gspo.models import VOCAB_CHARS, build_preset, build_tokenizer
 from gspo.objectives import OBJECTIVES
@@ -147,6 +150,35 @@ def test_run_calls_isolates_a_tool_that_raises_hangs_or_returns_non_text():
     assert results[2].content.startswith("error: _hangs timed out")
     assert "returned int, not text" in results[3].content
     assert results[4].content == "x" * 40 + " [cut at 40 of 60 characters]"
+
+
+def test_the_tool_calls_of_every_step_running_at_once_start_at_once(monkeypatch):
+    """env.tool_timeout_s is one episode's turn's calls' own time, so the tool pool all episodes share has a thread
+    for every call that env.workers steps running at once can make: no call waits behind another episode's (with
+    env.workers threads, 8 episodes' 0.4 s calls under a 1 s limit failed 42 %). Each call here waits for all the
+    others: a thread short, the barrier breaks and calls fail."""
+    workers, per_turn = 3, 2
+    barrier = threading.Barrier(workers * per_turn)
+
+    def meet(expression: str) -> str:
+        """Waits for every other call.
+
+        Args:
+            expression: anything
+        """
+        barrier.wait(timeout=10)
+        return "met"
+
+    monkeypatch.setitem(BUILTIN_TOOLS, "meet", meet)
+    make, _ = make_env_factory(EnvConfig(tools=["meet"], workers=workers, max_calls_per_turn=per_turn,
+                                         tool_timeout_s=60), think_tags=None)
+    reply = '<tool_call>{"name": "meet", "arguments": {"expression": "1"}}</tool_call>' * per_turn
+    envs = [make() for _ in range(workers)]
+    for env in envs:
+        env.reset({"prompt": "x"})
+    steps = [o.value for o in DeadlinePool(workers).map([(env.step, (reply,), {}) for env in envs])]  # as the driver
+    assert [s.info["tool_failures"] for s in steps] == [0.0] * workers
+    assert all(m["content"] == "met" for s in steps for m in s.observation)
 
 
 def test_resolve_tool_errors_name_the_spec():

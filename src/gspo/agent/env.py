@@ -119,7 +119,10 @@ def make_env_factory(env_cfg: Any, think_tags: Any = THINK_TAGS
             if env_cfg.parser == "call" and (problem := call_format_problem(tool)):
                 raise ValueError(f"env.tools ({spec}) with env.parser=call: {problem}")
             tools[tool.name] = tool
-        pool = DeadlinePool(workers=env_cfg.workers, timeout_s=env_cfg.tool_timeout_s)
+        # one pool for every episode's calls, a thread for each call that can run at once (env.workers steps of up
+        # to max_calls_per_turn calls): a call starts when its step makes it, so tool_timeout_s is one turn's calls'
+        # own time; with env.workers threads, calls queued behind other episodes' calls timed out
+        pool = DeadlinePool(workers=env_cfg.workers * env_cfg.max_calls_per_turn, timeout_s=env_cfg.tool_timeout_s)
         parse, tags = PARSERS[env_cfg.parser], None if think_tags is None else tuple(think_tags)
 
         def make() -> ToolEnv:
