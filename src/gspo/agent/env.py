@@ -15,7 +15,8 @@ and owns the token layout, limits and failures; an environment only deals in tex
 
 An observation is a list of chat messages (rendered with the tokenizer's chat template as the turn after the
 policy's reply) or a plain string (appended as it is). A step that raises, hangs past `env.step_timeout_s` or returns
-something other than a `Step` ends that episode, counted (`env_failures`); the others go on.
+something other than a `Step` ends that episode, counted (`env_failures`); the others go on. A reset that raises, hangs
+past `env.step_timeout_s` or returns no prompt string stops the run, naming the row (there is no episode without it).
 
 `ToolEnv` is the environment of tool use: each reply is parsed for tool calls (`gspo.agent.tools`); calls are run
 and their results become `tool` messages; a reply without a call is the final answer and ends the episode, and the

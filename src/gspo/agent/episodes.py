@@ -125,8 +125,8 @@ def encode_demonstration(fmt: ChatFormat, messages: Sequence[dict]) -> tuple[lis
 class EpisodeLimits:
     max_turns: int = 4  # policy turns per episode
     max_tokens: int = 256  # response tokens per episode, policy and observation
-    step_timeout_s: float | None = 60.0  # one environment step (a turn's steps run `workers` at a time)
-    workers: int = 4  # environment steps run at once
+    step_timeout_s: float | None = 60.0  # one environment step or reset (they run `workers` at a time)
+    workers: int = 4  # environment steps (and resets) run at once
 
 
 @dataclass
@@ -181,19 +181,10 @@ class EpisodeRunner:
             params: SamplingParams | None = None) -> Trajectory:
         params = params or self.engine.params
         episodes = []
-        for g, row in enumerate(rows):
-            for j in range(group_size):
-                env = self.make_env()
-                try:
-                    prompt = env.reset(copy.deepcopy(row))  # an environment that edits its row edits a copy
-                except Exception as exc:
-                    raise ValueError(f"the environment's reset failed on row {g} ({type(exc).__name__}: {exc})") \
-                        from exc
-                if not isinstance(prompt, str) or not prompt:
-                    raise ValueError(f"the environment's reset returned {prompt!r} for row {g}, not a prompt string")
-                ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-                self._check_fits(ids, g, row)
-                episodes.append(_Episode(env, ids, derive_seed(seeds[g], "episode", j)))
+        for g, j, env, prompt in self._reset(rows, group_size):
+            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            self._check_fits(ids, g, rows[g])
+            episodes.append(_Episode(env, ids, derive_seed(seeds[g], "episode", j)))
         lim = self.limits
         for turn in range(lim.max_turns):
             active = [e for e in episodes if not e.done]
@@ -207,6 +198,28 @@ class EpisodeRunner:
             log.warning("every one of the %d episodes of a batch ended in an environment failure (counted in "
                         "episode_env_failures; the reasons are logged once each)", len(episodes))
         return self._layout(episodes, group_size)
+
+    def _reset(self, rows: list[dict], group_size: int) -> list[tuple[int, int, Environment, str]]:
+        """A fresh environment per episode and its reset prompt, as (row g, episode j, env, prompt). The resets run
+        in the steps' pool (`workers` at a time, each given `step_timeout_s`, as `_env_turn`'s steps): a reset that
+        waits on a service does not hold the others up, nor the run forever. A reset that raises, hangs or returns
+        no prompt string is a ValueError naming the row: without a prompt there is no episode to count."""
+        envs = [(g, j, self.make_env()) for g in range(len(rows)) for j in range(group_size)]
+        rounds = max(1, math.ceil(len(envs) / self.limits.workers))
+        # an environment that edits its row edits a copy
+        outcomes = self.pool.map([(env.reset, (copy.deepcopy(rows[g]),), {}) for g, _, env in envs], rounds=rounds)
+        for (g, _, _), outcome in zip(envs, outcomes, strict=True):
+            if outcome.timed_out:
+                raise ValueError(f"the environment's reset on row {g} took longer than env.step_timeout_s="
+                                 f"{self.limits.step_timeout_s:g} s (resets run env.workers={self.limits.workers} "
+                                 "at a time)")
+            if outcome.error is not None:
+                exc = outcome.error
+                raise ValueError(f"the environment's reset failed on row {g} ({type(exc).__name__}: {exc})") from exc
+            if not isinstance(outcome.value, str) or not outcome.value:
+                raise ValueError(f"the environment's reset returned {outcome.value!r} for row {g}, not a prompt "
+                                 "string")
+        return [(g, j, env, o.value) for (g, j, env), o in zip(envs, outcomes, strict=True)]
 
     def _check_fits(self, ids: list[int], g: int, row: dict) -> None:
         """Raise ValueError, naming the row and what to change, if a reset prompt of `ids` and the episode's token
