@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import threading
 import time
 
 import pytest
@@ -25,9 +26,11 @@ from gspo.agent import (
     encode_demonstration,
     episode_metrics,
 )
+from gspo.agent.env import make_env_factory
+from gspo.agent.tools import TOOLS as BUILTIN_TOOLS
 from gspo.agent.tools import parse_call, parse_hermes, resolve_tool, run_calls
 from gspo.cli import main
-from gspo.config import ConfigError, load_config
+from gspo.config import ConfigError, EnvConfig, load_config
 from gspo.logprobs import completion_logprobs
 from gspo.models import VOCAB_CHARS, build_preset, build_tokenizer
 from gspo.objectives import OBJECTIVES
@@ -73,6 +76,21 @@ def test_hermes_parser_finds_calls_and_names_what_is_malformed():
     assert "has no argument(s) x" in parse_hermes(
         '<tool_call>{"name": "calc", "arguments": {"expression": "1", "x": 2}}</tool_call>', TOOLS).error
     assert parse_hermes('<tool_call>{"name": "calc", "arguments": {"expression": "1"}}', TOOLS).calls  # cut: ok
+
+
+def test_hermes_parser_counts_json_past_the_interpreters_limits_as_malformed():
+    """JSON that json.loads refuses with ValueError (an integer of more digits than int() takes) or RecursionError
+    (arrays nested past the recursion limit) is a malformed call the model is shown, not an error of the episode."""
+    digits = '<tool_call>{"name": "calc", "arguments": {"expression": ' + "1" * 5000 + "}}</tool_call>"
+    nested = "<tool_call>" + "[" * 100_000 + "</tool_call>"
+    in_string = '<tool_call>{"name": "calc", "arguments": "' + "[" * 100_000 + '"}</tool_call>'
+    assert "digits" in parse_hermes(digits, TOOLS).error
+    assert "nests too deeply" in parse_hermes(nested, TOOLS).error
+    assert "must be {" in parse_hermes(in_string, TOOLS).error  # arguments given as a JSON string that cannot be read
+    env = ToolEnv(TOOLS, parse_hermes, DeadlinePool(1, 5.0), invalid_call_reward=-0.5, think_tags=None)
+    env.reset({"prompt": "x"})
+    step = env.step(nested)
+    assert not step.done and step.reward == -0.5 and step.info["invalid_calls"] == 1
 
 
 def test_call_parser():
@@ -134,6 +152,35 @@ def test_run_calls_isolates_a_tool_that_raises_hangs_or_returns_non_text():
     assert results[4].content == "x" * 40 + " [cut at 40 of 60 characters]"
 
 
+def test_the_tool_calls_of_every_step_running_at_once_start_at_once(monkeypatch):
+    """env.tool_timeout_s is one episode's turn's calls' own time, so the tool pool all episodes share has a thread
+    for every call that env.workers steps running at once can make: no call waits behind another episode's (with
+    env.workers threads, 8 episodes' 0.4 s calls under a 1 s limit failed 42 %). Each call here waits for all the
+    others: a thread short, the barrier breaks and calls fail."""
+    workers, per_turn = 3, 2
+    barrier = threading.Barrier(workers * per_turn)
+
+    def meet(expression: str) -> str:
+        """Waits for every other call.
+
+        Args:
+            expression: anything
+        """
+        barrier.wait(timeout=10)
+        return "met"
+
+    monkeypatch.setitem(BUILTIN_TOOLS, "meet", meet)
+    make, _ = make_env_factory(EnvConfig(tools=["meet"], workers=workers, max_calls_per_turn=per_turn,
+                                         tool_timeout_s=60), think_tags=None)
+    reply = '<tool_call>{"name": "meet", "arguments": {"expression": "1"}}</tool_call>' * per_turn
+    envs = [make() for _ in range(workers)]
+    for env in envs:
+        env.reset({"prompt": "x"})
+    steps = [o.value for o in DeadlinePool(workers).map([(env.step, (reply,), {}) for env in envs])]  # as the driver
+    assert [s.info["tool_failures"] for s in steps] == [0.0] * workers
+    assert all(m["content"] == "met" for s in steps for m in s.observation)
+
+
 def test_resolve_tool_errors_name_the_spec():
     assert resolve_tool("calc").name == "calc"
     with pytest.raises(ValueError, match="unknown tool 'nope'"):
@@ -148,19 +195,70 @@ def test_resolve_tool_errors_name_the_spec():
 def test_observation_text_follows_the_template_after_a_policy_turn():
     tok = build_tokenizer()
     fmt = ChatFormat(tok)  # the tiny template: "role: content; " and the generation prompt "assistant:"
-    assert fmt.observation_text([{"role": "tool", "content": "6"}], after_eos=True) == "; tool: 6; assistant:"
+    eos = tok.eos_token_id
+    assert fmt.observation_text([{"role": "tool", "content": "6"}], eos) == "; tool: 6; assistant:"
     chatml = ("{% for m in messages %}[{{ m.role }}]{{ m.content }}<eos>\n{% endfor %}"
               "{% if add_generation_prompt %}[assistant]{% endif %}")
     fmt = ChatFormat(tok, chatml)
     # the policy's EOS stands for the template's end-of-turn marker; without it the marker is added
-    assert fmt.observation_text([{"role": "tool", "content": "6"}], after_eos=True) == "\n[tool]6<eos>\n[assistant]"
-    assert fmt.observation_text([{"role": "tool", "content": "6"}], after_eos=False) == \
-        "<eos>\n[tool]6<eos>\n[assistant]"
+    assert fmt.observation_text([{"role": "tool", "content": "6"}], eos) == "\n[tool]6<eos>\n[assistant]"
+    assert fmt.observation_text([{"role": "tool", "content": "6"}], None) == "<eos>\n[tool]6<eos>\n[assistant]"
+    # Llama-2-chat: an assistant turn is " " + content + " " + eos_token; the space before the EOS goes with it
+    llama2 = ("{% for m in messages %}{% if m.role == 'user' %}{{ '[inst] ' + m.content + ' [/inst]' }}"
+              "{% elif m.role == 'assistant' %}{{ ' ' + m.content + ' ' + eos_token }}{% endif %}{% endfor %}")
+    fmt = ChatFormat(tok, llama2)
+    assert fmt.observation_text([{"role": "user", "content": "again"}], eos) == "[inst] again [/inst]"  # not " <eos>…"
+    assert fmt.turn_eos == eos
+
+
+def test_a_turn_ended_by_a_generation_config_eos_gets_the_templates_turn_end_once():
+    """Gemma ships tokenizer EOS <eos> and generation_config.eos_token_id [<eos>, <end_of_turn>], its template ending
+    a turn "<end_of_turn>\\n". The engine stopped at <end_of_turn> but the driver knew only the tokenizer's EOS and
+    added the whole turn end again: '<eot><eot>;' trained where the template renders '<eot>;'. Cold-start
+    demonstrations ended turns with <eos>, a layout the template never renders. Both now follow the template, and
+    the driver's layout of an episode is its demonstration's layout, token for token."""
+    torch.manual_seed(0)
+    model, tok = build_preset("tiny-dense", seed=0)
+    tok.add_special_tokens({"additional_special_tokens": ["<sot>", "<eot>"]})
+    model.resize_token_embeddings(len(tok), mean_resizing=False)
+    eot = tok.convert_tokens_to_ids("<eot>")
+    model.generation_config.eos_token_id = [tok.eos_token_id, eot]
+    tok.chat_template = ("{% for m in messages %}<sot>{{ m.role }}:{{ m.content }}<eot>;{% endfor %}"
+                         "{% if add_generation_prompt %}<sot>assistant:{% endif %}")
+
+    def end_turn(module, args, out):  # the policy ends every turn with <eot> at once, as a chat model would
+        out[..., eot] = 1e9
+        return out
+
+    model.get_output_embeddings().register_forward_hook(end_turn)
+
+    class Again:
+        def reset(self, row):
+            self.k = 0
+            return row["prompt"]
+
+        def step(self, action):
+            self.k += 1
+            return Step([{"role": "user", "content": "again"}], done=self.k == 2)
+
+    engine = HFSampler(model.eval(), tok, SamplingParams(max_new_tokens=4, top_k=1))
+    prompt = tok.apply_chat_template([{"role": "user", "content": "1+1="}], tokenize=False, add_generation_prompt=True)
+    traj = EpisodeRunner(engine, tok, Again, EpisodeLimits(max_turns=3, max_tokens=60)).run([{"prompt": prompt}], 1,
+                                                                                            [0])
+    n = int(traj.completion_mask[0].sum())
+    ids, loss = traj.completion_ids[0, :n].tolist(), traj.loss_mask[0, :n].tolist()
+    turns = [{"role": "assistant", "content": ""}, {"role": "user", "content": "again"},
+             {"role": "assistant", "content": ""}]
+    rendered = tok.apply_chat_template([{"role": "user", "content": "1+1="}, *turns], tokenize=False)
+    assert prompt + tok.decode(ids) + ";" == rendered  # the last turn's ";" comes after the episode
+    fmt = ChatFormat(tok, eos_ids=engine.eos_ids)
+    assert fmt.turn_eos == eot
+    assert encode_demonstration(fmt, turns) == (ids, loss)
 
 
 def test_demonstration_layout_is_the_episode_layout():
     tok = build_tokenizer()
-    fmt = ChatFormat(tok)
+    fmt = ChatFormat(tok)  # a turn end without an EOS in it: the tokenizer's EOS ends a turn, then the turn end
     ids, mask = encode_demonstration(fmt, [{"role": "assistant", "content": "calc(2*3)"},
                                            {"role": "tool", "content": "6"}, {"role": "assistant", "content": "6"}])
     enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731

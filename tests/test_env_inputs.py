@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import threading
 import time
 
 import pytest
@@ -127,6 +128,35 @@ def test_step_timeout_is_per_step_not_for_all_the_episodes_of_a_turn(policy):
     assert time.monotonic() - t0 < 5
     assert column(hung, "env_timeouts") == [1.0, 1.0, 0.0, 0.0] and column(hung, "env_failures")[:2] == [1.0, 1.0]
     assert episode_metrics(hung)["episode_env_timeouts"] == 0.5
+
+
+class Meets:
+    """A reset that waits on a service: for the resets of the 3 other episodes of a batch of 4 (a barrier: `meet`
+    rows), or for one that never answers (`hang` rows)."""
+
+    barrier = threading.Barrier(4)
+
+    def reset(self, row):
+        if row.get("hang"):
+            threading.Event().wait(20)  # a service that never answers (20 s here)
+        elif row.get("meet"):
+            self.barrier.wait(timeout=10)
+        return row["prompt"]
+
+    def step(self, action):
+        return Step(done=True, reward=1.0)
+
+
+def test_resets_run_in_the_step_pool_under_the_step_timeout(policy):
+    """Resets ran one after another in the caller's thread with no deadline: 4 resets of 1 s took 4 s, and a reset
+    that never returned hung the run. They run `workers` at a time (here all 4 meet at a barrier, which resets one at
+    a time break), and one past env.step_timeout_s stops the run naming its row, as a reset that raises does."""
+    Meets.barrier.reset()
+    traj = runner(policy, Meets, workers=4, step_timeout_s=30).run([{**r, "meet": True} for r in ROWS], 2, [1, 2])
+    assert traj.token_rewards.sum(-1).tolist() == [1.0] * 4
+    with pytest.raises(ValueError, match=r"reset on row 1 took longer than env.step_timeout_s=0.5 s"):
+        runner(policy, Meets, workers=2, step_timeout_s=0.5).run([{"prompt": "1="}, {"prompt": "2=", "hang": True}],
+                                                                 1, [1, 2])
 
 
 class Notes:

@@ -422,8 +422,8 @@ class EnvConfig(_Section):
     max_calls_per_turn: int = Field(4, ge=1)
     max_observation_chars: int = Field(2000, ge=1)  # a tool's output beyond this is cut (with a note)
     tool_timeout_s: float = Field(10.0, gt=0, allow_inf_nan=False)  # one turn's tool calls of an episode together
-    step_timeout_s: float = Field(60.0, gt=0, allow_inf_nan=False)  # one environment step (run env.workers at a time)
-    workers: int = Field(4, ge=1)  # environment steps (and tool calls) run at once
+    step_timeout_s: float = Field(60.0, gt=0, allow_inf_nan=False)  # one environment step or reset (workers at once)
+    workers: int = Field(4, ge=1)  # environment steps run at once (each step's tool calls run at once too)
     invalid_call_reward: float = Field(0.0, allow_inf_nan=False)  # a turn whose call is malformed
     tool_error_reward: float = Field(0.0, allow_inf_nan=False)  # per call that raised, timed out or returned non-text
     turn_credit: bool = True  # per-token (reward-to-go) advantages for objectives that take them; False: Eq. 6's Â_i

@@ -25,6 +25,7 @@ from gspo.learner import micro_batches
 from gspo.logprobs import completion_logprobs, fused_head
 from gspo.models import compiled_layers, load_model, resolve_dtype, save_model
 from gspo.optim import make_optimizer
+from gspo.rollout.assemble import eos_ids
 from gspo.runfolder import publish_dir
 from gspo.schedule import derive_seed
 from gspo.trajectory import pad_left, pad_right
@@ -200,7 +201,8 @@ def cold_start(cfg: Config, out: Path, model: nn.Module, tokenizer, train_rows: 
         return json.loads((target / "sft.json").read_text())
     cs = cfg.cold_start
     measured = before(model) if before is not None else None
-    chat_format = run_chat_format(cfg, tokenizer)
+    # the ids the engine stops at (generation_config's too): demonstrations end turns with the template's own EOS
+    chat_format = run_chat_format(cfg, tokenizer, eos_ids(tokenizer, getattr(model, "generation_config", None)))
     too_long = len(over_positions(model, tokenizer, train_rows, chat_format=chat_format))  # sft leaves them out
     losses = sft(model, tokenizer, train_rows, steps=cs.steps, batch_size=cs.batch_size, lr=cs.lr,
                  warmup_steps=cs.warmup_steps, seed=derive_seed(cfg.trainer.seed, "sft"),

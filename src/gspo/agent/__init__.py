@@ -4,7 +4,7 @@ episode driver over the rollout-engine protocol (`gspo.agent.episodes`). The tra
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from gspo.agent.env import Environment, Step, ToolEnv, make_env_factory
@@ -62,14 +62,15 @@ def build_env(cfg: Config) -> tuple[Callable[[], Environment] | None, list[dict]
     return make_env, schemas
 
 
-def run_chat_format(cfg: Config, tokenizer) -> ChatFormat:
+def run_chat_format(cfg: Config, tokenizer, eos_ids: Sequence[int] | None = None) -> ChatFormat:
     """How the run renders observations (and multi-turn demonstrations): the data section's chat template (or the
-    tokenizer's) with its `chat_template_kwargs`."""
+    tokenizer's) with its `chat_template_kwargs`; `eos_ids`, the ids that end a turn (the engine's, or
+    `gspo.rollout.assemble.eos_ids` of the model's generation_config: the tokenizer's EOS when None)."""
     from pathlib import Path
 
     d = cfg.data
     template = Path(d.chat_template).expanduser().read_text(encoding="utf-8") if d.chat_template else None
-    return ChatFormat(tokenizer, template, d.chat_template_kwargs)
+    return ChatFormat(tokenizer, template, d.chat_template_kwargs, eos_ids)
 
 
 def make_episode_runner(cfg: Config, engine, tokenizer, make_env: Callable[[], Environment]) -> EpisodeRunner:
@@ -78,4 +79,4 @@ def make_episode_runner(cfg: Config, engine, tokenizer, make_env: Callable[[], E
     return EpisodeRunner(engine, tokenizer, make_env,
                          EpisodeLimits(max_turns=e.max_turns, max_tokens=e.max_tokens,
                                        step_timeout_s=e.step_timeout_s, workers=e.workers),
-                         run_chat_format(cfg, tokenizer))
+                         run_chat_format(cfg, tokenizer, getattr(engine, "eos_ids", None)))

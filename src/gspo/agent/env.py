@@ -15,7 +15,8 @@ and owns the token layout, limits and failures; an environment only deals in tex
 
 An observation is a list of chat messages (rendered with the tokenizer's chat template as the turn after the
 policy's reply) or a plain string (appended as it is). A step that raises, hangs past `env.step_timeout_s` or returns
-something other than a `Step` ends that episode, counted (`env_failures`); the others go on.
+something other than a `Step` ends that episode, counted (`env_failures`); the others go on. A reset that raises, hangs
+past `env.step_timeout_s` or returns no prompt string stops the run, naming the row (there is no episode without it).
 
 `ToolEnv` is the environment of tool use: each reply is parsed for tool calls (`gspo.agent.tools`); calls are run
 and their results become `tool` messages; a reply without a call is the final answer and ends the episode, and the
@@ -119,7 +120,10 @@ def make_env_factory(env_cfg: Any, think_tags: Any = THINK_TAGS
             if env_cfg.parser == "call" and (problem := call_format_problem(tool)):
                 raise ValueError(f"env.tools ({spec}) with env.parser=call: {problem}")
             tools[tool.name] = tool
-        pool = DeadlinePool(workers=env_cfg.workers, timeout_s=env_cfg.tool_timeout_s)
+        # one pool for every episode's calls, a thread for each call that can run at once (env.workers steps of up
+        # to max_calls_per_turn calls): a call starts when its step makes it, so tool_timeout_s is one turn's calls'
+        # own time; with env.workers threads, calls queued behind other episodes' calls timed out
+        pool = DeadlinePool(workers=env_cfg.workers * env_cfg.max_calls_per_turn, timeout_s=env_cfg.tool_timeout_s)
         parse, tags = PARSERS[env_cfg.parser], None if think_tags is None else tuple(think_tags)
 
         def make() -> ToolEnv:

@@ -18,8 +18,11 @@ not finish its message); every such episode is `truncated`. Per-episode counts a
 (names in `extras["episode_keys"]`): turns, the limits hit, environment failures and the environment's own counts.
 
 Observations given as chat messages are rendered with the tokenizer's chat template (`ChatFormat`): the text the
-template puts after an assistant message (e.g. "<|im_end|>\\n", less the EOS the policy already generated), then the
-new messages and the generation prompt, exactly as `apply_chat_template` renders them after an assistant turn.
+template puts after an assistant message (e.g. "<|im_end|>\\n", less the EOS the policy's turn ended with), then the
+new messages and the generation prompt, exactly as `apply_chat_template` renders them after an assistant turn. The
+EOS ids are the engine's (`eos_ids`: the tokenizer's and `generation_config`'s, e.g. Gemma's <end_of_turn>), so that
+a turn ended by any token the engine stops at is recognised as ended, and that token's text is what the turn end
+loses: the template's marker is never added a second time.
 """
 
 from __future__ import annotations
@@ -54,14 +57,37 @@ _DUMMY = "\x00gspo-content\x00"  # stands for an assistant message's content whe
 
 class ChatFormat:
     """How observation messages become tokens after a policy turn, from the tokenizer's chat template
-    (`template`: a Jinja string replacing the tokenizer's; `template_kwargs`: extra template variables)."""
+    (`template`: a Jinja string replacing the tokenizer's; `template_kwargs`: extra template variables).
 
-    def __init__(self, tokenizer, template: str | None = None, template_kwargs: dict | None = None) -> None:
+    `eos_ids`: the ids that end a policy turn (the engine's `eos_ids`; default the tokenizer's EOS). `turn_eos` is the
+    one a demonstration's assistant turns end with (`encode_demonstration`): the EOS the template's turn end begins
+    with (after any whitespace: Llama-2's " </s>"), e.g. Gemma's <end_of_turn> rather than its tokenizer's <eos>, so
+    that cold-start SFT teaches the turn end the template (and the model's own chat training) uses; the tokenizer's
+    EOS when the turn end begins with none (the driver then appends the whole turn end after it, as here)."""
+
+    def __init__(self, tokenizer, template: str | None = None, template_kwargs: dict | None = None,
+                 eos_ids: Sequence[int] | None = None) -> None:
         self.tokenizer, self.template, self.kwargs = tokenizer, template, dict(template_kwargs or {})
         self.base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _DUMMY}]
         rendered = self._render(self.base, False)
         self.turn_end = rendered[rendered.rindex(_DUMMY) + len(_DUMMY):]  # after an assistant message's content
-        self.eos_texts = {tokenizer.decode([i]) for i in {tokenizer.eos_token_id} if i is not None}
+        default = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+        self.eos_ids = [int(i) for i in eos_ids] if eos_ids else default
+        self.turn_eos = next((i for i in self.eos_ids if self._begins_turn_end(i)),
+                             self.eos_ids[0] if self.eos_ids else None)
+
+    def _begins_turn_end(self, token: int | None) -> bool:
+        """Whether the template's turn end begins with `token`'s text, after any whitespace."""
+        text = None if token is None else self.tokenizer.decode([token])
+        return bool(text) and self.turn_end.lstrip().startswith(text)
+
+    def end_after(self, ended: int | None) -> str:
+        """The template's turn end after a policy turn whose last token is `ended` (None: the turn ended without
+        one): less that token's text where the turn end begins with it (and the whitespace before it: the policy
+        wrote its reply and that token with nothing between them); else the whole turn end."""
+        if not self._begins_turn_end(ended):
+            return self.turn_end
+        return self.turn_end.lstrip()[len(self.tokenizer.decode([ended])):]
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
         try:
@@ -71,30 +97,30 @@ class ChatFormat:
             raise ValueError(f"the chat template cannot render an episode's messages ({type(exc).__name__}: {exc})") \
                 from None
 
-    def observation_text(self, messages: list[dict], after_eos: bool) -> str:
-        """The text that follows a policy turn: the template's end of the assistant turn (without the EOS text when
-        the turn `after_eos` ended with it), the `messages`, then the generation prompt."""
+    def observation_text(self, messages: list[dict], ended: int | None) -> str:
+        """The text that follows a policy turn whose last token is the EOS `ended` (None: it ended without one): the
+        template's end of the assistant turn (`end_after`: less that EOS's text), the `messages`, then the generation
+        prompt."""
         rendered = self._render([*self.base, *messages], True)
         start = rendered.rindex(_DUMMY) + len(_DUMMY)
         if not rendered.startswith(self.turn_end, start):
             raise ValueError("the chat template renders an assistant turn's end differently when messages follow it; "
                              "gspo cannot place observation tokens after a policy turn with it")
-        end = self.turn_end
-        if after_eos:
-            end = next((end[len(t):] for t in self.eos_texts if t and end.startswith(t)), end)
-        return end + rendered[start + len(self.turn_end):]
+        return self.end_after(ended) + rendered[start + len(self.turn_end):]
 
-    def encode(self, observation: str | list[dict], after_eos: bool) -> list[int]:
-        """Token ids of an observation: messages through `observation_text`, a string as it is."""
-        text = observation if isinstance(observation, str) else self.observation_text(observation, after_eos)
+    def encode(self, observation: str | list[dict], ended: int | None) -> list[int]:
+        """Token ids of an observation after a turn ended by EOS `ended` (or None): messages through
+        `observation_text`, a string as it is."""
+        text = observation if isinstance(observation, str) else self.observation_text(observation, ended)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def encode_demonstration(fmt: ChatFormat, messages: Sequence[dict]) -> tuple[list[int], list[int]]:
     """A multi-turn demonstration (the messages after the prompt: assistant turns, and tool / user messages between
-    them) in the episode layout: (token ids, loss mask), assistant turns + EOS with mask 1, the rest 0. What the
-    cold-start SFT trains on, so the policy learns exactly the layout the driver produces."""
-    tok, eos = fmt.tokenizer, fmt.tokenizer.eos_token_id
+    them) in the episode layout: (token ids, loss mask), assistant turns + `fmt.turn_eos` with mask 1, the rest 0.
+    What the cold-start SFT trains on, so the policy learns exactly the layout the driver produces for a turn ended by
+    that EOS: the template's own end of turn (the driver lays out a turn ended by another EOS just as well)."""
+    tok, eos = fmt.tokenizer, fmt.turn_eos
     ids: list[int] = []
     mask: list[int] = []
     pending: list[dict] = []
@@ -103,7 +129,7 @@ def encode_demonstration(fmt: ChatFormat, messages: Sequence[dict]) -> tuple[lis
             raise ValueError(f"demonstration message {i} must be {{'role': str, 'content': str}}, got {m!r}")
         if m["role"] == "assistant":
             if pending:
-                obs = fmt.encode(pending, after_eos=True)
+                obs = fmt.encode(pending, eos)
                 ids += obs
                 mask += [0] * len(obs)
                 pending = []
@@ -125,8 +151,8 @@ def encode_demonstration(fmt: ChatFormat, messages: Sequence[dict]) -> tuple[lis
 class EpisodeLimits:
     max_turns: int = 4  # policy turns per episode
     max_tokens: int = 256  # response tokens per episode, policy and observation
-    step_timeout_s: float | None = 60.0  # one environment step (a turn's steps run `workers` at a time)
-    workers: int = 4  # environment steps run at once
+    step_timeout_s: float | None = 60.0  # one environment step or reset (they run `workers` at a time)
+    workers: int = 4  # environment steps (and resets) run at once
 
 
 @dataclass
@@ -168,10 +194,11 @@ class EpisodeRunner:
     def __init__(self, engine, tokenizer, make_env: Callable[[], Environment], limits: EpisodeLimits,
                  fmt: ChatFormat | None = None) -> None:
         self.engine, self.tokenizer, self.make_env, self.limits = engine, tokenizer, make_env, limits
-        self.fmt = fmt or ChatFormat(tokenizer)
-        self.fmt.observation_text([{"role": "tool", "content": "x"}], after_eos=True)  # a template that cannot: now
+        eos = list(getattr(engine, "eos_ids", None) or [tokenizer.eos_token_id])  # the ids the engine stops at
+        self.fmt = fmt or ChatFormat(tokenizer, eos_ids=eos)
+        self.fmt.observation_text([{"role": "tool", "content": "x"}], self.fmt.turn_eos)  # a template that cannot: now
         self.pool = DeadlinePool(workers=limits.workers, timeout_s=limits.step_timeout_s)
-        self.eos = {tokenizer.eos_token_id}
+        self.eos = set(eos)
         declared = env_counts(make_env())
         self.keys = (*EPISODE_COUNTS, *STEP_COUNTS, *(k for k in declared if k not in EPISODE_COUNTS + STEP_COUNTS))
         self._ignored: set[str] = set()
@@ -181,19 +208,10 @@ class EpisodeRunner:
             params: SamplingParams | None = None) -> Trajectory:
         params = params or self.engine.params
         episodes = []
-        for g, row in enumerate(rows):
-            for j in range(group_size):
-                env = self.make_env()
-                try:
-                    prompt = env.reset(copy.deepcopy(row))  # an environment that edits its row edits a copy
-                except Exception as exc:
-                    raise ValueError(f"the environment's reset failed on row {g} ({type(exc).__name__}: {exc})") \
-                        from exc
-                if not isinstance(prompt, str) or not prompt:
-                    raise ValueError(f"the environment's reset returned {prompt!r} for row {g}, not a prompt string")
-                ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-                self._check_fits(ids, g, row)
-                episodes.append(_Episode(env, ids, derive_seed(seeds[g], "episode", j)))
+        for g, j, env, prompt in self._reset(rows, group_size):
+            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            self._check_fits(ids, g, rows[g])
+            episodes.append(_Episode(env, ids, derive_seed(seeds[g], "episode", j)))
         lim = self.limits
         for turn in range(lim.max_turns):
             active = [e for e in episodes if not e.done]
@@ -207,6 +225,28 @@ class EpisodeRunner:
             log.warning("every one of the %d episodes of a batch ended in an environment failure (counted in "
                         "episode_env_failures; the reasons are logged once each)", len(episodes))
         return self._layout(episodes, group_size)
+
+    def _reset(self, rows: list[dict], group_size: int) -> list[tuple[int, int, Environment, str]]:
+        """A fresh environment per episode and its reset prompt, as (row g, episode j, env, prompt). The resets run
+        in the steps' pool (`workers` at a time, each given `step_timeout_s`, as `_env_turn`'s steps): a reset that
+        waits on a service does not hold the others up, nor the run forever. A reset that raises, hangs or returns
+        no prompt string is a ValueError naming the row: without a prompt there is no episode to count."""
+        envs = [(g, j, self.make_env()) for g in range(len(rows)) for j in range(group_size)]
+        rounds = max(1, math.ceil(len(envs) / self.limits.workers))
+        # an environment that edits its row edits a copy
+        outcomes = self.pool.map([(env.reset, (copy.deepcopy(rows[g]),), {}) for g, _, env in envs], rounds=rounds)
+        for (g, _, _), outcome in zip(envs, outcomes, strict=True):
+            if outcome.timed_out:
+                raise ValueError(f"the environment's reset on row {g} took longer than env.step_timeout_s="
+                                 f"{self.limits.step_timeout_s:g} s (resets run env.workers={self.limits.workers} "
+                                 "at a time)")
+            if outcome.error is not None:
+                exc = outcome.error
+                raise ValueError(f"the environment's reset failed on row {g} ({type(exc).__name__}: {exc})") from exc
+            if not isinstance(outcome.value, str) or not outcome.value:
+                raise ValueError(f"the environment's reset returned {outcome.value!r} for row {g}, not a prompt "
+                                 "string")
+        return [(g, j, env, o.value) for (g, j, env), o in zip(envs, outcomes, strict=True)]
 
     def _check_fits(self, ids: list[int], g: int, row: dict) -> None:
         """Raise ValueError, naming the row and what to change, if a reset prompt of `ids` and the episode's token
@@ -295,7 +335,8 @@ class EpisodeRunner:
                 e.stop("turn_limit")
                 continue
             try:
-                obs = self.fmt.encode(step.observation or "", after_eos=bool(e.ids) and e.ids[-1] in self.eos)
+                ended = e.ids[-1] if e.ids and e.ids[-1] in self.eos else None  # the EOS the turn ended with
+                obs = self.fmt.encode(step.observation or "", ended)
             except (ValueError, TypeError, KeyError) as exc:  # messages this template cannot render: this episode's
                 e.stop("env_failures", truncated=False)
                 if "observation" not in self._failures_told:

@@ -12,9 +12,10 @@ them with transformers' `get_json_schema` (the schema a chat template renders fo
              braces). It can express one text argument only: a tool for it takes a string first parameter and
              requires no other (`call_format_problem`, checked when the run's tools are resolved)
 
-A reply with no call is the model's answer. A malformed call (bad JSON, an unknown tool, missing or unexpected
-arguments, an argument of the wrong JSON type, unbalanced parentheses or text after a `call`) is not an error of the
-run: `ParsedCalls.error` says what was wrong, and the environment shows the model that text as the tool's observation.
+A reply with no call is the model's answer. A malformed call (bad JSON, or JSON past the interpreter's limits such as
+an integer of thousands of digits or arrays nested thousands deep, an unknown tool, missing or unexpected arguments, an
+argument of the wrong JSON type, unbalanced parentheses or text after a `call`) is not an error of the run:
+`ParsedCalls.error` says what was wrong, and the environment shows the model that text as the tool's observation.
 `run_calls` runs calls in a `DeadlinePool`: a tool that raises, outlives its timeout or returns something other than
 text gives an "error: ..." observation and is counted; training goes on.
 Untrusted code belongs in the sandbox: the built-in `python` tool runs the model's program there.
@@ -139,11 +140,14 @@ def parse_hermes(text: str, tools: Mapping[str, Tool]) -> ParsedCalls:
             obj = json.loads(body)
         except json.JSONDecodeError as exc:
             return ParsedCalls(error=f"the tool call is not valid JSON ({exc.msg} at character {exc.pos})")
+        except (ValueError, RecursionError) as exc:  # past the interpreter's limits: an integer of more digits than
+            why = "it nests too deeply" if isinstance(exc, RecursionError) else str(exc).split(";")[0]  # int() takes
+            return ParsedCalls(error=f"the tool call cannot be read ({why})")
         args = obj.get("arguments", {}) if isinstance(obj, dict) else None
         if isinstance(args, str):
             try:
                 args = json.loads(args)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):  # JSONDecodeError is a ValueError
                 args = None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(args, dict):
             return ParsedCalls(error='a tool call must be {"name": <tool>, "arguments": {<argument>: <value>}}')
