@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gspo.rollout.assemble import output_rows
+from gspo.rollout.assemble import eos_ids, output_rows
 from gspo.rollout.base import RolloutEngine, SamplingParams
 from gspo.rollout.cache_memory import check_release
 from gspo.rollout.sampler import HFSampler, filter_scores, resolve_decode, row_seed, sample_from_logits
@@ -142,7 +142,8 @@ def _server_engine(cfg: Config, url: str, sync_dir: Path, model: nn.Module, toke
         url, tokenizer, sampling_params(cfg), sync_dir=sync_dir, timeout=v.request_timeout,
         max_concurrent=v.max_concurrent_requests, is_main=dist.is_main, barrier=dist.barrier,
         record_routing=cfg.algorithm.routing_replay == "r3", to_checkpoint=checkpoint_layout(model),
-        vocab_size=output_rows(unwrap_model(model)))
+        vocab_size=output_rows(unwrap_model(model)),
+        eos=eos_ids(tokenizer, getattr(unwrap_model(model), "generation_config", None)))  # the server stops at them
 
 
 def worker_engine(cfg: Config, model: nn.Module, tokenizer, *, worker: int, out: str | Path,

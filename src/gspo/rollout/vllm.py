@@ -177,7 +177,10 @@ class VLLMEngine:
         self.params = params
         self.record_routing = record_routing
         self.pad_id = pad_id(tokenizer)
+        # vLLM stops at the model config's and the generation config's EOS ids (Gemma's <end_of_turn>): all of them
+        # end a completion here too (the episode driver recognises a turn's end by them)
         self.eos_ids = eos_ids(tokenizer, self.llm.llm_engine.model_config.hf_config)
+        self.eos_ids += [i for i in eos_ids(tokenizer, _generation_config(model)) if i not in self.eos_ids]
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         model_config = self.llm.llm_engine.model_config  # the vocabulary it samples over (ids fed back in episodes)
         self.vocab_size = int(model_config.get_vocab_size()) if hasattr(model_config, "get_vocab_size") else None
@@ -266,6 +269,16 @@ class VLLMEngine:
 
 
 # ------------------------------------------------------------------------------------------ server (vllm serve)
+
+
+def _generation_config(source: str) -> Any:
+    """The model folder's generation_config.json (None without one, or for what transformers cannot read)."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(source)
+    except Exception:  # no generation config: the model config's EOS ids are all there are
+        return None
 
 
 class ServerError(RuntimeError):
