@@ -188,6 +188,17 @@ def test_no_budget_warning_when_most_completions_end(caplog):
     assert "and 60% never finished their reasoning" in caplog.records[-1].getMessage()
 
 
+def test_cut_off_episodes_are_warned_about_with_the_environments_limits(caplog):
+    """Multi-turn: an episode is cut by env.max_turns / env.max_tokens or an unfinished turn, and its last reply is
+    scored; the single-turn advice (raise trainer.eval_max_new_tokens, 'count as unsolved') misled."""
+    from gspo.trainer import _warn_cut_off
+
+    _warn_cut_off({"truncation_rate": 0.75}, 16, "trainer.eval_max_new_tokens", episodes=True)
+    message = caplog.records[-1].getMessage()
+    assert "75% of the held-out episodes" in message and "env.max_turns, env.max_tokens" in message
+    assert "eval_max_new_tokens" not in message and "unsolved" not in message
+
+
 def test_config_refuses_bad_tags_and_accepts_null(tmp_path):
     with pytest.raises(ConfigError, match=r"rewards\.think_tags"):
         load_config(DEMO, tiny_overrides(tmp_path, "rewards.think_tags=[x]"))

@@ -324,11 +324,16 @@ def rollout_records(batch: Collected, tokenizer, count: int, group_size: int,
     return records
 
 
-def _warn_cut_off(scores: dict[str, float], budget: int, key: str) -> None:
+def _warn_cut_off(scores: dict[str, float], budget: int, key: str, episodes: bool = False) -> None:
     """Say so when at least half of the held-out completions hit the token budget (or never finished their reasoning):
-    they count as unsolved, so the accuracy measures the budget more than the model."""
+    they count as unsolved, so the accuracy measures the budget more than the model. Multi-turn (`episodes`): an
+    episode is cut by the environment's turn or token limit or an unfinished turn, and its last reply is scored."""
     truncated, unfinished = scores.get("truncation_rate", 0.0), scores.get("unfinished_thinking_rate", 0.0)
-    if max(truncated, unfinished) >= 0.5:
+    if episodes and truncated >= 0.5:
+        log.warning("%.0f%% of the held-out episodes were cut off (env.max_turns, env.max_tokens, or a turn's %d-token "
+                    "budget): their last reply is scored, so accuracy measures the limits; raise them unless that is "
+                    "the point", 100 * truncated, budget)
+    elif max(truncated, unfinished) >= 0.5:
         log.warning("%.0f%% of the held-out completions hit the %d-token budget without ending and %.0f%% never "
                     "finished their reasoning: they count as unsolved, so accuracy measures the budget; raise %s (and "
                     "rollout.max_new_tokens) unless that is the point", 100 * truncated, budget, 100 * unfinished,
@@ -892,7 +897,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         if not evals:  # the run's first evaluation (a resume has the earlier ones)
             first_rows = every
             if group.is_main:
-                _warn_cut_off(scores, eval_tokens, "trainer.eval_max_new_tokens")
+                _warn_cut_off(scores, eval_tokens, "trainer.eval_max_new_tokens", episodes is not None)
         elif since is not None:
             (scores["accuracy_change"], scores["accuracy_change_ci95_low"],
              scores["accuracy_change_ci95_high"]) = paired_change_ci95(since, every)
