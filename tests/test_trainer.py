@@ -407,6 +407,22 @@ def test_weights_too_coarse_for_the_learning_rate_are_refused_before_any_compute
     assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "cold_start").exists()
 
 
+def test_a_model_without_a_chat_template_cold_starts_on_plain_text_demonstrations(tmp_path):
+    """String prompts and solutions need no chat template: `--check` and the run with a cold start pass on a model
+    folder whose tokenizer has none (the chat format is built only for multi-turn demonstrations)."""
+    from gspo.models import build_preset, save_model
+    from gspo.preflight import check
+
+    model, tokenizer = build_preset("tiny-dense", seed=0)
+    tokenizer.chat_template = None
+    save_model(model, tokenizer, tmp_path / "bare")
+    cfg = cfg_for(tmp_path / "run", f"model.name={tmp_path / 'bare'}", "trainer.steps=1", "trainer.eval_every=0",
+                  "data.eval_size=4")
+    assert check(cfg)["cold_start"]["rows"] == 200
+    summary = train(cfg)
+    assert summary["status"] == "completed" and summary["cold_start"]["steps"] == 5
+
+
 # ----------------------------------------------------------------------------------------------------------- losses
 
 

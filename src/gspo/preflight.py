@@ -134,9 +134,8 @@ def _free_bytes(out: Path) -> int:
 def check(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """Run `gspo.trainer.prepare` and report what it found and what the run would do (module docstring). Raises as
     the run would (ConfigError / ValueError / OSError) on anything that would stop it; writes nothing."""
-    from gspo.agent import run_chat_format
     from gspo.lora import apply_lora
-    from gspo.sft import over_positions
+    from gspo.sft import demonstration_format, over_positions
     from gspo.trainer import check_rewards, prepare
 
     setup = prepare(cfg, resume=resume, overwrite=overwrite, create_out=False)
@@ -165,7 +164,8 @@ def check(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[st
     latest = setup.checkpoint
     cs = cfg.cold_start
     demonstrated = [r for r in setup.train_rows if isinstance(r.get("solution"), (str, list))]
-    too_long = len(over_positions(model, tokenizer, demonstrated, chat_format=run_chat_format(cfg, tokenizer))
+    too_long = len(over_positions(model, tokenizer, demonstrated,
+                                  chat_format=demonstration_format(cfg, tokenizer, demonstrated))
                    if cs is not None else [])
     return {
         "env": None if setup.make_env is None else reset_sample(setup),
