@@ -128,6 +128,29 @@ def test_missing_peft_says_how_to_install(monkeypatch):
         apply_lora(model, LoraConfig())
 
 
+@pytest.mark.parametrize("peft_missing", [False, True])
+def test_a_bad_target_or_no_peft_is_refused_before_the_cold_start(tmp_path, monkeypatch, peft_missing):
+    """LoRA is applied after the cold start, but a typo in a target (or peft missing) is refused when the model is
+    built: nothing computed or written that would block the corrected command ('already holds a run')."""
+    from conftest import DEMO, tiny_overrides
+    from gspo.config import ConfigError
+    from gspo.runfolder import run_started
+    from gspo.trainer import train
+
+    def no_cold_start(*args, **kwargs):
+        raise AssertionError("the cold start ran")
+
+    monkeypatch.setattr("gspo.trainer.cold_start", no_cold_start)
+    if peft_missing:
+        monkeypatch.setitem(sys.modules, "peft", None)
+    out = tmp_path / "run"
+    lora = "{r: 4}" if peft_missing else "{r: 4, target_modules: [q_prj]}"
+    with pytest.raises(ConfigError, match=r"model\.lora: .*pip install peft" if peft_missing else
+                       r"model\.lora\.target_modules \['q_prj'\] match no module .*q_proj"):
+        train(load_config(DEMO, tiny_overrides(out, f"model.lora={lora}")))
+    assert not run_started(out) and not (out / "cold_start").exists()
+
+
 # ------------------------------------------------------------------------------------------- merged weights
 
 

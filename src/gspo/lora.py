@@ -33,7 +33,7 @@ from gspo.parallel.wrap import whole
 if TYPE_CHECKING:
     from gspo.config import LoraConfig
 
-__all__ = ["BaseReference", "apply_lora", "is_peft_model", "merged_weights", "save_lora_final"]
+__all__ = ["BaseReference", "apply_lora", "check_lora", "is_peft_model", "merged_weights", "save_lora_final"]
 
 MERGED_DIRNAME = "merged"  # save_lora_final's merged full model, inside the adapter folder
 
@@ -53,6 +53,14 @@ def is_peft_model(model: nn.Module) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------------- wrapping
+
+
+def check_lora(model: nn.Module, cfg: LoraConfig) -> None:
+    """What `apply_lora(model, cfg)` would refuse, found without touching `model`: ImportError when peft is missing,
+    ValueError naming the target patterns that match no module, a non-linear one or a tied weight. The trainer checks
+    it when the model is built, so a typo costs nothing (not a cold start that then blocks the corrected command)."""
+    _peft()
+    _target_modules(model, cfg.target_modules)
 
 
 def apply_lora(model: nn.Module, cfg: LoraConfig, base_model: str | None = None) -> nn.Module:
@@ -100,8 +108,8 @@ def _target_modules(model: nn.Module, wanted: list[str] | str) -> list[str]:
     linear = [name for name, m in modules.items() if isinstance(m, nn.Linear) and m is not head]
     if wanted == "all-linear":
         if not linear:
-            raise ValueError(f"lora.target_modules=all-linear: {type(model).__name__} has no nn.Linear layer besides "
-                             f"the output head{_fused_note(model)}")
+            raise ValueError(f"model.lora.target_modules=all-linear: {type(model).__name__} has no nn.Linear layer "
+                             f"besides the output head{_fused_note(model)}")
         leaves = sorted({name.rpartition(".")[2] for name in linear})
         # short names when they select exactly these layers (readable adapter_config.json), else the full names
         exact = {n for n in modules if any(_matches(n, leaf) for leaf in leaves)} == set(linear)
@@ -110,15 +118,15 @@ def _target_modules(model: nn.Module, wanted: list[str] | str) -> list[str]:
         names = list(wanted)
         unmatched = [p for p in names if not any(_matches(n, p) for n in modules)]
         if unmatched:
-            raise ValueError(f"lora.target_modules {unmatched} match no module of {type(model).__name__}: its linear "
-                             f"layers are {_short(linear)} (a pattern is a module's full name or its last dotted "
-                             f"parts){_fused_note(model)}")
+            raise ValueError(f"model.lora.target_modules {unmatched} match no module of {type(model).__name__}: its "
+                             f"linear layers are {_short(linear)} (a pattern is a module's full name or its last "
+                             f"dotted parts){_fused_note(model)}")
         for pattern in names:
             other = [n for n in modules if _matches(n, pattern) and not isinstance(modules[n], nn.Linear)]
             if other:
                 kind = type(modules[other[0]]).__name__
-                raise ValueError(f"lora.target_modules {pattern!r} matches {other[0]!r}, a {kind}, not an nn.Linear: "
-                                 f"gspo's LoRA adapts linear layers only ({_short(linear)})"
+                raise ValueError(f"model.lora.target_modules {pattern!r} matches {other[0]!r}, a {kind}, not an "
+                                 f"nn.Linear: gspo's LoRA adapts linear layers only ({_short(linear)})"
                                  f"{_fused_note(modules[other[0]])}")
     _check_untied(model, [n for n, m in modules.items() if isinstance(m, nn.Linear) and any(_matches(n, p)
                                                                                            for p in names)])
@@ -150,9 +158,9 @@ def _check_untied(model: nn.Module, targets: list[str]) -> None:
     for target in targets:
         names = names_of.get(id(model.get_submodule(target).weight), [])
         if len(names) > 1:
-            raise ValueError(f"lora.target_modules selects {target}, whose weight is tied to "
+            raise ValueError(f"model.lora.target_modules selects {target}, whose weight is tied to "
                              f"{[n for n in names if n != f'{target}.weight']} (tie_word_embeddings): an adapter on it "
-                             "cannot be merged without changing those too; leave it out of lora.target_modules")
+                             "cannot be merged without changing those too; leave it out of model.lora.target_modules")
 
 
 # --------------------------------------------------------------------------------------------------- merged weights

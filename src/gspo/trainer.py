@@ -65,7 +65,7 @@ from gspo.evaluation import (
 from gspo.guard import CollapseGuard, GuardSettings, Verdict, best_checkpoint, good_checkpoint
 from gspo.hooks import LearnHook, MoERouting, PrecisionMetrics
 from gspo.learner import LearnSettings, learn
-from gspo.lora import BaseReference, apply_lora, save_lora_final
+from gspo.lora import BaseReference, apply_lora, check_lora, save_lora_final
 from gspo.models import check_compile_support, disable_dropout, enable_gradient_checkpointing, load_model, save_model
 from gspo.moe import is_moe, replay_support_error, require_replay_support
 from gspo.objectives import OBJECTIVES
@@ -1131,8 +1131,8 @@ def rows_line(source: dict) -> str:
 
 def _model_checks(cfg: Config, model: nn.Module, group: ProcessGroup) -> None:
     """What can only be checked once the model is built, before any compute: gradient checkpointing support, an lr
-    that the weights' dtype can take, the built-in engine's decode loop, routing-replay support of a hub model, the
-    batch split over the processes."""
+    that the weights' dtype can take, LoRA's target modules (and peft), the built-in engine's decode loop,
+    routing-replay support of a hub model, the batch split over the processes."""
     if cfg.trainer.gradient_checkpointing:  # train-mode forwards only: the sampler (eval mode) keeps its KV cache
         try:
             enable_gradient_checkpointing(model)
@@ -1144,6 +1144,13 @@ def _model_checks(cfg: Config, model: nn.Module, group: ProcessGroup) -> None:
             check_update_precision([p for p in model.parameters() if p.requires_grad], lr)
         except ValueError as e:
             raise ConfigError(f"{key}: {e}") from None
+    if cfg.model.lora is not None:  # LoRA is applied after the cold start: a bad target is found now, not then
+        try:
+            check_lora(model, cfg.model.lora)
+        except ImportError as e:
+            raise ConfigError(f"model.lora: {e}") from None
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     _flash_attention_checks(cfg, group.device)
     if cfg.trainer.compile:
         try:
