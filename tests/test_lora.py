@@ -151,6 +151,38 @@ def test_a_bad_target_or_no_peft_is_refused_before_the_cold_start(tmp_path, monk
     assert not run_started(out) and not (out / "cold_start").exists()
 
 
+def test_adapters_start_the_same_in_a_run_and_in_its_resume_before_the_first_checkpoint(tmp_path, monkeypatch):
+    """The adapters' initial A matrices are drawn from the run seed, not from the global RNG: a fresh run's cold start
+    (a model with dropout) consumes that RNG and a resume, which loads the saved cold-start model, does not, so a run
+    interrupted before its first checkpoint restarted from other adapters than the uninterrupted one."""
+    from conftest import DEMO, SimulatedCrash, crash_after, tiny_overrides, varied_reward
+    from gspo.models import build_preset, save_model
+    from gspo.rewards import REWARDS
+    from gspo.trainer import train
+
+    monkeypatch.setitem(REWARDS, "varied", varied_reward)
+    model, tokenizer = build_preset("tiny-dense", seed=0)
+    model.config.attention_dropout = 0.5  # the cold start draws dropout masks from the global RNG
+    save_model(model, tokenizer, tmp_path / "dropout-model")
+    starts = []
+
+    def recorded(*args, **kwargs):
+        wrapped = apply_lora(*args, **kwargs)
+        starts.append({n: p.detach().clone() for n, p in wrapped.named_parameters() if "lora_A" in n})
+        return wrapped
+
+    monkeypatch.setattr("gspo.trainer.apply_lora", recorded)
+    cfg = load_config(DEMO, tiny_overrides(tmp_path / "run", f"model.name={tmp_path / 'dropout-model'}",
+                                           "model.lora={r: 4}", "trainer.disable_dropout=false", "trainer.steps=2",
+                                           "trainer.checkpoint_every=0", "trainer.eval_every=0", "data.eval_size=1",
+                                           "rewards.functions={varied: 1.0}"))
+    with pytest.raises(SimulatedCrash):
+        train(cfg, callbacks=[crash_after(1)])
+    train(cfg, resume=True)  # no checkpoint: starts over from the saved cold-start model
+    assert len(starts) == 2 and starts[0].keys() == starts[1].keys()
+    assert all(torch.equal(a, starts[1][n]) for n, a in starts[0].items())
+
+
 # ------------------------------------------------------------------------------------------- merged weights
 
 

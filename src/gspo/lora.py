@@ -63,7 +63,8 @@ def check_lora(model: nn.Module, cfg: LoraConfig) -> None:
     _target_modules(model, cfg.target_modules)
 
 
-def apply_lora(model: nn.Module, cfg: LoraConfig, base_model: str | None = None) -> nn.Module:
+def apply_lora(model: nn.Module, cfg: LoraConfig, base_model: str | None = None, seed: int | None = None
+               ) -> nn.Module:
     """Wrap `model` (a Hugging Face causal LM) with LoRA adapters as `cfg` says; returns the `peft.PeftModel`.
 
     peft replaces the targeted `nn.Linear` modules of `model` in place (the returned wrapper and `model` share every
@@ -79,6 +80,10 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, base_model: str | None = None)
     `base_model` (the base's path or name) is what every adapter folder saved from it records as
     `base_model_name_or_path` (a run's checkpoints, as its final/), where `gspo eval` finds the base; by default peft
     records the model's `name_or_path`, empty for a model built in code.
+    `seed`: peft draws the adapters' A matrices from the global torch RNG (on the CPU, where it builds them); with a
+    seed they are drawn from a generator seeded with it instead and the caller's RNG is left as it was, so the
+    adapters are a function of the seed alone, not of what ran before (a cold start's dropout in a fresh run, none
+    when a resume loads the saved cold-start model).
     """
     peft = _peft()
     if is_peft_model(model):
@@ -86,7 +91,10 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, base_model: str | None = None)
     targets = _target_modules(model, cfg.target_modules)
     config = peft.LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
                              task_type="CAUSAL_LM")
-    wrapped = peft.get_peft_model(model, config)
+    with torch.random.fork_rng(devices=[]):
+        if seed is not None:
+            torch.random.default_generator.manual_seed(seed)
+        wrapped = peft.get_peft_model(model, config)
     if base_model is not None:  # get_peft_model records the model's name_or_path
         for each in wrapped.peft_config.values():
             each.base_model_name_or_path = base_model

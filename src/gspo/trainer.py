@@ -778,7 +778,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
     else:
         engine = make_engine(cfg, model, tokenizer, out=out, dist=group)
     if cfg.model.lora is not None:  # after the engine: an own-copy engine is built from the plain model
-        model = apply_lora(model, cfg.model.lora, base_model=lora_base)  # only the adapters train; engines receive
+        model = apply_lora(model, cfg.model.lora, base_model=lora_base,  # only the adapters train; engines receive
+                           seed=derive_seed(cfg.trainer.seed, "lora"))
         # merged weights; every adapter folder saved (checkpoints, final/) names the base it was trained on
     model = wrap_policy(group, model, cfg.trainer.mixed_precision)  # DDP / FSDP2; one process: as is
     if cfg.model.lora is not None and cfg.algorithm.kl_beta > 0:  # the policy with its adapters off; under FSDP
