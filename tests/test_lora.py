@@ -183,6 +183,36 @@ def test_adapters_start_the_same_in_a_run_and_in_its_resume_before_the_first_che
     assert all(torch.equal(a, starts[1][n]) for n, a in starts[0].items())
 
 
+@pytest.mark.parametrize("base", ["preset", "relative"])
+def test_an_adapter_folder_names_the_base_it_was_trained_on(tmp_path, monkeypatch, base):
+    """Without a cold start the adapters name `model.name` as their base: a preset with the seed its weights came from
+    (trainer.seed=1: `load_model` of the folder built the seed-0 preset, logits 1.1 off, silently), a relative folder
+    as its absolute path (it was not found from another working folder). The adapter folder then loads as the run's
+    merged model, from anywhere."""
+    from conftest import DEMO, tiny_overrides, varied_reward
+    from gspo.models import build_preset, save_model
+    from gspo.rewards import REWARDS
+    from gspo.trainer import train
+
+    monkeypatch.setitem(REWARDS, "varied", varied_reward)
+    monkeypatch.chdir(tmp_path)
+    name = "tiny-dense"
+    if base == "relative":
+        save_model(*build_preset("tiny-dense", seed=1), tmp_path / "base")
+        name = "base"
+    out = tmp_path / "run"
+    train(load_config(DEMO, tiny_overrides(out, f"model.name={name}", "cold_start=null", "trainer.seed=1",
+                                           "model.lora={r: 4, merged_final: true}", "optim.lr=1e-2", "trainer.steps=1",
+                                           "trainer.eval_every=0", "data.eval_size=1",
+                                           "rewards.functions={varied: 1.0}")))
+    named = json.loads((out / "final" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert named == ("tiny-dense@seed=1" if base == "preset" else str(tmp_path / "base"))
+    monkeypatch.chdir(tmp_path.parent)
+    adapter, tok = load_model(str(out / "final"))  # what `gspo eval RUN` loads
+    merged, _ = load_model(str(out / "final" / "merged"))
+    torch.testing.assert_close(logits(adapter, tok), logits(merged, tok), atol=1e-5, rtol=0)
+
+
 # ------------------------------------------------------------------------------------------- merged weights
 
 

@@ -66,7 +66,14 @@ from gspo.guard import CollapseGuard, GuardSettings, Verdict, best_checkpoint, g
 from gspo.hooks import LearnHook, MoERouting, PrecisionMetrics
 from gspo.learner import LearnSettings, learn
 from gspo.lora import BaseReference, apply_lora, check_lora, save_lora_final
-from gspo.models import check_compile_support, disable_dropout, enable_gradient_checkpointing, load_model, save_model
+from gspo.models import (
+    adapter_base_name,
+    check_compile_support,
+    disable_dropout,
+    enable_gradient_checkpointing,
+    load_model,
+    save_model,
+)
 from gspo.moe import is_moe, replay_support_error, require_replay_support
 from gspo.objectives import OBJECTIVES
 from gspo.optim import check_update_precision, make_optimizer, scale_lr, warmup_warning
@@ -767,8 +774,10 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         else:
             log.warning("trainer.disable_dropout=false and the model has dropout (%s): π_θ is random, so the "
                         "on-policy minibatch's ratios are noise, not 1", listed)
-    # what LoRA adapts, as adapter folders name it: an absolute path, so `gspo eval RUN/final` finds it from anywhere
-    lora_base = str((out / "cold_start").absolute()) if cfg.cold_start is not None else cfg.model.name
+    # what LoRA adapts, as adapter folders name it: an absolute path (a preset: with its seed), so that
+    # `gspo eval RUN/final` builds that same base from anywhere
+    lora_base = (str((out / "cold_start").absolute()) if cfg.cold_start is not None
+                 else adapter_base_name(cfg.model.name, cfg.trainer.seed))
     kl_copy = cfg.algorithm.kl_beta > 0 and cfg.model.lora is None  # LoRA: the base with its adapters off, no copy
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if kl_copy else None
     # before wrapping: it may copy the full model. Async: the learner's engine only evaluates, and vLLM servers belong
