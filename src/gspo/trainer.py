@@ -600,6 +600,8 @@ def prepare(cfg: Config, resume: bool = False, overwrite: bool = False, create_o
 
     model, tokenizer = load_model(cfg.model.name, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code,
                                   seed=cfg.trainer.seed, attn_implementation=cfg.model.attn_implementation)
+    if cfg.data.chat_template:  # the template the run renders with: every model it saves carries it (final/, ...)
+        tokenizer.chat_template = Path(cfg.data.chat_template).expanduser().read_text(encoding="utf-8")
     _model_checks(cfg, model, group)
     # message prompts → the model's chat template (gspo.data.chat), with the tools' schemas for tool use
     data = render_chat(data, cfg.data, tokenizer, tools=tool_schemas)
