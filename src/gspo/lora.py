@@ -91,7 +91,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, base_model: str | None = None,
     targets = _target_modules(model, cfg.target_modules)
     config = peft.LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
                              task_type="CAUSAL_LM")
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[], enabled=seed is not None):
         if seed is not None:
             torch.random.default_generator.manual_seed(seed)
         wrapped = peft.get_peft_model(model, config)
