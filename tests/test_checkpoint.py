@@ -125,6 +125,25 @@ def test_round_trip_is_exact(tmp_path, training):
         assert torch.equal(a, b)
 
 
+def test_a_resume_on_a_longer_schedule_takes_its_first_update_at_the_new_schedules_rate(tmp_path):
+    """A resume that extends trainer.steps restores the step on a longer warm-up + cosine schedule: the first update
+    after it runs at the new schedule's rate there (it ran at the old schedule's final rate, 1e-4 instead of 6.5e-4)."""
+    from gspo.optim import make_optimizer, warmup_cosine
+
+    model, _, _ = make_training()
+    optimizer, scheduler = make_optimizer(model, 1e-3, 16, warmup_steps=4)
+    for _ in range(16):  # no gradients: only the schedule moves
+        optimizer.step()
+        scheduler.step()
+    path = save(tmp_path, 16, (model, optimizer, scheduler))
+    optimizer, scheduler = make_optimizer(model, 1e-3, 32, warmup_steps=4)
+    load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler)
+    want = 1e-3 * warmup_cosine(32, 4, 0.1)(16)
+    assert optimizer.param_groups[0]["lr"] == scheduler.get_last_lr()[0] == want
+    scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == 1e-3 * warmup_cosine(32, 4, 0.1)(17)
+
+
 def test_rng_states_are_restored(tmp_path, training):
     set_seed(123)
     path = save(tmp_path, 1, training)

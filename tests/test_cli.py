@@ -122,11 +122,21 @@ def test_sft_compile_is_refused_for_an_moe_model_before_training(tmp_path, capsy
 
 
 @pytest.mark.parametrize(("flag", "value"), [("--steps", "0"), ("--micro-batch-tokens", "0"),
-                                             ("--warmup-steps", "-1")])
+                                             ("--warmup-steps", "-1"), ("--lr", "inf"), ("--lr", "nan")])
 def test_sft_rejects_bad_arguments(tmp_path, capsys, flag, value):
     assert main(["sft", "--out", str(tmp_path / "m"), flag, value]) == 2
     assert flag in capsys.readouterr().err
     assert not (tmp_path / "m").exists()
+
+
+def test_sft_refuses_an_output_folder_it_cannot_write_before_loading_a_model(tmp_path, capsys, monkeypatch):
+    """Found before the model is loaded and trained (the folder checks a run's trainer.out gets), not when the trained
+    model is saved."""
+    (tmp_path / "afile").write_text("")
+    out = tmp_path / "afile" / "model"
+    monkeypatch.setattr("gspo.models.load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    assert main(["sft", "--out", str(out), "--steps", "2"]) == 2
+    assert f"--out {out} cannot be a folder: {tmp_path / 'afile'} is a file" in capsys.readouterr().err
 
 
 def test_sft_names_the_file_row_without_a_solution_before_loading_a_model(tmp_path, capsys, monkeypatch):

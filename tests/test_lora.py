@@ -128,6 +128,91 @@ def test_missing_peft_says_how_to_install(monkeypatch):
         apply_lora(model, LoraConfig())
 
 
+@pytest.mark.parametrize("peft_missing", [False, True])
+def test_a_bad_target_or_no_peft_is_refused_before_the_cold_start(tmp_path, monkeypatch, peft_missing):
+    """LoRA is applied after the cold start, but a typo in a target (or peft missing) is refused when the model is
+    built: nothing computed or written that would block the corrected command ('already holds a run')."""
+    from conftest import DEMO, tiny_overrides
+    from gspo.config import ConfigError
+    from gspo.runfolder import run_started
+    from gspo.trainer import train
+
+    def no_cold_start(*args, **kwargs):
+        raise AssertionError("the cold start ran")
+
+    monkeypatch.setattr("gspo.trainer.cold_start", no_cold_start)
+    if peft_missing:
+        monkeypatch.setitem(sys.modules, "peft", None)
+    out = tmp_path / "run"
+    lora = "{r: 4}" if peft_missing else "{r: 4, target_modules: [q_prj]}"
+    with pytest.raises(ConfigError, match=r"model\.lora: .*pip install peft" if peft_missing else
+                       r"model\.lora\.target_modules \['q_prj'\] match no module .*q_proj"):
+        train(load_config(DEMO, tiny_overrides(out, f"model.lora={lora}")))
+    assert not run_started(out) and not (out / "cold_start").exists()
+
+
+def test_adapters_start_the_same_in_a_run_and_in_its_resume_before_the_first_checkpoint(tmp_path, monkeypatch):
+    """The adapters' initial A matrices are drawn from the run seed, not from the global RNG: a fresh run's cold start
+    (a model with dropout) consumes that RNG and a resume, which loads the saved cold-start model, does not, so a run
+    interrupted before its first checkpoint restarted from other adapters than the uninterrupted one."""
+    from conftest import DEMO, SimulatedCrash, crash_after, tiny_overrides, varied_reward
+    from gspo.models import build_preset, save_model
+    from gspo.rewards import REWARDS
+    from gspo.trainer import train
+
+    monkeypatch.setitem(REWARDS, "varied", varied_reward)
+    model, tokenizer = build_preset("tiny-dense", seed=0)
+    model.config.attention_dropout = 0.5  # the cold start draws dropout masks from the global RNG
+    save_model(model, tokenizer, tmp_path / "dropout-model")
+    starts = []
+
+    def recorded(*args, **kwargs):
+        wrapped = apply_lora(*args, **kwargs)
+        starts.append({n: p.detach().clone() for n, p in wrapped.named_parameters() if "lora_A" in n})
+        return wrapped
+
+    monkeypatch.setattr("gspo.trainer.apply_lora", recorded)
+    cfg = load_config(DEMO, tiny_overrides(tmp_path / "run", f"model.name={tmp_path / 'dropout-model'}",
+                                           "model.lora={r: 4}", "trainer.disable_dropout=false", "trainer.steps=2",
+                                           "trainer.checkpoint_every=0", "trainer.eval_every=0", "data.eval_size=1",
+                                           "rewards.functions={varied: 1.0}"))
+    with pytest.raises(SimulatedCrash):
+        train(cfg, callbacks=[crash_after(1)])
+    train(cfg, resume=True)  # no checkpoint: starts over from the saved cold-start model
+    assert len(starts) == 2 and starts[0].keys() == starts[1].keys()
+    assert all(torch.equal(a, starts[1][n]) for n, a in starts[0].items())
+
+
+@pytest.mark.parametrize("base", ["preset", "relative"])
+def test_an_adapter_folder_names_the_base_it_was_trained_on(tmp_path, monkeypatch, base):
+    """Without a cold start the adapters name `model.name` as their base: a preset with the seed its weights came from
+    (trainer.seed=1: `load_model` of the folder built the seed-0 preset, logits 1.1 off, silently), a relative folder
+    as its absolute path (it was not found from another working folder). The adapter folder then loads as the run's
+    merged model, from anywhere."""
+    from conftest import DEMO, tiny_overrides, varied_reward
+    from gspo.models import build_preset, save_model
+    from gspo.rewards import REWARDS
+    from gspo.trainer import train
+
+    monkeypatch.setitem(REWARDS, "varied", varied_reward)
+    monkeypatch.chdir(tmp_path)
+    name = "tiny-dense"
+    if base == "relative":
+        save_model(*build_preset("tiny-dense", seed=1), tmp_path / "base")
+        name = "base"
+    out = tmp_path / "run"
+    train(load_config(DEMO, tiny_overrides(out, f"model.name={name}", "cold_start=null", "trainer.seed=1",
+                                           "model.lora={r: 4, merged_final: true}", "optim.lr=1e-2", "trainer.steps=1",
+                                           "trainer.eval_every=0", "data.eval_size=1",
+                                           "rewards.functions={varied: 1.0}")))
+    named = json.loads((out / "final" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert named == ("tiny-dense@seed=1" if base == "preset" else str(tmp_path / "base"))
+    monkeypatch.chdir(tmp_path.parent)
+    adapter, tok = load_model(str(out / "final"))  # what `gspo eval RUN` loads
+    merged, _ = load_model(str(out / "final" / "merged"))
+    torch.testing.assert_close(logits(adapter, tok), logits(merged, tok), atol=1e-5, rtol=0)
+
+
 # ------------------------------------------------------------------------------------------- merged weights
 
 

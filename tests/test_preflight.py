@@ -200,8 +200,9 @@ def test_a_reward_that_raises_on_an_empty_completion_is_found_and_the_runs_count
 
 def test_a_lora_run_is_planned_with_its_adapters(tmp_path):
     """With model.lora only the adapters train and a checkpoint holds them and their AdamW moments: the estimate is
-    the run's real checkpoint, not the whole model's."""
-    cfg = load_config(DEMO, tiny_overrides(tmp_path / "run", "cold_start=null", "model.lora={r: 16, alpha: 32}",
+    the run's real checkpoint, not the whole model's. The cold start and final/merged are whole models: the folder's
+    estimate counts them so (it counted them at the adapters' size: 459 kB for a 14.8 MB folder)."""
+    cfg = load_config(DEMO, tiny_overrides(tmp_path / "run", "model.lora={r: 16, alpha: 32, merged_final: true}",
                                            "trainer.steps=1", "trainer.eval_every=0"))
     report = check(cfg)
     m = report["model"]
@@ -210,6 +211,8 @@ def test_a_lora_run_is_planned_with_its_adapters(tmp_path):
     saved = sum(f.stat().st_size for f in checkpoint_path(tmp_path / "run", 1).rglob("*") if f.is_file())
     assert abs(m["checkpoint_bytes"] - saved) / saved < 0.25  # the RNG state, tokenizer and JSON files count
     assert m["checkpoint_bytes"] < report["model"]["parameters"] * 4 / 2  # far below the full model's weights
+    folder = sum(f.stat().st_size for f in (tmp_path / "run").rglob("*") if f.is_file())
+    assert abs(m["disk_bytes"] - folder) / folder < 0.1  # logs, tokenizers and configs are not counted
 
 
 def test_measure_times_a_few_steps_elsewhere_and_estimates_the_run(tmp_path, capsys):

@@ -407,6 +407,42 @@ def test_weights_too_coarse_for_the_learning_rate_are_refused_before_any_compute
     assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "cold_start").exists()
 
 
+def test_a_model_without_a_chat_template_cold_starts_on_plain_text_demonstrations(tmp_path):
+    """String prompts and solutions need no chat template: `--check` and the run with a cold start pass on a model
+    folder whose tokenizer has none (the chat format is built only for multi-turn demonstrations)."""
+    from gspo.models import build_preset, save_model
+    from gspo.preflight import check
+
+    model, tokenizer = build_preset("tiny-dense", seed=0)
+    tokenizer.chat_template = None
+    save_model(model, tokenizer, tmp_path / "bare")
+    cfg = cfg_for(tmp_path / "run", f"model.name={tmp_path / 'bare'}", "trainer.steps=1", "trainer.eval_every=0",
+                  "data.eval_size=4")
+    assert check(cfg)["cold_start"]["rows"] == 200
+    summary = train(cfg)
+    assert summary["status"] == "completed" and summary["cold_start"]["steps"] == 5
+
+
+def test_the_saved_models_keep_the_chat_template_the_run_rendered_with(tmp_path):
+    """data.chat_template replaces the tokenizer's template for the run: the models it saves (cold start, checkpoints,
+    final/) carry that template, so `gspo eval RUN/final` renders conversations as the run did (final/ had the
+    model's own template, or none)."""
+    from transformers import AutoTokenizer
+
+    from conftest import write_jsonl
+
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }};{% endfor %}")
+    rows = [{"prompt": [{"role": "user", "content": f"{a}+1="}], "solution": str(a + 1), "answer": str(a + 1)}
+            for a in range(40)]
+    out = tmp_path / "run"
+    train(cfg_for(out, f"data.path={write_jsonl(tmp_path / 'd.jsonl', rows)}", "data.task=null",
+                  "data.train_size=null", "data.eval_size=null", "data.eval_fraction=0.25",
+                  f"data.chat_template={template}", "trainer.steps=1", "trainer.eval_every=0"))
+    for folder in (out / "cold_start", checkpoint_path(out, 1) / "model", out / "final"):
+        assert AutoTokenizer.from_pretrained(str(folder)).chat_template == template.read_text()
+
+
 # ----------------------------------------------------------------------------------------------------------- losses
 
 

@@ -394,6 +394,21 @@ def _load_scheduler(path: Path, scheduler: Any | None) -> None:
         raise CheckpointError(f"{path} has scheduler state, but no scheduler was given to restore it into")
     if scheduler is not None:
         scheduler.load_state_dict(_torch_load(scheduler_file))
+        _rates_from_schedule(scheduler)
+
+
+def _rates_from_schedule(scheduler: Any) -> None:
+    """Set the optimizer's learning rates to what `scheduler`'s schedule gives at its restored step (a LambdaLR: base
+    rate × factor, as its `step` computes them; other schedulers keep the restored rates). The optimizer's state holds
+    the rates the saved run's schedule set: a resume that extends trainer.steps (a longer decay) took its first
+    update at the old schedule's rate, the rest at the new one's. Unchanged for a resume of the same schedule."""
+    lambdas = getattr(scheduler, "lr_lambdas", None)
+    if lambdas is None:
+        return
+    rates = [base * factor(scheduler.last_epoch) for factor, base in zip(lambdas, scheduler.base_lrs, strict=True)]
+    for group, rate in zip(scheduler.optimizer.param_groups, rates, strict=True):
+        group["lr"] = rate
+    scheduler._last_lr = rates  # what get_last_lr() returns
 
 
 def _torch_load(file: Path) -> Any:

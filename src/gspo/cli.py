@@ -145,22 +145,25 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
+    import math
+
     from gspo.checkpoint import set_seed
     from gspo.config import DataConfig
     from gspo.data import TASK_ROWS, DataSplits, load_rows, make_task, render_chat, subset_rows
     from gspo.models import check_compile_support, load_model, save_model
     from gspo.parallel import resolve_device
+    from gspo.runfolder import check_output_dir
     from gspo.sft import rows_without_solution, sft
 
-    if args.steps < 1 or args.batch_size < 1 or not args.lr > 0 or args.warmup_steps < 0:
-        raise ConfigError("sft: --steps and --batch-size must be >= 1, --lr > 0 and --warmup-steps >= 0")
+    if args.steps < 1 or args.batch_size < 1 or not 0 < args.lr < math.inf or args.warmup_steps < 0:
+        raise ConfigError("sft: --steps and --batch-size must be >= 1, --lr a finite number > 0 and --warmup-steps "
+                          ">= 0")
     if args.micro_batch_tokens is not None and args.micro_batch_tokens < 1:
         raise ConfigError(f"sft: --micro-batch-tokens must be >= 1, got {args.micro_batch_tokens}")
     _check_size(args)
     args.seed = 0 if args.seed is None else args.seed
     options = _task_options(args)
-    if Path(args.out).exists() and not Path(args.out).is_dir():  # found before training, not when saving after it
-        raise ConfigError(f"sft: --out {args.out} exists and is not a folder")
+    check_output_dir(Path(args.out), create=False, key="sft: --out")  # found before training, not when saving
     device = resolve_device(args.device, key="--device")
     if args.data is not None:  # every row, or --size N of them chosen by prompt hash
         every = load_rows(args.data, split=args.split or "train", fields=_fields(args))

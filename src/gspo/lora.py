@@ -33,7 +33,7 @@ from gspo.parallel.wrap import whole
 if TYPE_CHECKING:
     from gspo.config import LoraConfig
 
-__all__ = ["BaseReference", "apply_lora", "is_peft_model", "merged_weights", "save_lora_final"]
+__all__ = ["BaseReference", "apply_lora", "check_lora", "is_peft_model", "merged_weights", "save_lora_final"]
 
 MERGED_DIRNAME = "merged"  # save_lora_final's merged full model, inside the adapter folder
 
@@ -55,7 +55,16 @@ def is_peft_model(model: nn.Module) -> bool:
 # ------------------------------------------------------------------------------------------------------- wrapping
 
 
-def apply_lora(model: nn.Module, cfg: LoraConfig, base_model: str | None = None) -> nn.Module:
+def check_lora(model: nn.Module, cfg: LoraConfig) -> None:
+    """What `apply_lora(model, cfg)` would refuse, found without touching `model`: ImportError when peft is missing,
+    ValueError naming the target patterns that match no module, a non-linear one or a tied weight. The trainer checks
+    it when the model is built, so a typo costs nothing (not a cold start that then blocks the corrected command)."""
+    _peft()
+    _target_modules(model, cfg.target_modules)
+
+
+def apply_lora(model: nn.Module, cfg: LoraConfig, base_model: str | None = None, seed: int | None = None
+               ) -> nn.Module:
     """Wrap `model` (a Hugging Face causal LM) with LoRA adapters as `cfg` says; returns the `peft.PeftModel`.
 
     peft replaces the targeted `nn.Linear` modules of `model` in place (the returned wrapper and `model` share every
@@ -71,6 +80,10 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, base_model: str | None = None)
     `base_model` (the base's path or name) is what every adapter folder saved from it records as
     `base_model_name_or_path` (a run's checkpoints, as its final/), where `gspo eval` finds the base; by default peft
     records the model's `name_or_path`, empty for a model built in code.
+    `seed`: peft draws the adapters' A matrices from the global torch RNG (on the CPU, where it builds them); with a
+    seed they are drawn from a generator seeded with it instead and the caller's RNG is left as it was, so the
+    adapters are a function of the seed alone, not of what ran before (a cold start's dropout in a fresh run, none
+    when a resume loads the saved cold-start model).
     """
     peft = _peft()
     if is_peft_model(model):
@@ -78,7 +91,10 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, base_model: str | None = None)
     targets = _target_modules(model, cfg.target_modules)
     config = peft.LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
                              task_type="CAUSAL_LM")
-    wrapped = peft.get_peft_model(model, config)
+    with torch.random.fork_rng(devices=[], enabled=seed is not None):
+        if seed is not None:
+            torch.random.default_generator.manual_seed(seed)
+        wrapped = peft.get_peft_model(model, config)
     if base_model is not None:  # get_peft_model records the model's name_or_path
         for each in wrapped.peft_config.values():
             each.base_model_name_or_path = base_model
@@ -100,8 +116,8 @@ def _target_modules(model: nn.Module, wanted: list[str] | str) -> list[str]:
     linear = [name for name, m in modules.items() if isinstance(m, nn.Linear) and m is not head]
     if wanted == "all-linear":
         if not linear:
-            raise ValueError(f"lora.target_modules=all-linear: {type(model).__name__} has no nn.Linear layer besides "
-                             f"the output head{_fused_note(model)}")
+            raise ValueError(f"model.lora.target_modules=all-linear: {type(model).__name__} has no nn.Linear layer "
+                             f"besides the output head{_fused_note(model)}")
         leaves = sorted({name.rpartition(".")[2] for name in linear})
         # short names when they select exactly these layers (readable adapter_config.json), else the full names
         exact = {n for n in modules if any(_matches(n, leaf) for leaf in leaves)} == set(linear)
@@ -110,15 +126,15 @@ def _target_modules(model: nn.Module, wanted: list[str] | str) -> list[str]:
         names = list(wanted)
         unmatched = [p for p in names if not any(_matches(n, p) for n in modules)]
         if unmatched:
-            raise ValueError(f"lora.target_modules {unmatched} match no module of {type(model).__name__}: its linear "
-                             f"layers are {_short(linear)} (a pattern is a module's full name or its last dotted "
-                             f"parts){_fused_note(model)}")
+            raise ValueError(f"model.lora.target_modules {unmatched} match no module of {type(model).__name__}: its "
+                             f"linear layers are {_short(linear)} (a pattern is a module's full name or its last "
+                             f"dotted parts){_fused_note(model)}")
         for pattern in names:
             other = [n for n in modules if _matches(n, pattern) and not isinstance(modules[n], nn.Linear)]
             if other:
                 kind = type(modules[other[0]]).__name__
-                raise ValueError(f"lora.target_modules {pattern!r} matches {other[0]!r}, a {kind}, not an nn.Linear: "
-                                 f"gspo's LoRA adapts linear layers only ({_short(linear)})"
+                raise ValueError(f"model.lora.target_modules {pattern!r} matches {other[0]!r}, a {kind}, not an "
+                                 f"nn.Linear: gspo's LoRA adapts linear layers only ({_short(linear)})"
                                  f"{_fused_note(modules[other[0]])}")
     _check_untied(model, [n for n, m in modules.items() if isinstance(m, nn.Linear) and any(_matches(n, p)
                                                                                            for p in names)])
@@ -150,9 +166,9 @@ def _check_untied(model: nn.Module, targets: list[str]) -> None:
     for target in targets:
         names = names_of.get(id(model.get_submodule(target).weight), [])
         if len(names) > 1:
-            raise ValueError(f"lora.target_modules selects {target}, whose weight is tied to "
+            raise ValueError(f"model.lora.target_modules selects {target}, whose weight is tied to "
                              f"{[n for n in names if n != f'{target}.weight']} (tie_word_embeddings): an adapter on it "
-                             "cannot be merged without changing those too; leave it out of lora.target_modules")
+                             "cannot be merged without changing those too; leave it out of model.lora.target_modules")
 
 
 # --------------------------------------------------------------------------------------------------- merged weights

@@ -37,8 +37,10 @@ from transformers import (
 __all__ = [
     "DTYPES",
     "PRESETS",
+    "PRESET_SEED",
     "SPECIAL_TOKENS",
     "VOCAB_CHARS",
+    "adapter_base_name",
     "build_preset",
     "build_tokenizer",
     "cache_keyword",
@@ -296,6 +298,22 @@ def check_model_source(name: str) -> None:
     _check_local_model_dir(path, name)
 
 
+PRESET_SEED = "@seed="
+"""How a LoRA adapter folder names a preset base with the seed of its weights: `tiny-dense@seed=3`
+(`adapter_base_name`)."""
+
+
+def adapter_base_name(name: str, seed: int = 0) -> str:
+    """The name under which a LoRA adapter folder records the base `load_model(name, seed=seed)` built
+    (adapter_config.json's `base_model_name_or_path`), so that `load_model` of the folder builds that same base from
+    any working folder: a local folder's absolute path, a preset with the seed its random weights came from
+    (`tiny-dense@seed=3`; read back only there), a hub id as it is."""
+    if name in PRESETS:
+        return f"{name}{PRESET_SEED}{seed}"
+    path = Path(name).expanduser()
+    return str(path.absolute()) if path.exists() or _looks_like_local_path(name) else name
+
+
 def _is_adapter_folder(path: Path) -> bool:
     """A peft adapter folder (adapter_config.json, no config.json); an unreadable folder is not (the model-folder
     checks then say what cannot be read)."""
@@ -307,7 +325,8 @@ def _is_adapter_folder(path: Path) -> bool:
 
 def _load_adapter_folder(path: Path, **kwargs) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A peft LoRA adapter folder (a LoRA run's OUT/final): its base model (adapter_config.json's
-    `base_model_name_or_path`, loaded by `load_model`) with the adapters merged in, and the folder's tokenizer."""
+    `base_model_name_or_path`, loaded by `load_model`; a preset named with its seed, `adapter_base_name`, is built
+    from that seed, not the caller's) with the adapters merged in, and the folder's tokenizer."""
     import json
 
     from peft import PeftModel
@@ -315,6 +334,9 @@ def _load_adapter_folder(path: Path, **kwargs) -> tuple[PreTrainedModel, PreTrai
     base_name = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
     if not base_name:
         raise ValueError(f"LoRA adapter folder {str(path)!r}: adapter_config.json names no base_model_name_or_path")
+    preset, _, seed = base_name.partition(PRESET_SEED)
+    if preset in PRESETS and seed.isdigit():
+        base_name, kwargs = preset, {**kwargs, "seed": int(seed)}
     base, _ = load_model(base_name, **kwargs)
     model = PeftModel.from_pretrained(base, str(path)).merge_and_unload()
     tokenizer = AutoTokenizer.from_pretrained(str(path))

@@ -117,13 +117,18 @@ def checkpoint_bytes(model: nn.Module) -> tuple[int, int, int, int]:
                                                                                   for p in trainable)
 
 
-def disk_needed(cfg: Config, weights: int, checkpoint: int, checkpoints: int) -> int:
+def disk_needed(cfg: Config, weights: int, checkpoint: int, checkpoints: int, full: int | None = None) -> int:
     """Bytes a run's folder holds at most: of its `checkpoints`, trainer.keep_checkpoints and the one being written
-    before the oldest is pruned; the final model, and OUT/best and OUT/cold_start when configured (model folders of
-    `weights` bytes). Logs, metrics and a guard's extra checkpoints are not counted."""
+    before the oldest is pruned; the final model, and OUT/best and OUT/cold_start when configured. The final and best
+    models are saved `weights` (a LoRA run: its adapters, plus the merged model with lora.merged_final); the cold start
+    is a whole model, `full` bytes (default `weights`: no LoRA). Logs, metrics and a guard's extra checkpoints are not
+    counted."""
+    full = weights if full is None else full
     keep = cfg.trainer.keep_checkpoints
     held = checkpoints if checkpoints <= keep else keep + 1
-    return held * checkpoint + (1 + cfg.trainer.save_best + (cfg.cold_start is not None)) * weights
+    lora = cfg.model.lora
+    model = weights + (full if lora is not None and lora.merged_final else 0)  # final/, best/
+    return held * checkpoint + (1 + cfg.trainer.save_best) * model + (cfg.cold_start is not None) * full
 
 
 def _free_bytes(out: Path) -> int:
@@ -134,13 +139,13 @@ def _free_bytes(out: Path) -> int:
 def check(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """Run `gspo.trainer.prepare` and report what it found and what the run would do (module docstring). Raises as
     the run would (ConfigError / ValueError / OSError) on anything that would stop it; writes nothing."""
-    from gspo.agent import run_chat_format
     from gspo.lora import apply_lora
-    from gspo.sft import over_positions
+    from gspo.sft import demonstration_format, over_positions
     from gspo.trainer import check_rewards, prepare
 
     setup = prepare(cfg, resume=resume, overwrite=overwrite, create_out=False)
     cfg, tokenizer, rewards = setup.cfg, setup.tokenizer, setup.rewards
+    full = checkpoint_bytes(setup.model)[2]  # the whole model's weights (a cold start, LoRA's merged model)
     model = setup.model if cfg.model.lora is None else apply_lora(setup.model, cfg.model.lora)
     params, trainable, weights, size = checkpoint_bytes(model)
     accuracy, threshold = cfg.rewards.accuracy_reward, cfg.rewards.accuracy_threshold
@@ -165,7 +170,8 @@ def check(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[st
     latest = setup.checkpoint
     cs = cfg.cold_start
     demonstrated = [r for r in setup.train_rows if isinstance(r.get("solution"), (str, list))]
-    too_long = len(over_positions(model, tokenizer, demonstrated, chat_format=run_chat_format(cfg, tokenizer))
+    too_long = len(over_positions(model, tokenizer, demonstrated,
+                                  chat_format=demonstration_format(cfg, tokenizer, demonstrated))
                    if cs is not None else [])
     return {
         "env": None if setup.make_env is None else reset_sample(setup),
@@ -192,7 +198,8 @@ def check(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[st
         "model": {"name": cfg.model.name, "parameters": params, "trainable": trainable,
                   "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
                   "attention": getattr(model.config, "_attn_implementation", None),
-                  "checkpoint_bytes": size, "disk_bytes": disk_needed(cfg, weights, size, len(steps["checkpoints"])),
+                  "checkpoint_bytes": size,
+                  "disk_bytes": disk_needed(cfg, weights, size, len(steps["checkpoints"]), full),
                   "disk_free_bytes": _free_bytes(setup.out),
                   "update_rows": share,
                   "update_row_tokens_max": train_lengths["max"] + steps["new_tokens_per_completion"],

@@ -127,13 +127,14 @@ def publish_dir(tmp: Path, target: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def check_output_dir(out: Path, create: bool = True) -> None:
+def check_output_dir(out: Path, create: bool = True, key: str = "trainer.out") -> None:
     """Raise ConfigError, before any compute, when `out` cannot be a run folder: it (or a parent) is a file, or it
     cannot be created or written (read-only file system, no permission). Creates the folder if it is missing, unless
-    `create` is false (`gspo train --check`): then the nearest existing folder on its path is probed instead."""
+    `create` is false (`gspo train --check`, `gspo sft`): then the nearest existing folder on its path is probed
+    instead. The error names the setting `key` (`--out` for a command's option)."""
     for parent in [out, *out.parents]:
         if parent.exists() and not parent.is_dir():
-            raise ConfigError(f"trainer.out {out} cannot be a folder: {parent} is a file")
+            raise ConfigError(f"{key} {out} cannot be a folder: {parent} is a file")
     where = out if create else next(p for p in [out, *out.parents] if p.exists())
     probe = where / f".gspo-write-test-{uuid.uuid4().hex}"
     try:
@@ -141,7 +142,7 @@ def check_output_dir(out: Path, create: bool = True) -> None:
             out.mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"")
     except OSError as e:
-        raise ConfigError(f"trainer.out {out} is not writable: {e.strerror or e} ({type(e).__name__}, errno "
+        raise ConfigError(f"{key} {out} is not writable: {e.strerror or e} ({type(e).__name__}, errno "
                           f"{e.errno}); choose another folder") from None
     finally:
         with contextlib.suppress(OSError):

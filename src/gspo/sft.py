@@ -81,6 +81,17 @@ def over_positions(model: nn.Module, tokenizer, rows: list[dict], solution_field
 
 
 
+def demonstration_format(cfg: Config, tokenizer, rows: Sequence[dict], field: str = "solution",
+                         turn_ends: Sequence[int] | None = None) -> ChatFormat | None:
+    """The chat format the cold start lays the rows' multi-turn demonstrations out by (`run_chat_format`: the run's
+    data.chat_template, else the tokenizer's; `turn_ends`, the ids that end a turn), or None when every demonstration is
+    a string: plain text needs no chat template, so a model without one cold-starts on it (building the format
+    renders a probe conversation, which fails without a template)."""
+    if any(isinstance(r.get(field), list) for r in rows):
+        return run_chat_format(cfg, tokenizer, turn_ends)
+    return None
+
+
 def rows_without_solution(rows: Sequence[dict], field: str = "solution") -> list[int]:
     """The indices of the `rows` that have no demonstration to train on in `field`: a string, or a list of messages
     (a multi-turn demonstration). What the cold start (`gspo train`) and `gspo sft` refuse before a model is loaded."""
@@ -202,7 +213,8 @@ def cold_start(cfg: Config, out: Path, model: nn.Module, tokenizer, train_rows: 
     cs = cfg.cold_start
     measured = before(model) if before is not None else None
     # the ids the engine stops at (generation_config's too): demonstrations end turns with the template's own EOS
-    chat_format = run_chat_format(cfg, tokenizer, eos_ids(tokenizer, getattr(model, "generation_config", None)))
+    chat_format = demonstration_format(cfg, tokenizer, train_rows,
+                                       turn_ends=eos_ids(tokenizer, getattr(model, "generation_config", None)))
     too_long = len(over_positions(model, tokenizer, train_rows, chat_format=chat_format))  # sft leaves them out
     losses = sft(model, tokenizer, train_rows, steps=cs.steps, batch_size=cs.batch_size, lr=cs.lr,
                  warmup_steps=cs.warmup_steps, seed=derive_seed(cfg.trainer.seed, "sft"),

@@ -65,8 +65,15 @@ from gspo.evaluation import (
 from gspo.guard import CollapseGuard, GuardSettings, Verdict, best_checkpoint, good_checkpoint
 from gspo.hooks import LearnHook, MoERouting, PrecisionMetrics
 from gspo.learner import LearnSettings, learn
-from gspo.lora import BaseReference, apply_lora, save_lora_final
-from gspo.models import check_compile_support, disable_dropout, enable_gradient_checkpointing, load_model, save_model
+from gspo.lora import BaseReference, apply_lora, check_lora, save_lora_final
+from gspo.models import (
+    adapter_base_name,
+    check_compile_support,
+    disable_dropout,
+    enable_gradient_checkpointing,
+    load_model,
+    save_model,
+)
 from gspo.moe import is_moe, replay_support_error, require_replay_support
 from gspo.objectives import OBJECTIVES
 from gspo.optim import check_update_precision, make_optimizer, scale_lr, warmup_warning
@@ -599,6 +606,8 @@ def prepare(cfg: Config, resume: bool = False, overwrite: bool = False, create_o
 
     model, tokenizer = load_model(cfg.model.name, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code,
                                   seed=cfg.trainer.seed, attn_implementation=cfg.model.attn_implementation)
+    if cfg.data.chat_template:  # the template the run renders with: every model it saves carries it (final/, ...)
+        tokenizer.chat_template = Path(cfg.data.chat_template).expanduser().read_text(encoding="utf-8")
     _model_checks(cfg, model, group)
     # message prompts → the model's chat template (gspo.data.chat), with the tools' schemas for tool use
     data = render_chat(data, cfg.data, tokenizer, tools=tool_schemas)
@@ -773,8 +782,10 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         else:
             log.warning("trainer.disable_dropout=false and the model has dropout (%s): π_θ is random, so the "
                         "on-policy minibatch's ratios are noise, not 1", listed)
-    # what LoRA adapts, as adapter folders name it: an absolute path, so `gspo eval RUN/final` finds it from anywhere
-    lora_base = str((out / "cold_start").absolute()) if cfg.cold_start is not None else cfg.model.name
+    # what LoRA adapts, as adapter folders name it: an absolute path (a preset: with its seed), so that
+    # `gspo eval RUN/final` builds that same base from anywhere
+    lora_base = (str((out / "cold_start").absolute()) if cfg.cold_start is not None
+                 else adapter_base_name(cfg.model.name, cfg.trainer.seed))
     kl_copy = cfg.algorithm.kl_beta > 0 and cfg.model.lora is None  # LoRA: the base with its adapters off, no copy
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if kl_copy else None
     # before wrapping: it may copy the full model. Async: the learner's engine only evaluates, and vLLM servers belong
@@ -784,7 +795,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
     else:
         engine = make_engine(cfg, model, tokenizer, out=out, dist=group)
     if cfg.model.lora is not None:  # after the engine: an own-copy engine is built from the plain model
-        model = apply_lora(model, cfg.model.lora, base_model=lora_base)  # only the adapters train; engines receive
+        model = apply_lora(model, cfg.model.lora, base_model=lora_base,  # only the adapters train; engines receive
+                           seed=derive_seed(cfg.trainer.seed, "lora"))
         # merged weights; every adapter folder saved (checkpoints, final/) names the base it was trained on
     model = wrap_policy(group, model, cfg.trainer.mixed_precision)  # DDP / FSDP2; one process: as is
     if cfg.model.lora is not None and cfg.algorithm.kl_beta > 0:  # the policy with its adapters off; under FSDP
@@ -1137,8 +1149,8 @@ def rows_line(source: dict) -> str:
 
 def _model_checks(cfg: Config, model: nn.Module, group: ProcessGroup) -> None:
     """What can only be checked once the model is built, before any compute: gradient checkpointing support, an lr
-    that the weights' dtype can take, the built-in engine's decode loop, routing-replay support of a hub model, the
-    batch split over the processes."""
+    that the weights' dtype can take, LoRA's target modules (and peft), the built-in engine's decode loop,
+    routing-replay support of a hub model, the batch split over the processes."""
     if cfg.trainer.gradient_checkpointing:  # train-mode forwards only: the sampler (eval mode) keeps its KV cache
         try:
             enable_gradient_checkpointing(model)
@@ -1150,6 +1162,13 @@ def _model_checks(cfg: Config, model: nn.Module, group: ProcessGroup) -> None:
             check_update_precision([p for p in model.parameters() if p.requires_grad], lr)
         except ValueError as e:
             raise ConfigError(f"{key}: {e}") from None
+    if cfg.model.lora is not None:  # LoRA is applied after the cold start: a bad target is found now, not then
+        try:
+            check_lora(model, cfg.model.lora)
+        except ImportError as e:
+            raise ConfigError(f"model.lora: {e}") from None
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     _flash_attention_checks(cfg, group.device)
     if cfg.trainer.compile:
         try:
