@@ -3,6 +3,8 @@ errors that name the offending key, before any compute."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -16,6 +18,7 @@ from gspo.config import (
     load_config,
     validate_config,
 )
+from gspo.runfolder import check_resume_config
 
 
 def test_demo_config_validates():
@@ -43,6 +46,50 @@ def test_validated_config_round_trips_through_its_saved_yaml():
     again = validate_config(yaml.safe_load(saved))
     assert again == cfg
     assert config_diff(config_to_dict(again), config_to_dict(cfg)) == []
+
+
+def _saved(cfg: Config, tmp_path) -> Path:
+    """`cfg` saved as a run saves it (OUT/config.yaml)."""
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    return path
+
+
+@pytest.mark.parametrize(("loss", "low", "high", "scale"),
+                         [("grpo", 0.2, 0.27, "group"), ("cispo", 1.0, 0.28, "group"), ("dr_grpo", 0.2, 0.27, "none")])
+def test_a_saved_config_with_another_loss_takes_that_losss_defaults(tmp_path, loss, low, high, scale):
+    """A run's config.yaml reused with another algorithm.loss (`gspo train RUN/config.yaml algorithm.loss=grpo`,
+    `gspo compare --config RUN/config.yaml`) runs it at its own eps and advantage scale, not the saved GSPO ones
+    (they were saved as set, 3e-4 / 4e-4: GRPO trained at GSPO's clip range, dr_grpo was refused)."""
+    saved = _saved(load_config(DEMO), tmp_path)
+    algo = load_config(saved, [f"algorithm.loss={loss}"]).algorithm
+    assert (algo.eps_low, algo.eps_high, algo.advantage_scale) == (pytest.approx(low), pytest.approx(high), scale)
+    assert load_config(saved) == load_config(DEMO)  # and as it was, without the override
+
+
+def test_a_saved_config_keeps_the_keys_the_user_set(tmp_path):
+    saved = _saved(load_config(DEMO, ["algorithm.eps_high=0.5", "rewards.accuracy_reward=addition"]), tmp_path)
+    cfg = load_config(saved, ["algorithm.loss=grpo", "trainer.steps=null", "trainer.epochs=2"])
+    assert (cfg.algorithm.eps_low, cfg.algorithm.eps_high) == (pytest.approx(0.2), 0.5)
+    assert cfg.rewards.accuracy_reward == "addition" and cfg.trainer.epochs == 2
+    derived = yaml.safe_load(_saved(load_config(None), tmp_path).read_text())  # nothing set: the defaults derive
+    assert derived["trainer"]["steps"] is None and derived["rewards"]["accuracy_reward"] is None
+    cfg = load_config(tmp_path / "config.yaml", ["trainer.epochs=2", "rewards.functions={math: 1}"])
+    assert cfg.trainer.steps is None and cfg.rewards.accuracy_reward == "math"
+    assert config_to_dict(load_config(None), resolved=True)["algorithm"]["eps_low"] == pytest.approx(3e-4)
+
+
+def test_resume_compares_the_configs_as_resolved(tmp_path):
+    """A run saved with its eps derived (null) or, before they were, as values, resumes with the same settings given
+    either way; another loss is still refused."""
+    cfg = load_config(DEMO)
+    old = cfg.model_dump(mode="json")  # what a run saved before derived keys were saved as null
+    for saved in (config_to_dict(cfg), old):
+        (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
+        assert check_resume_config(tmp_path, config_to_dict(cfg)) == []
+        assert check_resume_config(tmp_path, config_to_dict(load_config(DEMO, ["algorithm.eps_low=3e-4"]))) == []
+        with pytest.raises(ConfigError, match=r"differs in algorithm\.eps_high, algorithm\.eps_low, algorithm\.loss"):
+            check_resume_config(tmp_path, config_to_dict(load_config(DEMO, ["algorithm.loss=grpo"])))
 
 
 @pytest.mark.parametrize(

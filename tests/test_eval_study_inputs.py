@@ -191,6 +191,17 @@ def test_a_finished_run_is_reused_only_with_the_same_config(tmp_path):
         reusable_run(run, load_config(DEMO, ["trainer.steps=7"]), "compare")
 
 
+def test_a_finished_run_saved_with_its_eps_resolved_is_reused(tmp_path):
+    """A study's finished run saved before derived keys (an objective's eps) were saved as null, i.e. with their
+    values, is the same config as one that leaves them unset: reused, not refused as differing in algorithm.eps_*."""
+    cfg = load_config(DEMO, [f"trainer.out={tmp_path / 'run'}"])
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    (run / "summary.json").write_text("{}")
+    assert reusable_run(run, cfg, "compare") is True
+
+
 def test_a_cold_start_is_reused_only_when_built_with_the_same_settings(tmp_path, caplog):
     cfg = load_config(DEMO, [])
     target = tmp_path / "cold_start"

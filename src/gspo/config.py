@@ -12,7 +12,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from gspo.objectives import KL_ESTIMATORS, OBJECTIVES
 from gspo.rewards import MODEL_PREFIX
@@ -27,6 +36,14 @@ class _Section(BaseModel):
     # Numbers are accepted for string fields: an override `trainer.out=2024` is parsed as YAML, i.e. as an int. No
     # number may be infinite or NaN (YAML's .inf / .nan): `optim.lr=.inf` used to train a model of NaN weights.
     model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True, allow_inf_nan=False)
+    # Keys a validator filled in from other keys because they were left unset (an objective's eps, ...): saved as
+    # null by `config_to_dict`, so that a saved config loaded with other settings derives them again.
+    _derived: frozenset[str] = PrivateAttr(default=frozenset())
+
+    def _derive(self, name: str, value: Any) -> None:
+        """Set the unset key `name` to `value`, derived from other keys (see `config_to_dict`)."""
+        setattr(self, name, value)
+        self._derived = self._derived | {name}
 
     @field_validator("*", mode="before")
     @classmethod
@@ -232,8 +249,12 @@ class RewardConfig(_Section):
                 raise ValueError(f"rewards.routes must map each value of {self.route_by!r} to a non-empty list of "
                                  f"rewards.functions {list(self.functions)}" + (f"; unknown: {unknown}" if unknown
                                                                                 else ""))
-        self.accuracy_reward = resolve_accuracy_reward(list(self.functions), self.accuracy_reward,
-                                                       key="rewards.accuracy_reward", routed=self.routes is not None)
+        accuracy = resolve_accuracy_reward(list(self.functions), self.accuracy_reward, key="rewards.accuracy_reward",
+                                           routed=self.routes is not None)
+        if self.accuracy_reward is None:
+            self._derive("accuracy_reward", accuracy)
+        else:
+            self.accuracy_reward = accuracy
         if "accuracy_threshold" not in self.model_fields_set:
             check_model_threshold(self.accuracy_reward, "rewards.accuracy_threshold")
         return self
@@ -508,12 +529,9 @@ class AlgorithmConfig(_Section):
         spec = OBJECTIVES.get(self.loss)
         if spec is None:
             raise ValueError(f"algorithm.loss {self.loss!r} is not one of: {', '.join(OBJECTIVES)}")
-        if self.eps_low is None:
-            self.eps_low = spec.eps_low
-        if self.eps_high is None:
-            self.eps_high = spec.eps_high
-        if self.advantage_scale is None:
-            self.advantage_scale = spec.advantage_scale
+        for name in ("eps_low", "eps_high", "advantage_scale"):
+            if getattr(self, name) is None:
+                self._derive(name, getattr(spec, name))
         if self.advantage_scale not in spec.allowed_scales:
             allowed = " or ".join(repr(s) for s in spec.allowed_scales)
             raise ValueError(f"algorithm.loss {self.loss} requires algorithm.advantage_scale {allowed}, got "
@@ -644,7 +662,7 @@ class TrainerConfig(_Section):
             raise ValueError(f"set one of trainer.steps ({self.steps}) and trainer.epochs ({self.epochs:g}): the "
                              "other follows from the number of training rows")
         if self.epochs is None and self.steps is None:
-            self.steps = 100
+            self._derive("steps", 100)
         return self
 
 
@@ -846,9 +864,26 @@ def validate_config(data: dict[str, Any]) -> Config:
         raise ConfigError(_format_errors(e)) from None
 
 
-def config_to_dict(cfg: Config) -> dict[str, Any]:
-    """Plain dict (JSON/YAML-safe) of a validated config, defaults resolved."""
-    return cfg.model_dump(mode="json")
+def config_to_dict(cfg: Config, resolved: bool = False) -> dict[str, Any]:
+    """Plain dict (JSON/YAML-safe) of a validated config, as OUT/config.yaml holds it: every key, with the defaults;
+    but the keys that validation derives from other keys when they are left unset (an objective's eps_low, eps_high
+    and advantage_scale, the accuracy reward, trainer.steps) are null, as given, so that the dict loaded again with
+    other settings (another algorithm.loss) derives them again instead of keeping values that look set by the user.
+    `resolved`: their derived values instead, what the run uses (to compare two configs: `config_diff`)."""
+    data = cfg.model_dump(mode="json")
+    if not resolved:
+        _underive(cfg, data)
+    return data
+
+
+def _underive(section: _Section, data: dict[str, Any]) -> None:
+    """Null the derived keys (`_Section._derive`) of `section` and its sub-sections in its dump `data`."""
+    for name in section._derived:
+        data[name] = None
+    for name in type(section).model_fields:
+        value = getattr(section, name)
+        if isinstance(value, _Section):
+            _underive(value, data[name])
 
 
 def config_diff(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[str]:
