@@ -252,6 +252,31 @@ def test_overrides_parse_yaml_values():
     assert cfg.trainer.out == "2024"
 
 
+@pytest.mark.parametrize(
+    ("override", "key", "value"),
+    [("trainer.out=007", "trainer.out", "007"), ("trainer.out=2024_01", "trainer.out", "2024_01"),
+     ("trainer.out=12:30", "trainer.out", "12:30"), ("trainer.out=1.10", "trainer.out", "1.10"),
+     ("trainer.out=runs/exp #2", "trainer.out", "runs/exp #2"),
+     ("data.system_prompt=#1 rule: answer with a number", "data.system_prompt", "#1 rule: answer with a number"),
+     ("data.prompt_template=Solve: {question}", "data.prompt_template", "Solve: {question}"),
+     ("data.eval_split=2024-01-01", "data.eval_split", "2024-01-01"),
+     ("data.fields.prompt=007", "data.fields", {"prompt": "007"}),
+     ("trainer.out='quoted'", "trainer.out", "quoted"),  # YAML's quotes still read
+     ("data.eval_split=null", "data.eval_split", None), ("model.attn_implementation=~", "model.attn_implementation",
+                                                         None)],
+)
+def test_an_override_of_a_string_key_keeps_its_text(override, key, value):
+    """YAML would read `007` as 7, `12:30` as 750 (sexagesimal), cut `runs/exp #2` at its comment, drop `#1 rule`
+    as a comment (null), and take `Solve: {question}` for a mapping; a key that takes a string gets the text."""
+    section, name = key.split(".")
+    assert getattr(getattr(load_config(DEMO, [override]), section), name) == value
+
+
+def test_an_override_of_a_key_that_takes_strings_or_a_list_reads_a_list():
+    cfg = load_config(None, ["data.task=null", "data.path=[a.jsonl, b.jsonl]", "data.eval_path=c #2.jsonl"])
+    assert cfg.data.path == ["a.jsonl", "b.jsonl"] and cfg.data.eval_path == "c #2.jsonl"
+
+
 def test_apply_overrides_types_untyped_values():
     """Values in free-form dicts (task_options, wandb) keep their YAML type: `1e-3` is a float, not the text '1e-3'."""
     data = apply_overrides({}, ["a.f=1e-3", "a.g=-2E+4", "a.i=10", "a.b=true", "a.s=hello", "a.l=[1, x]", "a.n=null"])

@@ -8,8 +8,9 @@ are checked here too, so an invalid combination cannot reach the trainer.
 from __future__ import annotations
 
 import re
+import types
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -33,8 +34,9 @@ def _allows_bool(annotation: Any) -> bool:
 
 
 class _Section(BaseModel):
-    # Numbers are accepted for string fields: an override `trainer.out=2024` is parsed as YAML, i.e. as an int. No
-    # number may be infinite or NaN (YAML's .inf / .nan): `optim.lr=.inf` used to train a model of NaN weights.
+    # Numbers are accepted for string fields: a YAML file's `out: 2024` is an int (an override keeps a string key's
+    # text as given: `_parse_value`). No number may be infinite or NaN (YAML's .inf / .nan): `optim.lr=.inf` used
+    # to train a model of NaN weights.
     model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True, allow_inf_nan=False)
     # Keys a validator filled in from other keys because they were left unset (an objective's eps, ...): saved as
     # null by `config_to_dict`, so that a saved config loaded with other settings derives them again.
@@ -806,16 +808,51 @@ def _yaml_load(text: str) -> Any:
     return yaml.load(text, Loader=_YamlLoader)  # a SafeLoader subclass: no arbitrary objects
 
 
-def _parse_value(text: str) -> Any:
-    """Parse an override value as YAML (numbers, booleans, null, lists, dicts), else keep it a string."""
+def _arms(annotation: Any) -> tuple[Any, ...]:
+    """The types of a union annotation (`str | None` → str, NoneType), or the annotation alone."""
+    return get_args(annotation) if get_origin(annotation) in (Union, types.UnionType) else (annotation,)
+
+
+def _annotation_at(parts: list[str]) -> Any:
+    """The type of the dotted key `parts` in `Config` (through sections and dict values, e.g. data.fields.prompt →
+    str); None for a key it does not have."""
+    annotation: Any = Config
+    for part in parts:
+        section = next((a for a in _arms(annotation) if isinstance(a, type) and issubclass(a, _Section)), None)
+        if section is not None:
+            if part not in section.model_fields:
+                return None
+            annotation = section.model_fields[part].annotation
+            continue
+        mapping = next((a for a in _arms(annotation) if get_origin(a) is dict), None)
+        if mapping is None:
+            return None
+        annotation = get_args(mapping)[1]
+    return annotation
+
+
+def _parse_value(text: str, annotation: Any = None) -> Any:
+    """An override's value: parsed as YAML (numbers, booleans, null, lists, dicts; text that is not YAML stays a
+    string), except for a key that takes a string (`annotation`): its text as given, since YAML would change or
+    drop it (`007` → 7, `12:30` → 750, `runs/exp #2` → 'runs/exp', `#1 rule` → null, `Solve: {q}` → a dict). There,
+    YAML still reads null / ~ (a key that takes none), a quoted string, and a list (a key that takes one)."""
     try:
-        return _yaml_load(text)
+        parsed = _yaml_load(text)
     except yaml.YAMLError:
         return text
+    arms = _arms(annotation)
+    if str not in arms or not text.strip() or (isinstance(parsed, str) and text.lstrip()[:1] in "'\""):
+        return parsed
+    if text.strip() in ("null", "Null", "NULL", "~") and type(None) in arms:
+        return None
+    if isinstance(parsed, list) and any(get_origin(a) is list for a in arms):
+        return parsed
+    return text
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply `a.b.c=value` overrides to a nested dict (in place); the value is parsed as YAML."""
+    """Apply `a.b.c=value` overrides to a nested dict (in place); the value is parsed as YAML, but for a key that
+    takes a string (`_parse_value`)."""
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
@@ -829,7 +866,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             if not isinstance(child, dict):
                 raise ConfigError(f"override {item!r}: {part!r} is not a section")
             node = child
-        node[parts[-1]] = _parse_value(value)
+        node[parts[-1]] = _parse_value(value, _annotation_at(parts))
     return data
 
 
