@@ -208,6 +208,10 @@ def test_all_errors_are_reported_at_once():
         (["rollout.release_decode_cache=true", "rollout.decode=dynamic"], ["release_decode_cache", "decode=dynamic"]),
         (["rollout.release_decode_cache=true", "rollout.engine=vllm"], ["release_decode_cache", "engine=vllm"]),
         (["rollout.release_decode_cache=true", "rollout.mode=async"], ["release_decode_cache", "mode=async"]),
+        # settings that cannot take effect were accepted and unused (as async-only keys in a sync run are not)
+        (["rollout.dynamic_max_rounds=10"], ["rollout.dynamic_max_rounds=10", "dynamic_sampling=true"]),
+        (["rewards.overlong_penalty=5"], ["rewards.overlong_penalty=5", "without rewards.overlong_buffer"]),
+        (["trainer.eval_temperature=0.5"], ["trainer.eval_temperature=0.5", "eval_samples=1", "greedily"]),
     ],
 )
 def test_incompatible_options_raise(overrides, names):
@@ -223,6 +227,9 @@ def test_compatible_variants_of_those_options_validate():
     load_config(DEMO, ["rollout.prompts_per_step=3", "rollout.group_size=4", "algorithm.minibatches=3"])
     load_config(DEMO, ["rollout.max_batch_rows=8", "rollout.group_size=8", "trainer.micro_batch_tokens=4096"])
     load_config(DEMO, ["rollout.release_decode_cache=true"])  # decode auto: compiled on CUDA
+    load_config(DEMO, ["rollout.dynamic_sampling=true", "rollout.dynamic_max_rounds=10"])
+    load_config(DEMO, ["rewards.overlong_buffer=4", "rewards.overlong_penalty=5"])
+    load_config(DEMO, ["trainer.eval_samples=4", "trainer.eval_temperature=0.5"])
     cfg = load_config(DEMO, ["data.task=null", "data.path=train.jsonl", "data.fields={solution: answer}"])
     assert cfg.data.fields == {"solution": "answer"}
 

@@ -42,6 +42,10 @@ class _Section(BaseModel):
     # null by `config_to_dict`, so that a saved config loaded with other settings derives them again.
     _derived: frozenset[str] = PrivateAttr(default=frozenset())
 
+    def _changed(self, name: str) -> bool:
+        """Whether key `name` differs from its default (a setting that must then be able to take effect)."""
+        return getattr(self, name) != type(self).model_fields[name].default
+
     def _derive(self, name: str, value: Any) -> None:
         """Set the unset key `name` to `value`, derived from other keys (see `config_to_dict`)."""
         setattr(self, name, value)
@@ -241,6 +245,10 @@ class RewardConfig(_Section):
             if spec.startswith(MODEL_PREFIX) and not spec[len(MODEL_PREFIX):].strip():
                 raise ValueError(f"rewards.functions: {spec!r} names no reward model; write model:PATH (a folder "
                                  "holding a one-output sequence classifier, or a hub id)")
+        if self.overlong_buffer is None and self._changed("overlong_penalty"):
+            raise ValueError(f"rewards.overlong_penalty={self.overlong_penalty:g} is the size of the overlong penalty, "
+                             "which is off without rewards.overlong_buffer (the tokens before the budget where it "
+                             "ramps up): set overlong_buffer, or leave overlong_penalty out")
         if (self.route_by is None) != (self.routes is None):
             raise ValueError("rewards.route_by (a row field) and rewards.routes (its values → reward functions) go "
                              "together: set both or neither")
@@ -403,6 +411,9 @@ class RolloutConfig(_Section):
         if self.max_batch_rows is not None and self.max_batch_rows < self.group_size:
             raise ValueError(f"rollout.max_batch_rows={self.max_batch_rows} is less than one group "
                              f"(rollout.group_size={self.group_size}): a batch holds whole groups")
+        if not self.dynamic_sampling and self._changed("dynamic_max_rounds"):
+            raise ValueError(f"rollout.dynamic_max_rounds={self.dynamic_max_rounds} bounds the rounds of dynamic "
+                             "sampling, which is off: set rollout.dynamic_sampling=true, or leave it out")
         async_only = {"max_staleness": 1, "workers": 1, "worker_threads": 1, "partial": True}  # their defaults
         changed = [k for k, default in async_only.items() if getattr(self, k) != default]
         if self.mode == "sync" and changed:
@@ -516,9 +527,6 @@ class AlgorithmConfig(_Section):
             low, high = self.mask_bounds
             if not (0 < low < 1 < high < float("inf")):  # ρ = 1 (no mismatch) is always kept
                 raise ValueError(f"algorithm.mask_bounds must satisfy 0 < low < 1 < high (finite), got [{low}, {high}]")
-            if self.mismatch in ("off", "tis"):
-                raise ValueError(f"algorithm.mask_bounds is set but algorithm.mismatch={self.mismatch} masks nothing: "
-                                 "use mismatch=mask or tis+mask, or remove mask_bounds")
         spec = OBJECTIVES.get(self.loss)
         if spec is not None and "tis" in self.mismatch and spec.ratio_level == "token" and not spec.token_advantages:
             raise ValueError(f"algorithm.mismatch={self.mismatch}: token-level TIS scales the advantages per token, "
@@ -665,6 +673,10 @@ class TrainerConfig(_Section):
                              "other follows from the number of training rows")
         if self.epochs is None and self.steps is None:
             self._derive("steps", 100)
+        if self.eval_samples == 1 and self._changed("eval_temperature"):
+            raise ValueError(f"trainer.eval_temperature={self.eval_temperature:g} samples the held-out completions "
+                             "when trainer.eval_samples > 1; with eval_samples=1 the evaluation decodes greedily: set "
+                             "trainer.eval_samples=N, or leave eval_temperature out")
         return self
 
 
@@ -719,10 +731,37 @@ class Config(_Section):
                              "adapters' dropout would be turned off. Set model.lora.dropout=0 (dropout makes π_θ "
                              "random: the on-policy ratios become noise larger than GSPO's clip range), or "
                              "trainer.disable_dropout=false to train with it anyway")
+        _check_correction(self)
         _check_scaling(self)
         # Whether the model supports routing replay is not checked here (validation builds no model): the trainer's
         # start checks call gspo.moe.replay_support_error, before anything is written or loaded.
         return self
+
+
+def _check_correction(cfg: Config) -> None:
+    """Refuse algorithm.mask_bounds / tis_cap (other than its default) when the run's mismatch correction, as the
+    trainer resolves it (`gspo.correction.resolve_correction`), has no mask / no TIS to use them in: "auto" is off
+    in a sync run and with π_old from the engine."""
+    from gspo.correction import resolve_correction
+
+    algo, mode = cfg.algorithm, cfg.rollout.mode
+    correction = resolve_correction(algo.mismatch, OBJECTIVES[algo.loss], recompute=algo.old_logprobs == "recompute",
+                                    asynchronous=mode == "async", tis_cap=algo.tis_cap, mask_bounds=algo.mask_bounds)
+    why = f"algorithm.mismatch={algo.mismatch}"
+    if algo.mismatch == "auto":
+        why += (" (a correction only with algorithm.old_logprobs=recompute and rollout.mode=async; this run: "
+                f"{algo.old_logprobs}, {mode}{'' if correction is None else f': {_correction_words(correction)}'})")
+    if algo.mask_bounds is not None and (correction is None or correction.bounds is None):
+        raise ValueError(f"algorithm.mask_bounds is set but {why} masks nothing: use mismatch=mask or tis+mask, or "
+                         "remove mask_bounds")
+    if algo._changed("tis_cap") and (correction is None or correction.tis_cap is None):
+        raise ValueError(f"algorithm.tis_cap={algo.tis_cap:g} is set but {why} weights nothing (no TIS): use "
+                         "mismatch=tis or tis+mask, or remove tis_cap")
+
+
+def _correction_words(correction: Any) -> str:
+    """A resolved `gspo.correction.Correction` as its mismatch mode: tis, mask or tis+mask."""
+    return "+".join(kind for kind, on in (("tis", correction.tis_cap), ("mask", correction.bounds)) if on is not None)
 
 
 def _check_scaling(cfg: Config) -> None:
