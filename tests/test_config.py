@@ -3,6 +3,7 @@ errors that name the offending key, before any compute."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -351,9 +352,25 @@ def test_a_boolean_is_not_a_number(override, key):
         load_config(DEMO, [override])
 
 
+@pytest.mark.parametrize(
+    ("override", "key", "where"),
+    [("optim.betas=[no, 0.999]", "optim.betas", "false at [0]"),
+     ("rewards.functions={addition: 1, math: off}", "rewards.functions", "false at ['math']"),
+     ("rewards.functions={addition: yes}", "rewards.functions", "true at ['addition']"),
+     ("rollout.stop=[yes]", "rollout.stop", "true at [0]")],
+)
+def test_a_boolean_is_not_a_number_inside_a_list_or_dict(override, key, where):
+    """`betas: [no, 0.999]` was (0.0, 0.999), `functions: {math: off}` a weight of 0."""
+    with pytest.raises(ConfigError, match=rf"{key}: got the boolean {re.escape(where)}, which this key does not take"):
+        load_config(DEMO, [override, "rewards.accuracy_reward=addition"])
+
+
 def test_booleans_stay_valid_where_a_key_takes_one():
     cfg = load_config(DEMO, ["log.progress=no", "model.trust_remote_code=false", "data.task_options={digits: 2}"])
     assert cfg.log.progress is False and cfg.model.trust_remote_code is False
+    cfg = load_config(DEMO, ["data.chat_template_kwargs={enable_thinking: false}", "log.wandb={save_code: true}",
+                             "rollout.vllm.engine_args={enable_chunked_prefill: false}"])
+    assert cfg.data.chat_template_kwargs == {"enable_thinking": False} and cfg.log.wandb == {"save_code": True}
 
 
 def test_reliability_defaults():

@@ -55,11 +55,38 @@ class _Section(BaseModel):
     @classmethod
     def _no_bool_as_number(cls, value: Any, info: ValidationInfo) -> Any:
         """pydantic would read `true` as 1 for a number field: YAML's yes/no/on/off are booleans, so `eval_every: on`
-        would silently mean 1. A boolean is only accepted where the field takes one."""
-        if isinstance(value, bool) and not _allows_bool(cls.model_fields[info.field_name].annotation):
-            raise ValueError(f"got the boolean {str(value).lower()}, which this key does not take "
-                             "(YAML reads yes/no/on/off/true/false as booleans)")
+        would silently mean 1, `betas: [no, 0.999]` (0.0, 0.999). A boolean is only accepted where the field takes
+        one, also inside its lists and dicts."""
+        found = _misplaced_bool(value, cls.model_fields[info.field_name].annotation)
+        if found is not None:
+            where, flag = found
+            raise ValueError(f"got the boolean {str(flag).lower()}{f' at {where}' if where else ''}, which this key "
+                             "does not take (YAML reads yes/no/on/off/true/false as booleans)")
         return value
+
+
+def _misplaced_bool(value: Any, annotation: Any) -> tuple[str, bool] | None:
+    """(where, the boolean) for a boolean in `value` at a place `annotation` takes none: "" for `value` itself,
+    "['math']" or "[0]" inside a dict or list / tuple of the annotation's; None when there is none."""
+    if isinstance(value, bool):
+        return None if _allows_bool(annotation) else ("", value)
+    arms = _arms(annotation)
+    if Any in arms or not isinstance(value, (dict, list, tuple)):
+        return None
+    for key, item in value.items() if isinstance(value, dict) else enumerate(value):
+        takes = []  # the annotations the arms give this item
+        for arm in arms:
+            origin, args = get_origin(arm), get_args(arm)
+            if isinstance(value, dict) and origin is dict and args:
+                takes.append(args[1])
+            elif not isinstance(value, dict) and origin is list and args:
+                takes.append(args[0])
+            elif not isinstance(value, dict) and origin is tuple and args:
+                takes.append(args[0] if args[-1] is Ellipsis else args[key] if key < len(args) else Any)
+        found = [_misplaced_bool(item, a) for a in takes]
+        if found and all(f is not None for f in found):
+            return f"[{key!r}]{found[0][0]}", found[0][1]
+    return None
 
 
 class LoraConfig(_Section):
