@@ -7,8 +7,10 @@ are checked here too, so an invalid combination cannot reach the trainer.
 
 from __future__ import annotations
 
+import difflib
 import re
 import types
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
@@ -830,6 +832,12 @@ def _check_scaling(cfg: Config) -> None:
 
 class ConfigError(ValueError):
     """A configuration problem, with the offending key in the message."""
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """" (did you mean 'x'?)" for the choices closest to a mistyped `name` (difflib), else "" ."""
+    close = difflib.get_close_matches(name, list(choices), n=2, cutoff=0.6)
+    return f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
 
 
 def _format_errors(err: ValidationError) -> str:
