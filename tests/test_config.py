@@ -137,6 +137,19 @@ def test_unknown_key_is_an_error_naming_the_dotted_key(override, key):
     assert f"{key}: unknown key" in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("override", "hint"),
+    [("rollout.groupsize=4", "rollout.groupsize: unknown key (did you mean 'group_size'?)"),
+     ("rolout.group_size=4", "rolout: unknown key (did you mean 'rollout'?)"),
+     ("trainer.guard.windw=3", "trainer.guard.windw: unknown key (did you mean 'window'?)"),
+     ("optim.learning_rate=1e-5", "optim.learning_rate: unknown key (optim takes: lr, weight_decay, betas,")],
+)
+def test_an_unknown_key_suggests_the_close_ones_or_lists_the_sections_keys(override, hint):
+    with pytest.raises(ConfigError) as info:
+        load_config(DEMO, [override])
+    assert hint in str(info.value)
+
+
 def test_unknown_key_in_the_yaml_file_is_an_error(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("algorithm:\n  loss: gspo\n  minibatch: 2\n")

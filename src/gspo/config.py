@@ -845,13 +845,25 @@ def _format_errors(err: ValidationError) -> str:
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "(top level)"
         if e["type"] == "extra_forbidden":
-            msg, value = "unknown key", ""
+            msg, value = "unknown key" + _known_keys(e["loc"]), ""
         elif e["type"] == "value_error":  # our validators' messages name the keys; the input is a whole section
             msg, value = str(e.get("ctx", {}).get("error", e["msg"])), ""
         else:
             msg, value = e["msg"], f" (got {e.get('input')!r})"
         lines.append(f"  {key}: {msg}{value}")
     return "invalid configuration:\n" + "\n".join(lines)
+
+
+def _known_keys(loc: tuple[int | str, ...]) -> str:
+    """For an unknown key at `loc`: its section's closest keys, " (did you mean 'group_size'?)", or when none is
+    close, the keys the section takes."""
+    parent = _annotation_at([str(p) for p in loc[:-1]])
+    section = next((a for a in _arms(parent) if isinstance(a, type) and issubclass(a, _Section)), None)
+    if section is None:
+        return ""
+    keys = list(section.model_fields)
+    where = ".".join(str(p) for p in loc[:-1]) or "a config"
+    return did_you_mean(str(loc[-1]), keys) or f" ({where} takes: {', '.join(keys)})"
 
 
 class _YamlLoader(yaml.SafeLoader):
