@@ -331,6 +331,19 @@ def test_override_into_a_scalar_is_an_error():
         load_config(DEMO, ["trainer.steps.x=1"])
 
 
+def test_yaml_merge_keys_are_read_and_duplicates_still_refused(tmp_path):
+    """`<<: *anchor` (which yaml.safe_load reads) was refused: 'could not determine a constructor for the tag
+    tag:yaml.org,2002:merge'. The mapping's own keys win over merged ones, as in YAML; a repeated key is still an
+    error."""
+    path = tmp_path / "c.yaml"
+    path.write_text("trainer:\n  guard:\n    <<: {window: 30, warmup: 15, patience: 2}\n    patience: 4\n")
+    guard = load_config(path).trainer.guard
+    assert (guard.window, guard.warmup, guard.patience) == (30, 15, 4)
+    path.write_text("trainer:\n  guard:\n    <<: {window: 30}\n    patience: 4\n    patience: 5\n")
+    with pytest.raises(ConfigError, match="duplicate key 'patience'"):
+        load_config(path)
+
+
 def test_missing_or_non_mapping_config_file(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")

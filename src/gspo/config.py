@@ -872,9 +872,12 @@ class _YamlLoader(yaml.SafeLoader):
 
 
 def _construct_unique_mapping(loader: _YamlLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    """A mapping whose keys are unique: YAML would let a repeated section silently replace the first one."""
+    """A mapping whose keys are unique: YAML would let a repeated section silently replace the first one. Merge keys
+    (`<<: *defaults`) are left to SafeConstructor, which merges them under the mapping's own keys."""
     seen: dict[Any, Any] = {}
     for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
         key = loader.construct_object(key_node, deep=deep)
         if key in seen:
             raise yaml.constructor.ConstructorError(
