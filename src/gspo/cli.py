@@ -844,6 +844,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=100, help="learner steps per run (default 100)")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides for every run")
     p.set_defaults(func=_cmd_async_study)
+    for command in sub.choices.values():  # `gspo train c.yaml -v`, as an error's hint says, and `gspo -v train ...`
+        command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                             help="debug logging, and a failure's traceback")
     return parser
 
 
