@@ -100,6 +100,13 @@ def test_a_failing_rows_out_write_keeps_the_printed_result(tmp_path, capsys, mon
     assert last_json(printed.out)["rows"] == 2 and "No space left" in printed.err
 
 
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_a_non_finite_accuracy_threshold_is_refused_before_a_model_is_loaded(capsys, no_model_loading, value):
+    """As rewards.accuracy_threshold is: nan evaluated every row, then blamed the reward (nothing is >= nan)."""
+    assert main(["eval", "tiny-moe", "--size", "2", f"--accuracy-threshold={value}"]) == 2
+    assert "--accuracy-threshold must be a finite number" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("baseline", ["missing", "empty"])
 def test_a_bad_baseline_is_refused_before_the_model_is_evaluated(tmp_path, capsys, no_model_loading, baseline):
     (tmp_path / "empty").mkdir()

@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import os
 import shlex
 import sys
@@ -408,6 +409,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-batch-rows must be >= 1, got {args.max_batch_rows}")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.accuracy_threshold is not None and not math.isfinite(args.accuracy_threshold):  # as rewards.accuracy_...
+        raise ConfigError(f"--accuracy-threshold must be a finite number (solved = the accuracy reward's value >= "
+                          f"it), got {args.accuracy_threshold}")
     _check_eval_paths(args, cfg)  # the models and --rows-out: wrong ones fail now, not after an evaluation
     data, rewards, accuracy_reward, threshold, new_tokens, data_cfg, cfg, groups, numbers = _eval_setup(args, cfg)
     batch = args.max_batch_rows or (cfg.rollout.max_batch_rows if cfg is not None else None) or 256
