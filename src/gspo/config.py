@@ -536,6 +536,7 @@ class AlgorithmConfig(_Section):
     # mean dropped 32% of GSPO's tokens at staleness 2 in `gspo async-study`). auto: tis+mask when π_old is
     # recomputed and rollout.mode is async (μ is then an older policy), else off. Needs old_logprobs=recompute (with
     # rollout, π_old is μ); explicit tis/mask also apply in sync mode (e.g. against a bf16 engine's numerics).
+    # tis_cap / mask_bounds that the resolved mode does not use (no TIS / no mask) are refused (`_check_correction`).
     mismatch: Literal["auto", "off", "tis", "mask", "tis+mask"] = "auto"
     tis_cap: float = Field(2.0, gt=1, allow_inf_nan=False)
     mask_bounds: tuple[float, float] | None = None
