@@ -11,6 +11,7 @@ import pytest
 
 from conftest import DEMO, tiny_overrides
 from gspo.cli import main
+from gspo.config import ConfigError
 from gspo.models import load_model
 from gspo.tracking import read_metrics
 
@@ -75,6 +76,20 @@ def test_invalid_config_exits_2_before_any_compute(tmp_path, capsys, override, n
 def test_missing_config_file_exits_2(tmp_path, capsys):
     assert main(["train", str(tmp_path / "nope.yaml")]) == 2
     assert "nope.yaml" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["-v", "train", "{missing}"], ["train", "{missing}", "-v"],
+                                  ["train", "{missing}", "a.b=1", "--verbose"]])
+def test_verbose_goes_before_or_after_the_command(tmp_path, argv):
+    """The error hint says 'run with -v for the traceback': `gspo train x.yaml -v` was refused as an unrecognized
+    argument (only `gspo -v train x.yaml` worked). With -v the error is raised, traceback and all."""
+    with pytest.raises(ConfigError, match="does not exist"):
+        main([a.format(missing=tmp_path / "nope.yaml") for a in argv])
+
+
+def test_without_verbose_a_failure_is_one_line(tmp_path, capsys):
+    assert main(["train", str(tmp_path / "nope.yaml")]) == 2
+    assert "run with -v for the traceback" in capsys.readouterr().err
 
 
 def test_unknown_option_is_a_usage_error(tmp_path, capsys):

@@ -3,6 +3,9 @@ errors that name the offending key, before any compute."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -16,6 +19,7 @@ from gspo.config import (
     load_config,
     validate_config,
 )
+from gspo.runfolder import check_resume_config
 
 
 def test_demo_config_validates():
@@ -43,6 +47,50 @@ def test_validated_config_round_trips_through_its_saved_yaml():
     again = validate_config(yaml.safe_load(saved))
     assert again == cfg
     assert config_diff(config_to_dict(again), config_to_dict(cfg)) == []
+
+
+def _saved(cfg: Config, tmp_path) -> Path:
+    """`cfg` saved as a run saves it (OUT/config.yaml)."""
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    return path
+
+
+@pytest.mark.parametrize(("loss", "low", "high", "scale"),
+                         [("grpo", 0.2, 0.27, "group"), ("cispo", 1.0, 0.28, "group"), ("dr_grpo", 0.2, 0.27, "none")])
+def test_a_saved_config_with_another_loss_takes_that_losss_defaults(tmp_path, loss, low, high, scale):
+    """A run's config.yaml reused with another algorithm.loss (`gspo train RUN/config.yaml algorithm.loss=grpo`,
+    `gspo compare --config RUN/config.yaml`) runs it at its own eps and advantage scale, not the saved GSPO ones
+    (they were saved as set, 3e-4 / 4e-4: GRPO trained at GSPO's clip range, dr_grpo was refused)."""
+    saved = _saved(load_config(DEMO), tmp_path)
+    algo = load_config(saved, [f"algorithm.loss={loss}"]).algorithm
+    assert (algo.eps_low, algo.eps_high, algo.advantage_scale) == (pytest.approx(low), pytest.approx(high), scale)
+    assert load_config(saved) == load_config(DEMO)  # and as it was, without the override
+
+
+def test_a_saved_config_keeps_the_keys_the_user_set(tmp_path):
+    saved = _saved(load_config(DEMO, ["algorithm.eps_high=0.5", "rewards.accuracy_reward=addition"]), tmp_path)
+    cfg = load_config(saved, ["algorithm.loss=grpo", "trainer.steps=null", "trainer.epochs=2"])
+    assert (cfg.algorithm.eps_low, cfg.algorithm.eps_high) == (pytest.approx(0.2), 0.5)
+    assert cfg.rewards.accuracy_reward == "addition" and cfg.trainer.epochs == 2
+    derived = yaml.safe_load(_saved(load_config(None), tmp_path).read_text())  # nothing set: the defaults derive
+    assert derived["trainer"]["steps"] is None and derived["rewards"]["accuracy_reward"] is None
+    cfg = load_config(tmp_path / "config.yaml", ["trainer.epochs=2", "rewards.functions={math: 1}"])
+    assert cfg.trainer.steps is None and cfg.rewards.accuracy_reward == "math"
+    assert config_to_dict(load_config(None), resolved=True)["algorithm"]["eps_low"] == pytest.approx(3e-4)
+
+
+def test_resume_compares_the_configs_as_resolved(tmp_path):
+    """A run saved with its eps derived (null) or, before they were, as values, resumes with the same settings given
+    either way; another loss is still refused."""
+    cfg = load_config(DEMO)
+    old = cfg.model_dump(mode="json")  # what a run saved before derived keys were saved as null
+    for saved in (config_to_dict(cfg), old):
+        (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
+        assert check_resume_config(tmp_path, config_to_dict(cfg)) == []
+        assert check_resume_config(tmp_path, config_to_dict(load_config(DEMO, ["algorithm.eps_low=3e-4"]))) == []
+        with pytest.raises(ConfigError, match=r"differs in algorithm\.eps_high, algorithm\.eps_low, algorithm\.loss"):
+            check_resume_config(tmp_path, config_to_dict(load_config(DEMO, ["algorithm.loss=grpo"])))
 
 
 @pytest.mark.parametrize(
@@ -87,6 +135,19 @@ def test_unknown_key_is_an_error_naming_the_dotted_key(override, key):
     with pytest.raises(ConfigError) as info:
         load_config(DEMO, [override])
     assert f"{key}: unknown key" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("override", "hint"),
+    [("rollout.groupsize=4", "rollout.groupsize: unknown key (did you mean 'group_size'?)"),
+     ("rolout.group_size=4", "rolout: unknown key (did you mean 'rollout'?)"),
+     ("trainer.guard.windw=3", "trainer.guard.windw: unknown key (did you mean 'window'?)"),
+     ("optim.learning_rate=1e-5", "optim.learning_rate: unknown key (optim takes: lr, weight_decay, betas,")],
+)
+def test_an_unknown_key_suggests_the_close_ones_or_lists_the_sections_keys(override, hint):
+    with pytest.raises(ConfigError) as info:
+        load_config(DEMO, [override])
+    assert hint in str(info.value)
 
 
 def test_unknown_key_in_the_yaml_file_is_an_error(tmp_path):
@@ -161,6 +222,10 @@ def test_all_errors_are_reported_at_once():
         (["rollout.release_decode_cache=true", "rollout.decode=dynamic"], ["release_decode_cache", "decode=dynamic"]),
         (["rollout.release_decode_cache=true", "rollout.engine=vllm"], ["release_decode_cache", "engine=vllm"]),
         (["rollout.release_decode_cache=true", "rollout.mode=async"], ["release_decode_cache", "mode=async"]),
+        # settings that cannot take effect were accepted and unused (as async-only keys in a sync run are not)
+        (["rollout.dynamic_max_rounds=10"], ["rollout.dynamic_max_rounds=10", "dynamic_sampling=true"]),
+        (["rewards.overlong_penalty=5"], ["rewards.overlong_penalty=5", "without rewards.overlong_buffer"]),
+        (["trainer.eval_temperature=0.5"], ["trainer.eval_temperature=0.5", "eval_samples=1", "greedily"]),
     ],
 )
 def test_incompatible_options_raise(overrides, names):
@@ -176,6 +241,9 @@ def test_compatible_variants_of_those_options_validate():
     load_config(DEMO, ["rollout.prompts_per_step=3", "rollout.group_size=4", "algorithm.minibatches=3"])
     load_config(DEMO, ["rollout.max_batch_rows=8", "rollout.group_size=8", "trainer.micro_batch_tokens=4096"])
     load_config(DEMO, ["rollout.release_decode_cache=true"])  # decode auto: compiled on CUDA
+    load_config(DEMO, ["rollout.dynamic_sampling=true", "rollout.dynamic_max_rounds=10"])
+    load_config(DEMO, ["rewards.overlong_buffer=4", "rewards.overlong_penalty=5"])
+    load_config(DEMO, ["trainer.eval_samples=4", "trainer.eval_temperature=0.5"])
     cfg = load_config(DEMO, ["data.task=null", "data.path=train.jsonl", "data.fields={solution: answer}"])
     assert cfg.data.fields == {"solution": "answer"}
 
@@ -203,6 +271,31 @@ def test_overrides_parse_yaml_values():
     assert cfg.rewards.functions == {"addition": 2.0}
     assert cfg.data.task_options == {"digits": 3}
     assert cfg.trainer.out == "2024"
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "value"),
+    [("trainer.out=007", "trainer.out", "007"), ("trainer.out=2024_01", "trainer.out", "2024_01"),
+     ("trainer.out=12:30", "trainer.out", "12:30"), ("trainer.out=1.10", "trainer.out", "1.10"),
+     ("trainer.out=runs/exp #2", "trainer.out", "runs/exp #2"),
+     ("data.system_prompt=#1 rule: answer with a number", "data.system_prompt", "#1 rule: answer with a number"),
+     ("data.prompt_template=Solve: {question}", "data.prompt_template", "Solve: {question}"),
+     ("data.eval_split=2024-01-01", "data.eval_split", "2024-01-01"),
+     ("data.fields.prompt=007", "data.fields", {"prompt": "007"}),
+     ("trainer.out='quoted'", "trainer.out", "quoted"),  # YAML's quotes still read
+     ("data.eval_split=null", "data.eval_split", None), ("model.attn_implementation=~", "model.attn_implementation",
+                                                         None)],
+)
+def test_an_override_of_a_string_key_keeps_its_text(override, key, value):
+    """YAML would read `007` as 7, `12:30` as 750 (sexagesimal), cut `runs/exp #2` at its comment, drop `#1 rule`
+    as a comment (null), and take `Solve: {question}` for a mapping; a key that takes a string gets the text."""
+    section, name = key.split(".")
+    assert getattr(getattr(load_config(DEMO, [override]), section), name) == value
+
+
+def test_an_override_of_a_key_that_takes_strings_or_a_list_reads_a_list():
+    cfg = load_config(None, ["data.task=null", "data.path=[a.jsonl, b.jsonl]", "data.eval_path=c #2.jsonl"])
+    assert cfg.data.path == ["a.jsonl", "b.jsonl"] and cfg.data.eval_path == "c #2.jsonl"
 
 
 def test_apply_overrides_types_untyped_values():
@@ -236,6 +329,19 @@ def test_malformed_override_errors(override):
 def test_override_into_a_scalar_is_an_error():
     with pytest.raises(ConfigError, match="not a section"):
         load_config(DEMO, ["trainer.steps.x=1"])
+
+
+def test_yaml_merge_keys_are_read_and_duplicates_still_refused(tmp_path):
+    """`<<: *anchor` (which yaml.safe_load reads) was refused: 'could not determine a constructor for the tag
+    tag:yaml.org,2002:merge'. The mapping's own keys win over merged ones, as in YAML; a repeated key is still an
+    error."""
+    path = tmp_path / "c.yaml"
+    path.write_text("trainer:\n  guard:\n    <<: {window: 30, warmup: 15, patience: 2}\n    patience: 4\n")
+    guard = load_config(path).trainer.guard
+    assert (guard.window, guard.warmup, guard.patience) == (30, 15, 4)
+    path.write_text("trainer:\n  guard:\n    <<: {window: 30}\n    patience: 4\n    patience: 5\n")
+    with pytest.raises(ConfigError, match="duplicate key 'patience'"):
+        load_config(path)
 
 
 def test_missing_or_non_mapping_config_file(tmp_path):
@@ -272,9 +378,25 @@ def test_a_boolean_is_not_a_number(override, key):
         load_config(DEMO, [override])
 
 
+@pytest.mark.parametrize(
+    ("override", "key", "where"),
+    [("optim.betas=[no, 0.999]", "optim.betas", "false at [0]"),
+     ("rewards.functions={addition: 1, math: off}", "rewards.functions", "false at ['math']"),
+     ("rewards.functions={addition: yes}", "rewards.functions", "true at ['addition']"),
+     ("rollout.stop=[yes]", "rollout.stop", "true at [0]")],
+)
+def test_a_boolean_is_not_a_number_inside_a_list_or_dict(override, key, where):
+    """`betas: [no, 0.999]` was (0.0, 0.999), `functions: {math: off}` a weight of 0."""
+    with pytest.raises(ConfigError, match=rf"{key}: got the boolean {re.escape(where)}, which this key does not take"):
+        load_config(DEMO, [override, "rewards.accuracy_reward=addition"])
+
+
 def test_booleans_stay_valid_where_a_key_takes_one():
     cfg = load_config(DEMO, ["log.progress=no", "model.trust_remote_code=false", "data.task_options={digits: 2}"])
     assert cfg.log.progress is False and cfg.model.trust_remote_code is False
+    cfg = load_config(DEMO, ["data.chat_template_kwargs={enable_thinking: false}", "log.wandb={save_code: true}",
+                             "rollout.vllm.engine_args={enable_chunked_prefill: false}"])
+    assert cfg.data.chat_template_kwargs == {"enable_thinking": False} and cfg.log.wandb == {"save_code": True}
 
 
 def test_reliability_defaults():

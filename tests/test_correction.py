@@ -235,6 +235,14 @@ def test_an_all_masked_minibatch_is_zero_not_nan(name):
         (["algorithm.old_logprobs=rollout", "algorithm.mismatch=tis"], "old_logprobs=rollout"),
         (["algorithm.old_logprobs=rollout", "algorithm.mismatch=tis+mask"], "π_old is μ"),
         (["algorithm.mismatch=off", "algorithm.mask_bounds=[0.5, 2.0]"], "masks nothing"),
+        (["algorithm.mismatch=tis", "algorithm.mask_bounds=[0.5, 2.0]"], "mismatch=tis masks nothing"),
+        # auto corrects only recomputed π_old with async rollouts: in a sync run, or with π_old from the engine, the
+        # bounds and the cap were accepted and unused
+        (["algorithm.mask_bounds=[0.9, 1.1]"], r"mismatch=auto .*this run: recompute, sync\) masks nothing"),
+        (["algorithm.mask_bounds=[0.9, 1.1]", "algorithm.old_logprobs=rollout", "rollout.mode=async",
+          "rollout.partial=false"], r"this run: rollout, async\) masks nothing"),
+        (["algorithm.tis_cap=5"], r"tis_cap=5 is set but algorithm\.mismatch=auto .* weights nothing"),
+        (["algorithm.tis_cap=5", "algorithm.mismatch=mask"], r"mismatch=mask weights nothing \(no TIS\)"),
     ],
 )
 def test_config_errors(overrides, message):
@@ -248,6 +256,10 @@ def test_config_defaults():
     assert load_config(DEMO, ["algorithm.old_logprobs=rollout", "algorithm.mismatch=off"])
     algo = load_config(DEMO, ["algorithm.mismatch=tis+mask", "algorithm.mask_bounds=[0.9, 1.2]"]).algorithm
     assert algo.mask_bounds == (0.9, 1.2)
+    # where the correction applies, its bounds and cap are taken: auto with async rollouts, or explicit in sync
+    for extra in (["rollout.mode=async"], ["algorithm.mismatch=tis+mask"]):
+        cfg = load_config(DEMO, ["algorithm.mask_bounds=[0.9, 1.2]", "algorithm.tis_cap=3", *extra])
+        assert learn_settings(cfg).mismatch == Correction("sequence", 3.0, (0.9, 1.2))
 
 
 # ---------------------------------------------------------------------------------------- through the trainer, bf16

@@ -100,6 +100,13 @@ def test_a_failing_rows_out_write_keeps_the_printed_result(tmp_path, capsys, mon
     assert last_json(printed.out)["rows"] == 2 and "No space left" in printed.err
 
 
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_a_non_finite_accuracy_threshold_is_refused_before_a_model_is_loaded(capsys, no_model_loading, value):
+    """As rewards.accuracy_threshold is: nan evaluated every row, then blamed the reward (nothing is >= nan)."""
+    assert main(["eval", "tiny-moe", "--size", "2", f"--accuracy-threshold={value}"]) == 2
+    assert "--accuracy-threshold must be a finite number" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("baseline", ["missing", "empty"])
 def test_a_bad_baseline_is_refused_before_the_model_is_evaluated(tmp_path, capsys, no_model_loading, baseline):
     (tmp_path / "empty").mkdir()
@@ -189,6 +196,17 @@ def test_a_finished_run_is_reused_only_with_the_same_config(tmp_path):
     assert reusable_run(run, load_config(DEMO, ["trainer.out=moved/run", "model.name=moved/cold"]), "compare")
     with pytest.raises(ValueError, match=r"finished run .* differs in trainer\.steps.*another --out"):
         reusable_run(run, load_config(DEMO, ["trainer.steps=7"]), "compare")
+
+
+def test_a_finished_run_saved_with_its_eps_resolved_is_reused(tmp_path):
+    """A study's finished run saved before derived keys (an objective's eps) were saved as null, i.e. with their
+    values, is the same config as one that leaves them unset: reused, not refused as differing in algorithm.eps_*."""
+    cfg = load_config(DEMO, [f"trainer.out={tmp_path / 'run'}"])
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    (run / "summary.json").write_text("{}")
+    assert reusable_run(run, cfg, "compare") is True
 
 
 def test_a_cold_start_is_reused_only_when_built_with_the_same_settings(tmp_path, caplog):

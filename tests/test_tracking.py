@@ -18,8 +18,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gspo.config import ConfigError
 from gspo.runfolder import RUN_FILES
-from gspo.tracking import MetricsLogger, Progress, plot_curves, read_metrics, truncate_metrics
+from gspo.tracking import MetricsLogger, Progress, check_trackers, plot_curves, read_metrics, truncate_metrics
 
 
 def strict_loads(line: str) -> dict:
@@ -264,6 +265,29 @@ def test_a_resume_continues_the_wandb_and_mlflow_runs_of_the_folder(tmp_path, mo
         pass
     assert "id" not in wandb.started[3] and "run_id" not in mlflow.started[2]
     assert "trackers.json" in RUN_FILES
+
+
+def _keyword_tracker(name: str, start: str, keywords: str) -> types.ModuleType:
+    """A stand-in module whose `start` function takes only `keywords` (comma-separated), like wandb.init and
+    mlflow.start_run: an unknown keyword is a TypeError when the run starts."""
+    module = types.ModuleType(name)
+    module.__spec__ = importlib.util.spec_from_loader(name, loader=None)
+    exec(f"def {start}(*, {keywords}=None): pass", module.__dict__)
+    return module
+
+
+def test_tracker_settings_their_start_function_does_not_take_are_refused_before_any_compute(monkeypatch):
+    """A typo in log.wandb / log.mlflow was a raw TypeError from wandb.init after the cold start."""
+    monkeypatch.setitem(sys.modules, "wandb", _keyword_tracker("wandb", "init", "project, entity, name, mode"))
+    monkeypatch.setitem(sys.modules, "mlflow", _keyword_tracker("mlflow", "start_run", "run_id, run_name, tags"))
+    check_trackers(wandb={"project": "p", "mode": "offline"},
+                   mlflow={"tracking_uri": "file:x", "experiment_name": "e", "run_name": "r"})
+    with pytest.raises(ConfigError, match=r"log\.wandb\.projcet: unknown .*wandb\.init \(did you mean 'project'"):
+        check_trackers(wandb={"projcet": "p"})
+    with pytest.raises(ConfigError, match=r"log\.mlflow\.run_nmae: unknown setting.*mlflow\.start_run.*'run_name'"):
+        check_trackers(mlflow={"experiment_name": "e", "run_nmae": "r"})
+    monkeypatch.setitem(sys.modules, "wandb", _Tracker("wandb"))  # an init taking **kwargs takes anything
+    check_trackers(wandb={"anything": 1})
 
 
 def test_progress_is_tiny_and_quiet_when_disabled(capsys):

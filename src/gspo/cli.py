@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import os
 import shlex
 import sys
@@ -411,6 +412,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-batch-rows must be >= 1, got {args.max_batch_rows}")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.accuracy_threshold is not None and not math.isfinite(args.accuracy_threshold):  # as rewards.accuracy_...
+        raise ConfigError(f"--accuracy-threshold must be a finite number (solved = the accuracy reward's value >= "
+                          f"it), got {args.accuracy_threshold}")
     _check_eval_paths(args, cfg)  # the models and --rows-out: wrong ones fail now, not after an evaluation
     data, rewards, accuracy_reward, threshold, new_tokens, data_cfg, cfg, groups, numbers = _eval_setup(args, cfg)
     batch = args.max_batch_rows or (cfg.rollout.max_batch_rows if cfg is not None else None) or 256
@@ -847,6 +851,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=100, help="learner steps per run (default 100)")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides for every run")
     p.set_defaults(func=_cmd_async_study)
+    for command in sub.choices.values():  # `gspo train c.yaml -v`, as an error's hint says, and `gspo -v train ...`
+        command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                             help="debug logging, and a failure's traceback")
     return parser
 
 

@@ -7,12 +7,24 @@ are checked here too, so an invalid combination cannot reach the trainer.
 
 from __future__ import annotations
 
+import difflib
 import re
+import types
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from gspo.objectives import KL_ESTIMATORS, OBJECTIVES
 from gspo.rewards import MODEL_PREFIX
@@ -24,19 +36,59 @@ def _allows_bool(annotation: Any) -> bool:
 
 
 class _Section(BaseModel):
-    # Numbers are accepted for string fields: an override `trainer.out=2024` is parsed as YAML, i.e. as an int. No
-    # number may be infinite or NaN (YAML's .inf / .nan): `optim.lr=.inf` used to train a model of NaN weights.
+    # Numbers are accepted for string fields: a YAML file's `out: 2024` is an int (an override keeps a string key's
+    # text as given: `_parse_value`). No number may be infinite or NaN (YAML's .inf / .nan): `optim.lr=.inf` used
+    # to train a model of NaN weights.
     model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True, allow_inf_nan=False)
+    # Keys a validator filled in from other keys because they were left unset (an objective's eps, ...): saved as
+    # null by `config_to_dict`, so that a saved config loaded with other settings derives them again.
+    _derived: frozenset[str] = PrivateAttr(default=frozenset())
+
+    def _changed(self, name: str) -> bool:
+        """Whether key `name` differs from its default (a setting that must then be able to take effect)."""
+        return getattr(self, name) != type(self).model_fields[name].default
+
+    def _derive(self, name: str, value: Any) -> None:
+        """Set the unset key `name` to `value`, derived from other keys (see `config_to_dict`)."""
+        setattr(self, name, value)
+        self._derived = self._derived | {name}
 
     @field_validator("*", mode="before")
     @classmethod
     def _no_bool_as_number(cls, value: Any, info: ValidationInfo) -> Any:
         """pydantic would read `true` as 1 for a number field: YAML's yes/no/on/off are booleans, so `eval_every: on`
-        would silently mean 1. A boolean is only accepted where the field takes one."""
-        if isinstance(value, bool) and not _allows_bool(cls.model_fields[info.field_name].annotation):
-            raise ValueError(f"got the boolean {str(value).lower()}, which this key does not take "
-                             "(YAML reads yes/no/on/off/true/false as booleans)")
+        would silently mean 1, `betas: [no, 0.999]` (0.0, 0.999). A boolean is only accepted where the field takes
+        one, also inside its lists and dicts."""
+        found = _misplaced_bool(value, cls.model_fields[info.field_name].annotation)
+        if found is not None:
+            where, flag = found
+            raise ValueError(f"got the boolean {str(flag).lower()}{f' at {where}' if where else ''}, which this key "
+                             "does not take (YAML reads yes/no/on/off/true/false as booleans)")
         return value
+
+
+def _misplaced_bool(value: Any, annotation: Any) -> tuple[str, bool] | None:
+    """(where, the boolean) for a boolean in `value` at a place `annotation` takes none: "" for `value` itself,
+    "['math']" or "[0]" inside a dict or list / tuple of the annotation's; None when there is none."""
+    if isinstance(value, bool):
+        return None if _allows_bool(annotation) else ("", value)
+    arms = _arms(annotation)
+    if Any in arms or not isinstance(value, (dict, list, tuple)):
+        return None
+    for key, item in value.items() if isinstance(value, dict) else enumerate(value):
+        takes = []  # the annotations the arms give this item
+        for arm in arms:
+            origin, args = get_origin(arm), get_args(arm)
+            if isinstance(value, dict) and origin is dict and args:
+                takes.append(args[1])
+            elif not isinstance(value, dict) and origin is list and args:
+                takes.append(args[0])
+            elif not isinstance(value, dict) and origin is tuple and args:
+                takes.append(args[0] if args[-1] is Ellipsis else args[key] if key < len(args) else Any)
+        found = [_misplaced_bool(item, a) for a in takes]
+        if found and all(f is not None for f in found):
+            return f"[{key!r}]{found[0][0]}", found[0][1]
+    return None
 
 
 class LoraConfig(_Section):
@@ -222,6 +274,10 @@ class RewardConfig(_Section):
             if spec.startswith(MODEL_PREFIX) and not spec[len(MODEL_PREFIX):].strip():
                 raise ValueError(f"rewards.functions: {spec!r} names no reward model; write model:PATH (a folder "
                                  "holding a one-output sequence classifier, or a hub id)")
+        if self.overlong_buffer is None and self._changed("overlong_penalty"):
+            raise ValueError(f"rewards.overlong_penalty={self.overlong_penalty:g} is the size of the overlong penalty, "
+                             "which is off without rewards.overlong_buffer (the tokens before the budget where it "
+                             "ramps up): set overlong_buffer, or leave overlong_penalty out")
         if (self.route_by is None) != (self.routes is None):
             raise ValueError("rewards.route_by (a row field) and rewards.routes (its values → reward functions) go "
                              "together: set both or neither")
@@ -232,8 +288,12 @@ class RewardConfig(_Section):
                 raise ValueError(f"rewards.routes must map each value of {self.route_by!r} to a non-empty list of "
                                  f"rewards.functions {list(self.functions)}" + (f"; unknown: {unknown}" if unknown
                                                                                 else ""))
-        self.accuracy_reward = resolve_accuracy_reward(list(self.functions), self.accuracy_reward,
-                                                       key="rewards.accuracy_reward", routed=self.routes is not None)
+        accuracy = resolve_accuracy_reward(list(self.functions), self.accuracy_reward, key="rewards.accuracy_reward",
+                                           routed=self.routes is not None)
+        if self.accuracy_reward is None:
+            self._derive("accuracy_reward", accuracy)
+        else:
+            self.accuracy_reward = accuracy
         if "accuracy_threshold" not in self.model_fields_set:
             check_model_threshold(self.accuracy_reward, "rewards.accuracy_threshold")
         return self
@@ -380,6 +440,9 @@ class RolloutConfig(_Section):
         if self.max_batch_rows is not None and self.max_batch_rows < self.group_size:
             raise ValueError(f"rollout.max_batch_rows={self.max_batch_rows} is less than one group "
                              f"(rollout.group_size={self.group_size}): a batch holds whole groups")
+        if not self.dynamic_sampling and self._changed("dynamic_max_rounds"):
+            raise ValueError(f"rollout.dynamic_max_rounds={self.dynamic_max_rounds} bounds the rounds of dynamic "
+                             "sampling, which is off: set rollout.dynamic_sampling=true, or leave it out")
         async_only = {"max_staleness": 1, "workers": 1, "worker_threads": 1, "partial": True}  # their defaults
         changed = [k for k, default in async_only.items() if getattr(self, k) != default]
         if self.mode == "sync" and changed:
@@ -473,6 +536,7 @@ class AlgorithmConfig(_Section):
     # mean dropped 32% of GSPO's tokens at staleness 2 in `gspo async-study`). auto: tis+mask when π_old is
     # recomputed and rollout.mode is async (μ is then an older policy), else off. Needs old_logprobs=recompute (with
     # rollout, π_old is μ); explicit tis/mask also apply in sync mode (e.g. against a bf16 engine's numerics).
+    # tis_cap / mask_bounds that the resolved mode does not use (no TIS / no mask) are refused (`_check_correction`).
     mismatch: Literal["auto", "off", "tis", "mask", "tis+mask"] = "auto"
     tis_cap: float = Field(2.0, gt=1, allow_inf_nan=False)
     mask_bounds: tuple[float, float] | None = None
@@ -493,9 +557,6 @@ class AlgorithmConfig(_Section):
             low, high = self.mask_bounds
             if not (0 < low < 1 < high < float("inf")):  # ρ = 1 (no mismatch) is always kept
                 raise ValueError(f"algorithm.mask_bounds must satisfy 0 < low < 1 < high (finite), got [{low}, {high}]")
-            if self.mismatch in ("off", "tis"):
-                raise ValueError(f"algorithm.mask_bounds is set but algorithm.mismatch={self.mismatch} masks nothing: "
-                                 "use mismatch=mask or tis+mask, or remove mask_bounds")
         spec = OBJECTIVES.get(self.loss)
         if spec is not None and "tis" in self.mismatch and spec.ratio_level == "token" and not spec.token_advantages:
             raise ValueError(f"algorithm.mismatch={self.mismatch}: token-level TIS scales the advantages per token, "
@@ -508,12 +569,9 @@ class AlgorithmConfig(_Section):
         spec = OBJECTIVES.get(self.loss)
         if spec is None:
             raise ValueError(f"algorithm.loss {self.loss!r} is not one of: {', '.join(OBJECTIVES)}")
-        if self.eps_low is None:
-            self.eps_low = spec.eps_low
-        if self.eps_high is None:
-            self.eps_high = spec.eps_high
-        if self.advantage_scale is None:
-            self.advantage_scale = spec.advantage_scale
+        for name in ("eps_low", "eps_high", "advantage_scale"):
+            if getattr(self, name) is None:
+                self._derive(name, getattr(spec, name))
         if self.advantage_scale not in spec.allowed_scales:
             allowed = " or ".join(repr(s) for s in spec.allowed_scales)
             raise ValueError(f"algorithm.loss {self.loss} requires algorithm.advantage_scale {allowed}, got "
@@ -644,7 +702,11 @@ class TrainerConfig(_Section):
             raise ValueError(f"set one of trainer.steps ({self.steps}) and trainer.epochs ({self.epochs:g}): the "
                              "other follows from the number of training rows")
         if self.epochs is None and self.steps is None:
-            self.steps = 100
+            self._derive("steps", 100)
+        if self.eval_samples == 1 and self._changed("eval_temperature"):
+            raise ValueError(f"trainer.eval_temperature={self.eval_temperature:g} samples the held-out completions "
+                             "when trainer.eval_samples > 1; with eval_samples=1 the evaluation decodes greedily: set "
+                             "trainer.eval_samples=N, or leave eval_temperature out")
         return self
 
 
@@ -699,10 +761,37 @@ class Config(_Section):
                              "adapters' dropout would be turned off. Set model.lora.dropout=0 (dropout makes π_θ "
                              "random: the on-policy ratios become noise larger than GSPO's clip range), or "
                              "trainer.disable_dropout=false to train with it anyway")
+        _check_correction(self)
         _check_scaling(self)
         # Whether the model supports routing replay is not checked here (validation builds no model): the trainer's
         # start checks call gspo.moe.replay_support_error, before anything is written or loaded.
         return self
+
+
+def _check_correction(cfg: Config) -> None:
+    """Refuse algorithm.mask_bounds / tis_cap (other than its default) when the run's mismatch correction, as the
+    trainer resolves it (`gspo.correction.resolve_correction`), has no mask / no TIS to use them in: "auto" is off
+    in a sync run and with π_old from the engine."""
+    from gspo.correction import resolve_correction
+
+    algo, mode = cfg.algorithm, cfg.rollout.mode
+    correction = resolve_correction(algo.mismatch, OBJECTIVES[algo.loss], recompute=algo.old_logprobs == "recompute",
+                                    asynchronous=mode == "async", tis_cap=algo.tis_cap, mask_bounds=algo.mask_bounds)
+    why = f"algorithm.mismatch={algo.mismatch}"
+    if algo.mismatch == "auto":
+        why += (" (a correction only with algorithm.old_logprobs=recompute and rollout.mode=async; this run: "
+                f"{algo.old_logprobs}, {mode}{'' if correction is None else f': {_correction_words(correction)}'})")
+    if algo.mask_bounds is not None and (correction is None or correction.bounds is None):
+        raise ValueError(f"algorithm.mask_bounds is set but {why} masks nothing: use mismatch=mask or tis+mask, or "
+                         "remove mask_bounds")
+    if algo._changed("tis_cap") and (correction is None or correction.tis_cap is None):
+        raise ValueError(f"algorithm.tis_cap={algo.tis_cap:g} is set but {why} weights nothing (no TIS): use "
+                         "mismatch=tis or tis+mask, or remove tis_cap")
+
+
+def _correction_words(correction: Any) -> str:
+    """A resolved `gspo.correction.Correction` as its mismatch mode: tis, mask or tis+mask."""
+    return "+".join(kind for kind, on in (("tis", correction.tis_cap), ("mask", correction.bounds)) if on is not None)
 
 
 def _check_scaling(cfg: Config) -> None:
@@ -746,12 +835,18 @@ class ConfigError(ValueError):
     """A configuration problem, with the offending key in the message."""
 
 
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """" (did you mean 'x'?)" for the choices closest to a mistyped `name` (difflib), else "" ."""
+    close = difflib.get_close_matches(name, list(choices), n=2, cutoff=0.6)
+    return f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+
+
 def _format_errors(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "(top level)"
         if e["type"] == "extra_forbidden":
-            msg, value = "unknown key", ""
+            msg, value = "unknown key" + _known_keys(e["loc"]), ""
         elif e["type"] == "value_error":  # our validators' messages name the keys; the input is a whole section
             msg, value = str(e.get("ctx", {}).get("error", e["msg"])), ""
         else:
@@ -760,15 +855,30 @@ def _format_errors(err: ValidationError) -> str:
     return "invalid configuration:\n" + "\n".join(lines)
 
 
+def _known_keys(loc: tuple[int | str, ...]) -> str:
+    """For an unknown key at `loc`: its section's closest keys, " (did you mean 'group_size'?)", or when none is
+    close, the keys the section takes."""
+    parent = _annotation_at([str(p) for p in loc[:-1]])
+    section = next((a for a in _arms(parent) if isinstance(a, type) and issubclass(a, _Section)), None)
+    if section is None:
+        return ""
+    keys = list(section.model_fields)
+    where = ".".join(str(p) for p in loc[:-1]) or "a config"
+    return did_you_mean(str(loc[-1]), keys) or f" ({where} takes: {', '.join(keys)})"
+
+
 class _YamlLoader(yaml.SafeLoader):
     """PyYAML's SafeLoader (YAML 1.1), except that `1e-3` / `3E4` (exponent, no dot) are floats as in YAML 1.2 and
     Python, not strings: otherwise an override `optim.lr=1e-3` or a `task_options` value would be read as text."""
 
 
 def _construct_unique_mapping(loader: _YamlLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    """A mapping whose keys are unique: YAML would let a repeated section silently replace the first one."""
+    """A mapping whose keys are unique: YAML would let a repeated section silently replace the first one. Merge keys
+    (`<<: *defaults`) are left to SafeConstructor, which merges them under the mapping's own keys."""
     seen: dict[Any, Any] = {}
     for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
         key = loader.construct_object(key_node, deep=deep)
         if key in seen:
             raise yaml.constructor.ConstructorError(
@@ -788,16 +898,51 @@ def _yaml_load(text: str) -> Any:
     return yaml.load(text, Loader=_YamlLoader)  # a SafeLoader subclass: no arbitrary objects
 
 
-def _parse_value(text: str) -> Any:
-    """Parse an override value as YAML (numbers, booleans, null, lists, dicts), else keep it a string."""
+def _arms(annotation: Any) -> tuple[Any, ...]:
+    """The types of a union annotation (`str | None` → str, NoneType), or the annotation alone."""
+    return get_args(annotation) if get_origin(annotation) in (Union, types.UnionType) else (annotation,)
+
+
+def _annotation_at(parts: list[str]) -> Any:
+    """The type of the dotted key `parts` in `Config` (through sections and dict values, e.g. data.fields.prompt →
+    str); None for a key it does not have."""
+    annotation: Any = Config
+    for part in parts:
+        section = next((a for a in _arms(annotation) if isinstance(a, type) and issubclass(a, _Section)), None)
+        if section is not None:
+            if part not in section.model_fields:
+                return None
+            annotation = section.model_fields[part].annotation
+            continue
+        mapping = next((a for a in _arms(annotation) if get_origin(a) is dict), None)
+        if mapping is None:
+            return None
+        annotation = get_args(mapping)[1]
+    return annotation
+
+
+def _parse_value(text: str, annotation: Any = None) -> Any:
+    """An override's value: parsed as YAML (numbers, booleans, null, lists, dicts; text that is not YAML stays a
+    string), except for a key that takes a string (`annotation`): its text as given, since YAML would change or
+    drop it (`007` → 7, `12:30` → 750, `runs/exp #2` → 'runs/exp', `#1 rule` → null, `Solve: {q}` → a dict). There,
+    YAML still reads null / ~ (a key that takes none), a quoted string, and a list (a key that takes one)."""
     try:
-        return _yaml_load(text)
+        parsed = _yaml_load(text)
     except yaml.YAMLError:
         return text
+    arms = _arms(annotation)
+    if str not in arms or not text.strip() or (isinstance(parsed, str) and text.lstrip()[:1] in "'\""):
+        return parsed
+    if text.strip() in ("null", "Null", "NULL", "~") and type(None) in arms:
+        return None
+    if isinstance(parsed, list) and any(get_origin(a) is list for a in arms):
+        return parsed
+    return text
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply `a.b.c=value` overrides to a nested dict (in place); the value is parsed as YAML."""
+    """Apply `a.b.c=value` overrides to a nested dict (in place); the value is parsed as YAML, but for a key that
+    takes a string (`_parse_value`)."""
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
@@ -811,7 +956,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             if not isinstance(child, dict):
                 raise ConfigError(f"override {item!r}: {part!r} is not a section")
             node = child
-        node[parts[-1]] = _parse_value(value)
+        node[parts[-1]] = _parse_value(value, _annotation_at(parts))
     return data
 
 
@@ -846,9 +991,26 @@ def validate_config(data: dict[str, Any]) -> Config:
         raise ConfigError(_format_errors(e)) from None
 
 
-def config_to_dict(cfg: Config) -> dict[str, Any]:
-    """Plain dict (JSON/YAML-safe) of a validated config, defaults resolved."""
-    return cfg.model_dump(mode="json")
+def config_to_dict(cfg: Config, resolved: bool = False) -> dict[str, Any]:
+    """Plain dict (JSON/YAML-safe) of a validated config, as OUT/config.yaml holds it: every key, with the defaults;
+    but the keys that validation derives from other keys when they are left unset (an objective's eps_low, eps_high
+    and advantage_scale, the accuracy reward, trainer.steps) are null, as given, so that the dict loaded again with
+    other settings (another algorithm.loss) derives them again instead of keeping values that look set by the user.
+    `resolved`: their derived values instead, what the run uses (to compare two configs: `config_diff`)."""
+    data = cfg.model_dump(mode="json")
+    if not resolved:
+        _underive(cfg, data)
+    return data
+
+
+def _underive(section: _Section, data: dict[str, Any]) -> None:
+    """Null the derived keys (`_Section._derive`) of `section` and its sub-sections in its dump `data`."""
+    for name in section._derived:
+        data[name] = None
+    for name in type(section).model_fields:
+        value = getattr(section, name)
+        if isinstance(value, _Section):
+            _underive(value, data[name])
 
 
 def config_diff(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[str]:

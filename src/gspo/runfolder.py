@@ -210,8 +210,12 @@ def check_resume_config(out: Path, cfg_dict: dict[str, Any]) -> list[str]:
     if not isinstance(saved, dict):
         raise ConfigError(f"cannot resume in {out}: its saved {saved_path.name} holds {type(saved).__name__}, not a "
                           "config; restore it, or start a new run (another trainer.out, or --overwrite)")
-    with contextlib.suppress(ConfigError):  # a run saved before a key existed had that key's default
-        saved = config_to_dict(validate_config(saved))
+    # compared as the runs resolve them (an objective's eps left unset is saved as null): a run saved before a key
+    # existed had that key's default
+    with contextlib.suppress(ConfigError):
+        saved = config_to_dict(validate_config(saved), resolved=True)
+    with contextlib.suppress(ConfigError):
+        cfg_dict = config_to_dict(validate_config(cfg_dict), resolved=True)
     diff = config_diff(saved, cfg_dict)
     refused = [key for key in diff if not any(fnmatch.fnmatchcase(key, pattern) for pattern in RESUMABLE)]
     if refused:

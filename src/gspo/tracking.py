@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import json
 import logging
 import math
@@ -23,6 +24,7 @@ from typing import Any, TextIO
 import torch
 from tqdm.auto import tqdm
 
+from gspo.config import ConfigError, did_you_mean
 from gspo.runfolder import write_atomic
 
 logger = logging.getLogger(__name__)
@@ -250,12 +252,31 @@ def format_rollouts(step: int, records: Sequence[Mapping[str, Any]]) -> str:
                           ("group", "prompt", "completion", "reward", "solved", "advantage", "truncated"))
 
 
+# mlflow settings that MetricsLogger uses itself (`_start_mlflow`); the others are mlflow.start_run's keywords
+_MLFLOW_SETUP_KEYS = ("tracking_uri", "experiment_name")
+
+
 def check_trackers(*, wandb: Any = None, mlflow: Any = None) -> None:
-    """Raise ImportError (naming the pip extra) for a tracker that is asked for (not None) and not installed: called
-    before any compute, so that a missing package is not found after the model was built and trained."""
-    for name, wanted in (("wandb", wandb), ("mlflow", mlflow)):
-        if wanted is not None and importlib.util.find_spec(name) is None:
-            _import_tracker(name)
+    """Called before any compute, so that what the trackers would refuse is not found after the model was built and
+    trained: raise ImportError (naming the pip extra) for a tracker that is asked for (not None) and not installed,
+    and ConfigError naming each setting that its start function (wandb.init, mlflow.start_run) does not take."""
+    for name, settings, start in (("wandb", wandb, "init"), ("mlflow", mlflow, "start_run")):
+        if settings is None:
+            continue
+        module = _import_tracker(name)
+        keys = [k for k in settings if not (name == "mlflow" and k in _MLFLOW_SETUP_KEYS)]
+        try:
+            params = inspect.signature(getattr(module, start)).parameters
+        except (TypeError, ValueError):  # no signature to read: the call itself will say
+            continue
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            continue
+        takes = [p for p, v in params.items() if v.kind in (v.POSITIONAL_OR_KEYWORD, v.KEYWORD_ONLY)]
+        takes += list(_MLFLOW_SETUP_KEYS) if name == "mlflow" else []
+        for key in keys:
+            if key not in takes:
+                raise ConfigError(f"log.{name}.{key}: unknown setting; log.{name} holds keyword arguments of "
+                                  f"{name}.{start}{did_you_mean(key, takes)}")
 
 
 def _import_tracker(name: str) -> Any:

@@ -170,12 +170,13 @@ COLD_START_RECORD = "study_config.yaml"
 
 
 def _saved_config(path: Path) -> dict | None:
-    """The config dict saved at `path` (a run's config.yaml), with defaults filled in; None when there is none."""
+    """The config dict saved at `path` (a run's config.yaml), with defaults filled in and derived keys resolved;
+    None when there is none."""
     if not path.exists():
         return None
     try:
         saved = yaml.safe_load(path.read_text(encoding="utf-8"))
-        return config_to_dict(validate_config(saved)) if isinstance(saved, dict) else {}
+        return config_to_dict(validate_config(saved), resolved=True) if isinstance(saved, dict) else {}
     except (yaml.YAMLError, UnicodeDecodeError, ConfigError):
         return {}  # unreadable: differs in every key
 
@@ -185,7 +186,7 @@ def _differing(saved: dict, cfg: Config, keep: Sequence[str] = (), ignore: Seque
     matching `ignore`."""
     import fnmatch
 
-    diff = config_diff(saved, config_to_dict(cfg))
+    diff = config_diff(saved, config_to_dict(cfg, resolved=True))
     return [k for k in diff if (not keep or any(fnmatch.fnmatchcase(k, p) for p in keep))
             and not any(fnmatch.fnmatchcase(k, p) for p in ignore)]
 
