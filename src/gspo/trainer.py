@@ -7,7 +7,7 @@
 `train` is set-up (checks, model, cold start, engine, wrapping, resume), the loop, and tear-down (final model,
 summary). The run folder it writes:
 
-    OUT/config.yaml        the validated config, defaults resolved (a resume must match it)
+    OUT/config.yaml        the validated config as set (derived defaults, e.g. ε, null; a resume must match it)
     OUT/cold_start/        the cold-start SFT model, when `cold_start` is configured
     OUT/metrics.jsonl      one object per RL step;   OUT/eval.jsonl  held-out evaluations (step 0 = before RL)
     OUT/rollouts.jsonl     with log.rollouts: a few of each step's training completions, rewards and advantages
