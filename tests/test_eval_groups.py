@@ -147,6 +147,11 @@ def test_gspo_eval_splits_a_files_accuracy_by_a_field(tmp_path, capsys):
     assert main([*base, "--by", "nope"]) == 2
     assert "--by 'nope': held-out row 0 has no such field" in capsys.readouterr().err
     assert main(["eval", "tiny-moe", "--config", str(DEMO), "--by", "level"]) == 2  # the config's data.eval_by
+    # the config's rewards judge: these flags were silently ignored with --config
+    for flag, value in (("--accuracy-threshold", "0.5"), ("--accuracy-reward", "addition"), ("--timeout", "5")):
+        capsys.readouterr()
+        assert main(["eval", "tiny-moe", "--config", str(DEMO), flag, value]) == 2
+        assert flag in capsys.readouterr().err
 
 
 def test_gspo_eval_writes_each_rows_completion_rewards_and_verdict(tmp_path, capsys):

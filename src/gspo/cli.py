@@ -255,11 +255,13 @@ def _eval_config(args: argparse.Namespace) -> Config | None:
         _task_options(args)  # checked now (and refused with --data), used when the task draws its rows
         return None
     if (args.data is not None or args.task is not None or args.reward or args.split or args.fields
-            or args.think_tags is not None or args.by is not None or args.task_options is not None):
+            or args.think_tags is not None or args.by is not None or args.task_options is not None
+            or args.accuracy_reward is not None or args.accuracy_threshold is not None or args.timeout is not None):
         raise ConfigError("--config takes the data, split, fields and rewards from the config: leave out --task, "
-                          "--task-options, --data, --split, --fields, --reward, --think-tags and --by (or leave out "
-                          "--config; rewards.think_tags=null, data.task_options=... and data.eval_by=FIELD are "
-                          "overrides)")
+                          "--task-options, --data, --split, --fields, --reward, --accuracy-reward, "
+                          "--accuracy-threshold, --timeout, --think-tags and --by (or leave out --config; "
+                          "rewards.think_tags=null, rewards.accuracy_reward=..., rewards.accuracy_threshold=..., "
+                          "rewards.timeout_s=..., data.task_options=... and data.eval_by=FIELD are overrides)")
     size = [] if args.size is None else [f"data.eval_size={args.size}"]  # default: the config's eval_size
     return load_config(args.config, [*args.overrides, *size])
 
@@ -334,7 +336,8 @@ def _eval_setup(args: argparse.Namespace, cfg: Config | None):
         numbers = list(range(len(rows)))
     data = DataSplits(train=[], heldout=rows, heldout_source=source)
     names = args.reward or [args.task or "addition"]
-    runner = RewardRunner({name: 1.0 for name in names}, on_error="zero", timeout_s=args.timeout,
+    runner = RewardRunner({name: 1.0 for name in names}, on_error="zero",
+                          timeout_s=30.0 if args.timeout is None else args.timeout,
                           model_options={"device": resolve_device(args.device, key="--device")},
                           think_tags=_think_tags(args))
     accuracy = resolve_accuracy_reward(names, args.accuracy_reward, key="--accuracy-reward")
@@ -809,7 +812,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--think-tags", default=None,
                    help="OPEN,CLOSE of a reasoning model's thinking block (default <think>,</think>): the built-in "
                         "verifiers and reward models judge the text after it; 'none': the whole completion")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds for a batch of reward calls")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds for a batch of reward calls (default 30; with --config: rewards.timeout_s)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 16, or the config's")
     p.add_argument("--samples", type=int, default=None,
                    help="completions sampled per row (default 1: greedy decoding; with a run folder or --config, as "
