@@ -849,7 +849,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         guard.load_state_dict(guarded)
     rollbacks, lr_scale = guarded.get("rollbacks", 0), guarded.get("lr_scale", 1.0)
     logger = MetricsLogger(out, tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb, mlflow=cfg.log.mlflow,
-                           resume_step=start if resume else None, run_config=cfg_dict) if group.is_main else None
+                           resume_step=start if resume else None,
+                           run_config=config_to_dict(cfg, resolved=True)) if group.is_main else None  # values used
     # evaluations (and their sample completions) up to the checkpoint are kept; a run restarting at 0 redoes step 0
     evals, samples = ([r for r in read_metrics(out / name) if r["step"] <= start]
                       if start > 0 and (out / name).exists() else [] for name in ("eval.jsonl", "samples.jsonl"))
