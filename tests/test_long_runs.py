@@ -85,10 +85,24 @@ def test_refill_prompts_are_a_pure_function_of_step_and_round():
     rows = [{"prompt": str(i)} for i in range(50)]
     a, seeds_a = refill_prompts(3, 1, rows, 10, seed=0)
     assert (a, seeds_a) == refill_prompts(3, 1, rows, 10, seed=0)
-    b, seeds_b = refill_prompts(3, 2, rows, 10, seed=0)
+    b, seeds_b = refill_prompts(3, 2, rows, 10, seed=0, start=10)
     assert a != b and not set(seeds_a) & set(seeds_b)
     many, _ = refill_prompts(0, 1, rows[:3], 7, seed=0)  # more than the rows: cycles through them
     assert len(many) == 7 and {r["prompt"] for r in many} == {"0", "1", "2"}
+
+
+def test_a_steps_refill_rounds_sample_distinct_prompts_other_than_its_own():
+    """Each round drew from its own permutation of every row: the step's own prompts (known constant) came back and
+    a prompt could be kept twice. Now the rounds continue one permutation of the other rows."""
+    from gspo.schedule import prompt_indices
+    rows = [{"prompt": str(i)} for i in range(20)]
+    own = prompt_indices(3, 4, len(rows), 0)
+    drawn, start = [], 0
+    for round_, count in enumerate((5, 6, 5), start=1):  # 16 = every row but the step's own 4
+        got, _ = refill_prompts(3, round_, rows, count, seed=0, start=start, exclude=own)
+        drawn += [int(r["prompt"]) for r in got]
+        start += count
+    assert sorted(drawn) == sorted(set(range(20)) - set(own))
 
 
 # ------------------------------------------------------------------------------------------------ the guard, pure

@@ -7,8 +7,10 @@ Prompts too long for the model's positions are dropped and counted before any co
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
+from collections.abc import Sequence
 
 import torch
 
@@ -93,23 +95,33 @@ def step_prompts(step: int, train_rows: list[dict], count: int, seed: int) -> tu
     return rows, [derive_seed(seed, "rollout", step, j) for j in range(len(rows))]
 
 
-def refill_prompts(step: int, round_: int, train_rows: list[dict], count: int,
-                   seed: int) -> tuple[list[dict], list[int]]:
-    """Dynamic sampling's extra prompts for round `round_` (≥ 1) of step `step`, and their sampling seeds: `count`
-    rows from a permutation seeded by (run seed, step, round), a pure function of them like `step_prompts` (exact
-    resume); the main data position is not advanced, so a run's step-by-step prompts do not depend on the filter."""
-    perm = torch.randperm(len(train_rows),
-                          generator=torch.Generator().manual_seed(derive_seed(seed, "refill", step, round_)))
-    rows = [train_rows[int(perm[j % len(train_rows)])] for j in range(count)]
+def refill_prompts(step: int, round_: int, train_rows: list[dict], count: int, seed: int, *, start: int = 0,
+                   exclude: Sequence[int] = ()) -> tuple[list[dict], list[int]]:
+    """Dynamic sampling's extra prompts for round `round_` (≥ 1) of step `step`, and their sampling seeds: the
+    `count` rows after the `start` that earlier rounds took, in a permutation seeded by (run seed, step) of the rows
+    not in `exclude` (the row indices of the step's first round), so a step's rounds sample distinct prompts, none of
+    them its own again, until the rows run out (then they cycle); a pure function of its arguments like
+    `step_prompts` (exact resume). The main data position is not advanced, so a run's step-by-step prompts do not
+    depend on the filter. (Each round drew from its own permutation of all rows: the step's own prompts came back,
+    19 % of refills at 20 rows, and a prompt could be kept twice.)"""
+    left = set(exclude)
+    pool = [i for i in range(len(train_rows)) if i not in left] or list(range(len(train_rows)))
+    perm = torch.randperm(len(pool), generator=torch.Generator().manual_seed(derive_seed(seed, "refill", step)))
+    rows = [train_rows[pool[int(perm[(start + j) % len(pool)])]] for j in range(count)]
     return rows, [derive_seed(seed, "rollout", step, round_, j) for j in range(count)]
+
+
+@functools.lru_cache(maxsize=2)
+def _epoch_permutation(num_rows: int, seed: int, epoch: int) -> torch.Tensor:
+    return torch.randperm(num_rows, generator=torch.Generator().manual_seed(derive_seed(seed, "epoch", epoch)))
 
 
 def prompt_indices(step: int, count: int, num_rows: int, seed: int) -> list[int]:
     """Which rows step `step` trains on: consecutive slices of a per-epoch seeded permutation, so the data
-    position is a function of the step alone (exact resume, no sampler state to save)."""
+    position is a function of the step alone (exact resume, no sampler state to save). Each epoch's permutation is
+    built once (it was built once per prompt: 2.2 s per step at 200k rows and 256 prompts)."""
     out = []
     for pos in range(step * count, (step + 1) * count):
         epoch, offset = divmod(pos, num_rows)
-        perm = torch.randperm(num_rows, generator=torch.Generator().manual_seed(derive_seed(seed, "epoch", epoch)))
-        out.append(int(perm[offset]))
+        out.append(int(_epoch_permutation(num_rows, seed, epoch)[offset]))
     return out

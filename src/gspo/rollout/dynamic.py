@@ -3,8 +3,9 @@ teaches nothing, so further prompts are sampled until P groups with varied rewar
 
 One function serves both collection paths: the synchronous `gspo.trainer.collect` (its `sample` generates on every
 process and gathers) and each asynchronous rollout worker (`gspo.rollout.workers`), which fills its batch the same
-way before sending it. Round r ≥ 1 of step (or batch) i samples `schedule.refill_prompts(i, r, ...)`: a pure function
-of the run seed, i and r, so a resumed run samples what an uninterrupted one would.
+way before sending it. Round r ≥ 1 of step (or batch) i samples `schedule.refill_prompts(i, r, ...)`: the next rows of
+a permutation of those step i's first round did not sample, a pure function of the run seed, i and the earlier rounds'
+sizes, so a resumed run samples what an uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 from gspo.advantages import zero_variance_groups
 from gspo.rewards import merge_reward_stats
-from gspo.schedule import refill_prompts
+from gspo.schedule import prompt_indices, refill_prompts
 from gspo.trajectory import Trajectory, concat
 
 if TYPE_CHECKING:
@@ -51,13 +52,14 @@ def keep_informative(step: int, train_rows: list[dict], first: Scored,
     `dynamic_rounds` / `dynamic_sampled_prompts` / `dynamic_filled_groups`) and every sampled reward (the step's
     reward metrics describe what was sampled, not what was kept). Raises NoSignal when no group was informative."""
     p, g = ro.prompts_per_step, ro.group_size
+    own = prompt_indices(step, p, len(train_rows), seed)  # the first round's rows: refills draw from the others
     parts = [first]
     informative = [~zero_variance_groups(first.rewards, g)]
     kept, sampled = int(informative[0].sum()), len(first.rewards) // g
     while kept < p and len(parts) < ro.dynamic_max_rounds:
         n = min(math.ceil((p - kept) * sampled / max(kept, sampled / 8)), 4 * p)
         n = math.ceil(n / world_size) * world_size
-        rows, seeds = refill_prompts(step, len(parts), train_rows, n, seed)
+        rows, seeds = refill_prompts(step, len(parts), train_rows, n, seed, start=sampled - len(own), exclude=own)
         parts.append(sample(rows, seeds))
         informative.append(~zero_variance_groups(parts[-1].rewards, g))
         kept, sampled = kept + int(informative[-1].sum()), sampled + n
