@@ -371,6 +371,24 @@ def test_guard_warn_only_logs(tmp_path, counted_reward):
     assert sum(r["guard_anomalies"] for r in records) >= 2 and not (out / "guard.jsonl").exists()
 
 
+def test_a_collapse_dynamic_sampling_finds_no_signal_in_is_the_guards_to_handle(tmp_path, counted_reward):
+    """The reward falls to 0 for every completion: with dynamic sampling no group has signal, which stopped the run
+    with 'the task is too hard' before the guard saw the step (no rollback, no summary.json). Now it is a collapse:
+    rolled back once, then stopped with status collapsed; without the guard, a failure with summary.json."""
+    out = tmp_path / "run"
+    dynamic = ["rollout.dynamic_sampling=true", "rollout.dynamic_max_rounds=2", "cold_start=null"]
+    with pytest.raises(RunCollapsed, match=r"collapse at step .*equal rewards"):
+        train(load_config(DEMO, tiny_overrides(out, *GUARDED, *dynamic)))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "collapsed" and summary["guard"]["rollbacks"] == 1
+    [event] = read_metrics(out / "guard.jsonl")
+    assert event["lr_scale"] == 0.5 and event["to_checkpoint"] < event["step"]
+    counted_reward["n"] = 0
+    with pytest.raises(TrainingError, match="equal rewards"):
+        train(load_config(DEMO, tiny_overrides(tmp_path / "warn", *GUARDED, *dynamic, "trainer.guard.action=warn")))
+    assert json.loads((tmp_path / "warn" / "summary.json").read_text())["status"] == "failed"
+
+
 def test_dynamic_sampling_trains_on_full_batches_of_informative_groups(tmp_path, counted_reward):
     counted_reward["healthy"] = 10**9
     out = tmp_path / "run"

@@ -112,8 +112,9 @@ from gspo.sft import cold_start, rows_without_solution
 from gspo.tracking import MetricsLogger, Progress, check_trackers, plot_curves, read_metrics
 from gspo.trajectory import Trajectory
 
-__all__ = ["Collected", "RLStep", "RunCollapsed", "RunInterrupted", "Setup", "TrainingError", "check_rewards",
-           "collect", "default_hooks", "learn_settings", "prepare", "rl_step", "rollout_records", "sync", "train"]
+__all__ = ["Collected", "NoSignalError", "RLStep", "RunCollapsed", "RunInterrupted", "Setup", "TrainingError",
+           "check_rewards", "collect", "default_hooks", "learn_settings", "prepare", "rl_step", "rollout_records",
+           "sync", "train"]
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +124,10 @@ StepCallback = Callable[[int, dict], None]
 
 class TrainingError(RuntimeError):
     """The run stopped because training itself went wrong (e.g. too many steps without a finite update)."""
+
+
+class NoSignalError(TrainingError):
+    """Dynamic sampling found no group with varied rewards in any round (`gspo.rollout.dynamic.NoSignal`)."""
 
 
 class RunCollapsed(TrainingError):
@@ -217,7 +222,7 @@ def collect(step: int, train_rows: list[dict], ctx: RLStep) -> Collected:
     try:
         batch = _collect_async(step, ctx) if ctx.rollouts is not None else _collect_sync(step, train_rows, ctx)
     except NoSignal as e:  # dynamic sampling: every group constant after every round (here or in a worker)
-        raise TrainingError(str(e)) from None
+        raise NoSignalError(str(e)) from None
     scale, traj = cfg.algorithm.advantage_scale, batch.traj
     if cfg.env is not None and cfg.env.turn_credit and OBJECTIVES[cfg.algorithm.loss].token_advantages:
         batch.advantages = turn_advantages(traj.token_rewards, traj.loss_mask, ro.group_size, scale=scale)
@@ -1039,7 +1044,23 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
             run_eval(0)
         step = start
         while step < cfg.trainer.steps:
-            metrics = rl_step(step, model, optimizer, scheduler, train_rows, ctx)
+            try:
+                metrics = rl_step(step, model, optimizer, scheduler, train_rows, ctx)
+            except NoSignalError as e:
+                # after steps with signal, every group constant is a collapse (e.g. accuracy fell to 0 %): the guard
+                # rolls back or stops as it would on the metrics, which dynamic sampling never lets it see
+                if guard is not None and gc.action != "warn" and step > 0:
+                    verdict = Verdict(step + 1, {"reward": str(e)}, collapsed=True, first_step=guard.since or step + 1)
+                    log.warning("collapse guard, step %d: %s", step + 1, verdict.reason)
+                    back = roll_back(verdict)
+                    if back is None:
+                        raise collapsed(verdict) from None
+                    step = done = back
+                    progress.update(done, {})
+                    continue
+                if group.is_main:
+                    stopped_summary("failed", str(e), step)
+                raise
             done = step = step + 1
             if logger is not None and cfg.log.rollouts:
                 logger.log_rollouts(done, rollout_records(ctx.last, tokenizer, cfg.log.rollouts,
