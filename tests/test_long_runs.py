@@ -340,6 +340,47 @@ def test_a_best_policy_from_steps_the_guard_rolled_back_is_labelled(tmp_path, co
     assert (out / "best" / "config.json").is_file()
 
 
+def test_a_best_policy_measured_after_the_checkpoint_a_run_resumes_from_is_the_one_named(tmp_path, monkeypatch):
+    """OUT/best is not versioned with the checkpoints: written at step 3 (accuracy 1.0), after the step-2 checkpoint,
+    then the run crashed; the resumed run's summary named step 2's record (0.5) while OUT/best held step 3's weights.
+    OUT/best/best.json says what it holds, and the resumed run names that, labelled."""
+    accuracy_of_eval = [0.0, 0.25, 0.5, 1.0, 0.25, 0.25]  # evaluation k (4 held-out rows each): step 0, 1, 2, 3, 3, 4
+    calls = {"n": 0}
+
+    def scripted(prompt: str, completion: str, mark: str = "", **row) -> float:
+        if mark != "heldout":
+            return 0.0
+        k, i = divmod(calls["n"], 4)
+        calls["n"] += 1
+        return float(i < accuracy_of_eval[k] * 4)
+
+    def write(name: str, first: int, count: int, mark: str) -> str:
+        rows = [{"question": f"{a}+{a % 7}=", "result": str(a + a % 7), "mark": mark}
+                for a in range(first, first + count)]
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(tmp_path / name)
+
+    monkeypatch.setitem(REWARDS, "scripted", scripted)
+    monkeypatch.setitem(REWARDS, "varied", varied_reward)
+    out = tmp_path / "run"
+    cfg = load_config(DEMO, tiny_overrides(
+        out, "cold_start=null", "rewards.check=false", "trainer.steps=4", "trainer.eval_every=1",
+        "trainer.checkpoint_every=2", "trainer.save_best=true", "rewards.functions={varied: 1.0, scripted: 0.0}",
+        "rewards.accuracy_reward=scripted", "data.task=null", f"data.path={write('train.jsonl', 0, 200, 'train')}",
+        "data.train_size=null", "data.eval_size=null", f"data.eval_path={write('heldout.jsonl', 300, 4, 'heldout')}",
+        "data.fields={prompt: question, answer: result}"))
+    with pytest.raises(SimulatedCrash):
+        train(cfg, callbacks=[crash_after(3)])
+    step3 = safetensors_of(out / "best")
+    summary = train(cfg, resume=True)
+    assert [(e["step"], e["heldout_accuracy"]) for e in read_metrics(out / "eval.jsonl")] == [
+        (0, 0.0), (1, 0.25), (2, 0.5), (3, 0.25), (4, 0.25)]  # step 3 measured again after the resume
+    assert (summary["best"]["step"], summary["best"]["heldout_accuracy"]) == (3, 1.0)
+    assert summary["best"]["discarded_by_resume"] and "resumed from" in summary["best"]["note"]
+    held = safetensors_of(out / "best")
+    assert all(torch.equal(held[k], step3[k]) for k in step3)  # what summary.json names is what OUT/best holds
+
+
 def test_guard_rolls_back_a_slow_slide_to_the_best_checkpoint_kept_from_pruning(tmp_path, monkeypatch):
     """The reward holds at 0.8 for about 8 steps, then loses 0.05 a step: the guard flags it at step 16 (below half
     the best baseline), when the latest clean checkpoint (14) already scores about 0.5. The run rolls back to

@@ -500,10 +500,24 @@ def _prompts_digest(rows: list[dict]) -> str:
     return hashlib.sha256(json.dumps([r["prompt"] for r in rows]).encode()).hexdigest()
 
 
+BEST_MARKER = "best.json"  # in OUT/best: the step and held-out accuracy of the policy it holds
+
+
+def _read_best_marker(out: Path) -> dict | None:
+    """OUT/best/best.json (None without one, or unreadable: then the checkpoint's record stands)."""
+    try:
+        marker = json.loads((out / "best" / BEST_MARKER).read_text())
+        return {"step": int(marker["step"]), "heldout_accuracy": float(marker["heldout_accuracy"])}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _best_record(best: dict, out: Path) -> dict:
     """summary.json's `best` (trainer.save_best): its step, accuracy and folder, and what that accuracy means."""
     note = _BEST_NOTE + (("; its step was later rolled back by the collapse guard: its evaluation is in guard.jsonl's "
                           "discarded steps, not in eval.jsonl") if best.get("discarded_by_rollback") else "")
+    note += ("; it was measured after the checkpoint this run resumed from: its evaluation is not in eval.jsonl"
+             if best.get("discarded_by_resume") else "")
     return {**best, "path": str(out / "best"), "note": note}
 
 
@@ -870,6 +884,11 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
                     "chosen, changed since): later evaluations report no change since then")
         first_rows = None
     best: dict | None = state.get("best")  # trainer.save_best: the step and accuracy of OUT/best
+    # OUT/best is not versioned with the checkpoints: an evaluation after the checkpoint a run resumes from may have
+    # written it (its record, OUT/best/best.json, says), and then that is what OUT/best holds
+    marker = group.broadcast_object(_read_best_marker(out) if group.is_main else None)
+    if marker is not None and marker["step"] > start and best != marker:
+        best = {**marker, "discarded_by_resume": True}
     # resumed on other training rows (the data, its selection, or an embedded task's split changed since): said
     train_changed = state.get("train_digest", train_digest) != train_digest
     if train_changed:
@@ -927,6 +946,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         if cfg.trainer.save_best and (best is None or accuracy > best["heldout_accuracy"]):
             publish_model("best")
             best = {"step": step, "heldout_accuracy": accuracy}
+            if group.is_main:
+                write_atomic(out / "best" / BEST_MARKER, json.dumps(best))
         if logger is not None:
             write_jsonl(out / "eval.jsonl", evals)
             if shown:
