@@ -106,6 +106,9 @@ def test_a_clean_check_exits_0_and_an_error_exits_2_as_the_run_would(tmp_path, c
     assert "float32, sdpa attention" in out  # model.attn_implementation=None: the model's default
     assert main(["train", str(cfg_file), "--check", *args, "rollout.group_size=0"]) == 2
     assert "rollout.group_size" in capsys.readouterr().err
+    # nothing held out (data.eval_split: null, as the README offers): the report and its warning, not a KeyError
+    assert main(["train", str(cfg_file), "--check", *args, "data.eval_split=null", "data.eval_path=null"]) == 1
+    assert "plan: 3 steps" in capsys.readouterr().out
 
 
 def test_check_refuses_what_a_resume_would_refuse_and_names_the_checkpoint_it_would_take(tmp_path):
@@ -143,6 +146,7 @@ def test_held_out_rows_that_share_a_passage_with_a_training_prompt_are_found_but
     held[7] = {"prompt": template + problem + ". How far has it gone by 3 pm?"}
     found = shared_passages(train, held)
     assert found["rows"] == 1 and found["examples"][0]["heldout_row"] == 7
+    assert found["examples"][0]["heldout_prompt"] == held[7]["prompt"][:80]  # findable when the numbering is not
     assert found["examples"][0]["training_row"] == 123
     assert found["examples"][0]["passage"] in problem.casefold()
     assert shared_passages(train, held, n=40)["rows"] == 0  # no passage that long is shared

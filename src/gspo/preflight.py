@@ -60,7 +60,8 @@ def shared_passages(train_rows: Sequence[dict], eval_rows: Sequence[dict], n: in
     `gspo.data.near_key`) cannot see. A passage in more than max(5, 1 %) of the training or of the held-out rows is
     a template (a system prompt, an instruction every row carries); a shared passage counts only where it has no word
     of a template (so "…the very end. Problem 12" is not one problem). Returns `rows` (how many held-out rows share
-    one) and up to three `examples` (held-out row, training row, the passage)."""
+    one) and up to three `examples` (held-out row among `eval_rows` and its prompt's start, training row, the
+    passage: the held-out file's own numbering differs once training prompts are dropped from it)."""
     held = [_passages(r["prompt"], n) for r in eval_rows]
     wanted = {g for grams in held for g in grams}
     in_train: Counter = Counter()
@@ -78,7 +79,8 @@ def shared_passages(train_rows: Sequence[dict], eval_rows: Sequence[dict], n: in
         shared = [g for start, g in enumerate(grams) if g in first and g not in template
                   and covered.isdisjoint(range(start, start + n))]
         if shared:
-            found.append({"heldout_row": i, "training_row": first[shared[0]], "passage": " ".join(shared[0])})
+            found.append({"heldout_row": i, "heldout_prompt": eval_rows[i]["prompt"][:80],
+                          "training_row": first[shared[0]], "passage": " ".join(shared[0])})
     return {"words": n, "rows": len(found), "examples": found[:3]}
 
 
@@ -301,9 +303,9 @@ def warnings(report: dict[str, Any]) -> list[str]:
     if shared["rows"]:
         e = shared["examples"][0]
         found.append(f"{shared['rows']} held-out rows share a passage of {shared['words']} words with a training "
-                     f"prompt (e.g. held-out row {e['heldout_row']} and training row {e['training_row']}: "
-                     f"{e['passage']!r}): the same problem reworded or copied is not held out; only prompts equal up "
-                     "to case and whitespace are left out")
+                     f"prompt (e.g. held-out row {e['heldout_row']} of those evaluated, {e['heldout_prompt']!r}, and "
+                     f"training row {e['training_row']}: {e['passage']!r}): the same problem reworded or copied is not "
+                     "held out; only prompts equal up to case and whitespace are left out")
     if note := warmup_warning(report["plan"]["warmup_steps"], report["plan"]["optimizer_steps"]):
         found.append(note)
     if unwritable := (report.get("env") or {}).get("unwritable_calls"):
@@ -385,7 +387,7 @@ def format_report(report: dict[str, Any]) -> list[str]:
     if h.get("ci95_half_width") is not None:
         lines.append(f"  a held-out accuracy near 50 % on {h['rows']} rows has a 95 % interval of "
                      f"±{h['ci95_half_width'] * 100:.1f} points")
-    if h.get("shared_passages") and h["rows"]:
+    if h.get("shared_passages") and h.get("rows"):
         lines.append(f"  held-out rows sharing an {h['shared_passages']['words']}-word passage with a training prompt: "
                      f"{h['shared_passages']['rows']}")
     if h.get("groups"):
