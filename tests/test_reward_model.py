@@ -195,6 +195,26 @@ def test_a_trl_style_batched_reward_is_called_once_with_the_columns():
     assert calls == [(["1+1=", "2+2=", "3+3="], ["2", "5", "6"], ["2", "4", "6"], ["k"])]
 
 
+def test_trls_own_reward_examples_work_as_batched_rewards():
+    """TRL calls reward functions by keyword (`reward_func(prompts=..., completions=..., **columns)`): its documented
+    examples take only what they need. Called positionally they were refused ('too many positional arguments'), or,
+    with a column named second, scored the prompts as completions."""
+    @batched
+    def reward_len(completions, **kwargs):  # TRL's docs, "Using a custom reward function"
+        return [-abs(3 - len(completion)) for completion in completions]
+
+    @batched
+    def reward_func(completions, ground_truth, **kwargs):
+        return [1.0 if c == gt else 0.0 for c, gt in zip(completions, ground_truth, strict=True)]
+
+    rows = [{"prompt": "1+1=", "ground_truth": "2"}, {"prompt": "2+2=", "ground_truth": "44"}]
+    for fn in (reward_len, reward_func):
+        check_signature(fn, fn.__name__, rows[0])
+    total, stats = RewardRunner([(reward_len, 1.0), (reward_func, 10.0)], timeout_s=None)(
+        [r["prompt"] for r in rows], ["2", "4444"], rows)
+    assert total.tolist() == [-2.0 + 10.0, -1.0] and stats["reward_failures"] == 0
+
+
 @pytest.mark.parametrize("returned, failed_rows", [
     ([1.0, None, 2.0], [1]),  # a None or NaN value fails its row only
     ([1.0, float("nan"), 2.0], [1]),

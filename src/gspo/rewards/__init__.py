@@ -6,8 +6,8 @@ row's other fields (e.g. `answer`). It is named either by a registry name (`REWA
 file (`"path/to/rewards.py:function"`), so user rewards need no registration. `check_signature` tells, before any
 compute, whether a function can be called that way with a given row.
 
-A *batched* reward (`batched`, TRL's reward-function signature) is called once per batch as
-`fn(prompts: list[str], completions: list[str], **columns) -> list[float]`, each column a row field's N values: for
+A *batched* reward (`batched`, TRL's reward-function signature) is called once per batch, by keyword, as
+`fn(prompts=list[str], completions=list[str], **columns) -> list[float]`, each column a row field's N values: for
 rewards that pay per call (an LLM judge behind an API, a model). A learned reward model is named `model:PATH` (a local
 folder or hub id of a one-output sequence classifier, `gspo.rewards.model.RewardModel`).
 
@@ -108,10 +108,11 @@ class RewardFailure(RuntimeError):
 
 
 def batched(fn: Callable[..., Any]) -> RewardFn:
-    """Mark `fn` as a batched reward: called once per batch as `fn(prompts, completions, **columns)`, where `prompts`
-    and `completions` are the batch's N strings and each column is a row field's N values (e.g. `answer=[...]`);
-    it returns N numbers (a list, tuple, numpy array or tensor). This is TRL's reward-function signature, so a TRL
-    reward function works as `batched(fn)` (with string prompts; a None value is a failure here, see RewardRunner).
+    """Mark `fn` as a batched reward: called once per batch as `fn(prompts=..., completions=..., **columns)`, by
+    keyword, where `prompts` and `completions` are the batch's N strings and each column is a row field's N values
+    (e.g. `answer=[...]`); it returns N numbers (a list, tuple, numpy array or tensor). This is how TRL calls its
+    reward functions, so a TRL reward function (e.g. `def reward_len(completions, **kwargs)`) works as `batched(fn)`
+    (with string prompts; a None value is a failure here, see RewardRunner).
 
     Failures are per row: a None / NaN / non-number value fails that row; raising, timing out or returning the wrong
     count fails every row of the batch. Use it for rewards that pay per call (an API judge, a model)."""
@@ -243,13 +244,17 @@ def check_signature(fn: RewardFn, name: str, row: Mapping[str, Any]) -> None:
         return
     fields = {k: v for k, v in row.items() if k not in _POSITIONAL_FIELDS}
     try:
-        signature.bind("prompt", "completion", **fields)
+        if is_batched(fn):
+            signature.bind(prompts=["prompt"], completions=["completion"], **{k: [v] for k, v in fields.items()})
+        else:
+            signature.bind("prompt", "completion", **fields)
     except TypeError as exc:
         if is_batched(fn):
             raise ValueError(
                 f"batched reward {name!r} cannot be called with a batch's columns (fields {sorted(fields)}): {exc}. "
-                "A batched reward must accept `def reward(prompts: list[str], completions: list[str], **columns) -> "
-                "list[float]` (each column is a field's values, e.g. answer=[...])"
+                "A batched reward is called by keyword, as TRL calls its reward functions: it must accept "
+                "`def reward(prompts: list[str], completions: list[str], **columns) -> list[float]` (or take only "
+                "the arguments it needs by name and **kwargs; each column is a field's values, e.g. answer=[...])"
             ) from None
         raise ValueError(
             f"reward {name!r} cannot be called with a data row (fields {sorted(fields)}): {exc}. A reward function "
@@ -601,10 +606,11 @@ class RewardRunner:
         for name, fn in zip(self.names, self.functions, strict=True):
             start, mine = len(calls), [i for i in range(n) if applies[name][i]]  # the rows it scores (`routes`)
             texts = judged[name] = answers if answers is not None and judges_final_answer(fn) else completions
-            if is_batched(fn) and mine:
+            if is_batched(fn) and mine:  # by keyword, as TRL calls its reward functions (reward(completions, **kw))
                 fields = dict.fromkeys(key for i in mine for key in kwargs[i])  # its rows' fields, in order
-                calls.append((fn, ([prompts[i] for i in mine], [texts[i] for i in mine]),
-                              {f: [kwargs[i].get(f) for i in mine] for f in fields}))
+                calls.append((fn, (), {"prompts": [prompts[i] for i in mine],
+                                       "completions": [texts[i] for i in mine],
+                                       **{f: [kwargs[i].get(f) for i in mine] for f in fields}}))
             elif not is_batched(fn):
                 calls.extend((fn, (prompts[i], texts[i]), kwargs[i]) for i in mine)
             spans.append((start, len(calls), mine))
