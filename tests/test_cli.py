@@ -175,6 +175,14 @@ def test_eval_counts_rows_whose_text_the_tokenizer_cannot_encode(tmp_path, capsy
     assert any("of the held-out rows have characters the tokenizer maps to" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize("task", ["multiply", "countdown"])
+def test_eval_of_each_embedded_task_takes_its_reward(task, capsys):
+    """gspo eval --task multiply looked for a reward named 'multiply' ('unknown reward'): each task names its own."""
+    assert main(["eval", "tiny-dense", "--task", task, "--size", "4", "--max-new-tokens", "2"]) == 0
+    result = last_json(capsys.readouterr().out)
+    assert result["rows"] == 4 and result["reward_check"]["reference_solved"] == 4  # the verifier fits the task
+
+
 def test_eval_prints_accuracy(sft_dir, capsys):
     assert main(["eval", str(sft_dir), "--size", "8", "--max-new-tokens", "4"]) == 0
     result = last_json(capsys.readouterr().out)

@@ -275,6 +275,7 @@ def _eval_setup(args: argparse.Namespace, cfg: Config | None):
     (--rows-out's `row`: a --data file's row, also under --size; else its place among the held-out rows)."""
     from gspo.config import DataConfig, check_model_threshold, resolve_accuracy_reward
     from gspo.data import (
+        TASKS,
         DataSplits,
         eval_group_field,
         eval_groups,
@@ -335,7 +336,7 @@ def _eval_setup(args: argparse.Namespace, cfg: Config | None):
                   **({"task_options": options} if options else {})}
         numbers = list(range(len(rows)))
     data = DataSplits(train=[], heldout=rows, heldout_source=source)
-    names = args.reward or [args.task or "addition"]
+    names = args.reward or [TASKS[args.task or "addition"].reward]  # multiply's answers: the addition verifier
     runner = RewardRunner({name: 1.0 for name in names}, on_error="zero",
                           timeout_s=30.0 if args.timeout is None else args.timeout,
                           model_options={"device": resolve_device(args.device, key="--device")},

@@ -44,6 +44,7 @@ class Task:
     `check(options)` raises ValueError for option values the sampler cannot handle.
     `key(row)` names the problem a row poses, the same for every prompt that poses it (the split and `distinct`
     follow it); by default the prompt.
+    `reward`: the registered reward that judges its rows (`gspo eval --task` uses it without a --reward).
     """
 
     name: str
@@ -51,6 +52,7 @@ class Task:
     check: Callable[[Mapping[str, int]], None]
     sample: Callable[[random.Random, Mapping[str, int]], dict[str, Any] | None]
     key: Callable[[dict[str, Any]], str] = lambda row: row["prompt"]
+    reward: str = "addition"  # the leading integer of the completion against the row's answer
 
 
 def _operands_key(op: str) -> Callable[[dict[str, Any]], str]:
@@ -206,6 +208,7 @@ TASKS: dict[str, Task] = {
         check=_check_countdown,
         sample=_sample_countdown,
         key=_countdown_key,
+        reward="countdown",
     ),
 }
 
