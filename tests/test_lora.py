@@ -16,7 +16,7 @@ from gspo.checkpoint import CheckpointError, save_checkpoint  # noqa: E402
 from gspo.config import LoraConfig, ModelConfig, load_config  # noqa: E402
 from gspo.logprobs import completion_logprobs  # noqa: E402
 from gspo.lora import apply_lora, merged_weights, save_lora_final  # noqa: E402
-from gspo.models import load_model  # noqa: E402
+from gspo.models import build_preset, build_tokenizer, load_model, save_model  # noqa: E402
 from gspo.optim import make_optimizer  # noqa: E402
 from gspo.parallel import ProcessGroup  # noqa: E402
 from gspo.parallel.state import load_state, save_state  # noqa: E402
@@ -475,3 +475,12 @@ def test_trainer_runs_lora_and_writes_an_adapter_and_a_merged_model(tmp_path, mo
     assert all(torch.equal(p, adapter.state_dict()[n]) for n, p in checkpoint.state_dict().items())
     summary = train(load_config(DEMO, [*overrides[:-2], "trainer.steps=3", "optim.lr=1e-2"]), resume=True)
     assert summary["status"] == "completed"
+    # a moved run evaluates on its own cold start, not on what now sits at the recorded path: it failed after a
+    # move, and a model put at the old path was merged with the adapters silently (31 % where the run's was 0 %)
+    final, _ = load_model(str(out / "final"))
+    moved = tmp_path / "moved"
+    out.rename(moved)
+    other, _ = build_preset("tiny-moe", seed=7)
+    save_model(other, build_tokenizer(), out / "cold_start")
+    again, _ = load_model(str(moved / "final"))
+    assert all(torch.equal(p, final.state_dict()[n]) for n, p in again.state_dict().items())

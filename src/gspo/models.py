@@ -326,7 +326,9 @@ def _is_adapter_folder(path: Path) -> bool:
 def _load_adapter_folder(path: Path, **kwargs) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A peft LoRA adapter folder (a LoRA run's OUT/final): its base model (adapter_config.json's
     `base_model_name_or_path`, loaded by `load_model`; a preset named with its seed, `adapter_base_name`, is built
-    from that seed, not the caller's) with the adapters merged in, and the folder's tokenizer."""
+    from that seed, not the caller's; a run's cold start, recorded as an absolute path, is the cold start of the run
+    the folder is in, so a moved or copied run evaluates on its own and not on whatever now sits at the old path)
+    with the adapters merged in, and the folder's tokenizer."""
     import json
 
     from peft import PeftModel
@@ -337,6 +339,10 @@ def _load_adapter_folder(path: Path, **kwargs) -> tuple[PreTrainedModel, PreTrai
     preset, _, seed = base_name.partition(PRESET_SEED)
     if preset in PRESETS and seed.isdigit():
         base_name, kwargs = preset, {**kwargs, "seed": int(seed)}
+    elif Path(base_name).name == "cold_start":  # a LoRA run's own cold start: the run this folder is in (moved or not)
+        own = next((parent / "cold_start" for parent in path.resolve().parents[:4]
+                    if (parent / "cold_start" / "sft.json").is_file()), None)
+        base_name = str(own) if own is not None else base_name
     base, _ = load_model(base_name, **kwargs)
     model = PeftModel.from_pretrained(base, str(path)).merge_and_unload()
     tokenizer = AutoTokenizer.from_pretrained(str(path))
