@@ -343,29 +343,47 @@ class _StandIn(nn.Module):
         return MoeModelOutputWithPast(last_hidden_state=self.hidden)  # no router logits: no auxiliary loss
 
 
+class _StandInHead(nn.Module):
+    """A head of rank one, `(h · direction) ⊗ spread` (`_logits_are_the_head`): its logits follow its input (a model
+    that scales the hidden states before its head shows) at the real head's width, without the real weights."""
+
+    def __init__(self, direction: torch.Tensor, spread: torch.Tensor) -> None:
+        super().__init__()
+        self.direction, self.spread = direction, spread
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return (hidden.float() @ self.direction)[..., None] * self.spread
+
+
 def _logits_are_the_head(model: PreTrainedModel, prefix: str, head: nn.Linear) -> bool:
     """Whether `model`'s logits are exactly `head(last hidden state)`, checked once per model: its own forward runs
-    on hidden states whose logits are ~100 in magnitude, with the backbone stood in for (no decoder layer runs, so no
-    routing hook sees the call), and its logits are compared with the head's. A soft cap (Gemma 2's
-    final_logit_softcapping, RecurrentGemma's logits_soft_cap), a logit scale (Cohere), a width multiplier or a cut
-    of the vocabulary shows as a mismatch; so does any other post-processing a model class adds, where a list of
-    config keys would have to know them all (RecurrentGemma's soft cap was missed so, silently: π_θ came from
-    uncapped logits while the engine sampled capped ones). False, and the full-logits path, on a mismatch or an
-    error."""
+    with the backbone and the head stood in for (`_StandIn`, `_StandInHead`: logits ~100 in magnitude), bypassing
+    every module's hooks (no routing capture, FSDP gather or user hook sees it, no weight is read), and its logits
+    are compared with the stand-in head's. A soft cap (Gemma 2's final_logit_softcapping, RecurrentGemma's
+    logits_soft_cap), a logit scale (Cohere), a width multiplier or a cut of the vocabulary shows as a mismatch; so
+    does any other post-processing a model class adds, where a list of config keys would have to know them all
+    (RecurrentGemma's soft cap was missed so, silently: π_θ came from uncapped logits while the engine sampled
+    capped ones). False, and the full-logits path, on a mismatch or an error."""
     if model in _PLAIN_HEAD:
         return _PLAIN_HEAD[model]
-    backbone, weight = getattr(model, prefix), head.weight
-    hidden = torch.randn(1, 2, head.in_features, generator=torch.Generator().manual_seed(0)).to(weight)
+    g = torch.Generator().manual_seed(0)
+    device, dtype = head.weight.device, head.weight.dtype
+    hidden = torch.randn(1, 2, head.in_features, generator=g).to(device, dtype)
+    direction = torch.nn.functional.normalize(torch.randn(head.in_features, generator=g), dim=0).to(device)
+    spread = torch.randn(head.out_features, generator=g).to(device)
+    stand_in = _StandInHead(direction, spread / float((hidden.float() @ direction).abs().max()) * 100)
+    backbone = getattr(model, prefix)
     try:
-        with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
-            hidden = hidden * (100.0 / head(hidden).float().abs().max().clamp(min=1e-6))
-            want = head(hidden).float()
+        with torch.no_grad(), torch.autocast(device.type, enabled=False):
+            want = stand_in(hidden)
             setattr(model, prefix, _StandIn(hidden))
+            model.set_output_embeddings(stand_in)
             try:
-                got = model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=weight.device),
-                            use_cache=False).logits.float()
+                got = type(model).forward(model, input_ids=torch.zeros(1, 2, dtype=torch.long, device=device),
+                                          use_cache=False).logits.float()
             finally:
                 setattr(model, prefix, backbone)
+                model.set_output_embeddings(head)
         plain = got.shape == want.shape and bool(torch.allclose(got, want, rtol=1e-2, atol=0.5))
     except Exception:  # a forward that needs more than hidden states: the general path
         plain = False
