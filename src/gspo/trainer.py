@@ -1055,6 +1055,11 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
             "wall_seconds": time.perf_counter() - wall0}, indent=2))
         _plot_run(cfg, out, evals)
 
+    def failed_summary(error: str, steps_done: int, **extra) -> None:
+        """stopped_summary "failed" on rank 0 while the others wait, before every process raises (raised at once,
+        they had torchrun kill rank 0 before it wrote why)."""
+        group.main_first(lambda: stopped_summary("failed", error, steps_done, **extra) if group.is_main else None)
+
     # ------------------------------------------------------------------------------------------------------ loop
     done = start
     progress = Progress(total=cfg.trainer.steps, initial=start, every=cfg.log.progress_every,
@@ -1079,8 +1084,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
                     step = done = back
                     progress.update(done, {})
                     continue
-                if group.is_main:
-                    stopped_summary("failed", str(e), step)
+                failed_summary(str(e), step)
                 raise
             done = step = step + 1
             if logger is not None and cfg.log.rollouts:
@@ -1117,8 +1121,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
                 error = (f"stopped at step {done}: the last {bad_steps} steps (trainer.max_bad_steps) had every update "
                          f"skipped for a non-finite loss or gradient norm, so the weights stopped changing; "
                          f"lower optim.lr, keep optim.grad_clip, or check the rewards and the model's dtype")
-                if group.is_main:
-                    stopped_summary("failed", error, done, skipped_updates=_skipped_updates(out))
+                failed_summary(error, done, skipped_updates=_skipped_updates(out))
                 raise TrainingError(error)
             for callback in callbacks:
                 callback(done, metrics)
