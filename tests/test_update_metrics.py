@@ -92,24 +92,31 @@ def test_a_steps_metrics_are_over_all_its_minibatches(tmp_path, monkeypatch, los
     assert any(r["clip_frac_tokens"] > 0 for r in records)
 
 
+FIRST, SECOND = torch.tensor([0, 2, 4, 6]), torch.tensor([1, 3, 5, 7])  # two minibatches of ragged_trajectory
+
+
+def learn_with_rows_out_of_the_loss(rows: torch.Tensor, **settings) -> dict:
+    """`learn` (GSPO, as OBJECTIVES holds it now) on the tiny dense preset's ragged trajectory, minibatches FIRST then
+    SECOND, with `rows` left out of the loss mask (as rollout.overlong_filter leaves truncated rows): its metrics."""
+    model, _ = build_preset("tiny-dense", seed=1)
+    traj = ragged_trajectory(model)
+    loss_mask = traj.loss_mask.clone()
+    loss_mask[rows] = 0
+    spec = OBJECTIVES["gspo"]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    return learn(model, optimizer, scheduler, dataclasses.replace(traj, loss_mask=loss_mask),
+                 torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.25, -0.25]), [FIRST, SECOND],
+                 LearnSettings(objective=spec, eps_low=spec.eps_low, eps_high=spec.eps_high, **settings))
+
+
 def test_an_update_without_entries_leaves_the_metrics_alone(monkeypatch):
     """The second minibatch's rows have no response token left in the loss mask: its ratios (the objective's 1.0 over
     nothing) and its empty token counts change neither ratio_max, ratio_min nor any fraction, which are the first
     minibatch's. π_old is the rollout's (the model's log-probabilities plus noise), so the first minibatch's ratios are
     not 1 and the empty update's 1.0 would move both extrema."""
-    model, _ = build_preset("tiny-dense", seed=1)
-    traj = ragged_trajectory(model)
-    first, second = torch.tensor([0, 2, 4, 6]), torch.tensor([1, 3, 5, 7])
-    loss_mask = traj.loss_mask.clone()
-    loss_mask[second] = 0
-    traj = dataclasses.replace(traj, loss_mask=loss_mask)
     calls = record_calls(monkeypatch, "gspo")
-    spec = OBJECTIVES["gspo"]
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    metrics = learn(model, optimizer, scheduler, traj, torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.25, -0.25]),
-                    [first, second], LearnSettings(objective=spec, eps_low=spec.eps_low, eps_high=spec.eps_high,
-                                                   old_logprobs="rollout", max_new_tokens=12))
+    metrics = learn_with_rows_out_of_the_loss(SECOND, old_logprobs="rollout", max_new_tokens=12)
     (one, empty) = (c["metrics"] for c in calls)
     assert empty["count_ratios"] == empty["count_tokens"] == 0 and empty["ratio_max"] == empty["ratio_min"] == 1.0
     assert one["ratio_min"] < 1 < one["ratio_max"] and 0 < one["clip_frac_tokens"] < 1  # so the checks can fail
@@ -124,17 +131,7 @@ def test_a_first_minibatch_without_loss_tokens_gives_no_entropy_not_a_non_finite
     entropy is a mean of nothing. It was logged as NaN, and the collapse guard flagged every such healthy step
     'entropy not finite' and kept it out of its baseline."""
     from gspo.guard import CollapseGuard, GuardSettings
-    model, _ = build_preset("tiny-dense", seed=1)
-    traj = ragged_trajectory(model)
-    first, second = torch.tensor([0, 2, 4, 6]), torch.tensor([1, 3, 5, 7])
-    loss_mask = traj.loss_mask.clone()
-    loss_mask[first] = 0
-    traj = dataclasses.replace(traj, loss_mask=loss_mask)
-    spec = OBJECTIVES["gspo"]
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    metrics = learn(model, optimizer, scheduler, traj, torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.25, -0.25]),
-                    [first, second], LearnSettings(objective=spec, eps_low=spec.eps_low, eps_high=spec.eps_high))
+    metrics = learn_with_rows_out_of_the_loss(FIRST)
     assert "entropy" not in metrics and metrics["skipped_updates"] == 0 and metrics["loss"] == metrics["loss"]
     assert CollapseGuard(GuardSettings()).observe(1, {**metrics, "reward_mean": 0.5}).flags == {}
 
