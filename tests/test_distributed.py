@@ -4,6 +4,7 @@ and resumed), the pure pieces of `gspo.parallel` (sharding, one-process identiti
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -188,6 +189,27 @@ def test_fsdp_two_processes_interrupted_and_resumed_match_one(one_process, tmp_p
         rel = float((tensor - reference[name]).norm() / reference[name].norm().clamp(min=1e-12))
         assert rel <= REL_TOL, f"{name}: relative difference {rel:.2e}"
     assert any(not torch.equal(t, reference[k]) for k, t in model.state_dict().items())  # loaded, not the reference
+
+
+@pytest.mark.parametrize("parallel", [pytest.param("ddp", marks=pytest.mark.slow), "fsdp"])
+def test_float16_under_torchrun_skips_overflows_together_and_trains(tmp_path, monkeypatch, parallel):
+    """trainer.mixed_precision=float16 over 2 processes, from a loss scale past float16's range: the overflowed updates
+    are skipped by every process and counted (not failures: no skipped_updates, no guard anomaly), every process keeps
+    the same scale (`learn` compares them after every step and raises otherwise; under FSDP2 the processes hold
+    other gradient shards and ShardedGradScaler all-reduces the check), and once the scale fits the run trains.
+    (A process's share of the loss carries the factor W that makes the processes' mean gradient the whole batch's, so
+    its gradients overflow at other scales than a one-process run's: the counts are not compared with one.)"""
+    monkeypatch.setenv("GSPO_TEST_LOSS_SCALE", str(2.0**24))  # the worker processes' (tests/distributed_worker.py)
+    out = tmp_path / parallel
+    torchrun(tmp_path, str(TESTS / "distributed_worker.py"), str(DEMO), "0",
+             *tiny_overrides(out, *RUN, "trainer.mixed_precision=float16", "trainer.eval_every=0", "cold_start=null",
+                             f"trainer.parallel={parallel}", "trainer.device=auto"))
+    records = read_metrics(out / "metrics.jsonl")
+    assert records[0]["overflow_updates"] == 4 and records[0]["loss_scale"] == 2.0**20
+    assert all(r["skipped_updates"] == 0 and r["guard_anomalies"] == 0 for r in records)
+    assert records[-1]["overflow_updates"] < 4 and records[-1]["grad_norm"] > 0  # it trained once the scale fit
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["overflow_updates"] == sum(r["overflow_updates"] for r in records)
 
 
 @pytest.mark.slow  # ~60 s here: two processes compile the layers

@@ -68,7 +68,7 @@ def test_recipes_validate(name):
     (["rollout.engine=vllm", "rollout.vllm.max_model_len=64"], "set data.max_prompt_tokens to at most 58"),
     (["rollout.engine=vllm", "rollout.vllm.max_model_len=64", "data.max_prompt_tokens=60"], "at most 58"),
     (["trainer.parallel=zero3"], "trainer.parallel"),
-    (["trainer.mixed_precision=float16"], "trainer.mixed_precision"),
+    (["trainer.mixed_precision=float8"], "trainer.mixed_precision"),
     (["trainer.parallel=fsdp", "model.dtype=bfloat16", "trainer.mixed_precision=bfloat16"], "model.dtype=float32"),
 ])
 def test_scaling_settings_are_validated(overrides, message):

@@ -781,8 +781,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="steps of linear warm-up to --lr, then a cosine decay to 0 (default 10)")
     p.add_argument("--micro-batch-tokens", type=int, default=None,
                    help="at most this many padded tokens per forward/backward (gradients accumulated: the same step)")
-    p.add_argument("--mixed-precision", choices=("bfloat16",), default=None,
-                   help="bf16 forwards and backwards over the float32 weights (as trainer.mixed_precision)")
+    p.add_argument("--mixed-precision", choices=("bfloat16", "float16"), default=None,
+                   help="bf16 / fp16 forwards and backwards over the float32 weights (as trainer.mixed_precision; "
+                        "float16 with a dynamic loss scale)")
     p.add_argument("--compile", action="store_true",
                    help="compile each decoder layer for the forwards and backwards (as trainer.compile; dense models)")
     data_args(p, 20000)  # --task default: TASK_ROWS['train']

@@ -665,9 +665,9 @@ class TrainerConfig(_Section):
     # (torch.autocast; under fsdp, FSDP2's MixedPrecisionPolicy with float32 gradient reduction), while weights,
     # gradients and AdamW stay float32 and the LM head's log-softmax runs in float32. The built-in sampler sharing the
     # weights (rollout.dtype unset or float32) samples under the same autocast: the policy it samples is the one
-    # trained, on bf16 tensor cores with bf16 KV caches. float16 is not offered: its gradients need loss scaling,
-    # which gspo does not implement.
-    mixed_precision: Literal["bfloat16"] | None = None
+    # trained, on bf16 tensor cores with bf16 KV caches. float16: the same in float16 (GPUs without bf16: T4, V100),
+    # with a dynamic loss scale (`gspo.optim.loss_scaler`; overflowed updates skipped and counted, not failures).
+    mixed_precision: Literal["bfloat16", "float16"] | None = None
     # auto: this process's GPU (LOCAL_RANK) when every process on the machine has one, else the CPU (warned);
     # cuda: the same, but too few GPUs is an error (gspo.parallel.resolve_device)
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -7,6 +7,7 @@
         log π_θ       a forward of the policy as it is after k updates
         loss          the objective (e.g. GSPO, Eq. 5 with the sequence ratio of Eq. 7), normalised by its global count
         step          backward, grad-norm clip, AdamW; skipped on every process if anything is non-finite
+                      (under float16 compute the loss is scaled for the backward: `gspo.optim.loss_scaler`)
 
 A minibatch larger than `micro_batch_tokens` runs as micro-batches, each a forward and a backward whose gradients add
 up to the minibatch's: every objective is a sum over rows divided by a normaliser counted on the whole minibatch
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -34,6 +34,7 @@ from gspo.hooks import LearnHook
 from gspo.logprobs import completion_logprobs, fused_head
 from gspo.models import compiled_layers
 from gspo.objectives import COUNT_KEYS, METRIC_AGGREGATION, Metrics, Objective, kl_to_reference, process_normaliser
+from gspo.optim import step_schedule
 from gspo.parallel import ProcessGroup, autocast, gradient_sync, whole
 from gspo.trajectory import Trajectory
 
@@ -168,7 +169,8 @@ class _StepMetrics:
 def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: Trajectory, advantages: torch.Tensor,
           minibatches: Sequence[torch.Tensor], settings: LearnSettings, group: ProcessGroup | None = None,
           ref_model: nn.Module | None = None, hooks: Sequence[LearnHook] = (),
-          later_epochs: Sequence[Sequence[torch.Tensor]] = ()) -> dict[str, float]:
+          later_epochs: Sequence[Sequence[torch.Tensor]] = (),
+          scaler: torch.amp.GradScaler | None = None) -> dict[str, float]:
     """One update per minibatch of `traj` (each process: its share of each minibatch's row indices), then one per
     minibatch of each of `later_epochs` (further passes over the same rows, each split its own way, against the same
     π_old); returns the step's metrics: the objective's metrics over the entries of every update and process (e.g.
@@ -177,7 +179,13 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
     `skipped_updates`, `lr` (the mean of the rates the updates used: the scheduler's rate after them is the next
     step's), `micro_batches` (forwards per update, 1 without a budget), the hooks' metrics; with π_old
     recomputed, the train–inference mismatch (`gspo.correction.mismatch_metrics`) and what its correction masked and
-    truncated (0 when off)."""
+    truncated (0 when off).
+
+    `scaler` (`gspo.optim.loss_scaler`, for float16 compute): each backward is of the loss times its scale, the
+    gradients are unscaled before clipping, and `scaler.update()` follows every update. An update whose loss is
+    finite but whose scaled gradient is not, under a scale above 1, overflowed: it is skipped and the scale halved,
+    as loss scaling does, and counted in `overflow_updates` (with `loss_scale`, the scale after the step), not in
+    `skipped_updates`: the run is not failing. Under a scale of 1 or less the gradient itself is not finite."""
     s, group = settings, group or ProcessGroup()
     if s.kl_beta > 0 and ref_model is None:  # the KL term would silently be left out
         raise ValueError(f"learn: kl_beta={s.kl_beta:g} needs the reference model (ref_model=)")
@@ -246,7 +254,7 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
             kept = loss_mask.any(-1) | ~mask.any(-1)
             batch_metrics.update(fracs)
 
-    grad_norms, rates, skipped, n = [], [], 0, len(updates)
+    grad_norms, rates, skipped, overflows, n = [], [], 0, 0, len(updates)
     step_metrics = _StepMetrics(n)
     logprobs = torch.zeros_like(old_logprobs)  # π_θ of this process's rows, filled micro-batch by micro-batch
     entropy = torch.zeros_like(old_logprobs)
@@ -273,7 +281,7 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
                     total = total + s.kl_beta * kl_to_reference(
                         lp, ref_lp, mask[r], normaliser=process_normaliser(rows, group.world_size),
                         estimator=s.kl_estimator)
-                total.backward()
+                (total if scaler is None else scaler.scale(total)).backward()
             logprobs[r] = lp.detach()
             if ent is not None:
                 entropy[r] = ent
@@ -294,6 +302,8 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
             first = entropy[mb][mask[mb]]  # none on any process (e.g. all truncated under overlong_filter): no value
             step_metrics.add("entropy", float(first.mean()) if first.numel() else None, count=first.numel())
             step_metrics.add("clip_frac_tokens_first_mb", m["clip_frac_tokens"], count=m.get("count_tokens", 1.0))
+        if scaler is not None:  # the gradients as they are, in float32 (a non-finite one marks an overflow)
+            scaler.unscale_(optimizer)
         # under FSDP2 a DTensor; with torch 2.9 a partial norm, whose float() is this process's part (clipping itself
         # used the whole norm)
         grad_norm = whole(torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip or float("inf")))
@@ -301,18 +311,30 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
         if group.all_finite(loss.detach(), grad_norm):  # every process steps, or none does
             optimizer.step()
             grad_norms.append(float(grad_norm))
+        elif scaler is not None and scaler.get_scale() > 1 and group.all_finite(loss.detach()):
+            overflows += 1  # the scale was too large: scaler.update() halves it
         else:  # never let a non-finite update touch the weights
             skipped += 1
-        with warnings.catch_warnings():  # torch warns when the schedule steps before the (skipped) first update
-            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
-            scheduler.step()
+        if scaler is not None:
+            scaler.update()
+        step_schedule(scheduler)
         optimizer.zero_grad(set_to_none=True)
         m["loss"] = float(loss.detach())
         step_metrics.update(m)
     metrics = step_metrics.combine(group)
-    metrics.update(grad_norm=sum(grad_norms) / len(grad_norms) if grad_norms else math.nan,
-                   skipped_updates=float(skipped), lr=sum(rates) / n,
+    # no update applied: NaN where one was skipped as non-finite (a failure the guard sees); where every one overflowed
+    # a float16 loss scale, no gradient norm to give (left out, as the scale halves: not a failure)
+    if grad_norms or skipped:
+        metrics["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else math.nan
+    metrics.update(skipped_updates=float(skipped), lr=sum(rates) / n,
                    micro_batches=sum(map(len, micros_of)) / n, **batch_metrics)
+    if scaler is not None:
+        scale = float(scaler.get_scale())
+        spread = group.reduce_metrics_by_op({"max": {"scale": scale}, "min": {"scale": scale}})
+        if spread["max"]["scale"] != spread["min"]["scale"]:  # each process would scale its gradients differently
+            raise RuntimeError(f"the float16 loss scale differs between processes ({spread['min']['scale']:g} to "
+                               f"{spread['max']['scale']:g}): their overflow checks disagreed")
+        metrics.update(overflow_updates=float(overflows), loss_scale=scale)
     for hook in hooks:
         metrics.update(hook.batch_metrics(traj, old_logprobs))
     return metrics

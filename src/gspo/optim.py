@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch import nn
@@ -95,7 +96,14 @@ def lost_update_fraction(params: list[torch.Tensor], lr: float) -> float:
 
 def check_update_precision(params: list[torch.Tensor], lr: float) -> None:
     """Refuse to train weights whose dtype rounds most AdamW steps of size `lr` away (pure bfloat16/float16 weights at
-    RL learning rates): the run would look healthy while its policy barely changes."""
+    RL learning rates): the run would look healthy while its policy barely changes. float16 weights are refused at
+    any rate: their gradients need loss scaling (below 6e-8 a float16 gradient is 0), and a scaled gradient is
+    unscaled into float32 weights' gradients (torch's GradScaler refuses float16 ones)."""
+    if any(p.dtype == torch.float16 for p in params):
+        raise ValueError(
+            "float16 weights cannot be trained: their gradients underflow without loss scaling, which unscales into "
+            "float32 gradients. Train float32 weights with float16 compute (model.dtype=float32, "
+            "trainer.mixed_precision=float16), or LoRA adapters (float32) over the float16 model")
     fraction = lost_update_fraction(params, lr) if any(p.dtype != torch.float32 for p in params) else 0.0
     if fraction > LOST_UPDATES_MAX:
         dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in params})
@@ -103,6 +111,15 @@ def check_update_precision(params: list[torch.Tensor], lr: float) -> None:
             f"learning rate {lr:g} is below the resolution of the {'/'.join(dtypes)} weights: an AdamW step of that "
             f"size rounds away on {fraction:.1%} of them. Train float32 weights with low-precision compute instead "
             f"(model.dtype=float32, trainer.mixed_precision=bfloat16), or raise the learning rate")
+
+
+def step_schedule(scheduler) -> None:
+    """Step the learning-rate schedule after an optimizer update, applied or skipped (non-finite, or a float16 loss
+    scale's overflow): the schedule counts updates, not applied ones. torch warns when the schedule steps before the
+    first `optimizer.step()`, which is what a skipped first update is: not an error here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+        scheduler.step()
 
 
 def scale_lr(optimizer: torch.optim.Optimizer, scheduler, factor: float) -> None:
@@ -116,3 +133,30 @@ def scale_lr(optimizer: torch.optim.Optimizer, scheduler, factor: float) -> None
         group["lr"] *= factor
         if "initial_lr" in group:
             group["initial_lr"] *= factor
+
+
+INITIAL_LOSS_SCALE = 2.0**16
+"""The float16 loss scale a run starts from (torch's GradScaler default); halved at every overflow, doubled after
+`LOSS_SCALE_GROWTH_INTERVAL` updates without one."""
+LOSS_SCALE_GROWTH_INTERVAL = 2000
+
+
+def loss_scaler(model: nn.Module, mixed_precision: str | None, fsdp: bool = False) -> torch.amp.GradScaler | None:
+    """A dynamic loss scaler where the training forwards compute in float16 (`trainer.mixed_precision=float16`, or
+    float16 weights under trainable float32 LoRA adapters), else None (bfloat16 and float32 have float32's range).
+
+    Why: a float16 gradient below 6e-8 is 0 and below 6.1e-5 loses precision, and an RL loss's activation gradients
+    (advantages of order 1 over thousands of tokens) sit there. The loss is multiplied by the scale before backward,
+    the gradients divided by it (into float32) before clipping; an update whose scaled gradient overflowed is skipped
+    and the scale halved (`gspo.learner.learn` counts it as `overflow_updates`). Under FSDP2 the scaler all-reduces
+    its overflow check over the processes (ShardedGradScaler): their gradient shards differ (under DDP they agree)."""
+    half = mixed_precision == "float16" or any(p.dtype == torch.float16 for p in model.parameters())
+    if not half:
+        return None
+    device = next(model.parameters()).device.type
+    kwargs = {"init_scale": INITIAL_LOSS_SCALE, "growth_interval": LOSS_SCALE_GROWTH_INTERVAL}
+    if fsdp:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device, **kwargs)
+    return torch.amp.GradScaler(device, **kwargs)

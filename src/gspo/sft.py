@@ -24,7 +24,7 @@ from gspo.agent.episodes import ChatFormat, encode_demonstration
 from gspo.learner import micro_batches
 from gspo.logprobs import completion_logprobs, fused_head
 from gspo.models import compiled_layers, load_model, resolve_dtype, save_model
-from gspo.optim import make_optimizer
+from gspo.optim import loss_scaler, make_optimizer, step_schedule
 from gspo.rollout.assemble import eos_ids
 from gspo.runfolder import publish_dir
 from gspo.schedule import derive_seed
@@ -128,7 +128,10 @@ def sft(
     A row's solution may also be a multi-turn demonstration (a list of messages, see `encode_pairs`), laid out by
     `chat_format` (default: the tokenizer's chat template), of which only the assistant turns are trained.
 
-    `mixed_precision` ("bfloat16"): forwards and backwards under torch.autocast over the float32 weights.
+    `mixed_precision` ("bfloat16", "float16"): forwards and backwards under torch.autocast over the float32 weights
+    (float16 weights themselves cannot train: `gspo.optim.check_update_precision`). Under float16 compute the loss is
+    scaled for the backward (`gspo.optim.loss_scaler`) and a step whose scaled gradient overflowed is skipped, the
+    scale halved, as in the RL updates; any step with a non-finite gradient is skipped, and the count warned.
     `micro_batch_tokens`: a batch with more padded tokens runs as forwards and backwards of at most that many (as the
     learner's, `gspo.learner.micro_batches`), each summed over its tokens and divided by the batch's token count, so
     the gradients add up to the batch's. `compile`: the decoder layers and the head's float32 passes compiled for the
@@ -162,13 +165,14 @@ def sft(
     from tqdm.auto import tqdm
 
     optimizer, scheduler = make_optimizer(model, lr, steps, warmup_steps=warmup_steps, min_lr_ratio=0.0)
+    scaler = loss_scaler(model, mixed_precision)
     rng = random.Random(seed)
     model.train()
     device = next(model.parameters()).device  # the batches are built on the CPU and moved there
     amp = (functools.partial(torch.autocast, device.type, dtype=resolve_dtype(mixed_precision)) if mixed_precision
            else contextlib.nullcontext)
     losses: list[float] = []
-    running = None
+    running, skipped = None, 0
     # no bar when stderr is not a terminal (a log file would fill with redraws): the trainer logs the result
     bar = tqdm(range(steps), desc="cold-start SFT", disable=None if progress else True, leave=False)
     for _ in bar:
@@ -183,17 +187,27 @@ def sft(
             with amp(), compiled_layers(model, compile), fused_head(compile):  # no routing capture: skip padding
                 logprobs, _ = completion_logprobs(model, *(t[micro] for t in enc), trim_padding=True)
             part = -logprobs[mask[micro]].sum() / tokens
-            part.backward()
+            (part if scaler is None else scaler.scale(part)).backward()
             loss += part.detach()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if torch.isfinite(grad_norm):  # a non-finite gradient (a float16 overflow) never touches the weights
+            optimizer.step()
+        else:
+            skipped += 1
+        if scaler is not None:
+            scaler.update()
+        step_schedule(scheduler)
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
         running = losses[-1] if running is None else 0.95 * running + 0.05 * losses[-1]  # ~20-step mean
         bar.set_postfix(loss=f"{running:.3f}")
         if target_loss is not None and len(losses) > max(warmup_steps, 20) and running <= target_loss:
             break
+    if skipped:
+        log.warning("cold-start SFT skipped %d of %d steps for a non-finite gradient%s", skipped, len(losses),
+                    " (float16 overflows of the loss scale, halved at each)" if scaler is not None else "")
     return losses
 
 

@@ -76,7 +76,7 @@ from gspo.models import (
 )
 from gspo.moe import is_moe, replay_support_error, require_replay_support
 from gspo.objectives import OBJECTIVES
-from gspo.optim import check_update_precision, make_optimizer, scale_lr, warmup_warning
+from gspo.optim import check_update_precision, loss_scaler, make_optimizer, scale_lr, warmup_warning
 from gspo.parallel import ProcessGroup, init_distributed, wrap_frozen, wrap_policy
 from gspo.parallel.state import FullModelView, full_state, load_state, save_state
 from gspo.rewards import RewardRunner, drop_unscored, score_trajectory
@@ -158,6 +158,7 @@ class RLStep:
     rollouts: AsyncRollouts | SharedRollouts | None = None  # rollout.mode async: the workers that generate batches
     episodes: EpisodeRunner | None = None  # env: multi-turn episodes on `engine` instead of one completion per prompt
     last: Collected | None = None  # the batch the latest step trained on (`rollout_records`)
+    scaler: torch.amp.GradScaler | None = None  # float16 compute: the loss scaler (`gspo.optim.loss_scaler`)
 
 
 @dataclass
@@ -395,7 +396,7 @@ def rl_step(step: int, model: nn.Module, optimizer, scheduler, train_rows: list[
     try:
         first, *later = minibatches(step, len(traj), ctx, traj.loss_mask.device)
         learned = learn(model, optimizer, scheduler, traj, batch.advantages, first, learn_settings(ctx.cfg),
-                        ctx.group, ctx.ref_model, ctx.hooks, later_epochs=later)
+                        ctx.group, ctx.ref_model, ctx.hooks, later_epochs=later, scaler=ctx.scaler)
     except RuntimeError as e:
         if not _out_of_memory(e):
             raise
@@ -829,10 +830,12 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         model, cfg.optim.lr, cfg.trainer.steps * updates, weight_decay=cfg.optim.weight_decay,
         betas=cfg.optim.betas, warmup_steps=cfg.optim.warmup_steps, min_lr_ratio=cfg.optim.min_lr_ratio,
         cosine=cfg.optim.schedule == "cosine")
+    scaler = loss_scaler(model, cfg.trainer.mixed_precision, group.fsdp)  # None but for float16 compute
     start, bad_steps, state = 0, 0, {}  # bad_steps: consecutive steps whose updates were all skipped (non-finite)
     if checkpoint is not None:  # found and checked against trainer.steps before anything was written (`prepare`)
         state = load_state(group, checkpoint, model, optimizer, scheduler)
         start, bad_steps = state["step"], state.get("bad_steps", 0)
+        _load_loss_scale(scaler, state)
         wall0 -= state.get("wall_seconds", 0.0)  # the run's wall time up to that checkpoint (not the lost work after)
         # counts up to the checkpoint, so that the summary covers the whole run, not just this process
         rewards.load_state_dict({"failures": state.get("reward_failures", {}),
@@ -860,7 +863,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
 
     rollouts = start_rollouts(start, state)
     episodes = make_episode_runner(cfg, engine, tokenizer, make_env) if make_env is not None else None
-    ctx = RLStep(cfg, engine, rewards, ref_model, default_hooks(cfg, model), group, rollouts, episodes)
+    ctx = RLStep(cfg, engine, rewards, ref_model, default_hooks(cfg, model), group, rollouts, episodes,
+                 scaler=scaler)
     gc = cfg.trainer.guard
     guard = CollapseGuard(guard_settings(cfg)) if gc.enabled else None
     guarded = state.get("guard", {})  # the guard's baseline, rollbacks and learning-rate scale at the checkpoint
@@ -959,6 +963,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
     def checkpoint_now(step: int) -> None:
         save_state(group, out, step, model=model, optimizer=optimizer, scheduler=scheduler, tokenizer=tokenizer,
                    state={"step": step, "data_position": step * ro.prompts_per_step, "bad_steps": bad_steps,
+                          **({"loss_scaler": scaler.state_dict()} if scaler is not None else {}),
                           **(rollouts.state_dict() if rollouts is not None else {}),
                           **({"guard": {**guard.state_dict(), "rollbacks": rollbacks, "lr_scale": lr_scale,
                                         "reward_baseline": guard.reward_baseline()}}
@@ -999,6 +1004,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         before = state.get("guard", {})
         scale_lr(optimizer, scheduler, lr_scale * gc.lr_factor / before.get("lr_scale", 1.0))
         rollbacks, lr_scale, bad_steps = rollbacks + 1, lr_scale * gc.lr_factor, state.get("bad_steps", 0)
+        _load_loss_scale(scaler, state)
         guard.load_state_dict(before)
         if group.is_main:
             for later in (s for s in steps if s > back):
@@ -1158,6 +1164,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         "reward_failures": dict(rewards.failures),
         "reward_timeouts": dict(rewards.timeouts),
         "skipped_updates": _skipped_updates(out),
+        **({"overflow_updates": _skipped_updates(out, "overflow_updates")} if scaler is not None else {}),
         "skipped_prompts": setup.skipped_prompts,
         "guard": None if guard is None else {"rollbacks": rollbacks, "lr_scale": lr_scale},
         "unknown_character_rows": setup.unknown,
@@ -1267,8 +1274,18 @@ def _checkpoint_baselines(out: Path) -> dict[int, float | None]:
     return baselines
 
 
-def _skipped_updates(out: Path) -> int:
-    """Optimizer updates skipped (non-finite) over the whole run, from metrics.jsonl (which survives resumes; None
-    where this process cannot see it, e.g. a rank on another machine)."""
+def _skipped_updates(out: Path, key: str = "skipped_updates") -> int:
+    """Optimizer updates skipped (non-finite; with `key` "overflow_updates", for a float16 loss scale's overflow) over
+    the whole run, from metrics.jsonl (which survives resumes; None where this process cannot see it, e.g. a rank on
+    another machine)."""
     path = out / "metrics.jsonl"
-    return int(sum(r.get("skipped_updates") or 0 for r in read_metrics(path))) if path.exists() else None
+    return int(sum(r.get(key) or 0 for r in read_metrics(path))) if path.exists() else None
+
+
+def _load_loss_scale(scaler: torch.amp.GradScaler | None, state: dict) -> None:
+    """The float16 loss scale (and its growth count) a checkpoint was taken with, where the run has a scaler: a
+    resume or a rollback continues with it, not from the initial scale (whose overflows would skip updates the
+    uninterrupted run made). A checkpoint of a run without one (the precision changed on --resume) leaves it
+    initial."""
+    if scaler is not None and "loss_scaler" in state:
+        scaler.load_state_dict(state["loss_scaler"])
