@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from conftest import DEMO, SimulatedCrash, crash_after, ragged_trajectory, safetensors_of, tiny_overrides
+from conftest import DEMO, DEVICE, SimulatedCrash, crash_after, ragged_trajectory, safetensors_of, tiny_overrides
 from gspo import optim
 from gspo.config import ConfigError, load_config
 from gspo.data import make_task
@@ -17,6 +17,7 @@ from gspo.learner import LearnSettings, learn
 from gspo.models import build_preset
 from gspo.objectives import OBJECTIVES
 from gspo.optim import loss_scaler, make_optimizer
+from gspo.parallel import ProcessGroup
 from gspo.sft import sft
 from gspo.tracking import read_metrics
 from gspo.trainer import train
@@ -24,34 +25,36 @@ from gspo.trainer import train
 ROWS = [torch.tensor([0, 2, 4, 6, 1, 3, 5, 7])]  # one on-policy minibatch: π_old = π_θ
 
 
-def one_update(precision: str | None, advantage_scale: float, scaler=None) -> tuple[dict, dict]:
-    """One `learn` update of the tiny dense preset (SGD: the weights move by lr × the gradient, so the change shows the
-    gradient 1:1) with advantages × `advantage_scale`; returns (the weights' change, metrics)."""
+def one_update(precision: str | None, advantage_scale: float, scaler=None, device: str = "cpu") -> tuple[dict, dict]:
+    """One `learn` update of the tiny dense preset on `device` (SGD: the weights move by lr × the gradient, so the
+    change shows the gradient 1:1) with advantages × `advantage_scale`; returns (the weights' change, metrics)."""
     model, _ = build_preset("tiny-dense", seed=1)
-    traj = ragged_trajectory(model)
+    traj = ragged_trajectory(model).to(device)
+    model.to(device)
     start = copy.deepcopy(model.state_dict())
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     spec = OBJECTIVES["gspo"]
     settings = LearnSettings(objective=spec, eps_low=spec.eps_low, eps_high=spec.eps_high, max_new_tokens=12,
                              mixed_precision=precision, grad_clip=None)
-    advantages = advantage_scale * torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.25, -0.25])
-    metrics = learn(model, optimizer, scheduler, traj, advantages, ROWS, settings, scaler=scaler)
-    return {k: v - start[k] for k, v in model.state_dict().items()}, metrics
+    advantages = advantage_scale * torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.25, -0.25], device=device)
+    metrics = learn(model, optimizer, scheduler, traj, advantages, [r.to(device) for r in ROWS], settings,
+                    group=ProcessGroup(device=torch.device(device)), scaler=scaler)
+    return {k: (v - start[k].to(device)).cpu() for k, v in model.state_dict().items()}, metrics
 
 
 def flat(delta: dict) -> torch.Tensor:
     return torch.cat([d.flatten().double() for d in delta.values()])
 
 
-def test_the_loss_scale_keeps_float16_gradients_from_underflowing():
+def test_the_loss_scale_keeps_float16_gradients_from_underflowing(device):
     """Small advantages (1e-4: rewards 1e-4 apart within a group) give activation gradients in float16's subnormal
     range (below 6.1e-5, down to 0 under 6e-8): without the scale the float16 update is 36 % off the float32 one (its
     relative error); with it, 0.1 %, float16 rounding."""
-    reference, _ = one_update(None, 1e-4)
+    reference, _ = one_update(None, 1e-4, device=device)
     model, _ = build_preset("tiny-dense", seed=1)
-    scaled, metrics = one_update("float16", 1e-4, scaler=loss_scaler(model, "float16"))
-    unscaled, _ = one_update("float16", 1e-4)
+    scaled, metrics = one_update("float16", 1e-4, scaler=loss_scaler(model.to(device), "float16"), device=device)
+    unscaled, _ = one_update("float16", 1e-4, device=device)
     ref, got, bare = flat(reference), flat(scaled), flat(unscaled)
     assert ref.norm() > 0
     assert float((got - ref).norm() / ref.norm()) < 0.01
@@ -143,9 +146,10 @@ def test_a_float16_run_counts_its_overflows_and_resumes_with_its_loss_scale(tmp_
 
 
 def test_lora_over_a_float16_model_trains_float32_adapters_under_the_loss_scale(tmp_path):
-    """The frozen fp16 base computes in fp16, so its backward needs the scale too, though no weight it trains is fp16."""
-    train(load_config(DEMO, tiny_overrides(tmp_path, *RUN[1:], "model.dtype=float16", "model.lora.r=8",
-                                           "optim.lr=1e-3", "trainer.steps=2")))
+    """The frozen fp16 base computes in fp16, so its backward needs the scale too, though no weight it trains is fp16
+    (on the GPU when there is one)."""
+    train(load_config(DEMO, tiny_overrides(tmp_path, *RUN[2:], "model.dtype=float16", "model.lora.r=8",
+                                           "optim.lr=1e-3", "trainer.steps=2", f"trainer.device={DEVICE}")))
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert all(r["loss_scale"] > 1 and r["skipped_updates"] == 0 for r in records)
     adapters = safetensors_of(tmp_path / "final")
