@@ -164,6 +164,36 @@ def test_eval_of_a_mixed_precision_run_samples_under_its_autocast_and_says_so(tm
     assert "autocast" not in last_json(capsys.readouterr().out)["decoding"] and made[1:] == [None]
 
 
+@pytest.mark.parametrize(("overrides", "dtype", "said"), [
+    (["model.dtype=bfloat16", "optim.lr=1e-2"], torch.bfloat16, "in bfloat16 (the run's model.dtype)"),
+    (["rollout.dtype=bfloat16", "trainer.mixed_precision=bfloat16"], torch.bfloat16,
+     "in bfloat16 (the run's rollout.dtype)"),
+    (["rollout.dtype=float32", "trainer.mixed_precision=bfloat16"], torch.float32, "under bfloat16 autocast"),
+])
+def test_eval_of_a_run_decodes_in_the_precision_its_engine_evaluates_in(tmp_path, capsys, monkeypatch, overrides,
+                                                                        dtype, said):
+    """A run evaluates with its engine: in rollout.dtype (its own copy), else model.dtype, under the autocast only over
+    float32 weights. `gspo eval RUN` loaded every model in float32: a bf16 run's accuracy was recomputed in float32
+    (its greedy decodes can differ), and a bf16 engine's run was said to decode under autocast."""
+    import gspo.evaluation
+
+    made = sampler_autocasts(monkeypatch, gspo.evaluation)
+    weights: list[torch.dtype] = []
+    real = gspo.evaluation.evaluate
+
+    def spy(model, *args, **kwargs):
+        weights.append(next(model.parameters()).dtype)
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(gspo.evaluation, "evaluate", spy)
+    run = fake_run(tmp_path / "run", *overrides, "trainer.device=cpu")
+    assert main(["eval", str(run), "--size", "4", "--max-new-tokens", "2"]) == 0
+    decoding = last_json(capsys.readouterr().out)["decoding"]
+    assert weights == [dtype] and said in decoding
+    assert ("autocast" in decoding) == (dtype == torch.float32) and made == [torch.bfloat16 if dtype == torch.float32
+                                                                             else None]
+
+
 def test_task_options_draw_the_tasks_problems_with_them(tmp_path, capsys):
     out = tmp_path / "rows.jsonl"
     assert main(["eval", "tiny-moe", "--task", "addition", "--task-options", '{"digits": 2}', "--size", "6",

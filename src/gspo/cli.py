@@ -426,7 +426,12 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     make_env, tools = build_env(cfg) if cfg is not None else (None, None)  # env: the rows are episodes
     sampling = {} if n == 1 else {"samples_per_prompt": n, "temperature": temperature, "top_p": top_p, "ks": ks,
                                   "seed": seed}
-    autocast = cfg.trainer.mixed_precision if cfg is not None else None  # the run samples under it: so does this
+    # the precision the run's engine evaluates in: its own copy's rollout.dtype, else the policy's model.dtype, under
+    # trainer.mixed_precision's autocast when that is float32 (as `HFSampler` applies it)
+    dtype = (cfg.rollout.dtype or cfg.model.dtype) if cfg is not None else "float32"
+    if dtype != "float32":
+        how += f", in {dtype} (the run's {'rollout' if cfg.rollout.dtype else 'model'}.dtype)"
+    autocast = cfg.trainer.mixed_precision if cfg is not None and dtype == "float32" else None
     if autocast is not None:
         how += f", under {autocast} autocast (the run's trainer.mixed_precision)"
     sampling["stop"] = cfg.rollout.stop if cfg is not None else []  # a run's completions end at its stop strings
@@ -440,7 +445,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         ({"reward_failures": ..., "reward_timeouts": ...}), and with --rows-out each row's first completion with its
         rewards and verdict."""
         nonlocal checked, kept, unknown
-        model, tokenizer = load_model(name)
+        model, tokenizer = load_model(name, dtype=dtype)
         rows = render_chat(data, data_cfg, tokenizer, tools=tools).heldout
         if kept is None:  # decided with the evaluated model's tokenizer; a --baseline gets the same rows
             kept = _rows_the_run_keeps(cfg, model, tokenizer, rows, new_tokens)
