@@ -81,6 +81,25 @@ def test_without_a_scaler_or_under_a_scale_of_one_a_non_finite_gradient_is_a_ski
     assert metrics["skipped_updates"] == 1 and "overflow_updates" not in metrics
 
 
+def test_a_failed_update_keeps_the_loss_scale(monkeypatch):
+    """A non-finite loss (an fp16 forward past 65504) is a failure, not an overflow: halving the scale cannot fix it,
+    and failures scattered through a run pushed it below 1 (20 of them: 0.0625), where a clean update then lost 91 % of
+    its gradient to underflow with nothing flagged. The scale is kept."""
+    import dataclasses
+
+    inner = OBJECTIVES["gspo"]
+
+    def nan_loss(*args, **kwargs):
+        loss, metrics = inner.loss(*args, **kwargs)
+        return loss * float("nan"), metrics
+
+    monkeypatch.setitem(OBJECTIVES, "gspo", dataclasses.replace(inner, loss=nan_loss))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    delta, metrics = one_update("float16", 1.0, scaler=scaler)
+    assert metrics["skipped_updates"] == 1 and metrics["overflow_updates"] == 0
+    assert metrics["loss_scale"] == 2.0**16 and all(float(d.abs().max()) == 0 for d in delta.values())
+
+
 def test_only_float16_compute_gets_a_scaler():
     fp32, _ = build_preset("tiny-dense", seed=0)
     assert loss_scaler(fp32, None) is None and loss_scaler(fp32, "bfloat16") is None
@@ -155,3 +174,15 @@ def test_lora_over_a_float16_model_trains_float32_adapters_under_the_loss_scale(
     adapters = safetensors_of(tmp_path / "final")
     assert {t.dtype for t in adapters.values()} == {torch.float32}
     assert any(float(t.abs().max()) > 0 for k, t in adapters.items() if "lora_B" in k)  # B starts at 0: it trained
+
+
+def test_a_reward_model_on_a_gpu_without_bf16_computes_in_float16(monkeypatch):
+    """rewards.reward_model.dtype: auto picked bfloat16 on every CUDA GPU, which a T4 or V100 (the GPUs float16
+    training is for) emulates or refuses."""
+    from gspo.rewards.model import auto_dtype
+
+    assert auto_dtype(torch.device("cpu")) == "float32"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
+    assert auto_dtype(torch.device("cuda")) == "float16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    assert auto_dtype(torch.device("cuda")) == "bfloat16"

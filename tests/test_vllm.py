@@ -240,6 +240,51 @@ def test_async_workers_run_vllm_engines(tmp_path):
     assert records[0]["rollout_logprob_diff"] < 1e-5  # ... which the worker's vLLM holds exactly (pushed in memory)
 
 
+# Run in its own process: a second dense engine beside the `dense` fixture's would share its distributed state.
+GENERATION_EOS_SCRIPT = """
+import json, sys
+import torch
+from gspo.models import load_model
+from gspo.rollout import HFSampler, SamplingParams
+from gspo.rollout.vllm import VLLMEngine
+folder, prompts, seeds = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+model, tokenizer = load_model(folder)
+params = SamplingParams(temperature=1.3, max_new_tokens=8)
+out = {}
+for name, engine in (("hf", lambda: HFSampler(model.eval(), tokenizer, params)),
+                     ("vllm", lambda: VLLMEngine(folder, tokenizer, params, dtype="float32", enforce_eager=True,
+                                                 max_model_len=256))):
+    e = engine()
+    batch = e.generate(prompts, 4, seeds)
+    out[name] = {"eos_ids": e.eos_ids, "completions": batch.completions, "truncated": batch.truncated.tolist(),
+                 "last": [int(r[m.bool()][-1]) for r, m in zip(batch.completion_ids, batch.completion_mask)]}
+print(json.dumps(out))
+"""
+
+
+def test_both_engines_end_completions_at_the_generation_configs_eos_ids(tmp_path):
+    """A model whose generation_config.json lists EOS ids beyond the tokenizer's (Gemma's <end_of_turn>; here every
+    digit): vLLM stops at them, and its engine counts them as EOS, as the built-in sampler does: a completion ended by
+    one keeps it in its tokens but not in its text (which the rewards judge), and is not truncated."""
+    model, tokenizer = build_preset("tiny-dense", seed=0)
+    digits = [tokenizer.convert_tokens_to_ids(d) for d in "0123456789"]
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, *digits]
+    save_model(model, tokenizer, tmp_path / "model")
+    done = subprocess.run([sys.executable, "-c", GENERATION_EOS_SCRIPT, str(tmp_path / "model"), json.dumps(PROMPTS),
+                           json.dumps(SEEDS)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-4000:]
+    engines = json.loads(done.stdout.strip().splitlines()[-1])
+    for name, got in engines.items():
+        assert set(digits) <= set(got["eos_ids"]), name
+        ended = [last in digits for last in got["last"]]
+        assert any(ended), f"{name}: no completion ended at a digit (the test would not test)"
+        for completion, stop, truncated in zip(got["completions"], ended, got["truncated"], strict=True):
+            assert not any(ch.isdigit() for ch in completion), (name, completion)  # the stop digit is not text
+            assert not (stop and truncated), name
+    report("generation-config EOS", **{name: sum(last in digits for last in got["last"])
+                                       for name, got in engines.items()})
+
+
 def test_trainer_runs_on_the_vllm_engine(tmp_path):
     """`gspo train` sampling with vLLM (the demo's tiny MoE, 3 steps): at every step the trainer's recomputed π_old
     equals vLLM's logprobs of the same tokens (so vLLM samples from the trained weights), updates are real, and

@@ -222,7 +222,7 @@ class RewardModelConfig(_Section):
 
     batch_size: int = Field(16, ge=1)  # conversations per forward
     max_length: int | None = Field(None, ge=2)  # tokens per conversation; None: the model's position limit
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on CUDA (fp16 w/o bf16), fp32 on CPU
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: the trainer's device (each process's own GPU)
     trust_remote_code: bool = False
 

@@ -34,7 +34,7 @@ from gspo.hooks import LearnHook
 from gspo.logprobs import completion_logprobs, fused_head
 from gspo.models import compiled_layers
 from gspo.objectives import COUNT_KEYS, METRIC_AGGREGATION, Metrics, Objective, kl_to_reference, process_normaliser
-from gspo.optim import step_schedule
+from gspo.optim import overflowed, settle_scale, step_schedule
 from gspo.parallel import ProcessGroup, autocast, gradient_sync, whole
 from gspo.trajectory import Trajectory
 
@@ -182,10 +182,11 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
     truncated (0 when off).
 
     `scaler` (`gspo.optim.loss_scaler`, for float16 compute): each backward is of the loss times its scale, the
-    gradients are unscaled before clipping, and `scaler.update()` follows every update. An update whose loss is
-    finite but whose scaled gradient is not, under a scale above 1, overflowed: it is skipped and the scale halved,
-    as loss scaling does, and counted in `overflow_updates` (with `loss_scale`, the scale after the step), not in
-    `skipped_updates`: the run is not failing. Under a scale of 1 or less the gradient itself is not finite."""
+    gradients are unscaled before clipping, and the scale is settled after every update (`gspo.optim.settle_scale`).
+    An update whose loss is finite but whose scaled gradient is not, under a scale above 1, overflowed: it is skipped
+    and the scale halved, as loss scaling does, and counted in `overflow_updates` (with `loss_scale`, the scale after
+    the step), not in `skipped_updates`: the run is not failing. Any other non-finite update is a failure: skipped,
+    counted in `skipped_updates`, the scale kept."""
     s, group = settings, group or ProcessGroup()
     if s.kl_beta > 0 and ref_model is None:  # the KL term would silently be left out
         raise ValueError(f"learn: kl_beta={s.kl_beta:g} needs the reference model (ref_model=)")
@@ -308,15 +309,16 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
         # used the whole norm)
         grad_norm = whole(torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip or float("inf")))
         rates.append(optimizer.param_groups[0]["lr"])  # this update's rate (the scheduler then sets the next one's)
+        failed = False
         if group.all_finite(loss.detach(), grad_norm):  # every process steps, or none does
             optimizer.step()
             grad_norms.append(float(grad_norm))
-        elif scaler is not None and scaler.get_scale() > 1 and group.all_finite(loss.detach()):
-            overflows += 1  # the scale was too large: scaler.update() halves it
+        elif overflowed(scaler, scaler is not None and group.all_finite(loss.detach())):
+            overflows += 1  # the scale was too large: settle_scale halves it
         else:  # never let a non-finite update touch the weights
-            skipped += 1
+            skipped, failed = skipped + 1, True
         if scaler is not None:
-            scaler.update()
+            settle_scale(scaler, failed)
         step_schedule(scheduler)
         optimizer.zero_grad(set_to_none=True)
         m["loss"] = float(loss.detach())

@@ -113,6 +113,24 @@ def check_update_precision(params: list[torch.Tensor], lr: float) -> None:
             f"(model.dtype=float32, trainer.mixed_precision=bfloat16), or raise the learning rate")
 
 
+def settle_scale(scaler: torch.amp.GradScaler, failed: bool) -> None:
+    """End an update under a loss scale: applied, or skipped for an overflow, `scaler.update()` (an overflow halves the
+    scale, clean updates grow it); skipped as a failure (a non-finite loss, e.g. an fp16 forward past 65504, or a
+    non-finite gradient under a scale ≤ 1), the scale is kept: halving it cannot help, and failures scattered through a
+    run would push it below 1, where clean updates lose their gradients to underflow with nothing flagged."""
+    if failed:
+        scaler.update(scaler.get_scale())  # resets the overflow checks for the next update, scale unchanged
+    else:
+        scaler.update()
+
+
+def overflowed(scaler: torch.amp.GradScaler | None, loss_finite: bool) -> bool:
+    """Whether an update with a non-finite gradient overflowed its loss scale (skipped, scale halved: not a failure):
+    its loss is finite and the scale above 1 (under a scale ≤ 1 no gradient is larger than it is: it is not finite
+    itself)."""
+    return scaler is not None and scaler.get_scale() > 1 and loss_finite
+
+
 def step_schedule(scheduler) -> None:
     """Step the learning-rate schedule after an optimizer update, applied or skipped (non-finite, or a float16 loss
     scale's overflow): the schedule counts updates, not applied ones. torch warns when the schedule steps before the

@@ -24,7 +24,7 @@ from gspo.agent.episodes import ChatFormat, encode_demonstration
 from gspo.learner import micro_batches
 from gspo.logprobs import completion_logprobs, fused_head
 from gspo.models import compiled_layers, load_model, resolve_dtype, save_model
-from gspo.optim import loss_scaler, make_optimizer, step_schedule
+from gspo.optim import loss_scaler, make_optimizer, overflowed, settle_scale, step_schedule
 from gspo.rollout.assemble import eos_ids
 from gspo.runfolder import publish_dir
 from gspo.schedule import derive_seed
@@ -131,7 +131,7 @@ def sft(
     `mixed_precision` ("bfloat16", "float16"): forwards and backwards under torch.autocast over the float32 weights
     (float16 weights themselves cannot train: `gspo.optim.check_update_precision`). Under float16 compute the loss is
     scaled for the backward (`gspo.optim.loss_scaler`) and a step whose scaled gradient overflowed is skipped, the
-    scale halved, as in the RL updates; any step with a non-finite gradient is skipped, and the count warned.
+    scale halved, as in the RL updates; any step with a non-finite loss or gradient is skipped, and the count warned.
     `micro_batch_tokens`: a batch with more padded tokens runs as forwards and backwards of at most that many (as the
     learner's, `gspo.learner.micro_batches`), each summed over its tokens and divided by the batch's token count, so
     the gradients add up to the batch's. `compile`: the decoder layers and the head's float32 passes compiled for the
@@ -192,12 +192,13 @@ def sft(
         if scaler is not None:
             scaler.unscale_(optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        if torch.isfinite(grad_norm):  # a non-finite gradient (a float16 overflow) never touches the weights
+        applied = bool(torch.isfinite(grad_norm) & torch.isfinite(loss))
+        if applied:
             optimizer.step()
-        else:
+        else:  # a non-finite gradient (a float16 overflow, or a failure) never touches the weights
             skipped += 1
         if scaler is not None:
-            scaler.update()
+            settle_scale(scaler, failed=not applied and not overflowed(scaler, bool(torch.isfinite(loss))))
         step_schedule(scheduler)
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())

@@ -1285,7 +1285,6 @@ def _skipped_updates(out: Path, key: str = "skipped_updates") -> int:
 def _load_loss_scale(scaler: torch.amp.GradScaler | None, state: dict) -> None:
     """The float16 loss scale (and its growth count) a checkpoint was taken with, where the run has a scaler: a
     resume or a rollback continues with it, not from the initial scale (whose overflows would skip updates the
-    uninterrupted run made). A checkpoint of a run without one (the precision changed on --resume) leaves it
-    initial."""
+    uninterrupted run made). A checkpoint without one (written before gspo saved the scale) leaves it initial."""
     if scaler is not None and "loss_scaler" in state:
         scaler.load_state_dict(state["loss_scaler"])

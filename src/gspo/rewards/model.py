@@ -26,13 +26,22 @@ __all__ = ["RewardModel"]
 log = logging.getLogger(__name__)
 
 
+def auto_dtype(device: torch.device) -> str:
+    """A reward model's dtype for `dtype: auto` on `device`: bfloat16 on a CUDA GPU that computes in it, float16 on
+    one that does not (T4, V100: bf16 there is emulated or refused), float32 on the CPU."""
+    if device.type != "cuda":
+        return "float32"
+    return "bfloat16" if torch.cuda.is_bf16_supported(including_emulation=False) else "float16"
+
+
 class RewardModel:
     """A batched reward function (`gspo.rewards.batched`'s protocol) backed by a reward model.
 
     `name_or_path`: a local folder or hub id holding an `AutoModelForSequenceClassification` with `num_labels == 1`
-    and its tokenizer. `device`: "auto" (CUDA when available, else CPU) or a torch device; `dtype`: "auto" (bfloat16
-    on CUDA, float32 on CPU) or a dtype name; `batch_size`: conversations per forward (sorted by length, so padding
-    is small); `max_length`: tokens per conversation (None: the model's `max_position_embeddings`).
+    and its tokenizer. `device`: "auto" (CUDA when available, else CPU) or a torch device; `dtype`: "auto"
+    (`auto_dtype`: bfloat16 on a CUDA GPU that has it, float16 on one without, float32 on CPU) or a dtype name;
+    `batch_size`: conversations per forward (sorted by length, so padding is small); `max_length`: tokens per
+    conversation (None: the model's `max_position_embeddings`).
 
     It runs in the calling thread (`inline`), outside the reward deadline: it is a forward pass, not user code that
     can hang. Raises ValueError naming the folder for a model that is not a one-output reward model.
@@ -60,8 +69,7 @@ class RewardModel:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"reward model {name_or_path!r}: device {device!r} asked for, but torch sees no CUDA "
                              "GPU (rewards.reward_model.device: auto follows the trainer's device)")
-        torch_dtype = resolve_dtype(("bfloat16" if self.device.type == "cuda" else "float32")
-                                    if dtype == "auto" else dtype)
+        torch_dtype = resolve_dtype(auto_dtype(self.device) if dtype == "auto" else dtype)
         self.name = name_or_path
         model, tokenizer, info = load_pretrained(name_or_path, AutoModelForSequenceClassification, dtype=torch_dtype,
                                                  trust_remote_code=trust_remote_code)
