@@ -171,6 +171,9 @@ def test_paired_comparison_uses_seed_pairs():
     (["algorithm.minibatches=3"], "does not split into algorithm.minibatches=3"),
     # a dense model cannot replay routing: found after the cold start and two methods' runs before
     (["model.name=tiny-dense"], "method 'grpo_r2' (algorithm.routing_replay=r2)"),
+    # the precision runs' figures are a bf16 engine against a float32 trainer: they would be labelled so, wrongly
+    (["trainer.mixed_precision=bfloat16"], "the base config's trainer computes in bfloat16 autocast over float32"),
+    (["model.dtype=bfloat16", "optim.lr=1e-2", "cold_start.lr=1e-2"], "trainer computes in bfloat16: its figures"),
 ])
 def test_cli_rejects_bad_settings_before_compute(tmp_path, capsys, args, message):
     out = tmp_path / "study"
