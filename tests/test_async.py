@@ -18,7 +18,7 @@ from gspo.config import ConfigError, load_config
 from gspo.models import build_preset
 from gspo.rewards import REWARDS
 from gspo.rollout import HFSampler, SamplingParams, policy_weights
-from gspo.rollout.workers import staleness_metrics, token_staleness
+from gspo.rollout.workers import staleness_metrics, token_staleness, worker_policy
 from gspo.tracking import read_metrics
 from gspo.trainer import TrainingError, train
 from gspo.trajectory import NO_VERSION, Trajectory
@@ -73,6 +73,18 @@ def test_a_partial_rollout_keeps_each_tokens_version_and_log_prob():
 
 def async_cfg(out, *extra):
     return load_config(DEMO, tiny_overrides(out, *ASYNC, "trainer.device=cpu", *extra))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_a_worker_samples_the_policy_in_its_dtype_as_the_sync_engine_does(tmp_path, dtype):
+    """A worker built the policy from its config alone: float32 whatever model.dtype was, so a bf16 run's async
+    rollouts were sampled in float32 where its sync engine samples in bf16 (the log-probs π_old comes from differ)."""
+    cfg = load_config(DEMO, tiny_overrides(tmp_path, "rollout.mode=async", f"model.dtype={dtype}", "optim.lr=1e-2",
+                                           "cold_start.lr=1e-2", "model.name=tiny-dense"))
+    policy, tokenizer = build_preset("tiny-dense", dtype=getattr(torch, dtype))
+    worker = worker_policy(policy.config, cfg, "cpu")
+    engine = HFSampler(worker, tokenizer, SamplingParams(max_new_tokens=2), own_copy=True)
+    assert {p.dtype for p in worker.parameters()} == {getattr(torch, dtype)} and engine.dtype == getattr(torch, dtype)
 
 
 def test_async_training_stays_within_the_staleness_bound_and_stops_its_workers(tmp_path):

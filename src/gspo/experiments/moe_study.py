@@ -139,11 +139,12 @@ def study_configs(opts: StudyOptions) -> tuple[dict[int, Config], dict[tuple[int
             raise ValueError("compare: the base config has no cold_start section; the study starts RL from a "
                              "cold-start SFT model (see the demo config)")
         if opts.precision and (cfg.model.dtype != "float32" or cfg.trainer.mixed_precision is not None):
+            mp = cfg.trainer.mixed_precision
             raise ValueError(f"compare: the precision runs (§5.4) measure a bf16 rollout engine against a float32 "
-                             f"trainer, but the base config's trainer computes in {cfg.trainer.mixed_precision or ''}"
-                             f"{' autocast over ' if cfg.trainer.mixed_precision else ''}{cfg.model.dtype}: its figures "
-                             f"would be labelled fp32 and mean something else. Run with --no-precision, or a float32 "
-                             f"trainer (model.dtype=float32, trainer.mixed_precision unset)")
+                             f"trainer, but the base config's trainer computes in "
+                             f"{f'{mp} autocast over ' if mp else ''}{cfg.model.dtype}: its figures would be labelled "
+                             f"fp32 and mean something else. Run with --no-precision, or a float32 trainer "
+                             f"(model.dtype=float32, trainer.mixed_precision unset)")
         if opts.cold_start == "per-seed" or seed == 0:
             cold[seed] = cfg
         for name, method in opts.methods().items():

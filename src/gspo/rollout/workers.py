@@ -152,6 +152,19 @@ class SharedWeights:
             os.unlink(self.lock_path)
 
 
+def worker_policy(model_config, cfg, device: str) -> torch.nn.Module:
+    """The policy's architecture as a rollout worker builds it, in the policy's dtype (`model.dtype`), as the learner's
+    own engine samples it (under `trainer.mixed_precision`'s autocast over float32): from the config alone it was
+    float32, so a bf16 or fp16 run's workers sampled in float32 what its synchronous engine samples in bf16 / fp16.
+    The built-in sampler samples with it; vLLM engines only read its layout (on the meta device: no memory)."""
+    from transformers import AutoModelForCausalLM
+
+    from gspo.models import resolve_dtype
+
+    with torch.device(device if cfg.rollout.engine == "hf" else "meta"):
+        return AutoModelForCausalLM.from_config(model_config, dtype=resolve_dtype(cfg.model.dtype))
+
+
 def _worker_main(worker: int, model_config, tokenizer, cfg, train_rows: list[dict], shared: SharedWeights, channel,
                  claim, in_flight, skipped, device: str, out: str, source: str | None, registered: dict) -> None:
     """A rollout worker process: claim, wait for fresh-enough weights, generate (or play episodes), score, send; until
@@ -159,8 +172,6 @@ def _worker_main(worker: int, model_config, tokenizer, cfg, train_rows: list[dic
     policy's architecture and takes every weight from `shared`. Exceptions go to the learner as ("error", worker,
     traceback); a ValueError (a bad input's clean message) as ("value_error", worker, traceback, message, whether it
     is a ConfigError)."""
-    from transformers import AutoModelForCausalLM
-
     from gspo.agent import build_env, make_episode_runner
     from gspo.rewards import REWARDS, RewardRunner, score_trajectory
     from gspo.rollout import worker_engine
@@ -171,9 +182,7 @@ def _worker_main(worker: int, model_config, tokenizer, cfg, train_rows: list[dic
         torch.set_num_threads(cfg.rollout.worker_threads)
         REWARDS.update(registered)  # rewards the learner's process registered by name
         ro = cfg.rollout
-        # the built-in sampler samples with this model; vLLM engines only read its layout (no memory on meta)
-        with torch.device(device if ro.engine == "hf" else "meta"):
-            model = AutoModelForCausalLM.from_config(model_config)
+        model = worker_policy(model_config, cfg, device)
         engine = worker_engine(cfg, model, tokenizer, worker=worker, out=out, source=source)
         del model
         engine.version = NO_VERSION  # nothing published taken yet
