@@ -86,3 +86,14 @@ def test_arguments_of_the_wrong_kind_are_refused_by_name():
     with pytest.raises(ValueError, match=r"rewards must be a torch\.Tensor, got list"):
         group_advantages(rewards.tolist(), 4)
     assert torch.isfinite(group_advantages(rewards, 4, eps=0)).all()
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_flat_groups_whose_mean_rounds_get_exact_zero_advantages(scale):
+    """float32 mean of [0.9, 0.9, 0.9] is not 0.9 (r − mean leaves ±6e-8): the documented "exactly 0, no rounding
+    residue" needs the explicit where(flat, 0, ...), which hypothesis' exact rewards {0, .25, .5, 1} never exercise."""
+    rewards = torch.tensor([0.9, 0.9, 0.9, 0.0, 1.0, 0.5])
+    assert (rewards[:3] - rewards[:3].mean() != 0).any()  # the premise: the residue exists
+    adv = group_advantages(rewards, 3, scale=scale)
+    assert torch.all(adv[:3] == 0)
+    assert (adv[3:] != 0).any()

@@ -140,3 +140,25 @@ def test_a_resumed_run_pairs_its_rows_with_the_first_evaluations_only_if_they_ar
     edited = run(tmp_path / "edited", 2, True)
     assert [e["step"] for e in edited] == [0, 1, 2] and "heldout_accuracy_change" not in edited[-1]
     assert "differ from those of the run's first evaluation" in caplog.text
+
+
+def test_paired_change_interval_of_sampled_fractions_is_the_paired_t_interval_by_hand():
+    """Per-row differences 0.25, 0.25, 0: mean 1/6, sample std (n − 1) 0.1443, t95(2) = 4.302653 (tables):
+    1/6 ∓ 4.302653 · 0.1443 / √3. A population std (n) or the normal's 1.96 would give another interval; the
+    existing tests only check low < change < high and a coverage rate."""
+    from gspo.evaluation import paired_change_ci95
+
+    change, low, high = paired_change_ci95([0.5, 0.25, 0.75], [0.75, 0.5, 0.75])
+    assert change == pytest.approx(1 / 6)
+    assert (low, high) == (pytest.approx(-0.1918877, abs=1e-6), pytest.approx(0.5252211, abs=1e-6))
+
+
+def test_paired_change_interval_of_verdicts_is_agresti_min_by_hand():
+    """200 rows, 20 gained (0 → 1), none lost. Agresti & Min (2005): add 1/2 to each of the 4 cells (n* = 202),
+    then the Wald interval of the paired difference: (n12 − n21)/n* ± 1.96 √(((n12 + n21) − (n12 − n21)²/n*) / n*²)
+    with n12 = 20.5, n21 = 0.5."""
+    from gspo.evaluation import paired_change_ci95
+
+    change, low, high = paired_change_ci95([1.0] * 60 + [0.0] * 140, [1.0] * 80 + [0.0] * 120)
+    assert change == pytest.approx(0.1)
+    assert (low, high) == (pytest.approx(0.0566944, abs=1e-6), pytest.approx(0.1413254, abs=1e-6))

@@ -469,3 +469,23 @@ def test_dynamic_sampling_resumes_exactly(tmp_path, monkeypatch):
     rows = [[{k: v for k, v in r.items() if k not in drop} for r in read_metrics(out / "metrics.jsonl")]
             for out in (whole, parts)]
     assert rows[0] == rows[1] and all("dynamic_rounds" in r for r in rows[0])
+
+
+def test_guard_a_collapse_after_patience_healthy_steps_starts_its_own_episode():
+    """A dip followed by `patience` healthy steps is over: a later collapse's first_step is its own first anomalous
+    step, not the old dip (the rollback would go back further than needed). The existing test covers only the
+    case of fewer than `patience` healthy steps in between."""
+    import random
+
+    from gspo.guard import CollapseGuard, GuardSettings
+
+    rng = random.Random(1)
+    guard = CollapseGuard(GuardSettings(patience=3))
+    for step in range(1, 21):
+        assert not guard.observe(step, _healthy(step, rng)).flags
+    assert guard.observe(21, {**_healthy(21, rng), "reward_mean": 0.05}).flags.keys() == {"reward"}
+    for step in (22, 23, 24):  # patience healthy steps: the dip's episode is over
+        assert not guard.observe(step, _healthy(step, rng)).flags
+    verdicts = [guard.observe(s, {**_healthy(s, rng), "reward_mean": 0.02}) for s in (25, 26, 27)]
+    assert [v.collapsed for v in verdicts] == [False, False, True]
+    assert verdicts[-1].first_step == 25

@@ -682,3 +682,18 @@ def test_non_finite_logprobs_are_left_to_the_learner_and_masked_garbage_to_the_m
     nan_lp = lp.detach().clone()
     nan_lp[1, 0] = math.nan
     assert math.isnan(gspo_loss(nan_lp, old, adv, mask)[0].item())
+
+
+@pytest.mark.parametrize("estimator", ["k3", "k2"])
+def test_kl_to_reference_takes_log_ref_minus_log_policy(estimator):
+    """kl_to_reference's log r is log π_ref − log π_θ (GRPO's k3: r − 1 − log r is unbiased for KL(π_θ‖π_ref) on
+    samples of π_θ). k3 is not symmetric in log r, so swapping the operands changes the value: check it by hand
+    for one token π_θ = 1/2, π_ref = 1/4 (log r = −log 2), masked padding and a second, longer row included."""
+    lp = torch.log(torch.tensor([[0.5, 0.5, 1.0], [0.5, 0.25, 0.5]], dtype=torch.float64))
+    ref = torch.log(torch.tensor([[0.25, 0.9, 1.0], [0.5, 0.5, 0.125]], dtype=torch.float64))
+    mask = torch.tensor([[1, 0, 0], [1, 1, 1]], dtype=torch.bool)
+    est = {"k3": lambda x: math.expm1(x) - x, "k2": lambda x: 0.5 * x * x}[estimator]
+    row0 = est(math.log(0.25 / 0.5))
+    row1 = (est(0.0) + est(math.log(0.5 / 0.25)) + est(math.log(0.125 / 0.5))) / 3
+    got = kl_to_reference(lp, ref, mask, estimator=estimator)
+    assert got.item() == pytest.approx((row0 + row1) / 2, rel=1e-12)
