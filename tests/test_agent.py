@@ -39,7 +39,7 @@ from gspo.rewards.deadline import DeadlinePool
 from gspo.rollout import HFSampler, SamplingParams, policy_weights
 from gspo.sft import encode_pairs, sft
 from gspo.trainer import train
-from gspo.trajectory import NO_VERSION
+from gspo.trajectory import NO_VERSION, Trajectory, pad_left, pad_right
 
 TOOLS = {"calc": Tool.from_function(calc)}
 
@@ -629,3 +629,102 @@ def test_tool_calls_are_read_after_the_thinking_block():
     whole = ToolEnv(TOOLS, parse_hermes, pool, think_tags=None)
     whole.reset({"prompt": "q"})
     assert whole.step(f"<think>maybe {call}</think>It is 42.").observation[0]["content"] == "42"
+
+
+class Scripted:
+    """An engine replying by script: an episode is known by its prompt's first token; its t-th policy turn gets the
+    t-th reply of its script (text, "$" ends it with EOS), cut at the call's max_new_tokens."""
+
+    def __init__(self, tok, script: dict[str, list[str]]) -> None:
+        self.tok, self.eos_ids, self.pad_id = tok, [tok.eos_token_id], tok.pad_token_id
+        self.params = SamplingParams(max_new_tokens=8)
+        self.script = {tok(p, add_special_tokens=False)["input_ids"][0]: r for p, r in script.items()}
+        self.turn: dict[int, int] = {}
+
+    def encode(self, reply: str) -> list[int]:
+        ids = self.tok(reply.rstrip("$"), add_special_tokens=False)["input_ids"]
+        return ids + [self.tok.eos_token_id] * reply.endswith("$")
+
+    def generate(self, prompts, n, seeds, params=None) -> Trajectory:
+        cap = params.max_new_tokens
+        replies = []
+        for p in prompts:
+            t = self.turn[p[0]] = self.turn.get(p[0], -1) + 1
+            replies.append(self.encode(self.script[p[0]][t])[:cap])
+        prompt_ids, prompt_mask = pad_left(prompts, self.pad_id)
+        ids, mask = pad_right(replies, self.pad_id, width=max(1, max(map(len, replies))))
+        return Trajectory(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=ids, completion_mask=mask,
+                          logprobs=-0.5 * mask.float(),
+                          truncated=torch.tensor([not r or r[-1] != self.tok.eos_token_id for r in replies]),
+                          completions=[self.tok.decode([t for t in r if t != self.tok.eos_token_id]) for r in replies],
+                          prompt_index=torch.arange(len(prompts)))
+
+
+class Says:
+    """Every step answers with the same text observation, never done."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def reset(self, row):
+        return row["prompt"]
+
+    def step(self, action):
+        return Step(self.text)
+
+
+def _count(traj: Trajectory, key: str) -> list[float]:
+    return traj.extras["episode"][:, traj.extras["episode_keys"].index(key)].tolist()
+
+
+def test_a_reply_the_budget_ends_inside_is_cut_to_exactly_the_budget():
+    """Two episodes share a generate call whose cap is the larger budget left; the one with less left is cut to its
+    own budget (max_tokens in all), its log-probs with it."""
+    tok = build_tokenizer()
+    engine = Scripted(tok, {"1=": ["1$", "1$"], "2=": ["123456$", "1234567"]})
+    traj = EpisodeRunner(engine, tok, lambda: Says(";k"), EpisodeLimits(max_turns=2, max_tokens=12)).run(
+        [{"prompt": "1="}, {"prompt": "2="}], 1, [0, 1])
+    # episode 2: 7 policy + 2 observation tokens, then 3 of its 7-token reply: 12 in all
+    assert traj.completion_mask.sum(-1).tolist() == [6, 12]
+    assert traj.loss_mask[1].tolist() == [1] * 7 + [0] * 2 + [1] * 3
+    assert (traj.logprobs[1] == -0.5 * traj.loss_mask[1]).all()  # every policy token has its log-prob
+    assert traj.completions[1] == "123" and _count(traj, "token_limit") == [0.0, 1.0]
+    assert traj.truncated.tolist() == [True, True]  # turn limit, token limit
+
+
+def test_an_observation_that_leaves_no_room_for_a_reply_ends_the_episode():
+    """An observation that would fill the budget exactly (no token left for a reply) is not appended: the episode
+    ends at its policy turn, counted as a token limit."""
+    tok = build_tokenizer()
+    engine = Scripted(tok, {"1=": ["1234567$", "9$"]})
+    traj = EpisodeRunner(engine, tok, lambda: Says(";ab;"), EpisodeLimits(max_turns=3, max_tokens=12)).run(
+        [{"prompt": "1="}], 1, [0])
+    assert traj.completion_mask.sum(-1).tolist() == [8]  # 8 + 4 = 12 = max_tokens: no room
+    assert traj.loss_mask[0].tolist() == [1] * 8
+    assert _count(traj, "turns") == [1.0] and _count(traj, "token_limit") == [1.0] and traj.truncated.all()
+
+
+def _repeat(times: int) -> str:
+    """Repeat something.
+
+    Args:
+        times: how many times
+    """
+    return "x" * times
+
+
+def test_call_parser_balances_nested_parentheses():
+    tools = {"calc": Tool.from_function(calc)}
+    assert parse_call("calc((12+3)*4)", tools).calls == (ToolCall("calc", {"expression": "(12+3)*4"}),)
+    assert parse_call("calc(((1)))", tools).calls == (ToolCall("calc", {"expression": "((1))"}),)
+    assert parse_call("calc((1)", tools).error is not None  # never closed
+    assert parse_call("calc((1)))", tools).error is not None  # text after the closing parenthesis
+
+
+def test_a_json_boolean_is_not_an_integer_argument():
+    """JSON true is a Python bool, an int subclass: it must not pass for an integer parameter."""
+    tools = {"_repeat": Tool.from_function(_repeat)}
+    ok = parse_hermes('<tool_call>{"name": "_repeat", "arguments": {"times": 3}}</tool_call>', tools)
+    assert ok.error is None and ok.calls == (ToolCall("_repeat", {"times": 3}),)
+    bad = parse_hermes('<tool_call>{"name": "_repeat", "arguments": {"times": true}}</tool_call>', tools)
+    assert bad.calls == () and "must be of type integer, got a boolean" in bad.error

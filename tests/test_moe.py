@@ -27,6 +27,7 @@ from transformers import (
 
 from conftest import DEMO, record_objective, tiny_overrides, varied_reward
 from gspo.config import ConfigError, load_config
+from gspo.hooks import MoERouting
 from gspo.logprobs import completion_logprobs
 from gspo.models import build_tokenizer
 from gspo.moe import (
@@ -395,3 +396,101 @@ def test_bf16_engine_logs_precision_ratio_noise(tmp_path):
         assert r["precision_ratio_std_token"] > 1e-4  # bf16 vs fp32 numerics, same weights
         assert r["precision_ratio_std_seq"] > 0
         assert "expert_volatility" not in r  # no trainer π_old forward to compare against
+
+
+def test_a_replay_row_with_any_free_entry_keeps_the_routers_choice():
+    """A row of a replay tensor holding FREE anywhere (not only a whole FREE row) keeps the router's own top-k."""
+    model = build("qwen3_moe")
+    _, router, adapter = find_routers(model)[0]
+    h = torch.randn(3, 32, generator=torch.Generator().manual_seed(0))
+    logits, weights, own = router(h)
+    forced = torch.tensor([[FREE, 3], [5, FREE], [7, 6]])
+    _, new_weights, idx = adapter.replay(router, (logits, weights, own), forced)
+    assert torch.equal(idx[:2], own[:2]) and idx[2].tolist() == [7, 6]
+    assert torch.equal(new_weights[:2], weights[:2])
+
+
+class _Group:
+    """One process: merging and summing are the identity."""
+
+    def merge_rows(self, value, minibatches):
+        return value
+
+    def all_sum(self, values):
+        return list(values)
+
+
+def _hook_on(model, batch, mode: str, routing: torch.Tensor | None = None) -> tuple[MoERouting, torch.Tensor]:
+    """A MoERouting hook after the π_old forward of `batch` (one minibatch of all rows); its π_old logits."""
+    extras = {} if routing is None else {"routing": routing}
+    hook = MoERouting(model, mode)
+    hook.start(_Traj(extras, batch["attention_mask"].bool()))
+    rows = torch.arange(batch["input_ids"].shape[0])
+    with torch.no_grad(), hook.old_forward(rows):
+        logits = model(**batch).logits
+    hook.old_done(_Group(), [rows])
+    return hook, logits
+
+
+class _Traj:
+    def __init__(self, extras: dict, token_mask: torch.Tensor) -> None:
+        self.extras, self.token_mask = extras, token_mask
+
+    def __len__(self) -> int:
+        return self.token_mask.shape[0]
+
+
+def test_r2_replays_the_pi_old_routing_in_the_update_forwards():
+    model, batch = build("qwen3_moe"), inputs()
+    _, old = forward(model, batch)
+    hook, _ = _hook_on(model, batch, "r2")
+    perturb_routers(model)
+    free_logits, free = forward(model, batch)
+    replayed_logits, _ = forward(model, batch, replay=old.chosen)
+    assert not torch.equal(free.chosen, old.chosen)
+    rows = torch.arange(3)
+    with torch.no_grad(), hook.update_forward(1, rows, last=True):
+        logits = model(**batch).logits
+    assert torch.equal(logits, replayed_logits) and not torch.allclose(logits, free_logits)
+
+
+def test_r3_pi_old_forward_replays_the_engines_routing():
+    model, batch = build("qwen3_moe"), inputs()
+    other = build("qwen3_moe")
+    perturb_routers(other)
+    _, engine = forward(other, batch)  # an engine whose routing differs from the trainer's
+    engine = engine.used.view(3, 7, 2, 2)
+    _, logits = _hook_on(model, batch, "r3", engine)
+    free_logits, free = forward(model, batch)
+    replayed_logits, _ = forward(model, batch, replay=engine)
+    assert not torch.equal(free.chosen.view(3, 7, 2, 2), engine)
+    assert torch.equal(logits, replayed_logits) and not torch.allclose(logits, free_logits)
+
+
+def test_expert_volatility_counts_real_tokens_only_and_needs_an_update():
+    """Volatility = routing_change(π_old's routing, π_θ's on the last update, real tokens only); a step with a single
+    update (nothing changed yet) reports none."""
+    model, batch = build("qwen3_moe"), inputs()
+    mask = batch["attention_mask"].bool()
+    rows = torch.arange(3)
+    _, old = forward(model, batch)
+
+    hook, _ = _hook_on(model, batch, "none")
+    with torch.no_grad(), hook.update_forward(0, rows, last=True):
+        model(**batch)
+    hook.update_metrics(0, rows, None, None)
+    assert "expert_volatility" not in hook.batch_metrics(None, None)  # one update: π_θ = π_old, nothing measured
+
+    hook, _ = _hook_on(model, batch, "none")
+    perturb_routers(model)
+    _, new = forward(model, batch)
+    with torch.no_grad(), hook.update_forward(0, rows, last=False):
+        model(**batch)
+    hook.update_metrics(0, rows, None, None)
+    with torch.no_grad(), hook.update_forward(1, rows, last=True):
+        model(**batch)
+    hook.update_metrics(1, rows, None, None)
+    volatility = hook.batch_metrics(None, None)["expert_volatility"]
+    a, b = old.chosen.view(3, 7, 2, 2), new.chosen.view(3, 7, 2, 2)
+    assert routing_change(a, b, mask) != routing_change(a, b)  # padding routes changed too: the mask matters here
+    assert volatility == routing_change(a, b, mask)

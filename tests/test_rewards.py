@@ -21,7 +21,10 @@ from gspo.rewards import (
     REWARDS,
     RewardFailure,
     RewardRunner,
+    Routes,
     addition_reward,
+    answer_extractor,
+    batched,
     countdown_reward,
     math_reward,
     parse_arithmetic,
@@ -499,3 +502,56 @@ def test_last_number_reward_reads_the_last_number(completion, expected):
     from gspo.rewards import REWARDS
 
     assert REWARDS["last_number"]("q", completion, answer="115") == expected
+
+
+def test_addition_answer_of_a_lone_minus_sign_is_no_answer():
+    """maj@k votes on `addition_reward`'s answer: a completion that is only "-" (or "- 5") gives no answer, not the
+    answer "-" (which would win votes over real answers when the policy writes junk)."""
+    extract = answer_extractor(addition_reward)
+    assert extract("-") is None and extract(" - 5") is None and extract("-x") is None
+    assert extract("-5 ok") == "-5" and extract("12") == "12"
+
+
+def test_a_failed_call_is_never_solved_even_at_a_threshold_of_zero():
+    """`correct`: a call that failed scores 0 but is not solved, whatever the threshold (a reward model's accuracy
+    threshold may be 0 or negative)."""
+    def judge(prompt, completion, **row):
+        if completion == "boom":
+            raise RuntimeError("judge down")
+        return 0.0
+
+    scores = RewardRunner([(judge, 1.0)], on_error="zero", timeout_s=None).score(["p", "p"], ["fine", "boom"],
+                                                                                  [{}, {}])
+    assert scores.failed["judge"].tolist() == [False, True]
+    assert scores.correct("judge", threshold=0.0).tolist() == [True, False]
+    assert scores.correct("judge", threshold=-1.0).tolist() == [True, False]
+
+
+def test_a_batched_reward_returning_too_many_values_fails_every_row():
+    """A batched reward must return exactly N values: too many is a counted failure of every row (on_error=zero),
+    not a crash of the runner."""
+    @batched
+    def judge(prompts, completions, **columns):
+        return [1.0] * (len(completions) + 1)
+
+    runner = RewardRunner([(judge, 1.0)], on_error="zero", timeout_s=None)
+    scores = runner.score(["p"] * 3, ["a", "b", "c"], [{"prompt": "p"}] * 3)
+    assert scores.failed["judge"].tolist() == [True] * 3 and runner.failures == {"judge": 3}
+    assert scores.total.tolist() == [0.0] * 3
+
+
+def test_judge_names_the_accuracy_reward_that_scored_each_row():
+    """With routes and several accuracy rewards, each row's judge (whose answer maj@k votes on) is the one that scored
+    it, not always the first listed."""
+    def fa(prompt, completion, **row):
+        return 1.0
+
+    def fb(prompt, completion, **row):
+        return 1.0
+
+    runner = RewardRunner([(fa, 1.0), (fb, 1.0)], timeout_s=None,
+                          routes=Routes("data_source", {"a": ["fa"], "b": ["fb"]}))
+    rows = [{"data_source": "b"}, {"data_source": "a"}, {"data_source": "b"}]
+    scores = runner.score(["p"] * 3, ["x"] * 3, rows)
+    assert scores.judge(["fa", "fb"]) == ["fb", "fa", "fb"]
+    assert scores.judge(["fb", "fa"]) == ["fb", "fa", "fb"]
