@@ -330,3 +330,32 @@ def test_a_verl_parquet_loads_as_is_with_a_dotted_field_for_its_nested_ground_tr
     assert runner.score(["p"] * 3, ["\\boxed{3}", "\\boxed{5}", "5"], rows).total.tolist() == [1.0, 0.0, 1.0]
     with pytest.raises(ValueError, match=r"row 0 has no field 'reward_model\.answer' \(mapped to 'answer'\)"):
         load_rows(str(path), fields={"answer": "reward_model.answer"})
+
+
+def test_a_capped_sample_keeps_the_sources_order_and_is_chosen_by_the_salted_hash():
+    """`subset_rows` keeps the `size` rows whose prompt has the smallest bucket under SUBSET_SALT (independent of the
+    held-out side, which uses the unsalted bucket), listed in the source's order."""
+    from gspo.data.heldout import SUBSET_SALT, holdout_bucket, subset_rows
+    rows = [{"prompt": f"{a}+{a}="} for a in range(60)]
+    picked = subset_rows(rows, 10)
+    positions = [rows.index(r) for r in picked]
+    assert positions == sorted(positions) and len(set(positions)) == 10
+    salted = sorted(range(60), key=lambda i: holdout_bucket(rows[i]["prompt"], SUBSET_SALT))[:10]
+    assert positions == sorted(salted)
+    plain = sorted(range(60), key=lambda i: holdout_bucket(rows[i]["prompt"]))[:10]
+    assert sorted(salted) != sorted(plain)  # the two hashes pick different rows here
+
+
+def test_a_held_out_split_loses_every_training_prompt_even_when_the_training_rows_are_capped(tmp_path):
+    """The held-out split of a dataset loses the prompts of every training row, not only of the capped sample
+    that trains (data.train_size): the rows left out of the sample are still training data of that dataset."""
+    from gspo.config import DataConfig
+    from gspo.data import load_data
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    (folder / "train.csv").write_text("prompt,answer\n" + "".join(f"{a}+1=,{a + 1}\n" for a in range(20)))
+    (folder / "test.csv").write_text("prompt,answer\n" + "".join(f"{a}+1=,{a + 1}\n" for a in range(15, 30)))
+    data = load_data(DataConfig(path=str(folder), eval_split="test", train_size=5), seed=0)
+    assert len(data.train) == 5
+    assert data.heldout_source["dropped_training_prompts"] == 5  # 15+1= .. 19+1=, whether sampled or not
+    assert sorted(r["prompt"] for r in data.heldout) == [f"{a}+1=" for a in range(20, 30)]

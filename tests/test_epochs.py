@@ -92,3 +92,29 @@ def test_a_run_with_two_passes_steps_the_optimizer_and_the_schedule_twice_as_oft
 def test_epochs_below_one_are_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"algorithm\.epochs"):
         load_config(DEMO, tiny_overrides(tmp_path, "algorithm.epochs=0"))
+
+
+def test_step_seeds_are_derived_from_the_run_seed_the_step_and_the_position():
+    """Each step's prompts get their own seeds: the same position at another step is sampled with another seed (a
+    run would otherwise draw the same random stream for prompt j at every step)."""
+    from gspo.schedule import derive_seed, step_prompts
+    rows = [{"prompt": str(i)} for i in range(10)]
+    _, s0 = step_prompts(0, rows, 4, seed=7)
+    _, s1 = step_prompts(1, rows, 4, seed=7)
+    assert s0 == [derive_seed(7, "rollout", 0, j) for j in range(4)]
+    assert s1 == [derive_seed(7, "rollout", 1, j) for j in range(4)]
+    assert not set(s0) & set(s1) and len(set(s0)) == 4
+    assert step_prompts(0, rows, 4, seed=8)[1] != s0
+
+
+def test_each_epoch_is_a_fresh_permutation_taken_in_consecutive_slices():
+    """Steps walk through one permutation of the rows per epoch, `count` rows a step with no gap or overlap, and the
+    next epoch is another permutation (seeded by the epoch), not the first one again."""
+    from gspo.schedule import prompt_indices
+    n, count = 10, 5
+    walk = [i for step in range(6) for i in prompt_indices(step, count, n, seed=3)]  # three epochs
+    epochs = [walk[k * n:(k + 1) * n] for k in range(3)]
+    assert all(sorted(e) == list(range(n)) for e in epochs)
+    assert epochs[0] != epochs[1] and epochs[1] != epochs[2]
+    odd = [i for step in range(4) for i in prompt_indices(step, 3, n, seed=3)]  # 12 rows: an epoch and 2 more
+    assert odd[:n] == epochs[0] and sorted(odd[:n]) == list(range(n))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -489,3 +490,84 @@ def test_guard_a_collapse_after_patience_healthy_steps_starts_its_own_episode():
     verdicts = [guard.observe(s, {**_healthy(s, rng), "reward_mean": 0.02}) for s in (25, 26, 27)]
     assert [v.collapsed for v in verdicts] == [False, False, True]
     assert verdicts[-1].first_step == 25
+
+
+def _fake_round(calls: list, g: int):
+    """A `sample` for keep_informative: row i's G completions are tokens 100·i + j, its rewards row["rewards"]."""
+    from gspo.rollout.dynamic import Scored
+
+    def sample(rows: list[dict], seeds: list[int]) -> Scored:
+        calls.append([r["i"] for r in rows])
+        ids = torch.tensor([[r["i"]] for r in rows for _ in range(g)])
+        completion = torch.tensor([[100 * r["i"] + j] for r in rows for j in range(g)])
+        n = len(rows) * g
+        traj = Trajectory(prompt_ids=ids, prompt_mask=torch.ones_like(ids), completion_ids=completion,
+                          completion_mask=torch.ones_like(completion), logprobs=torch.zeros(n, 1),
+                          truncated=torch.zeros(n, dtype=torch.bool), completions=[""] * n,
+                          prompt_index=torch.arange(len(rows)).repeat_interleave(g))
+        rewards = torch.tensor([float(x) for r in rows for x in r["rewards"]])
+        return Scored(traj, rewards, {"solved": float(len(rows))}, 1.0)
+    return sample
+
+
+def _rows(n: int, informative, g: int = 2) -> list[dict]:
+    return [{"i": i, "prompt": str(i), "rewards": [0.0, 1.0][:g] if informative(i) else [1.0] * g} for i in range(n)]
+
+
+def test_dynamic_sampling_keeps_the_first_informative_groups_whole_with_their_rewards():
+    from gspo.rollout.dynamic import keep_informative
+    from gspo.schedule import step_prompts
+    p, g, seed = 4, 2, 0
+    rows = _rows(40, lambda i: i % 5 == 0, g)
+    ro = SimpleNamespace(prompts_per_step=p, group_size=g, dynamic_max_rounds=6)
+    calls: list = []
+    sample = _fake_round(calls, g)
+    for step in range(50):  # a step that needs three rounds or more, within the 40 rows
+        calls.clear()
+        kept, every = keep_informative(step, rows, sample(*step_prompts(step, rows, p, seed)), sample, ro, seed,
+                                       pad_id=0)
+        if len(calls) >= 3 and sum(map(len, calls)) <= 40:
+            break
+    assert len(calls) >= 3
+
+    sampled = [i for call in calls for i in call]
+    assert len(sampled) == len(set(sampled))  # every round samples prompts no earlier round of the step did
+    assert kept.stats["dynamic_rounds"] == len(calls)
+    assert kept.stats["dynamic_sampled_prompts"] == len(sampled) and kept.stats["dynamic_filled_groups"] == 0
+    assert kept.stats["solved"] == len(sampled)  # the rounds' counts are summed
+    assert len(every) == len(sampled) * g
+    informative_in_order = [i for i in sampled if i % 5 == 0][:p]
+    heads = kept.traj.prompt_ids[::g, 0].tolist()
+    assert heads == informative_in_order  # the first P informative groups, in the order they were sampled
+    for k, i in enumerate(heads):  # each group whole: its own completions and rewards
+        assert kept.traj.prompt_ids[k * g:(k + 1) * g, 0].tolist() == [i] * g
+        assert kept.traj.completion_ids[k * g:(k + 1) * g, 0].tolist() == [100 * i + j for j in range(g)]
+        assert kept.rewards[k * g:(k + 1) * g].tolist() == rows[i]["rewards"]
+    assert kept.traj.prompt_index.tolist() == torch.arange(p).repeat_interleave(g).tolist()
+
+
+def test_dynamic_sampling_tops_up_with_constant_groups_when_the_rounds_run_out_and_fails_with_none():
+    from gspo.rollout.dynamic import NoSignal, keep_informative
+    from gspo.schedule import prompt_indices, refill_prompts, step_prompts
+    p, g, seed = 4, 2, 0
+    ro = SimpleNamespace(prompts_per_step=p, group_size=g, dynamic_max_rounds=2)
+    step = next(s for s in range(50) if 0 not in prompt_indices(s, p, 40, seed))  # row 0 is not among its own
+    constant = _rows(40, lambda i: False, g)
+    calls: list = []
+    sample = _fake_round(calls, g)
+    with pytest.raises(NoSignal, match="in 2 rounds"):
+        keep_informative(step, constant, sample(*step_prompts(step, constant, p, seed)), sample, ro, seed, pad_id=0)
+    assert len(calls) == 2
+
+    rows = _rows(40, lambda i: i < 3, g)  # three informative prompts among 40
+
+    def refill_hits(s: int) -> int:  # informative rows in the refill of step s (16 rows: 4 × the 4 prompts missing)
+        own = prompt_indices(s, p, 40, seed)
+        return -1 if set(own) & {0, 1, 2} else sum(r["i"] < 3 for r in refill_prompts(s, 1, rows, 16, seed,
+                                                                                          exclude=own)[0])
+    step = next(s for s in range(200) if refill_hits(s) in (1, 2))
+    calls.clear()
+    kept, _ = keep_informative(step, rows, sample(*step_prompts(step, rows, p, seed)), sample, ro, seed, pad_id=0)
+    assert len(calls) == 2 == kept.stats["dynamic_rounds"]  # dynamic_max_rounds rounds in all, the first included
+    assert kept.stats["dynamic_filled_groups"] == p - refill_hits(step) and len(kept.rewards) == p * g
+    assert kept.traj.prompt_ids[0, 0].item() < 3 and kept.rewards[:g].tolist() == [0.0, 1.0]  # informative first

@@ -7,6 +7,8 @@ varied steps, which exercises the dropping of finished rows from the batch and t
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -22,8 +24,10 @@ from transformers import (
 
 import gspo.rollout.sampler as sampler_module
 from conftest import CPU_COMPILE_ROUNDS_AS_EAGER
+from gspo.models import build_tokenizer as preset_tokenizer
 from gspo.rollout import HFSampler, SamplingParams, filter_scores, policy_weights, row_seed, sample_from_logits
-from gspo.trajectory import Trajectory
+from gspo.rollout.assemble import Sample, assemble, encode_prompts, eos_ids
+from gspo.trajectory import NO_VERSION, Trajectory
 
 PAD, EOS = 0, 1
 CHARS = "abcdefgh0123 .\n"
@@ -1236,3 +1240,53 @@ def test_compiled_decode_on_cpu_stays_within_the_recompile_limit(tok, tiny, capl
     assert graphs[0] > 0 and graphs[1] == graphs[2] == graphs[0]
     assert not [r.getMessage() for r in caplog.records if r.name.startswith("torch")]  # e.g. "hit recompile_limit"
     assert compiled._compiled_shapes == {(16, 128)} == set(compiled._static_caches)
+
+
+# ---- exact contracts of top-p and of `assemble` (tests that kill mutants the suite let through)
+
+_TOKENIZER = preset_tokenizer()
+
+
+def test_top_p_keeps_the_smallest_set_that_reaches_top_p_exactly():
+    """Four equally likely tokens (0.25 each, exact in float32): top_p=0.5 is reached by two of them, so the third
+    and fourth are dropped. A filter that drops a token only once the more probable ones strictly exceed top_p
+    keeps a third token here."""
+    scores = torch.zeros(1, 4)
+    kept = torch.isfinite(filter_scores(scores, top_p=0.5))
+    assert kept.sum().item() == 2
+    two = torch.zeros(1, 2)  # 0.5 each: the first alone reaches top_p=0.5
+    assert torch.isfinite(filter_scores(two, top_p=0.5)).sum().item() == 1
+
+
+def test_assembled_text_drops_a_final_eos_that_is_not_a_special_token():
+    """A completion that ends with any of the EOS ids (e.g. a generation_config EOS that the tokenizer does not treat
+    as special) has that token out of its text; skip_special_tokens alone would keep it."""
+    plain_eos = 9  # an ordinary token used as an extra EOS id
+    assert _TOKENIZER.decode([plain_eos], skip_special_tokens=True) != ""
+    samples = [Sample([5, 6], [7, 8, plain_eos], [-1.0] * 3, truncated=False),
+               Sample([5, 6], [7, 8], [-1.0] * 2, truncated=True)]
+    batch = assemble(samples, 2, _TOKENIZER, pad=0, eos=[_TOKENIZER.eos_token_id, plain_eos])
+    assert batch.completions == [_TOKENIZER.decode([7, 8], skip_special_tokens=True)] * 2
+    assert batch.truncated.tolist() == [False, True]
+
+
+def test_assembled_versions_are_the_samples_own_per_token_versions():
+    """A partial rollout's sample carries the policy version of each token; `assemble` keeps them (padding
+    NO_VERSION), and a sample without them gets the batch's version."""
+    samples = [Sample([5], [7, 8, 9], [-1.0] * 3, truncated=True, versions=[3, 3, 4]),
+               Sample([5], [7], [-1.0], truncated=True)]
+    batch = assemble(samples, 1, _TOKENIZER, pad=0, eos=[_TOKENIZER.eos_token_id], version=4)
+    assert batch.versions.tolist() == [[3, 3, 4], [4, NO_VERSION, NO_VERSION]]
+
+
+def test_a_prompt_that_fills_the_context_exactly_with_its_new_tokens_is_accepted():
+    """prompt + max_new_tokens == max_len fits (the limit is `>`): a prompt of 4 tokens and 6 new ones in 10."""
+    ids = [5, 6, 7, 8]
+    assert encode_prompts(_TOKENIZER, [ids], 1, [0], 6, max_len=10) == [ids]
+    with pytest.raises(ValueError, match="11 > max_len=10"):
+        encode_prompts(_TOKENIZER, [ids], 1, [0], 7, max_len=10)
+
+
+def test_eos_ids_lists_each_id_once():
+    config = SimpleNamespace(eos_token_id=[_TOKENIZER.eos_token_id, 9, 9])
+    assert eos_ids(_TOKENIZER, config) == [_TOKENIZER.eos_token_id, 9]

@@ -64,3 +64,31 @@ def test_misshapen_fields_are_refused():
         Trajectory(**{**base, "versions": torch.zeros(1, 4, dtype=torch.long)})
     with pytest.raises(ValueError, match="prompt_ids"):
         Trajectory(**{**base, "prompt_mask": torch.ones(2, 2, dtype=torch.long)})
+
+
+def _multi_turn(first: int = 1) -> Trajectory:
+    """Two rows whose loss mask is narrower than the completion mask (tool tokens) and that carry token rewards."""
+    completion_mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    return Trajectory(prompt_ids=torch.full((2, 2), first), prompt_mask=torch.ones(2, 2, dtype=torch.long),
+                      completion_ids=torch.full((2, 3), first + 1), completion_mask=completion_mask,
+                      logprobs=-completion_mask.float(), truncated=torch.zeros(2, dtype=torch.bool),
+                      completions=["a", "b"], prompt_index=torch.tensor([0, 1]),
+                      loss_mask=torch.tensor([[1, 0, 1], [0, 1, 0]]),
+                      token_rewards=torch.tensor([[0.0, 0.5, 1.0], [2.0, 0.0, 0.0]]) * first)
+
+
+def test_repadding_keeps_a_multi_turn_loss_mask_not_the_completion_mask():
+    out = _multi_turn().padded(3, 5, pad_id=0)
+    assert out.loss_mask.tolist() == [[1, 0, 1, 0, 0], [0, 1, 0, 0, 0]]
+    assert out.token_rewards.tolist() == [[0.0, 0.5, 1.0, 0.0, 0.0], [2.0, 0.0, 0.0, 0.0, 0.0]]
+
+
+def test_take_and_concat_carry_token_rewards_with_their_rows():
+    from gspo.trajectory import concat
+    a, b = _multi_turn(1), _multi_turn(2)
+    taken = a.take(torch.tensor([1, 0]))
+    assert taken.token_rewards.tolist() == [[2.0, 0.0, 0.0], [0.0, 0.5, 1.0]]
+    both = concat([a, b], pad_id=0)
+    assert both.token_rewards is not None
+    assert both.token_rewards.tolist() == [[0.0, 0.5, 1.0], [2.0, 0.0, 0.0], [0.0, 1.0, 2.0], [4.0, 0.0, 0.0]]
+    assert both.loss_mask.tolist() == [[1, 0, 1], [0, 1, 0]] * 2
