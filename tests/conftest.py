@@ -128,6 +128,19 @@ def ragged_trajectory(model, n: int = 8, seed: int = 0) -> Trajectory:
                       completions=[""] * n, prompt_index=torch.arange(n) // 4)
 
 
+def sgd_learn(model, traj: Trajectory, advantages: torch.Tensor, minibatches: list[torch.Tensor], settings,
+              lr: float = 0.5, **kwargs) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """One `learn` call with plain SGD at a constant rate `lr` (the weights move by lr × the gradient, so a change
+    shows the gradient 1:1); returns (each weight's change, on the CPU; the metrics). `kwargs` go to `learn`."""
+    from gspo.learner import learn
+
+    start = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    metrics = learn(model, optimizer, scheduler, traj, advantages, minibatches, settings, **kwargs)
+    return {k: (v - start[k]).cpu() for k, v in model.state_dict().items()}, metrics
+
+
 def safetensors_of(folder: Path) -> dict[str, torch.Tensor]:
     """Every tensor of the safetensors files in a saved model folder (final/, a checkpoint's model/)."""
     tensors: dict[str, torch.Tensor] = {}

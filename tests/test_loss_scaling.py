@@ -9,11 +9,20 @@ import copy
 import pytest
 import torch
 
-from conftest import DEMO, DEVICE, SimulatedCrash, crash_after, ragged_trajectory, safetensors_of, tiny_overrides
+from conftest import (
+    DEMO,
+    DEVICE,
+    SimulatedCrash,
+    crash_after,
+    ragged_trajectory,
+    safetensors_of,
+    sgd_learn,
+    tiny_overrides,
+)
 from gspo import optim
 from gspo.config import ConfigError, load_config
 from gspo.data import make_task
-from gspo.learner import LearnSettings, learn
+from gspo.learner import LearnSettings
 from gspo.models import build_preset
 from gspo.objectives import OBJECTIVES
 from gspo.optim import loss_scaler, make_optimizer
@@ -26,21 +35,16 @@ ROWS = [torch.tensor([0, 2, 4, 6, 1, 3, 5, 7])]  # one on-policy minibatch: π_o
 
 
 def one_update(precision: str | None, advantage_scale: float, scaler=None, device: str = "cpu") -> tuple[dict, dict]:
-    """One `learn` update of the tiny dense preset on `device` (SGD: the weights move by lr × the gradient, so the
-    change shows the gradient 1:1) with advantages × `advantage_scale`; returns (the weights' change, metrics)."""
+    """One `learn` update of the tiny dense preset on `device` (`sgd_learn`: the change shows the gradient 1:1) with
+    advantages × `advantage_scale`; returns (the weights' change, metrics)."""
     model, _ = build_preset("tiny-dense", seed=1)
     traj = ragged_trajectory(model).to(device)
-    model.to(device)
-    start = copy.deepcopy(model.state_dict())
-    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     spec = OBJECTIVES["gspo"]
     settings = LearnSettings(objective=spec, eps_low=spec.eps_low, eps_high=spec.eps_high, max_new_tokens=12,
                              mixed_precision=precision, grad_clip=None)
     advantages = advantage_scale * torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.25, -0.25], device=device)
-    metrics = learn(model, optimizer, scheduler, traj, advantages, [r.to(device) for r in ROWS], settings,
-                    group=ProcessGroup(device=torch.device(device)), scaler=scaler)
-    return {k: (v - start[k].to(device)).cpu() for k, v in model.state_dict().items()}, metrics
+    return sgd_learn(model.to(device), traj, advantages, [r.to(device) for r in ROWS], settings, lr=1.0,
+                     group=ProcessGroup(device=torch.device(device)), scaler=scaler)
 
 
 def flat(delta: dict) -> torch.Tensor:

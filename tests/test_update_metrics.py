@@ -161,50 +161,50 @@ def test_micro_batches_do_not_change_a_steps_metrics(tmp_path):
             assert micro[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-6), key
 
 
+def assert_sgd_on_the_loss_by_hand(delta: dict, traj, mb: torch.Tensor, loss_of, lr: float = 0.5) -> float:
+    """`delta` (an `sgd_learn` update of tiny-dense, seed 1, at rate `lr`) is −lr × the gradient of
+    `loss_of(log π_θ, π_old)` computed by hand on a fresh copy of that model over rows `mb`; returns the largest
+    weight change (so that a caller can check the update is not vacuous)."""
+    from gspo.logprobs import completion_logprobs
+    from gspo.models import build_preset
+
+    model, _ = build_preset("tiny-dense", seed=1)
+    model.train()
+    with torch.no_grad():
+        old, _ = completion_logprobs(model, *traj.rows(mb))
+    lp, _ = completion_logprobs(model, *traj.rows(mb))
+    loss_of(lp, old).backward()
+    scale = 0.0
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            want = -lr * p.grad
+            scale = max(scale, float(want.abs().max()))
+            torch.testing.assert_close(delta[name], want, rtol=1e-4, atol=1e-7)
+    return scale
+
+
 @pytest.mark.parametrize("loss", ["dapo", "dr_grpo", "cispo", "gspo"])
 def test_learn_divides_each_update_by_its_objectives_own_count(loss):
     """One `learn` update (one minibatch, plain SGD, no clipping of the gradient norm) moves the weights exactly as
     SGD on the objective called by hand with its own normaliser: Σ|y_i| (dapo, cispo), B·L (dr_grpo, L =
     max_new_tokens), B (gspo). The other learner tests compare learn() with learn() (micro-batches, processes), so a
     learner dividing every objective by the row count B passes them all."""
-    from conftest import ragged_trajectory
-    from gspo.learner import LearnSettings, learn
-    from gspo.logprobs import completion_logprobs
+    from conftest import ragged_trajectory, sgd_learn
+    from gspo.learner import LearnSettings
     from gspo.models import build_preset
     from gspo.objectives import OBJECTIVES
 
     spec = OBJECTIVES[loss]
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.25, -0.25])
     mb = torch.tensor([0, 2, 4, 6, 1, 3])
-    lr = 0.5
-
     model, _ = build_preset("tiny-dense", seed=1)
     traj = ragged_trajectory(model)
-    start = {k: v.clone() for k, v in model.state_dict().items()}
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    learn(model, optimizer, scheduler, traj, advantages, [mb],
-          LearnSettings(objective=spec, eps_low=spec.eps_low, eps_high=spec.eps_high, max_new_tokens=12,
-                        grad_clip=None))
-    got = {k: v - start[k] for k, v in model.state_dict().items()}
-
-    model.load_state_dict(start)
-    model.train()
-    with torch.no_grad():
-        old, _ = completion_logprobs(model, *traj.rows(mb))
-    lp, _ = completion_logprobs(model, *traj.rows(mb))
-    mask = traj.loss_mask[mb].bool()
+    delta, _ = sgd_learn(model, traj, advantages, [mb], LearnSettings(
+        objective=spec, eps_low=spec.eps_low, eps_high=spec.eps_high, max_new_tokens=12, grad_clip=None))
     kwargs = {"max_tokens": 12} if loss == "dr_grpo" else {}
-    by_hand, _ = spec.loss(lp, old, advantages[mb], mask, eps_low=spec.eps_low, eps_high=spec.eps_high, **kwargs)
-    model.zero_grad()
-    by_hand.backward()
-    scale = 0.0
-    for name, p in model.named_parameters():
-        if p.grad is None:
-            continue
-        want = -lr * p.grad
-        scale = max(scale, float(want.abs().max()))
-        torch.testing.assert_close(got[name], want, rtol=1e-4, atol=1e-7)
+    mask = traj.loss_mask[mb].bool()
+    scale = assert_sgd_on_the_loss_by_hand(delta, traj, mb, lambda lp, old: spec.loss(
+        lp, old, advantages[mb], mask, eps_low=spec.eps_low, eps_high=spec.eps_high, **kwargs)[0])
     assert scale > 1e-5  # the update is not vacuous
 
 
@@ -214,42 +214,27 @@ def test_sequences_dropped_by_the_mismatch_mask_leave_the_normaliser():
     rows divided by their number (1/B_kept, as rejection sampling would), not by every row of the minibatch."""
     import dataclasses
 
-    from conftest import ragged_trajectory
+    from conftest import ragged_trajectory, sgd_learn
     from gspo.correction import Correction
-    from gspo.learner import LearnSettings, learn
-    from gspo.logprobs import completion_logprobs
+    from gspo.learner import LearnSettings
     from gspo.models import build_preset
     from gspo.objectives import OBJECTIVES
 
     spec = OBJECTIVES["gspo"]
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.25, -0.25])
-    mb, lr = torch.arange(8), 0.5
+    mb = torch.arange(8)
     model, _ = build_preset("tiny-dense", seed=1)
     traj = ragged_trajectory(model)
     dropped = torch.tensor([1, 4, 6])
     engine = traj.logprobs.clone()
     engine[dropped] = engine[dropped] - 2.0 * traj.completion_mask[dropped]  # ρ̄ = e² > 2: outside [0.5, 2]
     traj = dataclasses.replace(traj, logprobs=engine)
-    start = {k: v.clone() for k, v in model.state_dict().items()}
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    metrics = learn(model, optimizer, scheduler, traj, advantages, [mb],
-                    LearnSettings(objective=spec, eps_low=spec.eps_low, eps_high=spec.eps_high, max_new_tokens=12,
-                                  grad_clip=None, mismatch=Correction(level="sequence", bounds=(0.5, 2.0))))
+    delta, metrics = sgd_learn(model, traj, advantages, [mb], LearnSettings(
+        objective=spec, eps_low=spec.eps_low, eps_high=spec.eps_high, max_new_tokens=12, grad_clip=None,
+        mismatch=Correction(level="sequence", bounds=(0.5, 2.0))))
     assert metrics["mismatch_masked_frac"] > 0
-    got = {k: v - start[k] for k, v in model.state_dict().items()}
-
-    model.load_state_dict(start)
-    model.train()
-    with torch.no_grad():
-        old, _ = completion_logprobs(model, *traj.rows(mb))
-    lp, _ = completion_logprobs(model, *traj.rows(mb))
     keep = traj.loss_mask.bool().clone()
     keep[dropped] = False
-    loss, _ = spec.loss(lp, old, advantages, keep, eps_low=spec.eps_low, eps_high=spec.eps_high,
-                        normaliser=float(8 - len(dropped)))
-    model.zero_grad()
-    loss.backward()
-    for name, p in model.named_parameters():
-        if p.grad is not None:
-            torch.testing.assert_close(got[name], -lr * p.grad, rtol=1e-4, atol=1e-7)
+    assert_sgd_on_the_loss_by_hand(delta, traj, mb, lambda lp, old: spec.loss(
+        lp, old, advantages, keep, eps_low=spec.eps_low, eps_high=spec.eps_high,
+        normaliser=float(8 - len(dropped)))[0])
