@@ -7,6 +7,7 @@ varied steps, which exercises the dropping of finished rows from the batch and t
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -1028,6 +1029,31 @@ def test_the_built_in_engine_samples_under_the_trainers_mixed_precision(tmp_path
         engine = rollout.make_engine(load_config(DEMO, tiny_overrides(tmp_path, *overrides)), model, tokenizer,
                                      out=tmp_path)
         assert engine.autocast == want and engine.shares_weights == ("rollout.dtype=bfloat16" not in overrides)
+
+
+def test_the_engines_of_an_async_run_share_the_kept_cache_budget_of_their_device(tmp_path):
+    """rollout.mode=async with the built-in engine: each of the rollout.workers processes samples with an engine of
+    its own on the learner's device, beside the learner's evaluation engine, so each keeps at most
+    KEPT_CACHE_SHARE / (workers + 1) of the device's memory in compiled-decode caches (all of them together the one
+    share); a synchronous run's single engine keeps the whole share."""
+    import gspo.rollout as rollout
+    from conftest import DEMO, tiny_overrides
+    from gspo.config import load_config
+    from gspo.models import build_preset
+    from gspo.rollout.sampler import KEPT_CACHE_SHARE
+
+    model, tokenizer = build_preset("tiny-dense")
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # the CPU's memory: the budget's device here
+    for overrides, engines in (([], 1), (["rollout.mode=async", "rollout.workers=2"], 3),
+                               (["rollout.mode=async"], 2)):
+        cfg = load_config(DEMO, tiny_overrides(tmp_path, *overrides))
+        learner = rollout.make_engine(cfg, model, tokenizer, out=tmp_path)
+        worker = rollout.worker_engine(cfg, model, tokenizer, worker=0, out=tmp_path)
+        for engine in (learner, worker):
+            assert engine.cache_share == pytest.approx(KEPT_CACHE_SHARE / engines), overrides
+            assert engine._cache_budget() == int(KEPT_CACHE_SHARE / engines * total), overrides
+    with pytest.raises(ValueError, match="cache_share must be in"):
+        HFSampler(model, tokenizer, SamplingParams(max_new_tokens=2), cache_share=0.0)
 
 
 @pytest.mark.slow

@@ -11,7 +11,14 @@ from typing import TYPE_CHECKING
 from gspo.rollout.assemble import eos_ids, output_rows
 from gspo.rollout.base import RolloutEngine, SamplingParams
 from gspo.rollout.cache_memory import check_release
-from gspo.rollout.sampler import HFSampler, filter_scores, resolve_decode, row_seed, sample_from_logits
+from gspo.rollout.sampler import (
+    KEPT_CACHE_SHARE,
+    HFSampler,
+    filter_scores,
+    resolve_decode,
+    row_seed,
+    sample_from_logits,
+)
 from gspo.rollout.weights import checkpoint_layout, policy_weights, unwrap_model
 
 if TYPE_CHECKING:
@@ -94,7 +101,15 @@ def _hf_engine(cfg: Config, model: nn.Module, tokenizer, *, own_copy: bool, devi
     return HFSampler(model, tokenizer, sampling_params(cfg), dtype=ro.dtype, own_copy=own_copy,
                      record_routing=cfg.algorithm.routing_replay == "r3", device=device, decode=_hf_decode(cfg),
                      max_rows=ro.max_batch_rows, autocast=cfg.trainer.mixed_precision,
-                     release_cache=ro.release_decode_cache)
+                     release_cache=ro.release_decode_cache, cache_share=KEPT_CACHE_SHARE / hf_engines_per_device(cfg))
+
+
+def hf_engines_per_device(cfg: Config) -> int:
+    """Built-in engines on one device: asynchronous workers sample on the learner's device (`rollout.workers` of
+    them, each a process with its own engine) beside the learner's evaluation engine; so the compiled loop's kept
+    caches of each take their share of `KEPT_CACHE_SHARE`, not all of it (with 2 workers, three engines could keep
+    three quarters of the device in caches)."""
+    return cfg.rollout.workers + 1 if cfg.rollout.mode == "async" and cfg.rollout.engine == "hf" else 1
 
 
 def _hf_decode(cfg: Config) -> str:

@@ -29,7 +29,7 @@ TAG = "gspo-decode-cache"
 """torch_memory_saver's tag of the caches' allocations."""
 
 _lock = threading.Lock()
-_state = {"paused": False, "allocated": False}
+_state = {"paused": False, "allocated": False, "configured": False}
 
 
 def check_release(decode: str, device: torch.device | str) -> None:
@@ -49,13 +49,18 @@ def check_release(decode: str, device: torch.device | str) -> None:
 
 
 def _saver():
-    """The process's torch_memory_saver, in its torch-allocator mode (no LD_PRELOAD needed)."""
+    """The process's torch_memory_saver, in its torch-allocator mode (no LD_PRELOAD needed).
+
+    The mode is set once, at this module's first use: the saver refuses it after its own first use, with an
+    AssertionError while its settings are kept and an AttributeError once it has dropped them (which it does at its
+    first region / pause: setting the mode at every call failed there, at a rollout's second cache call). A saver the
+    caller used before, in a mode of its own, is taken as it is."""
     from torch_memory_saver import torch_memory_saver
 
-    # the mode can only be set before the saver's first use; a saver already in use (by this module, or by the
-    # caller in a mode of its own) is taken as it is
-    with contextlib.suppress(AssertionError):
-        torch_memory_saver.hook_mode = "torch"
+    if not _state["configured"]:  # (called under _lock by pause / resume: not taken here)
+        _state["configured"] = True
+        with contextlib.suppress(AssertionError, AttributeError):
+            torch_memory_saver.hook_mode = "torch"
     return torch_memory_saver
 
 

@@ -388,10 +388,14 @@ class HFSampler:
         max_rows: int | None = None,
         autocast: torch.dtype | str | None = None,
         release_cache: bool = False,
+        cache_share: float = KEPT_CACHE_SHARE,
     ) -> None:
         if max_rows is not None and max_rows < 1:
             raise ValueError(f"max_rows must be >= 1 or None, got {max_rows}")
+        if not 0 < cache_share <= 1:
+            raise ValueError(f"cache_share must be in (0, 1], got {cache_share}")
         self.max_rows = max_rows
+        self.cache_share = cache_share
         model = unwrap_model(model)
         if record_routing:
             require_replay_support(model, "r3")
@@ -793,13 +797,14 @@ class HFSampler:
         return True
 
     def _cache_budget(self) -> int:
-        """KEPT_CACHE_SHARE of the total memory of the device the engine's weights are on, in bytes."""
+        """`cache_share` (KEPT_CACHE_SHARE unless the device has more engines) of the total memory of the device the
+        engine's weights are on, in bytes."""
         device = next(self.model.parameters()).device
         if device.type == "cuda":
             total = torch.cuda.get_device_properties(device).total_memory
         else:
             total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return int(KEPT_CACHE_SHARE * total)
+        return int(self.cache_share * total)
 
     @property
     def _pauses_caches(self) -> bool:
