@@ -391,25 +391,25 @@ def _logits_are_the_head(model: PreTrainedModel, prefix: str, head: nn.Linear) -
     return plain
 
 
-def _length_buckets(prompt_len: torch.Tensor, completion_len: torch.Tensor, min_waste: int = 128,
-                    max_waste: float = 0.05) -> list[torch.Tensor]:
-    """Row indices grouped so that each group, cut to its longest prompt and completion, wastes little on padding.
+def _length_buckets(p: list[int], c: list[int], min_waste: int = 128, max_waste: float = 0.05) -> list[list[int]]:
+    """Row indices grouped so that each group, cut to its longest prompt and completion (lengths `p`, `c`, read on the
+    host once per forward), wastes little on padding.
 
-    Rows are taken longest first; a row starts a new group when adding it would make the group's padding exceed both
-    `min_waste` tokens and `max_waste` × its real tokens (small batches stay one forward: a forward has a fixed cost).
+    Rows are taken longest first (ties in row order); a row starts a new group when adding it would make the group's
+    padding exceed both `min_waste` tokens and `max_waste` × its real tokens (small batches stay one forward: a
+    forward has a fixed cost).
     """
-    order = torch.argsort(prompt_len + completion_len, descending=True, stable=True).tolist()
-    p, c = prompt_len.tolist(), completion_len.tolist()
+    order = sorted(range(len(p)), key=lambda i: -(p[i] + c[i]))
     buckets, current, p_max, c_max, real = [], [], 0, 0, 0
     for i in order:
         new_p, new_c, new_real = max(p_max, p[i]), max(c_max, c[i]), real + p[i] + c[i]
         waste = (len(current) + 1) * (new_p + new_c) - new_real
         if current and waste > max(min_waste, max_waste * new_real):
-            buckets.append(torch.tensor(current))
+            buckets.append(current)
             current, new_p, new_c, new_real = [], p[i], c[i], p[i] + c[i]
         current.append(i)
         p_max, c_max, real = new_p, new_c, new_real
-    buckets.append(torch.tensor(current))
+    buckets.append(current)
     return buckets
 
 
@@ -534,21 +534,21 @@ def _hidden_state_logprobs(
     n, s = prompt_ids.shape
     t = completion_ids.shape[1]
     c_mask = completion_mask.bool()
-    if trim_padding:  # buckets without a completion token need no forward
-        buckets = [idx for idx in _length_buckets(prompt_mask.sum(-1), completion_mask.sum(-1))
-                   if bool(c_mask[idx.to(c_mask.device)].any())]
+    if trim_padding:  # the lengths, read on the host in one sync; buckets without a completion token need no forward
+        p_lens, c_lens = torch.stack([prompt_mask.sum(-1).long(), c_mask.sum(-1)]).tolist()
+        buckets = [b for b in _length_buckets(p_lens, c_lens) if any(c_lens[i] for i in b)]
     else:
-        buckets = [torch.arange(n)]
+        buckets = [list(range(n))]
     padding_forwards = 0
     if equal_forwards is not None and trim_padding:  # (without it: one forward everywhere)
         share_prompts = False  # one forward per bucket, so that the count is the buckets'
         padding_forwards = equal_forwards(len(buckets)) - len(buckets)
     hidden, rows, cols = [], [], []
-    for idx in buckets:
-        idx = idx.to(prompt_ids.device)
+    for bucket in buckets:
+        idx = torch.tensor(bucket, device=prompt_ids.device)
         p_ids, p_mask, c_ids, cm = prompt_ids[idx], prompt_mask[idx], completion_ids[idx], c_mask[idx]
         if trim_padding:  # cut to this bucket's longest prompt and completion; the last completion token is not fed
-            p_len, c_len = int(p_mask.sum(-1).max()), int(cm.sum(-1).max())
+            p_len, c_len = max(p_lens[i] for i in bucket), max(c_lens[i] for i in bucket)
             p_ids, p_mask, c_ids, cm = p_ids[:, s - p_len:], p_mask[:, s - p_len:], c_ids[:, :c_len], cm[:, :c_len]
             predicting = _trimmed_bucket_hidden(backbone, p_ids, p_mask, c_ids, cm, share_prompts)
         else:

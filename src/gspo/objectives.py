@@ -198,23 +198,32 @@ def _token_metrics(
     nonempty = mask.any(-1)
     clipped_tokens = clipped_tokens & mask
     kl = _masked(torch.expm1(log_ratio) - log_ratio, mask)  # k3: (r − 1) − log r ≥ 0, unbiased for KL(π_old‖π_θ)
-    return {
-        "clip_frac_tokens": float(clipped_tokens.sum() / n_tok),
-        "clip_frac_seqs": float((clipped_tokens.any(-1) & nonempty).sum() / nonempty.sum().clamp(min=1)),
-        "approx_kl": float(kl.sum() / n_tok),
-        "count_tokens": float(mask.sum()),
-        "count_seqs": float(nonempty.sum()),
-    }
+    return _read({
+        "clip_frac_tokens": clipped_tokens.sum() / n_tok,
+        "clip_frac_seqs": (clipped_tokens.any(-1) & nonempty).sum() / nonempty.sum().clamp(min=1),
+        "approx_kl": kl.sum() / n_tok,
+        "count_tokens": mask.sum(),
+        "count_seqs": nonempty.sum(),
+    })
+
+
+def _read(values: dict[str, torch.Tensor]) -> Metrics:
+    """Scalar tensors as floats, read from the device in one sync (float64 holds each float32 value and count
+    exactly)."""
+    return dict(zip(values, torch.stack([v.detach().double() for v in values.values()]).tolist(), strict=True))
 
 
 def _ratio_metrics(ratio: torch.Tensor, valid: torch.Tensor) -> Metrics:
     """Mean / min / max of the ratio the objective clips, over valid entries (1.0 if there are none), with their
     count."""
-    r = ratio.detach()[valid]
-    if r.numel() == 0:
-        return {"ratio_mean": 1.0, "ratio_min": 1.0, "ratio_max": 1.0, "count_ratios": 0.0}
-    return {"ratio_mean": float(r.mean()), "ratio_min": float(r.min()), "ratio_max": float(r.max()),
-            "count_ratios": float(r.numel())}
+    none = {"ratio_mean": 1.0, "ratio_min": 1.0, "ratio_max": 1.0, "count_ratios": 0.0}
+    if ratio.numel() == 0:
+        return none
+    r, valid = ratio.detach(), valid.expand_as(ratio)  # masked reductions: no boolean index (a sync of its own)
+    m = _read({"ratio_mean": torch.where(valid, r, 0).sum() / valid.sum().clamp(min=1),
+               "ratio_min": torch.where(valid, r, torch.inf).min(),
+               "ratio_max": torch.where(valid, r, -torch.inf).max(), "count_ratios": valid.sum()})
+    return m if m["count_ratios"] else none
 
 
 METRIC_AGGREGATION: dict[str, tuple[Literal["mean", "max", "min"], str]] = {

@@ -225,7 +225,7 @@ class ProcessGroup:
 
     def all_finite(self, *values: torch.Tensor) -> bool:
         """Whether all `values` are finite on every process (so all processes skip or apply an update together)."""
-        ok = all(bool(torch.isfinite(v).all()) for v in values)
+        ok = bool(torch.stack([torch.isfinite(v).all() for v in values]).all())  # one device sync
         if not self.enabled:
             return ok
         return self.all_sum([0.0 if ok else 1.0])[0] == 0
