@@ -227,9 +227,9 @@ def micro_trajectory() -> Trajectory:
 
 def fsdp_micro_batches_match_one_process(fsdp: ProcessGroup) -> None:
     """`learn` under FSDP2 with `micro_batch_tokens` = 40: rank 0's share (the two short rows) fits one micro-batch,
-    rank 1's (the long rows) needs one per row, so rank 0 splits its share too (every forward is a collective: 2 π_old
-    and 2 update forwards on each process), and the weights after the update are those of one process learning the
-    whole minibatch in one forward."""
+    rank 1's (the long rows) needs one per row, so rank 0 splits its share too (every forward is a collective: 2 update
+    forwards on each process, whose log-probabilities are also this only minibatch's π_old), and the weights after the
+    update are those of one process learning the whole minibatch in one forward."""
     spec = OBJECTIVES["gspo"]
     updated = {}
     for group, share, budget in ((fsdp, [2 * fsdp.rank, 2 * fsdp.rank + 1], 40), (ProcessGroup(), [0, 1, 2, 3], None)):
@@ -245,7 +245,7 @@ def fsdp_micro_batches_match_one_process(fsdp: ProcessGroup) -> None:
               [torch.tensor(share)], settings, group=group)
         counter.remove()
         if group.enabled:
-            assert len(forwards) == 4, forwards
+            assert len(forwards) == 2, forwards
         updated[group.enabled] = {k: v.detach().clone() for k, v in gathered(model, optimizer)["model"].items()}
     start = dict(build_preset("tiny-dense", seed=7)[0].named_parameters())
     scale = max(float((updated[False][k] - start[k]).abs().max()) for k in start)

@@ -338,8 +338,10 @@ def test_flash_attention_is_refused_where_its_kernel_would_get_float32_or_a_cpu(
 @pytest.mark.parametrize("disable", [True, False])
 def test_a_model_with_dropout_trains_without_it(tmp_path, spy_objective, caplog, disable):
     """A model folder whose config has dropout (attention_dropout 0.5): RL turns it off (trainer.disable_dropout), so
-    the on-policy minibatch's ratios are exactly 1; with disable_dropout=false they are noise, and a warning says so.
-    The model's config (and so the saved model's) keeps its dropout."""
+    a no-grad π_old forward and the on-policy minibatch's forward agree, its ratios exactly 1; with
+    disable_dropout=false they are noise, and a warning says so. (A mismatch mask that keeps every row makes the
+    trainer run the π_old forward over the first minibatch too: without one, that minibatch's π_old is its update's
+    own forward, the same dropout and all.) The model's config (and so the saved model's) keeps its dropout."""
     from gspo.models import build_preset, save_model
 
     model, tokenizer = build_preset("tiny-dense", seed=0)
@@ -349,7 +351,8 @@ def test_a_model_with_dropout_trains_without_it(tmp_path, spy_objective, caplog,
     with caplog.at_level("INFO", logger="gspo.trainer"):
         train(cfg_for(out, "cold_start=null", f"model.name={tmp_path / 'dropout-model'}", "trainer.steps=1",
                       "rewards.functions={varied: 1.0}", "algorithm.old_logprobs=recompute", "trainer.eval_every=0",
-                      "data.eval_size=1", f"trainer.disable_dropout={str(disable).lower()}"))
+                      "data.eval_size=1", f"trainer.disable_dropout={str(disable).lower()}",
+                      "algorithm.mismatch=mask", "algorithm.mask_bounds=[1e-6, 1e6]"))
     logprobs, old, mask = spy_objective[0]
     assert torch.equal(logprobs[mask], old[mask]) == disable
     said = " ".join(r.getMessage() for r in caplog.records if "dropout" in r.getMessage())

@@ -238,3 +238,44 @@ def test_sequences_dropped_by_the_mismatch_mask_leave_the_normaliser():
     assert_sgd_on_the_loss_by_hand(delta, traj, mb, lambda lp, old: spec.loss(
         lp, old, advantages, keep, eps_low=spec.eps_low, eps_high=spec.eps_high,
         normaliser=float(8 - len(dropped)))[0])
+
+
+def test_the_first_minibatchs_own_forward_is_its_pi_old(monkeypatch):
+    """π_old recomputed without a mismatch correction: the first update's forward, at the same weights, is also its
+    rows' π_old, so the π_old pass runs over the other minibatches only (3 no-grad forwards and 4 with gradient for
+    4 minibatches, where it was 4 and 4). The update and the metrics are those of the full pass — the first
+    minibatch's ratios exactly 1, nothing clipped there, the mismatch measured over every row — which a correction
+    still runs (it needs every row's π_old before the first update: here one that keeps every row)."""
+    import gspo.learner
+    from conftest import ragged_trajectory, sgd_learn
+    from gspo.correction import Correction
+    from gspo.learner import LearnSettings
+    from gspo.models import build_preset
+    from gspo.objectives import OBJECTIVES
+
+    forwards = []
+    inner = gspo.learner.completion_logprobs
+    monkeypatch.setattr(gspo.learner, "completion_logprobs",
+                        lambda *a, **k: forwards.append(torch.is_grad_enabled()) or inner(*a, **k))
+    spec = OBJECTIVES["gspo"]
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.25, -0.25])
+    minibatches = [torch.tensor([0, 5]), torch.tensor([2, 7]), torch.tensor([4, 1]), torch.tensor([6, 3])]
+    runs = {}
+    for name, mismatch in (("reused", None), ("full pass", Correction(level="sequence", bounds=(1e-30, 1e30)))):
+        forwards.clear()
+        model, _ = build_preset("tiny-dense", seed=1)
+        traj = ragged_trajectory(model)
+        runs[name] = sgd_learn(model, traj, advantages, minibatches, LearnSettings(
+            objective=spec, eps_low=spec.eps_low, eps_high=spec.eps_high, max_new_tokens=12, grad_clip=None,
+            mismatch=mismatch))
+        runs[name][1]["forwards"] = list(forwards)
+    (delta, metrics), (full_delta, full) = runs["reused"], runs["full pass"]
+    assert metrics["forwards"] == [False] * 3 + [True] * 4 and full["forwards"] == [False] * 4 + [True] * 4
+    assert metrics["clip_frac_tokens_first_mb"] == 0.0 and metrics["clip_frac_tokens"] > 0  # later ones are off-policy
+    for key in delta:
+        assert torch.equal(delta[key], full_delta[key]), key
+    assert max(float(d.abs().max()) for d in delta.values()) > 1e-5  # the update is not vacuous
+    for key, value in full.items():
+        if key not in ("forwards", "mismatch_masked_frac", "mismatch_truncated_frac"):
+            assert metrics[key] == value, key
+    assert any(key.startswith("mismatch_") and key in metrics for key in full)

@@ -1,6 +1,7 @@
 """The learner: π_old, then one optimizer update per minibatch of the rollout batch (the paper's algorithm, §2 / §4).
 
     π_old      the engine's own log-probabilities (§5.4), or a no-grad forward of the trainer before the first update
+               (the first minibatch's: its update's own forward, detached; the weights are the same)
     mismatch   with π_old recomputed: how far it is from the engine's μ, and optionally a correction by π_old/μ
                (TIS weights on the advantages, masks on the loss mask: `gspo.correction`)
     for each minibatch k (the batch shuffled and split; every update but the first is off-policy):
@@ -227,33 +228,45 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
 
     # π_old. The forward runs on the same row groups as the updates: a row's logits depend in the last bits on which
     # rows share its batch (matmul blocking, MoE expert grouping), and with other groups the on-policy first minibatch
-    # would see ratios of 1 ± 1e-7 instead of exactly 1.
+    # would see ratios of 1 ± 1e-7 instead of exactly 1. The first minibatch's π_old is its first update's own forward
+    # (the weights are the same), detached, unless something needs every row's π_old before that update (a mismatch
+    # correction, a hook that captures the π_old forward): one forward of the rollout batch's four fewer, and ratios
+    # exactly 1 on any device (a no-grad forward may take other kernels than one that keeps its graph).
+    reuse = s.old_logprobs == "recompute" and s.mismatch is None and not any(h.keeps_layout("old") for h in hooks)
     if s.old_logprobs == "rollout":
         old_logprobs = traj.logprobs
     else:
         old_logprobs = torch.zeros_like(traj.logprobs)
         trim = not any(h.keeps_layout("old") for h in hooks)
-        with torch.no_grad():
-            for r in (r for micros in micros_of[:len(minibatches)] for r in micros):  # the first pass: every row once
+        with torch.no_grad():  # the first pass: every row once
+            for r in (r for micros in micros_of[int(reuse):len(minibatches)] for r in micros):
                 with forwards(lambda h, r=r: h.old_forward(r)):
                     old_logprobs[r] = completion_logprobs(model, *traj.rows(r), temperature=s.temperature,
                                                           trim_padding=trim)[0]
-        old_logprobs = group.merge_rows(old_logprobs, minibatches)
-    for hook in hooks:
-        hook.old_done(group, minibatches)
 
     # Train–inference mismatch, ρ = π_old/μ on the whole batch (the same on every process). Off, nothing the loss
     # sees changes; on, TIS scales the advantages and the masks shrink the loss mask, and a normalising count leaves
     # out the sequences the correction dropped (`kept`), as rejection sampling would. The KL-to-reference term and the
     # entropy keep the full mask: they are regularisers and diagnostics, not importance-sampled estimates.
     loss_adv, loss_mask, kept, batch_metrics = advantages, mask, None, {}
-    if s.old_logprobs == "recompute":
-        batch_metrics = mismatch_metrics(old_logprobs, traj.logprobs, mask)
-        batch_metrics.update(mismatch_masked_frac=0.0, mismatch_truncated_frac=0.0)
-        if s.mismatch is not None:
-            loss_adv, loss_mask, fracs = apply_correction(s.mismatch, old_logprobs, traj.logprobs, advantages, mask)
-            kept = loss_mask.any(-1) | ~mask.any(-1)
-            batch_metrics.update(fracs)
+
+    def old_done() -> None:
+        """Once every row's π_old is known (after the π_old pass, or with `reuse` after the first update's forwards):
+        the processes' rows merged, the hooks told, the mismatch measured (and corrected)."""
+        nonlocal old_logprobs, loss_adv, loss_mask, kept, batch_metrics
+        old_logprobs = group.merge_rows(old_logprobs, minibatches) if s.old_logprobs == "recompute" else old_logprobs
+        for hook in hooks:
+            hook.old_done(group, minibatches)
+        if s.old_logprobs == "recompute":
+            batch_metrics = mismatch_metrics(old_logprobs, traj.logprobs, mask)
+            batch_metrics.update(mismatch_masked_frac=0.0, mismatch_truncated_frac=0.0)
+            if s.mismatch is not None:
+                loss_adv, loss_mask, fracs = apply_correction(s.mismatch, old_logprobs, traj.logprobs, advantages, mask)
+                kept = loss_mask.any(-1) | ~mask.any(-1)
+                batch_metrics.update(fracs)
+
+    if not reuse:
+        old_done()
 
     grad_norms, rates, skipped, overflows, n = [], [], 0, 0, len(updates)
     step_metrics = _StepMetrics(n)
@@ -272,6 +285,8 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
                 with forwards(lambda h, k=k, r=r: h.update_forward(k, r, k == n - 1)):
                     lp, ent = completion_logprobs(model, *traj.rows(r), temperature=s.temperature,
                                                   with_entropy=k == 0, trim_padding=trim)
+                if reuse and k == 0:
+                    old_logprobs[r] = lp.detach()
                 loss, m = s.objective.loss(lp, old_logprobs[r], loss_adv[r], loss_mask[r], eps_low=s.eps_low,
                                            eps_high=s.eps_high, normaliser=normaliser)
                 total = loss
@@ -288,6 +303,8 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
                 entropy[r] = ent
             if with_ref:
                 ref_logprobs[r] = ref_lp
+        if reuse and k == 0:
+            old_done()
         if len(micros) > 1:  # the minibatch's metrics and loss value, as one forward would have computed them
             with torch.no_grad():
                 loss, m = s.objective.loss(logprobs[mb], old_logprobs[mb], loss_adv[mb], loss_mask[mb],
