@@ -279,3 +279,34 @@ def test_the_first_minibatchs_own_forward_is_its_pi_old(monkeypatch):
         if key not in ("forwards", "mismatch_masked_frac", "mismatch_truncated_frac"):
             assert metrics[key] == value, key
     assert any(key.startswith("mismatch_") and key in metrics for key in full)
+
+
+@pytest.mark.parametrize("loss", ["gspo", "dr_grpo"])
+def test_rows_the_overlong_filter_drops_leave_the_normaliser(loss):
+    """Rows left out of the loss mask though they have completion tokens (rollout.overlong_filter's truncated rows)
+    are out of the sample: the update is the by-hand one over the other rows divided by their count (B_kept for
+    GSPO, B_kept · L for Dr. GRPO), as the mismatch mask's dropped rows are and as a token normaliser leaves their
+    tokens out. With 1/B the filter scaled each step's update by the fraction it kept."""
+    import dataclasses
+
+    from conftest import ragged_trajectory, sgd_learn
+    from gspo.learner import LearnSettings
+    from gspo.models import build_preset
+    from gspo.objectives import OBJECTIVES
+
+    spec = OBJECTIVES[loss]
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.25, -0.25])
+    mb = torch.arange(8)
+    model, _ = build_preset("tiny-dense", seed=1)
+    traj = ragged_trajectory(model)
+    dropped = torch.tensor([0, 3, 5])
+    keep = traj.loss_mask.clone()
+    keep[dropped] = 0
+    traj = dataclasses.replace(traj, loss_mask=keep)
+    delta, _ = sgd_learn(model, traj, advantages, [mb], LearnSettings(
+        objective=spec, eps_low=spec.eps_low, eps_high=spec.eps_high, max_new_tokens=12, grad_clip=None))
+    kept_rows = 8 - len(dropped)
+    normaliser = float(kept_rows) if loss == "gspo" else float(kept_rows * 12)
+    scale = assert_sgd_on_the_loss_by_hand(delta, traj, mb, lambda lp, old: spec.loss(
+        lp, old, advantages, keep.bool(), eps_low=spec.eps_low, eps_high=spec.eps_high, normaliser=normaliser)[0])
+    assert scale > 1e-5

@@ -246,14 +246,14 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
 
     # Train–inference mismatch, ρ = π_old/μ on the whole batch (the same on every process). Off, nothing the loss
     # sees changes; on, TIS scales the advantages and the masks shrink the loss mask, and a normalising count leaves
-    # out the sequences the correction dropped (`kept`), as rejection sampling would. The KL-to-reference term and the
-    # entropy keep the full mask: they are regularisers and diagnostics, not importance-sampled estimates.
-    loss_adv, loss_mask, kept, batch_metrics = advantages, mask, None, {}
+    # out the sequences the correction dropped, as rejection sampling would (`counted`, below). The KL-to-reference
+    # term and the entropy keep the full mask: they are regularisers and diagnostics, not importance-sampled estimates.
+    loss_adv, loss_mask, batch_metrics = advantages, mask, {}
 
     def old_done() -> None:
         """Once every row's π_old is known (after the π_old pass, or with `reuse` after the first update's forwards):
         the processes' rows merged, the hooks told, the mismatch measured (and corrected)."""
-        nonlocal old_logprobs, loss_adv, loss_mask, kept, batch_metrics
+        nonlocal old_logprobs, loss_adv, loss_mask, batch_metrics
         old_logprobs = group.merge_rows(old_logprobs, minibatches) if s.old_logprobs == "recompute" else old_logprobs
         for hook in hooks:
             hook.old_done(group, minibatches)
@@ -262,7 +262,6 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
             batch_metrics.update(mismatch_masked_frac=0.0, mismatch_truncated_frac=0.0)
             if s.mismatch is not None:
                 loss_adv, loss_mask, fracs = apply_correction(s.mismatch, old_logprobs, traj.logprobs, advantages, mask)
-                kept = loss_mask.any(-1) | ~mask.any(-1)
                 batch_metrics.update(fracs)
 
     if not reuse:
@@ -277,7 +276,11 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
     for k, (mb, micros) in enumerate(zip(updates, micros_of, strict=True)):
         trim = not any(h.keeps_layout("update") for h in hooks)
         # normalised by the count over every process's share: N processes' averaged gradients = one process's
-        count_mask = mask[mb] if kept is None else loss_mask[mb][kept[mb]]
+        # the rows in the objective: those with a token in the loss, and those that never had one; a row dropped by
+        # the correction or by rollout.overlong_filter is out of the sample, not a sample of zero (as a token
+        # normaliser leaves its tokens out)
+        counted = loss_mask[mb].any(-1) | ~traj.completion_mask[mb].bool().any(-1)
+        count_mask = loss_mask[mb][counted]
         count, rows = group.all_sum([s.objective.count(count_mask, s.max_new_tokens), float(len(mb))])
         normaliser = process_normaliser(count, group.world_size)
         for j, r in enumerate(micros):
