@@ -328,6 +328,24 @@ def test_init_distributed_reads_the_local_world_size(gpus, monkeypatch):
         init_distributed("ddp", "cuda")
 
 
+def test_several_processes_without_their_place_on_the_machine_are_refused(gpus, monkeypatch):
+    """WORLD_SIZE > 1 without LOCAL_RANK / LOCAL_WORLD_SIZE (a launcher other than torchrun): every process would take
+    GPU 0, or some NCCL and others gloo on machines with other GPU counts, and hang at the first collective. Refused
+    before any process group is started."""
+    gpus(2)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"WORLD_SIZE=2 without LOCAL_RANK: .* torchrun"):
+        init_distributed("ddp", "auto")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    with pytest.raises(ConfigError, match="without LOCAL_WORLD_SIZE"):
+        init_distributed("ddp", "auto")
+    assert not torch.distributed.is_initialized()
+
+
 # ------------------------------------------------------------------------------------------------ pure pieces
 
 

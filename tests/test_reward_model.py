@@ -314,3 +314,18 @@ def test_gspo_eval_scores_with_a_reward_model(digit_rm, capsys):
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["rows"] == 8 and result["reward_failures"] == {f"model:{digit_rm}": 0}
     assert result["accuracy"] == pytest.approx(result["reward_mean"], abs=1e-5)  # scores are 0 or 1 here
+
+
+def test_a_bare_cuda_device_under_torchrun_is_the_processs_own_gpu(monkeypatch):
+    """rewards.reward_model.device: cuda under torchrun is GPU LOCAL_RANK (modulo the GPUs seen): the current CUDA
+    device of a process that trains on the CPU is GPU 0, where every process's reward model would have gone. An
+    explicit index, the CPU, and a run without torchrun are left as they are."""
+    from gspo.rewards.model import process_device
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert process_device("cuda") == torch.device("cuda")
+    for local_rank, want in (("0", "cuda:0"), ("1", "cuda:1"), ("3", "cuda:1")):
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        assert process_device("cuda") == torch.device(want), local_rank
+    assert process_device("cuda:0") == torch.device("cuda:0") and process_device("cpu") == torch.device("cpu")

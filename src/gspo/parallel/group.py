@@ -89,6 +89,12 @@ def init_distributed(parallel: str = "ddp", device: str = "auto") -> ProcessGrou
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if dist.is_available() and dist.is_initialized():
         world, rank = dist.get_world_size(), dist.get_rank()
+    # without its place on its machine, each process would pick its GPU (and so its backend) blind to the others
+    missing = [k for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE") if k not in os.environ]
+    if world > 1 and missing and not dist.is_initialized():
+        raise ConfigError(f"WORLD_SIZE={world} without {' and '.join(missing)}: each process's GPU and backend are "
+                          "chosen from its place on its machine; start the processes with torchrun, which sets them, "
+                          "or set them as torchrun does")
     target = resolve_device(device, local_rank, local_world)
     if target.type == "cuda":
         torch.cuda.set_device(target)

@@ -16,6 +16,7 @@ than one output (a classifier, whose first logit is not a reward). A conversatio
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -65,7 +66,7 @@ class RewardModel:
                              f"got {max_length!r}")
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
+        self.device = process_device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"reward model {name_or_path!r}: device {device!r} asked for, but torch sees no CUDA "
                              "GPU (rewards.reward_model.device: auto follows the trainer's device)")
@@ -156,6 +157,17 @@ class RewardModel:
 
     def __repr__(self) -> str:
         return f"RewardModel({self.name!r}, device={str(self.device)!r})"
+
+
+def process_device(device: str | torch.device) -> torch.device:
+    """`device`, with a bare "cuda" under torchrun meaning this process's GPU (LOCAL_RANK, modulo the GPUs torch
+    sees): the current CUDA device, which is GPU 0 in a process that trains on the CPU, would put every process's
+    reward model on GPU 0."""
+    device = torch.device(device)
+    local_rank = os.environ.get("LOCAL_RANK")
+    if device.type == "cuda" and device.index is None and local_rank is not None and torch.cuda.device_count() > 0:
+        return torch.device("cuda", int(local_rank) % torch.cuda.device_count())
+    return device
 
 
 def reward_model_options(options: Mapping[str, Any] | None, device: str | torch.device | None) -> dict[str, Any]:
