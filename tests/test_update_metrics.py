@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import DEMO, ragged_trajectory, tiny_overrides
+from conftest import DEMO, ragged_trajectory, sgd_learn, tiny_overrides
 from gspo.config import load_config
 from gspo.learner import LearnSettings, learn
 from gspo.models import build_preset
@@ -161,12 +161,21 @@ def test_micro_batches_do_not_change_a_steps_metrics(tmp_path):
             assert micro[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-6), key
 
 
+ADVANTAGES = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.25, -0.25])
+"""One advantage per row of `ragged_trajectory`'s 8 rows."""
+
+
+def tiny_ragged() -> tuple[torch.nn.Module, object]:
+    """The tiny dense preset (seed 1, as `assert_sgd_on_the_loss_by_hand` rebuilds it) and its ragged trajectory."""
+    model, _ = build_preset("tiny-dense", seed=1)
+    return model, ragged_trajectory(model)
+
+
 def assert_sgd_on_the_loss_by_hand(delta: dict, traj, mb: torch.Tensor, loss_of, lr: float = 0.5) -> float:
     """`delta` (an `sgd_learn` update of tiny-dense, seed 1, at rate `lr`) is −lr × the gradient of
     `loss_of(log π_θ, π_old)` computed by hand on a fresh copy of that model over rows `mb`; returns the largest
     weight change (so that a caller can check the update is not vacuous)."""
     from gspo.logprobs import completion_logprobs
-    from gspo.models import build_preset
 
     model, _ = build_preset("tiny-dense", seed=1)
     model.train()
@@ -189,13 +198,9 @@ def test_learn_divides_each_update_by_its_objectives_own_count(loss):
     SGD on the objective called by hand with its own normaliser: Σ|y_i| (dapo, cispo), B·L (dr_grpo, L =
     max_new_tokens), B (gspo). The other learner tests compare learn() with learn() (micro-batches, processes), so a
     learner dividing every objective by the row count B passes them all."""
-    from conftest import ragged_trajectory, sgd_learn
-    from gspo.learner import LearnSettings
-    from gspo.models import build_preset
-    from gspo.objectives import OBJECTIVES
 
     spec = OBJECTIVES[loss]
-    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.25, -0.25])
+    advantages = ADVANTAGES
     mb = torch.tensor([0, 2, 4, 6, 1, 3])
     model, _ = build_preset("tiny-dense", seed=1)
     traj = ragged_trajectory(model)
@@ -214,17 +219,12 @@ def test_sequences_dropped_by_the_mismatch_mask_leave_the_normaliser():
     rows divided by their number (1/B_kept, as rejection sampling would), not by every row of the minibatch."""
     import dataclasses
 
-    from conftest import ragged_trajectory, sgd_learn
     from gspo.correction import Correction
-    from gspo.learner import LearnSettings
-    from gspo.models import build_preset
-    from gspo.objectives import OBJECTIVES
 
     spec = OBJECTIVES["gspo"]
-    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.25, -0.25])
+    advantages = ADVANTAGES
     mb = torch.arange(8)
-    model, _ = build_preset("tiny-dense", seed=1)
-    traj = ragged_trajectory(model)
+    model, traj = tiny_ragged()
     dropped = torch.tensor([1, 4, 6])
     engine = traj.logprobs.clone()
     engine[dropped] = engine[dropped] - 2.0 * traj.completion_mask[dropped]  # ρ̄ = e² > 2: outside [0.5, 2]
@@ -247,24 +247,19 @@ def test_the_first_minibatchs_own_forward_is_its_pi_old(monkeypatch):
     minibatch's ratios exactly 1, nothing clipped there, the mismatch measured over every row — which a correction
     still runs (it needs every row's π_old before the first update: here one that keeps every row)."""
     import gspo.learner
-    from conftest import ragged_trajectory, sgd_learn
     from gspo.correction import Correction
-    from gspo.learner import LearnSettings
-    from gspo.models import build_preset
-    from gspo.objectives import OBJECTIVES
 
     forwards = []
     inner = gspo.learner.completion_logprobs
     monkeypatch.setattr(gspo.learner, "completion_logprobs",
                         lambda *a, **k: forwards.append(torch.is_grad_enabled()) or inner(*a, **k))
     spec = OBJECTIVES["gspo"]
-    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.25, -0.25])
+    advantages = ADVANTAGES
     minibatches = [torch.tensor([0, 5]), torch.tensor([2, 7]), torch.tensor([4, 1]), torch.tensor([6, 3])]
     runs = {}
     for name, mismatch in (("reused", None), ("full pass", Correction(level="sequence", bounds=(1e-30, 1e30)))):
         forwards.clear()
-        model, _ = build_preset("tiny-dense", seed=1)
-        traj = ragged_trajectory(model)
+        model, traj = tiny_ragged()
         runs[name] = sgd_learn(model, traj, advantages, minibatches, LearnSettings(
             objective=spec, eps_low=spec.eps_low, eps_high=spec.eps_high, max_new_tokens=12, grad_clip=None,
             mismatch=mismatch))
@@ -289,16 +284,11 @@ def test_rows_the_overlong_filter_drops_leave_the_normaliser(loss):
     tokens out. With 1/B the filter scaled each step's update by the fraction it kept."""
     import dataclasses
 
-    from conftest import ragged_trajectory, sgd_learn
-    from gspo.learner import LearnSettings
-    from gspo.models import build_preset
-    from gspo.objectives import OBJECTIVES
 
     spec = OBJECTIVES[loss]
-    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.25, -0.25])
+    advantages = ADVANTAGES
     mb = torch.arange(8)
-    model, _ = build_preset("tiny-dense", seed=1)
-    traj = ragged_trajectory(model)
+    model, traj = tiny_ragged()
     dropped = torch.tensor([0, 3, 5])
     keep = traj.loss_mask.clone()
     keep[dropped] = 0
