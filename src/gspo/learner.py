@@ -232,17 +232,17 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
     # (the weights are the same), detached, unless something needs every row's π_old before that update (a mismatch
     # correction, a hook that captures the π_old forward): one forward of the rollout batch's four fewer, and ratios
     # exactly 1 on any device (a no-grad forward may take other kernels than one that keeps its graph).
-    reuse = s.old_logprobs == "recompute" and s.mismatch is None and not any(h.keeps_layout("old") for h in hooks)
+    old_layout = any(h.keeps_layout("old") for h in hooks)
+    reuse = s.old_logprobs == "recompute" and s.mismatch is None and not old_layout
     if s.old_logprobs == "rollout":
         old_logprobs = traj.logprobs
     else:
         old_logprobs = torch.zeros_like(traj.logprobs)
-        trim = not any(h.keeps_layout("old") for h in hooks)
         with torch.no_grad():  # the first pass: every row once
             for r in (r for micros in micros_of[int(reuse):len(minibatches)] for r in micros):
                 with forwards(lambda h, r=r: h.old_forward(r)):
                     old_logprobs[r] = completion_logprobs(model, *traj.rows(r), temperature=s.temperature,
-                                                          trim_padding=trim)[0]
+                                                          trim_padding=not old_layout)[0]
 
     # Train–inference mismatch, ρ = π_old/μ on the whole batch (the same on every process). Off, nothing the loss
     # sees changes; on, TIS scales the advantages and the masks shrink the loss mask, and a normalising count leaves
@@ -254,18 +254,22 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
         """Once every row's π_old is known (after the π_old pass, or with `reuse` after the first update's forwards):
         the processes' rows merged, the hooks told, the mismatch measured (and corrected)."""
         nonlocal old_logprobs, loss_adv, loss_mask, batch_metrics
-        old_logprobs = group.merge_rows(old_logprobs, minibatches) if s.old_logprobs == "recompute" else old_logprobs
-        for hook in hooks:
-            hook.old_done(group, minibatches)
         if s.old_logprobs == "recompute":
+            old_logprobs = group.merge_rows(old_logprobs, minibatches)
             batch_metrics = mismatch_metrics(old_logprobs, traj.logprobs, mask)
             batch_metrics.update(mismatch_masked_frac=0.0, mismatch_truncated_frac=0.0)
             if s.mismatch is not None:
                 loss_adv, loss_mask, fracs = apply_correction(s.mismatch, old_logprobs, traj.logprobs, advantages, mask)
                 batch_metrics.update(fracs)
+        for hook in hooks:
+            hook.old_done(group, minibatches)
 
     if not reuse:
         old_done()
+    # the rows in the objective: those with a token in the loss, and those that never had one; a row dropped by the
+    # correction or by rollout.overlong_filter is out of the sample, not a sample of zero (as a token normaliser
+    # leaves its tokens out). (With `reuse` old_done changes no mask: there is no correction.)
+    counted = loss_mask.any(-1) | ~traj.completion_mask.bool().any(-1)
 
     grad_norms, rates, skipped, overflows, n = [], [], 0, 0, len(updates)
     step_metrics = _StepMetrics(n)
@@ -276,11 +280,7 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
     for k, (mb, micros) in enumerate(zip(updates, micros_of, strict=True)):
         trim = not any(h.keeps_layout("update") for h in hooks)
         # normalised by the count over every process's share: N processes' averaged gradients = one process's
-        # the rows in the objective: those with a token in the loss, and those that never had one; a row dropped by
-        # the correction or by rollout.overlong_filter is out of the sample, not a sample of zero (as a token
-        # normaliser leaves its tokens out)
-        counted = loss_mask[mb].any(-1) | ~traj.completion_mask[mb].bool().any(-1)
-        count_mask = loss_mask[mb][counted]
+        count_mask = loss_mask[mb][counted[mb]]
         count, rows = group.all_sum([s.objective.count(count_mask, s.max_new_tokens), float(len(mb))])
         normaliser = process_normaliser(count, group.world_size)
         for j, r in enumerate(micros):

@@ -57,7 +57,7 @@ def _saver():
     caller used before, in a mode of its own, is taken as it is."""
     from torch_memory_saver import torch_memory_saver
 
-    if not _state["configured"]:  # (called under _lock by pause / resume: not taken here)
+    if not _state["configured"]:  # (pause / resume call this under _lock, which is not reentrant: not taken here)
         _state["configured"] = True
         with contextlib.suppress(AssertionError, AttributeError):
             torch_memory_saver.hook_mode = "torch"
