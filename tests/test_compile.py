@@ -157,8 +157,10 @@ def test_a_compiled_run_keeps_the_first_minibatch_on_policy_and_trains_like_an_e
     ratios are 1 up to float rounding), and the first step's updates see the same log-probs within float rounding,
     over buckets and minibatches of different shapes (compiled as dynamic after the first)."""
     runs, calls = {}, record_objective(monkeypatch, "gspo")
+    torch._dynamo.reset()  # compiled from scratch here: a layer compiled by an earlier test would not be captured again
+    stats, captured = torch._dynamo.utils.counters["stats"], {}
     for compile in (False, True):
-        before = len(calls)
+        before, captured_before = len(calls), stats["calls_captured"]
         out = tmp_path / f"compile_{compile}"
         train(load_config(DEMO, tiny_overrides(out, "cold_start=null", "model.name=tiny-dense", "trainer.steps=1",
                                                "rollout.max_new_tokens=12", "rollout.stop=[1, 2, 3, 4]",
@@ -167,6 +169,8 @@ def test_a_compiled_run_keeps_the_first_minibatch_on_policy_and_trains_like_an_e
                                                "trainer.eval_every=0", "data.eval_size=1",
                                                f"trainer.compile={str(compile).lower()}")))
         runs[compile] = calls[before:], read_metrics(out / "metrics.jsonl")[0]
+        captured[compile] = stats["calls_captured"] - captured_before
+    assert captured[False] == 0 and captured[True] > 0  # trainer.compile compiled the learner's forwards, and only it
     (eager_calls, eager_metrics), (compiled_calls, compiled_metrics) = runs[False], runs[True]
     logprobs, old, mask = compiled_calls[0]
     assert (~mask).any()  # ragged completions: trimmed padding under compile too
