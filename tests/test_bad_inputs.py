@@ -50,6 +50,22 @@ def test_sft_leaves_out_and_counts_rows_longer_than_the_model_positions(caplog):
         sft(model, tokenizer, [long], steps=1, batch_size=2, lr=1e-3, progress=False)
 
 
+def test_a_demonstration_that_exactly_fills_the_positions_is_trained_and_one_token_more_is_left_out():
+    """Prompt + solution + its end token of exactly max_position_embeddings tokens use positions 0..limit-1: such a
+    row fits and trains; one token more (counting the end token) is over the limit."""
+    _, tokenizer = load_model("tiny-moe")
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_positions=16, n_embd=32, n_layer=1, n_head=2))
+    prompt = "12+34="
+    room = 16 - len(tokenizer.encode(prompt, add_special_tokens=False)) - 1  # the end token takes one position
+    fits = {"prompt": prompt, "solution": "4" * room}
+    over = {"prompt": prompt, "solution": "4" * (room + 1)}
+    assert len(tokenizer.encode(fits["solution"], add_special_tokens=False)) == room
+    assert over_positions(model, tokenizer, [fits, over, fits]) == [1]
+    losses = sft(model, tokenizer, [fits], steps=1, batch_size=2, lr=1e-3, warmup_steps=0, progress=False)
+    assert len(losses) == 1 and math.isfinite(losses[0])
+
+
 # ------------------------------------------------------------------------------------------------- gspo sft arguments
 
 

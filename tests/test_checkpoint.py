@@ -412,3 +412,99 @@ def test_a_pickle_payload_in_optimizer_pt_is_refused_not_run(tmp_path, training)
     with pytest.raises(CheckpointError, match=r"optimizer\.pt holds objects other than tensors.*refusing"):
         load_checkpoint(path, model=fresh[0], optimizer=fresh[1], scheduler=fresh[2])
     assert not marker.exists()
+
+
+def test_a_checkpoint_of_another_format_version_is_refused(tmp_path, training):
+    """A state.json written by another layout version (re-signed, so intact) is not read as this one."""
+    path = save(tmp_path, 1, training)
+    document = json.loads((path / "state.json").read_text())
+    document["format_version"] = ckpt.FORMAT_VERSION + 1
+    (path / "state.json").write_text(json.dumps(document))
+    (path / "COMPLETE").write_text(ckpt._sha256(path / "state.json"))
+    with pytest.raises(CheckpointError, match="unsupported checkpoint format_version 2"):
+        verify_checkpoint(path)
+    assert find_latest_checkpoint(tmp_path) is None
+
+
+def test_list_checkpoints_gives_the_steps_oldest_first(tmp_path):
+    """Whatever order the folders were made (and the file system lists them) in; other entries are not steps."""
+    root = tmp_path / "checkpoints"
+    steps = [7, 120, 3, 45, 9, 1000, 0, 64, 12, 5]
+    for step in steps:
+        checkpoint_path(tmp_path, step).mkdir(parents=True)
+    (root / "step_00000099").write_text("a file, not a checkpoint folder")
+    (root / "notes").mkdir()
+    assert ckpt.list_checkpoints(tmp_path) == sorted(steps)
+    assert ckpt.list_checkpoints(tmp_path / "elsewhere") == []
+
+
+def test_weights_with_tensors_the_model_lacks_are_rejected(tmp_path):
+    """A checkpoint of a deeper model does not load into a shallower one (its extra layers would be dropped)."""
+    torch.manual_seed(0)
+    deeper = Qwen3ForCausalLM(Qwen3Config(**{**CONFIG, "num_hidden_layers": 2}))
+    path = save_checkpoint(tmp_path, 1, model=deeper, tokenizer=None, optimizer=torch.optim.AdamW(deeper.parameters()),
+                           scheduler=None, state={})
+    model, optimizer, _ = make_training()
+    with pytest.raises(CheckpointError, match=r"tensors the model lacks: \['model\.layers\.1\."):
+        load_checkpoint(path, model=model, optimizer=optimizer, scheduler=None)
+
+
+def test_a_checkpoint_with_scheduler_state_needs_a_scheduler_to_restore_it(tmp_path, training):
+    """Loading it without one would resume at the wrong learning rate without a word."""
+    path = save(tmp_path, 1, training)
+    fresh = make_training(seed=1)
+    with pytest.raises(CheckpointError, match="has scheduler state, but no scheduler was given"):
+        load_checkpoint(path, model=fresh[0], optimizer=fresh[1], scheduler=None)
+
+
+def test_a_set_aside_copy_whose_replacement_is_in_place_is_removed_not_restored(tmp_path, training):
+    """A re-save that crashed after renaming the new checkpoint in but before deleting the old copy: the new one is
+    the checkpoint (listed, found, the old copy removed by the next save), and listing or finding does not fail."""
+    first = save(tmp_path, 4, training, state={"step": 4, "attempt": 1})
+    old_copy = tmp_path / "old-copy"
+    shutil.copytree(first, old_copy)
+    new = save(tmp_path, 4, training, state={"step": 4, "attempt": 2})
+    aside = tmp_path / "checkpoints" / ".old-step_00000004-12345"
+    old_copy.rename(aside)
+    assert ckpt.list_checkpoints(tmp_path) == [4]
+    assert find_latest_checkpoint(tmp_path) == new
+    assert json.loads((new / "state.json").read_text())["state"]["attempt"] == 2
+    save(tmp_path, 5, training)
+    assert not aside.exists()
+
+
+def test_a_pruned_checkpoint_left_half_deleted_is_removed_by_the_next_save(tmp_path, training):
+    """A crash while deleting a pruned checkpoint leaves a `.trash-` folder: never a checkpoint, removed next time."""
+    save(tmp_path, 1, training)
+    trash = tmp_path / "checkpoints" / ".trash-step_00000000-99999"
+    (trash / "model").mkdir(parents=True)
+    assert find_latest_checkpoint(tmp_path) == checkpoint_path(tmp_path, 1)
+    save(tmp_path, 2, training)
+    assert not trash.exists()
+
+
+def test_a_resave_whose_final_rename_fails_puts_the_old_copy_back(tmp_path, training, monkeypatch):
+    """Re-saving a step moves the old checkpoint aside before renaming the new one in: when that rename fails, the
+    old one is back under its name at once (the error says earlier checkpoints were left untouched)."""
+    path = save(tmp_path, 4, training, state={"step": 4, "attempt": 1})
+    real_rename = ckpt.os.rename
+
+    def rename(src, dst):
+        if Path(src).name.startswith(".tmp-"):
+            raise OSError(errno.EIO, "I/O error")
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(ckpt.os, "rename", rename)
+    with pytest.raises(CheckpointError, match="left untouched"):
+        save(tmp_path, 4, training, state={"step": 4, "attempt": 2})
+    monkeypatch.undo()
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_00000004"]
+    assert json.loads((path / "state.json").read_text())["state"] == {"step": 4, "attempt": 1}
+    verify_checkpoint(path)
+
+
+@pytest.mark.parametrize("step", [-1, True, 2.0, "3"])
+def test_a_step_that_is_not_a_non_negative_int_is_refused_before_writing(tmp_path, training, step):
+    with pytest.raises(ValueError, match="step must be a non-negative int"):
+        save(tmp_path, step, training, state={})
+    assert not (tmp_path / "checkpoints").exists()

@@ -139,6 +139,32 @@ def test_cold_start_sft_under_float16_learns_and_skips_overflowed_steps(monkeypa
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+
+def test_cold_start_sft_halves_an_overflowing_loss_scale_until_its_steps_apply(monkeypatch, caplog):
+    """An overflowed SFT step halves the loss scale (it is not a failure, which keeps the scale and would skip every
+    later step as well): from 2^24 the first steps overflow, then steps apply under 2^24 / 2^skipped and move the
+    weights. The learning-rate schedule counts the skipped steps too."""
+    import logging
+    import re
+
+    from gspo import sft as sft_module
+
+    monkeypatch.setattr(optim, "INITIAL_LOSS_SCALE", 2.0**24)
+    made = []
+    for name in ("loss_scaler", "make_optimizer"):  # record what sft builds; the real ones run
+        real = getattr(sft_module, name)
+        monkeypatch.setattr(sft_module, name, lambda *a, real=real, **k: made.append(real(*a, **k)) or made[-1])
+    model, tokenizer = build_preset("tiny-dense", seed=0)
+    before = copy.deepcopy(model.state_dict())
+    with caplog.at_level(logging.WARNING, logger="gspo.sft"):
+        sft(model, tokenizer, make_task("addition", split="train", size=32, seed=0), steps=8, batch_size=4,
+            lr=3e-3, warmup_steps=0, progress=False, mixed_precision="float16")
+    skipped = int(re.search(r"skipped (\d+) of 8 steps", caplog.text)[1])
+    (_, scheduler), scaler = made
+    assert 0 < skipped < 8 and scaler.get_scale() == 2.0**24 / 2**skipped
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert scheduler.last_epoch == 8
+
 RUN = ["trainer.mixed_precision=float16", "trainer.device=cpu", "cold_start=null", "trainer.steps=4",
        "trainer.checkpoint_every=2", "trainer.eval_every=0", "data.eval_size=4",
        "rewards.functions={addition: 1.0, conftest.varied_reward: 0.5}"]
