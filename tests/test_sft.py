@@ -8,6 +8,7 @@ import copy
 import itertools
 import json
 import logging
+import math
 
 import pytest
 import torch
@@ -137,3 +138,26 @@ def test_the_cold_starts_batches_follow_the_trainer_seed(tmp_path, monkeypatch):
         model, tokenizer = build_preset("tiny-dense", seed=0)
         cold_start(cfg, tmp_path / str(seed), model, tokenizer, rows)
     assert calls[0][0]["seed"] != calls[1][0]["seed"] and calls[0][1] != calls[1][1]
+
+
+def test_a_failed_step_neither_stops_the_loss_target_nor_poisons_the_final_loss(tmp_path, monkeypatch):
+    """One step whose loss is NaN (a numerical failure: skipped, weights untouched) leaves the running mean of the
+    loss-target stop and sft.json's final_loss to the finite steps: the run stops at the same earliest step as one
+    without the failure, and its final loss is a number. Before, one NaN held the running mean at NaN for the rest of
+    the run (the target never met: every step taken) and made the final loss NaN."""
+    real, calls = sft_module.completion_logprobs, []
+
+    def failing_third_call(*args, **kwargs):
+        calls.append(None)
+        logprobs, entropy = real(*args, **kwargs)
+        return (logprobs * float("nan") if len(calls) == 3 else logprobs), entropy
+
+    monkeypatch.setattr(sft_module, "completion_logprobs", failing_third_call)
+    cfg = load_config(DEMO, tiny_overrides(tmp_path, "cold_start.steps=25", "cold_start.batch_size=2",
+                                           "cold_start.warmup_steps=0", "cold_start.target_loss=1e9"))
+    rows = make_task("addition", split="train", size=16, seed=0)
+    model, tokenizer = build_preset("tiny-dense", seed=0)
+    info = cold_start(cfg, tmp_path, model, tokenizer, rows)
+    assert info["steps"] == 21  # the earliest stop: after max(warmup, 20) steps
+    assert math.isfinite(info["final_loss"]) and info["final_loss"] > 0
+    assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -7,6 +7,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import random
 import shutil
 from collections.abc import Callable, Sequence
@@ -202,9 +203,11 @@ def sft(
         step_schedule(scheduler)
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
-        running = losses[-1] if running is None else 0.95 * running + 0.05 * losses[-1]  # ~20-step mean
-        bar.set_postfix(loss=f"{running:.3f}")
-        if target_loss is not None and len(losses) > max(warmup_steps, 20) and running <= target_loss:
+        if math.isfinite(losses[-1]):  # ~20-step mean; a failed step's NaN would hold it at NaN (no stop, ever)
+            running = losses[-1] if running is None else 0.95 * running + 0.05 * losses[-1]
+            bar.set_postfix(loss=f"{running:.3f}")
+        if target_loss is not None and len(losses) > max(warmup_steps, 20) and running is not None \
+                and running <= target_loss:
             break
     if skipped:
         log.warning("cold-start SFT skipped %d of %d steps for a non-finite gradient%s", skipped, len(losses),
@@ -235,7 +238,8 @@ def cold_start(cfg: Config, out: Path, model: nn.Module, tokenizer, train_rows: 
                  warmup_steps=cs.warmup_steps, seed=derive_seed(cfg.trainer.seed, "sft"),
                  target_loss=cs.target_loss, progress=cfg.log.progress, mixed_precision=cfg.trainer.mixed_precision,
                  chat_format=chat_format, micro_batch_tokens=cs.micro_batch_tokens, compile=cfg.trainer.compile)
-    info = {"steps": len(losses), "final_loss": sum(losses[-20:]) / len(losses[-20:]),
+    recent = [loss for loss in losses[-20:] if math.isfinite(loss)]  # a skipped step's loss may be NaN
+    info = {"steps": len(losses), "final_loss": sum(recent) / len(recent) if recent else math.nan,
             "rows": len(train_rows) - too_long, "left_out_over_positions": too_long,
             **({"before": measured} if measured is not None else {})}
     log.info("cold-start SFT: %d steps, final loss %.3f", info["steps"], info["final_loss"])
