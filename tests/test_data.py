@@ -359,3 +359,34 @@ def test_a_held_out_split_loses_every_training_prompt_even_when_the_training_row
     assert len(data.train) == 5
     assert data.heldout_source["dropped_training_prompts"] == 5  # 15+1= .. 19+1=, whether sampled or not
     assert sorted(r["prompt"] for r in data.heldout) == [f"{a}+1=" for a in range(20, 30)]
+
+
+def test_the_split_of_a_problem_never_changes_across_versions() -> None:
+    """A problem's split is fixed (SHA-256 buckets): a run resumed or compared under another version of gspo must
+    hold out the same problems, or it would train on problems an earlier run tested on. Pinned on a few keys."""
+    keys = [f"{a}+{a + 1}" for a in range(30)]
+    assert [k for k in keys if split_of(k) == "test"] == ["3+4", "5+6", "22+23"]
+
+
+def test_countdown_intermediate_values_are_positive_and_multiply_operands_have_their_digits() -> None:
+    """Every operator a countdown solution may use keeps the intermediate value a positive integer (no 5-5=0), and
+    multiply's operands have exactly digits_a / digits_b digits (the product is beyond the tiny models' heads)."""
+    from gspo.data.tasks import _valid_ops
+
+    for left in range(1, 13):
+        for right in range(1, 13):
+            for op in _valid_ops(left, right):
+                value = _BINOPS[{"+": ast.Add, "-": ast.Sub, "*": ast.Mult, "/": ast.Div}[op]](Fraction(left), right)
+                assert value > 0 and value.denominator == 1, (left, op, right)
+    for row in make_task("multiply", size=200, digits_a=3, digits_b=2):
+        assert len(str(row["a"])) == 3 and len(str(row["b"])) == 2, row
+
+
+def test_make_task_refuses_bools_and_too_many_countdown_numbers() -> None:
+    """A bool is not an int option or seed (True would silently be 1), and countdown takes at most 8 numbers."""
+    with pytest.raises(ValueError, match="digits must be an int"):
+        make_task("addition", digits=True)
+    with pytest.raises(ValueError, match="seed"):
+        make_task("addition", seed=True)
+    with pytest.raises(ValueError, match="max_count <= 8"):
+        make_task("countdown", max_count=9)

@@ -382,3 +382,90 @@ def test_single_csv_tsv_and_json_files_load_as_the_same_rows_as_jsonl(tmp_path):
         assert load_rows(str(tmp_path / name)) == expected, name
     with pytest.raises(ValueError, match=r"a single \.csv file has no splits, so no split 'test'"):
         load_rows(str(tmp_path / "d.csv"), split="test")
+
+
+# ---- 7. field mapping, limits, splits and headers -------------------------------------------------------------------
+
+
+def test_a_column_whose_name_has_a_dot_wins_over_the_nested_path(tmp_path) -> None:
+    """A dotted name is a nested path only when no column has that exact name: a flat column "ans.x" is read as
+    written, not the value inside an `ans` object."""
+    path = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "p", "ans.x": "1", "ans": {"x": "2"}}])
+    assert load_rows(path, fields={"answer": "ans.x"})[0]["answer"] == "1"
+
+
+def test_an_optional_mapped_field_that_is_null_is_left_out(tmp_path) -> None:
+    """An optional field (held-out rows need no solution) that a row has as null is left out, like a missing one,
+    rather than failing the load as a null required field."""
+    path = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "p", "worked": None}, {"prompt": "q", "worked": "7"}])
+    assert load_rows(path, fields={"solution": "worked"}, optional=("solution",)) == [
+        {"prompt": "p"}, {"prompt": "q", "solution": "7"}]
+
+
+def test_a_csv_limit_reads_no_record_after_the_limit(tmp_path) -> None:
+    """`limit` rows are read and checked, no more: a malformed record after them is never reached, in one file or
+    in the later file of a folder's split."""
+    (tmp_path / "d.csv").write_text("prompt,answer\n1+1=,2\n3+3=,6,extra\n")
+    assert load_rows(str(tmp_path / "d.csv"), limit=1) == [{"prompt": "1+1=", "answer": "2"}]
+    data = tmp_path / "ds" / "data"
+    data.mkdir(parents=True)
+    (data / "train-00000-of-00002.csv").write_text("prompt,answer\na,1\n")
+    (data / "train-00001-of-00002.csv").write_text("prompt,answer\nb,2\nc,3,extra\n")
+    assert load_rows(str(tmp_path / "ds"), limit=2) == [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"}]
+
+
+def test_a_tests_list_of_only_blank_strings_is_refused(tmp_path) -> None:
+    """A `tests` list with no non-blank test would let code rewards pass every completion: it is a row error."""
+    path = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "p", "tests": ["", "  "]}])
+    with pytest.raises(ValueError, match=r"row 0 \(line 1\) field 'tests' must be a non-empty string or list"):
+        load_rows(path)
+
+
+def test_a_source_with_several_splits_and_no_split_named_is_refused(tmp_path) -> None:
+    """split=None means "the only split": with train and test it is an error, never silently the first split."""
+    (tmp_path / "train.csv").write_text("prompt,answer\na,1\n")
+    (tmp_path / "test.csv").write_text("prompt,answer\nb,2\n")
+    with pytest.raises(ValueError, match=r"has the splits \['test', 'train'\]; name one"):
+        load_rows(str(tmp_path), split=None)
+
+
+def test_csv_header_names_are_stripped_of_spaces(tmp_path) -> None:
+    """A header written "prompt, answer" names the column `answer` (a space after the comma is not part of it), and
+    a blank name is pandas' `Unnamed: i`, so a hand-written CSV reaches the reward with its answer."""
+    (tmp_path / "d.csv").write_text("prompt, answer , \n1+1=,2,\n")
+    assert load_rows(str(tmp_path / "d.csv")) == [{"prompt": "1+1=", "answer": "2", "Unnamed: 2": None}]
+
+
+# ---- 8. chat rendering ----------------------------------------------------------------------------------------------
+
+
+def test_template_kwargs_may_not_replace_the_chat_template() -> None:
+    """`chat_template` is set by data.chat_template: giving it in data.chat_template_kwargs is refused by name, not
+    reported as a failing template."""
+    from gspo.data import render_prompts
+
+    with pytest.raises(ValueError, match=r"may not set \['chat_template'\]"):
+        render_prompts([{"prompt": "1+1="}], build_tokenizer(), template_kwargs={"chat_template": "x"})
+
+
+def test_a_template_that_renders_only_whitespace_is_refused(tmp_path) -> None:
+    """A chat template that renders nothing but whitespace would give the model an empty prompt: it is an error."""
+    from gspo.data import render_prompts
+
+    template = tmp_path / "blank.jinja"
+    template.write_text("  \n")
+    with pytest.raises(ValueError, match=r"row 0: the chat template rendered"):
+        render_prompts([{"prompt": "1+1="}], build_tokenizer(), mode="always", chat_template=str(template))
+
+
+def test_render_chat_renders_held_out_rows_and_passes_tools_to_the_template(tmp_path) -> None:
+    """Held-out rows are rendered as training rows are (evaluation must see the prompt training saw), and the tools
+    reach the template as `tools`, so that it can describe them."""
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }};{% endfor %}tools={{ tools | length if tools "
+                        "else 0 }}")
+    cfg = DataConfig(chat="always", chat_template=str(template))
+    data = render_chat(DataSplits(train=[{"prompt": "a"}], heldout=[{"prompt": "b"}]), cfg, build_tokenizer(),
+                       tools=[{"type": "function", "function": {"name": "calc"}}])
+    assert [r["prompt"] for r in data.train] == ["a;tools=1"]
+    assert [r["prompt"] for r in data.heldout] == ["b;tools=1"]

@@ -42,6 +42,15 @@ def test_add_overlong_penalty_adds_to_the_reward_and_reports_its_mean():
     assert torch.equal(same, torch.tensor([1.0])) and stats == {}
 
 
+def test_overlong_buffer_may_be_the_whole_budget_but_not_zero():
+    """L_cache = L_max is a ramp over the whole budget (0 at length 0, -1 at L_max); L_cache = 0 would divide by zero,
+    so it is refused rather than giving -inf / nan rewards."""
+    lengths = torch.tensor([0, 2, 4, 5])
+    assert torch.equal(overlong_penalty(lengths, 4, 4), torch.tensor([0.0, -0.5, -1.0, -1.0]))
+    with pytest.raises(ValueError, match="buffer"):
+        overlong_penalty(lengths, 4, 0)
+
+
 def test_overlong_buffer_longer_than_the_budget_is_refused():
     with pytest.raises(ConfigError, match="overlong_buffer"):
         load_config(DEMO, ["rewards.overlong_buffer=7"])  # the demo generates 6 tokens

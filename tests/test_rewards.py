@@ -555,3 +555,38 @@ def test_judge_names_the_accuracy_reward_that_scored_each_row():
     scores = runner.score(["p"] * 3, ["x"] * 3, rows)
     assert scores.judge(["fa", "fb"]) == ["fb", "fa", "fb"]
     assert scores.judge(["fb", "fa"]) == ["fb", "fa", "fb"]
+
+
+def test_parentheses_are_accepted_up_to_the_nesting_limit_and_refused_one_past_it() -> None:
+    """`_MAX_NESTING` levels of parentheses still parse (a model may over-parenthesise a valid answer); one more is
+    refused, so the bound on the parser's recursion is exactly the documented one."""
+    from gspo.rewards.builtin import _MAX_NESTING
+
+    assert parse_arithmetic("(" * _MAX_NESTING + "1" + ")" * _MAX_NESTING) == (Fraction(1), [1])
+    with pytest.raises(ValueError, match="nested"):
+        parse_arithmetic("(" * (_MAX_NESTING + 1) + "1" + ")" * (_MAX_NESTING + 1))
+
+
+def test_countdown_reads_whichever_of_numbers_and_target_the_row_lacks_from_the_prompt() -> None:
+    """A row with only `numbers` or only `answer` still scores: the missing one comes from the `n1,...:target=`
+    prompt, rather than the row being reported as bad data."""
+    assert countdown_reward("3,7,25:46=", "25+7*3", numbers=[3, 7, 25]) == 1.0
+    assert countdown_reward("3,7,25:46=", "25+7*3", answer="46") == 1.0
+    assert countdown_reward("3,7,25:47=", "25+7*3", numbers=[3, 7, 25]) == 0.0
+
+
+def test_last_number_keeps_a_comma_before_four_digits_as_a_separator_between_numbers() -> None:
+    """Only a comma before exactly three digits is a thousands separator: "1,2345" is the numbers 1 and 2345, not
+    12345, so its last number is 2345."""
+    assert REWARDS["last_number"]("q", "1,2345", answer="2345") == 1.0
+    assert REWARDS["last_number"]("q", "1,2345", answer="12345") == 0.0
+
+
+def test_math_reward_does_not_evaluate_an_exponent_of_five_digits() -> None:
+    """An exponent of 5 or more digits is not evaluated (sympy may hold the GIL for hours on it): such a completion
+    scores 0 and gives no answer, even when it equals the gold answer; a 4-digit exponent is still evaluated."""
+    pytest.importorskip("math_verify")
+    from gspo.rewards.builtin import _math_answer
+
+    assert math_reward("q", "$2^{10000}$", answer="2^{10000}") == 0.0 and _math_answer("$2^{10000}$") is None
+    assert math_reward("q", "$2^{9999}$", answer="2^{9999}") == 1.0
