@@ -17,6 +17,7 @@ from gspo.guard import CollapseGuard, GuardSettings, best_checkpoint, good_check
 from gspo.optim import make_optimizer, scale_lr
 from gspo.rewards import REWARDS
 from gspo.rewards.shaping import add_overlong_penalty, overlong_penalty
+from gspo.runfolder import clear_run
 from gspo.schedule import refill_prompts
 from gspo.tracking import read_metrics
 from gspo.trainer import RunCollapsed, TrainingError, guard_settings, train
@@ -315,6 +316,10 @@ def test_guard_rolls_back_once_then_stops_with_status_collapsed(tmp_path, counte
     assert all(s <= summary["steps_done"] for s in list_checkpoints(out))
     lrs = {r["step"]: r["lr"] for r in read_metrics(out / "metrics.jsonl")}
     assert lrs[event["to_checkpoint"] + 1] < event["discarded"][0]["lr"]  # the replayed step runs at the lower lr
+    # --overwrite of the collapsed run (clear_run) leaves nothing of it, guard.jsonl included
+    (out / "notes.txt").write_text("mine")
+    clear_run(out)
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
 
 
 def test_a_best_policy_from_steps_the_guard_rolled_back_is_labelled(tmp_path, counted_reward, monkeypatch):

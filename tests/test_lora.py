@@ -111,6 +111,7 @@ def test_config_section():
     ("tiny-moe", ["q_proj", "experts"], ["'experts'", "Qwen3MoeExperts, not an nn.Linear", "fused 3-D"]),
     ("tiny-moe", ["gate"], ["Qwen3MoeTopKRouter, not an nn.Linear"]),
     ("tiny-dense", ["lm_head"], ["tied to ['model.embed_tokens.weight']"]),
+    ("tiny-dense", ["proj"], ["['proj'] match no module"]),  # a name's tail is not its last dotted part: q_proj
 ])
 def test_targets_lora_cannot_adapt_are_explained(kind, targets, says):
     model, _ = load_model(kind)
@@ -119,6 +120,48 @@ def test_targets_lora_cannot_adapt_are_explained(kind, targets, says):
     for text in says:
         assert text in str(err.value)
     assert not hasattr(model, "peft_config")  # refused before peft touched the model
+
+
+class _Wrapped(torch.nn.Module):
+    """A module that is not an nn.Linear around one that is (as adapters or quantisation wrappers are)."""
+
+    def __init__(self, inner: torch.nn.Linear) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+def test_all_linear_names_the_layers_in_full_when_a_short_name_is_also_a_module_that_is_not_linear():
+    """"all-linear" names the targets by their last part (q_proj) only when those select exactly the linear layers:
+    here layer 0's down_proj is a wrapper (not an nn.Linear) around the linear `inner`, so "down_proj" would make
+    peft adapt the wrapper, which it refuses. Each linear layer is then named in full, and every one is adapted."""
+    model, _ = load_model("tiny-dense")
+    mlp = model.model.layers[0].mlp
+    mlp.down_proj = _Wrapped(mlp.down_proj)
+    head = model.get_output_embeddings()
+    linear = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head}
+    wrapped = apply_lora(model, LoraConfig(r=2))
+    adapted = {n.removeprefix("base_model.model.").rpartition(".lora_A")[0] for n, _ in wrapped.named_parameters()
+               if ".lora_A." in n}
+    assert adapted == linear
+
+
+def test_a_seeded_apply_lora_leaves_the_callers_random_state_as_it_was():
+    """With `seed`, the adapters are drawn from a generator seeded with it and the global RNG is left as it was: what
+    the caller draws next (sampling, dropout) does not depend on whether LoRA was applied, and the adapters do not
+    depend on what the caller drew before."""
+    first_model, second_model = load_model("tiny-dense")[0], load_model("tiny-dense")[0]
+    torch.manual_seed(123)
+    before = torch.random.get_rng_state()
+    first = apply_lora(first_model, LoraConfig(r=4), seed=5)
+    assert torch.equal(torch.random.get_rng_state(), before)
+    torch.rand(17)  # another global state: the same adapters
+    second = apply_lora(second_model, LoraConfig(r=4), seed=5)
+    a = {n: p for n, p in first.named_parameters() if "lora_A" in n}
+    b = {n: p for n, p in second.named_parameters() if "lora_A" in n}
+    assert a and a.keys() == b.keys() and all(torch.equal(p, b[n]) for n, p in a.items())
 
 
 def test_missing_peft_says_how_to_install(monkeypatch):
@@ -246,6 +289,55 @@ def test_merged_weights_from_a_gathered_state_equal_the_models(kind):
         if "lora_B" in name:
             p.data.zero_()
     assert all(torch.equal(t, from_state[n]) for n, t in merged_weights(model, state))
+
+
+@pytest.mark.parametrize("gathered", [False, True])
+def test_merged_weights_of_a_bfloat16_model_keep_its_dtype(gathered):
+    """peft keeps a bfloat16 model's adapters in float32: the merged W + B·A must still be bfloat16, the dtype of the
+    engine's weights and of the merged model written to final/merged (float32 doubled its size on disk)."""
+    model, _ = load_model("tiny-dense", dtype="bfloat16")
+    model = apply_lora(model, LoraConfig(r=4, alpha=8.0), seed=0)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.05)
+    state = {k: v.clone() for k, v in model.state_dict().items()} if gathered else None
+    streamed = dict(merged_weights(model, state))
+    base = model.get_base_model().state_dict()
+    assert {name: t.dtype for name, t in streamed.items()} == {
+        name.replace(".base_layer.", "."): t.dtype for name, t in base.items() if "lora_" not in name}
+    assert {t.dtype for t in streamed.values()} == {torch.bfloat16}
+
+
+def test_merged_weights_with_the_adapters_disabled_are_the_base_weights():
+    """Inside peft's `disable_adapter()` the model computes its base weights alone: the merged stream, which engines
+    load as the policy, must be those weights then, not W + B·A."""
+    model, tok = lora_model("tiny-dense")
+    plain = dict(merged_weights(model))
+    with model.disable_adapter():
+        disabled = dict(merged_weights(model))
+        want = logits(model, tok)
+    base = {n.replace(".base_layer.", "."): t for n, t in model.get_base_model().state_dict().items()
+            if "lora_" not in n}
+    assert disabled.keys() == base.keys()
+    assert all(torch.equal(t, base[n]) for n, t in disabled.items())
+    assert any(not torch.equal(t, plain[n]) for n, t in disabled.items())  # the adapters do change the weights
+    merged, _ = load_model("tiny-dense")
+    merged.load_state_dict(disabled)
+    torch.testing.assert_close(logits(merged, tok), want, rtol=0, atol=1e-5)
+
+
+def test_merged_weights_merge_the_active_adapter_only():
+    """A peft model can hold adapters that are not active (`add_adapter` leaves the active one as it was): the merged
+    stream is what the model computes, so an inactive adapter adds nothing to it."""
+    model, _ = lora_model("tiny-dense")
+    before = dict(merged_weights(model))
+    model.add_adapter("other", peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    for name, p in model.named_parameters():
+        if "lora_B.other" in name:
+            p.data.normal_(0, 0.05)
+    assert model.active_adapters == ["default"]
+    after = dict(merged_weights(model))
+    assert after.keys() == before.keys() and all(torch.equal(t, before[n]) for n, t in after.items())
 
 
 def test_checkpoint_layout_of_peft_model_is_the_base_models():
@@ -441,6 +533,18 @@ def test_kl_reference_is_the_base_with_the_adapters_off_not_a_copy(kind):
     assert torch.equal(policy_after, policy_before) and model.training
     own = {id(p) for p in model.parameters()}
     assert all(id(p) in own for p in reference.parameters())  # nothing copied
+
+
+def test_the_kl_reference_leaves_a_policy_in_eval_mode_in_eval_mode():
+    """`BaseReference` switches the policy to eval mode for the reference forward and then back to the mode it was
+    in: a policy evaluated (no dropout) must not come back in training mode."""
+    from gspo.lora import BaseReference
+
+    model, _ = lora_model("tiny-dense")
+    model.eval()
+    with torch.no_grad():
+        completion_logprobs(BaseReference(model), *_rows(model.config.vocab_size))
+    assert not model.training and not any(m.training for m in model.modules())
 
 
 def test_trainer_runs_lora_and_writes_an_adapter_and_a_merged_model(tmp_path, monkeypatch):

@@ -329,3 +329,26 @@ def test_a_bare_cuda_device_under_torchrun_is_the_processs_own_gpu(monkeypatch):
         monkeypatch.setenv("LOCAL_RANK", local_rank)
         assert process_device("cuda") == torch.device(want), local_rank
     assert process_device("cuda:0") == torch.device("cuda:0") and process_device("cpu") == torch.device("cpu")
+
+
+def test_truncation_is_counted_over_calls_warned_once_and_defaults_to_the_models_position_limit(digit_rm, caplog):
+    """Without max_length a conversation is cut to the model's position limit (256 here: positions beyond it give a
+    silently wrong score), keeping its end; `truncated` counts the cut conversations over the model's life (every
+    call adds), and the warning is given once, not every step."""
+    rm = RewardModel(str(digit_rm))
+    assert rm.max_length == 256
+    for _ in range(2):
+        assert rm(["a" * 400, "1+1="], ["x3", "b"]) == pytest.approx([1.0, 0.0], abs=1e-5)
+    assert rm.truncated == 2
+    assert sum("lost their start" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_an_explicit_reward_model_device_is_kept_and_auto_follows_the_trainer():
+    """rewards.reward_model.device: auto (or unset) means the trainer's device; an explicit one is the user's choice
+    (a reward model on its own GPU, or on the CPU) and is kept."""
+    from gspo.rewards.model import reward_model_options
+
+    assert reward_model_options({"device": "cpu", "batch_size": 2}, "cuda:1") == {"device": "cpu", "batch_size": 2}
+    assert reward_model_options({"device": "auto"}, "cuda:1") == {"device": "cuda:1"}
+    assert reward_model_options(None, "cuda:1") == {"device": "cuda:1"}
+    assert reward_model_options({"device": "auto"}, None) == {"device": "auto"}

@@ -442,6 +442,66 @@ def test_a_hung_call_frees_its_worker_for_the_calls_queued_behind_it() -> None:
     assert pool.map([(lambda: 7, (), {})] * 3)[2].value == 7  # the pool goes on with its replaced worker
 
 
+def test_calls_that_hang_on_every_worker_are_abandoned_at_their_own_time_limit() -> None:
+    """With every worker hung, no call starts or ends to wake the caller: it must still wake at the hung calls' own
+    time limit (0.5 s), abandon them and let fresh workers run the queued calls, not sleep to the batch's deadline
+    (3 rounds: 1.5 s) and skip them."""
+    release = threading.Event()
+    pool = deadline_module.DeadlinePool(workers=2, timeout_s=0.5)
+    calls = [(release.wait, (), {}), (release.wait, (), {}), (lambda: 1, (), {}), (lambda: 2, (), {})]
+    t0 = time.monotonic()
+    try:
+        outcomes = pool.map(calls, rounds=3)
+    finally:
+        release.set()
+    assert [o.timed_out for o in outcomes] == [True, True, False, False]
+    assert [o.value for o in outcomes[2:]] == [1, 2]
+    assert time.monotonic() - t0 < 1.4
+
+
+def test_a_batch_whose_last_call_is_abandoned_ends_then_not_at_its_deadline() -> None:
+    """A batch of 3 rounds (1.5 s) whose only call hangs is over when that call is abandoned at its own limit (0.5 s):
+    the caller returns then, not at the batch's deadline."""
+    release = threading.Event()
+    pool = deadline_module.DeadlinePool(workers=1, timeout_s=0.5)
+    t0 = time.monotonic()
+    try:
+        (outcome,) = pool.map([(release.wait, (), {})], rounds=3)
+    finally:
+        release.set()
+    assert outcome.timed_out and time.monotonic() - t0 < 1.2
+
+
+def test_a_call_abandoned_at_its_own_limit_is_counted_once_and_the_skipped_calls_never_run() -> None:
+    """One worker, 0.4 s a call, 2 rounds (0.8 s): the first call is abandoned at 0.4 s, the second one, started by
+    the fresh worker, at the deadline, and the third is skipped. The pool counts each stuck thread once, and a
+    skipped call is not run later by a fresh worker (a tool call or sandbox run nobody waits for). Once the stuck
+    calls return, their threads end and are no longer counted."""
+    release, ran = threading.Event(), threading.Event()
+    pool = deadline_module.DeadlinePool(workers=1, timeout_s=0.4)
+    try:
+        outcomes = pool.map([(release.wait, (), {}), (release.wait, (), {}), (ran.set, (), {})], rounds=2)
+        assert [o.timed_out for o in outcomes] == [True, True, True]
+        assert pool.stuck == 2
+        assert not ran.wait(0.3)
+    finally:
+        release.set()
+    deadline = time.monotonic() + 5
+    while pool.stuck and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pool.stuck == 0
+
+
+def test_an_abandoned_call_that_returns_later_does_not_end_the_batch_early() -> None:
+    """The first call is abandoned at its own limit (0.5 s) and returns at 0.7 s, while the second (0.5 s to 0.8 s on
+    the fresh worker) still runs: the late return is ignored, and the batch waits for the second call's value."""
+    pool = deadline_module.DeadlinePool(workers=1, timeout_s=0.5)
+    calls = [(lambda: time.sleep(0.7) or "late", (), {}), (lambda: time.sleep(0.3) or "on time", (), {})]
+    outcomes = pool.map(calls, rounds=4)
+    assert outcomes[0].timed_out and outcomes[0].value is None
+    assert not outcomes[1].timed_out and outcomes[1].value == "on time"
+
+
 def test_a_hanging_call_in_fail_mode_raises(hang_on) -> None:
     runner = RewardRunner([(hang_on, 1.0)], timeout_s=0.5)
     with pytest.raises(RewardFailure, match=r"'hang' failed on row 1: timed out after 0\.5 s"):
@@ -480,6 +540,18 @@ def test_a_hung_reward_thread_does_not_keep_the_interpreter_alive() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert (proc.returncode, proc.stdout.strip()) == (0, "True"), proc.stderr
+
+
+def test_a_deadline_pool_refuses_no_workers_and_a_zero_time_limit() -> None:
+    """A pool without workers never runs a call, and a time limit of 0 s times every call out: both are refused when
+    the pool is made (an environment's tools use a pool directly, not through RewardRunner's own checks)."""
+    for workers in (0, -1):
+        with pytest.raises(ValueError, match="workers"):
+            deadline_module.DeadlinePool(workers=workers)
+    for timeout_s in (0, 0.0, -1.0):
+        with pytest.raises(ValueError, match="timeout_s"):
+            deadline_module.DeadlinePool(workers=1, timeout_s=timeout_s)
+    assert deadline_module.DeadlinePool(workers=1, timeout_s=1e-3).timeout_s == 1e-3
 
 
 def test_runner_validates_timeout_and_workers() -> None:

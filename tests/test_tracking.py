@@ -381,3 +381,85 @@ def test_a_resume_says_when_metrics_of_the_checkpoints_steps_are_missing(tmp_pat
         run(4, range(5, 7))
         assert "lacks the records of 2 of the 4 steps before this resume (steps 3 to 4 at least: the file was " \
                "edited or cut)" in caplog.text
+
+
+def test_a_boolean_metric_is_written_as_the_number_it_counts(tmp_path):
+    """A flag (e.g. truncated) is logged as 0 / 1, a JSON number: `true` in metrics.jsonl is not a number to a strict
+    reader (pandas reads the column as objects, curves cannot plot it), though Python's True == 1 hides it."""
+    with MetricsLogger(tmp_path, tensorboard=False) as logger:
+        logger.log(1, {"flag": True, "off": np.bool_(False), "n": 3})
+    line = (tmp_path / "metrics.jsonl").read_text().strip()
+    assert json.loads(line) == {"step": 1, "flag": 1, "off": 0, "n": 3}
+    assert "true" not in line and "false" not in line
+    assert all(type(v) is int for v in json.loads(line).values())
+
+
+def test_a_resume_keeps_the_checkpoints_own_step_in_tensorboard(tmp_path):
+    """A resume from the checkpoint of step 2 hides TensorBoard's events of the steps after it (logged again), not
+    those of step 2 itself: each step is shown once, with the value the run kept in metrics.jsonl."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with MetricsLogger(tmp_path) as logger:
+        for step in range(1, 5):
+            logger.log(step, {"loss": float(step)})
+    with MetricsLogger(tmp_path, resume_step=2) as logger:
+        for step in range(3, 5):
+            logger.log(step, {"loss": 10.0 * step})
+    accumulator = EventAccumulator(str(tmp_path / "tb"))
+    accumulator.Reload()
+    assert [(e.step, e.value) for e in accumulator.Scalars("loss")] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
+    assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == [
+        (1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
+
+
+def test_a_resume_keeps_the_users_wandb_resume_mode_and_logs_no_mlflow_params_again(tmp_path, monkeypatch):
+    """Continuing the folder's W&B run passes the user's own `resume` mode (e.g. "must") on, "allow" only when none is
+    set; the continued MLflow run gets no params again: MLflow refuses a param logged twice with another value, and
+    a resume may change some settings (trainer.steps)."""
+    wandb, mlflow = _Tracker("wandb"), _Recorder()
+    module = types.ModuleType("mlflow")
+    module.__getattr__ = mlflow.__getattr__
+    module.__spec__ = importlib.util.spec_from_loader("mlflow", loader=None)
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    monkeypatch.setitem(sys.modules, "mlflow", module)
+    with MetricsLogger(tmp_path, tensorboard=False, wandb={"project": "p"}, mlflow={},
+                       run_config={"trainer": {"steps": 2}}) as logger:
+        logger.log(1, {"loss": 1.0})
+    assert [name for name, *_ in mlflow.calls].count("log_params") == 1
+    mlflow.calls.clear()
+    with MetricsLogger(tmp_path, tensorboard=False, resume_step=1, wandb={"project": "p", "resume": "must"},
+                       mlflow={}, run_config={"trainer": {"steps": 4}}) as logger:
+        logger.log(2, {"loss": 1.0})
+    assert wandb.started[1] == {"project": "p", "config": {"trainer": {"steps": 4}}, "id": "run1", "resume": "must"}
+    assert "log_params" not in [name for name, *_ in mlflow.calls]
+
+
+def test_progress_without_a_terminal_logs_every_n_steps_and_the_last_one(caplog, monkeypatch):
+    """Redirected output: one INFO line every `every` steps and one at the last step, even off the cadence (a log
+    that stops at 6/7 reads as a run that died before its end); the time left counts the steps still to run from
+    the current step (a resumed run's speed is measured from its first step, not from 0)."""
+    import gspo.tracking as tracking
+
+    now = [100.0]  # 10 s a step
+    monkeypatch.setattr(tracking, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    with caplog.at_level(logging.INFO, logger="gspo.tracking"), Progress(8, initial=2, every=3,
+                                                                         file=io.StringIO()) as bar:
+        assert bar.disabled
+        for step in range(3, 9):
+            now[0] = 100.0 + 10.0 * (step - 2)
+            bar.update(step, {})
+    lines = [r.getMessage() for r in caplog.records if r.name == "gspo.tracking"]
+    assert [line.split(" · ")[0] for line in lines] == ["train 3/8 (38%)", "train 6/8 (75%)", "train 8/8 (100%)"]
+    # step 3: 1 step in 10 s, 5 steps left; step 6: 4 steps in 40 s, 2 left
+    assert lines[0].split(" · ")[1:] == ["10 s/step", "0m50s left"]
+    assert lines[1].split(" · ")[1:] == ["10 s/step", "0m20s left"]
+
+
+def test_a_progress_turned_off_logs_no_lines_either(caplog):
+    """`disable=True` (log.progress: false) turns progress off: neither a bar nor the log lines that replace the bar
+    when the output is not a terminal."""
+    with caplog.at_level(logging.INFO, logger="gspo.tracking"), Progress(4, disable=True, every=1,
+                                                                         file=io.StringIO()) as bar:
+        for step in range(1, 5):
+            bar.update(step, {"loss": 1.0})
+    assert not [r for r in caplog.records if r.name == "gspo.tracking"]
