@@ -303,9 +303,13 @@ def test_disk_full_during_save_keeps_previous_checkpoint(tmp_path, training, mon
     assert load_checkpoint(previous, model=fresh[0], optimizer=fresh[1], scheduler=fresh[2])["step"] == 1
 
 
-def test_leftover_tmp_dir_from_crash_is_removed_and_ignored(tmp_path, training):
+@pytest.mark.parametrize("leftover_name", [".tmp-step_00000002-99999", ".trash-step_00000000-99999"],
+                         ids=["half-written", "half-deleted"])
+def test_leftover_tmp_dir_from_crash_is_removed_and_ignored(tmp_path, training, leftover_name):
+    """A crash while writing a checkpoint leaves a `.tmp-` folder, one while deleting a pruned checkpoint a `.trash-`
+    folder: never a checkpoint, removed by the next save."""
     save(tmp_path, 1, training)
-    leftover = tmp_path / "checkpoints" / ".tmp-step_00000002-99999"
+    leftover = tmp_path / "checkpoints" / leftover_name
     (leftover / "model").mkdir(parents=True)
     assert find_latest_checkpoint(tmp_path) == checkpoint_path(tmp_path, 1)
     save(tmp_path, 3, training)
@@ -471,16 +475,6 @@ def test_a_set_aside_copy_whose_replacement_is_in_place_is_removed_not_restored(
     assert json.loads((new / "state.json").read_text())["state"]["attempt"] == 2
     save(tmp_path, 5, training)
     assert not aside.exists()
-
-
-def test_a_pruned_checkpoint_left_half_deleted_is_removed_by_the_next_save(tmp_path, training):
-    """A crash while deleting a pruned checkpoint leaves a `.trash-` folder: never a checkpoint, removed next time."""
-    save(tmp_path, 1, training)
-    trash = tmp_path / "checkpoints" / ".trash-step_00000000-99999"
-    (trash / "model").mkdir(parents=True)
-    assert find_latest_checkpoint(tmp_path) == checkpoint_path(tmp_path, 1)
-    save(tmp_path, 2, training)
-    assert not trash.exists()
 
 
 def test_a_resave_whose_final_rename_fails_puts_the_old_copy_back(tmp_path, training, monkeypatch):
