@@ -152,6 +152,108 @@ def test_run_calls_isolates_a_tool_that_raises_hangs_or_returns_non_text():
     assert results[4].content == "x" * 40 + " [cut at 40 of 60 characters]"
 
 
+def _echo(expression: str) -> str:
+    """Returns its argument.
+
+    Args:
+        expression: anything
+    """
+    return expression
+
+
+def _refuses(expression: str) -> str:
+    """Raises with its argument as the message.
+
+    Args:
+        expression: anything
+    """
+    raise ValueError(expression)
+
+
+def test_an_observation_of_exactly_max_chars_is_kept_whole_and_an_error_is_cut_to_it():
+    """env.max_observation_chars bounds what the model is shown: output of exactly that many characters is shown as
+    it is (no cut note, which would make it longer), one more character is cut, and a tool's exception message is
+    held to the same bound; of a message of several lines, the first is shown."""
+    tools = {t.name: t for t in map(Tool.from_function, (_echo, _refuses))}
+    calls = [ToolCall("_echo", {"expression": "x" * 10}), ToolCall("_echo", {"expression": "x" * 11}),
+             ToolCall("_refuses", {"expression": "y" * 50})]
+    whole, cut, error = run_calls(calls, tools, DeadlinePool(workers=2, timeout_s=5.0), max_chars=10)
+    assert whole.content == "x" * 10 and whole.ok
+    assert cut.content == "x" * 10 + " [cut at 10 of 11 characters]"
+    assert error.status == "error" and error.content == "error: ValueError: yyyyyyyyyy"[:10]
+    (lines,) = run_calls([ToolCall("_refuses", {"expression": "what went wrong\n  details"})], tools,
+                         DeadlinePool(workers=1, timeout_s=5.0))
+    assert lines.content == "error: ValueError: what went wrong"  # a message's first line
+
+
+def test_calc_keeps_signs_and_refuses_booleans_and_results_past_forty_digits():
+    """A negated number stays negative; True is no integer; a result of 40 digits is given, one of 41 refused (the
+    bound that keeps exponent blow-ups out); an expression of 201 characters is refused, one of 200 is not."""
+    assert calc("-3*4") == "-12" and calc("2-(-3)") == "5"
+    with pytest.raises(ValueError, match="only integers"):
+        calc("True+1")
+    forty = "9" * 40
+    assert calc(f"{forty}*1") == forty
+    with pytest.raises(ValueError, match="more than 40 digits"):
+        calc(f"{forty}+1")
+    assert calc("+".join(["1"] * 100) + "0") == "109"  # 200 characters
+    with pytest.raises(ValueError, match="longer than 200 characters"):
+        calc("+".join(["1"] * 100) + "+0")  # 201
+
+
+def _sleeps(expression: str) -> str:
+    """Outlives any short deadline.
+
+    Args:
+        expression: anything
+    """
+    time.sleep(2)
+    return "late"
+
+
+def _hermes(name: str, expression: str = "1") -> str:
+    return f'<tool_call>{{"name": "{name}", "arguments": {{"expression": "{expression}"}}}}</tool_call>'
+
+
+def test_tool_env_allows_exactly_max_calls_and_charges_every_failed_call():
+    """env.max_calls_per_turn calls in one reply are made (one more is a malformed turn, counted as one call); each
+    call that raised or timed out is a failure and costs tool_error_reward, so two failures cost it twice."""
+    tools = {t.name: t for t in map(Tool.from_function, (calc, _raises, _sleeps))}
+    env = ToolEnv(tools, parse_hermes, DeadlinePool(workers=3, timeout_s=0.3), invalid_call_reward=-0.5,
+                  tool_error_reward=-0.25, max_calls_per_turn=3, think_tags=None)
+    env.reset({"prompt": "q"})
+    step = env.step(_hermes("calc", "6*7") + _hermes("_raises") + _hermes("_sleeps"))
+    assert [m["content"][:6] for m in step.observation] == ["42", "error:", "error:"] and not step.done
+    assert step.info == {"tool_calls": 3.0, "tool_failures": 2.0} and step.reward == -0.5
+    over = env.step(_hermes("calc") * 4)
+    assert over.info == {"tool_calls": 1.0, "invalid_calls": 1.0} and over.reward == -0.5
+    assert "at most 3 tool calls per turn" in over.observation[0]["content"]
+
+
+def test_the_env_factory_passes_the_configs_rewards_bound_and_think_tags_to_every_environment():
+    """env.invalid_call_reward, env.tool_error_reward and env.max_observation_chars reach each environment the
+    factory makes; think_tags None parses whole replies (a call after a thought is then not a call)."""
+    make, schemas = make_env_factory(EnvConfig(tools=["calc"], parser="call", max_observation_chars=5,
+                                               invalid_call_reward=-0.5, tool_error_reward=-0.25), think_tags=None)
+    assert [s["function"]["name"] for s in schemas] == ["calc"]
+    env = make()
+    env.reset({"prompt": "q"})
+    assert env.step("calc(6*7").reward == -0.5
+    assert env.step("calc(1/0)").reward == -0.25
+    assert env.step("calc(123456*10)").observation[0]["content"] == "12345 [cut at 5 of 7 characters]"
+    assert env.step("<think>x</think>calc(6*7)").done
+    tagged, _ = make_env_factory(EnvConfig(tools=["calc"], parser="call"))
+    thinking = tagged()
+    thinking.reset({"prompt": "q"})
+    assert not thinking.step("<think>x</think>calc(6*7)").done
+
+
+def test_two_tools_of_one_name_are_refused():
+    """A second tool of a name would replace the first without a word (the schema list would still show both)."""
+    with pytest.raises(ValueError, match=r"env\.tools names two tools called 'calc'"):
+        make_env_factory(EnvConfig(tools=["calc", "calc"]))
+
+
 def test_the_tool_calls_of_every_step_running_at_once_start_at_once(monkeypatch):
     """env.tool_timeout_s is one episode's turn's calls' own time, so the tool pool all episodes share has a thread
     for every call that env.workers steps running at once can make: no call waits behind another episode's (with

@@ -255,3 +255,10 @@ def test_the_python_tool_does_not_claim_files_are_out_of_reach():
     description = Tool.from_function(python).schema["function"]["description"]
     assert "no files outside" not in description and "write only in its own temporary folder" in description
 
+
+def test_the_python_tool_returns_what_the_program_printed_or_the_exceptions_last_line():
+    """The model sees its program's output, or, when it fails, the traceback's last line (the exception and its
+    message: what it can act on), not the traceback's first line ("Traceback (most recent call last):")."""
+    assert python("print(6 * 7)") == "42\n"
+    failed = python("print('partial')\nraise ValueError('no such thing')")
+    assert failed.startswith("error: ") and failed.endswith("ValueError: no such thing")

@@ -15,7 +15,8 @@ from conftest import DEMO, tiny_overrides
 from gspo.checkpoint import checkpoint_path, list_checkpoints
 from gspo.cli import main
 from gspo.config import ConfigError, load_config
-from gspo.preflight import check, measure, shared_passages, warnings
+from gspo.evaluation import wilson_ci95
+from gspo.preflight import check, disk_needed, measure, plan, shared_passages, warnings
 from gspo.rewards import RewardFailure, RewardRunner
 from gspo.rewards.checks import reference_text, reward_checks, reward_warnings
 from gspo.tracking import read_metrics
@@ -261,3 +262,108 @@ def test_a_warmup_as_long_as_the_run_is_warned_about_at_check_and_at_start(tmp_p
     assert "optim.warmup_steps=200 is not below the run's 12 optimizer steps" in caplog.text
     assert not any("warmup_steps" in w for w in warnings(check(load_config(DEMO, tiny_overrides(
         tmp_path / "other", "cold_start=null", "optim.warmup_steps=11")))))
+
+
+def test_the_plan_counts_checkpoints_kept_and_held_out_tokens_as_the_run_spends_them(tmp_path):
+    """With no periodic checkpoint none is kept (not trainer.keep_checkpoints of them); the evaluations' token bound
+    uses trainer.eval_max_new_tokens where set (the held-out budget, not rollout.max_new_tokens)."""
+    cfg = load_config(DEMO, tiny_overrides(tmp_path / "run", "trainer.checkpoint_every=0", "trainer.keep_checkpoints=3",
+                                           "trainer.eval_max_new_tokens=7", "trainer.eval_samples=2"))
+    p = plan(cfg, train_rows=60, eval_rows=16)
+    assert p["checkpoints"] == [] and p["checkpoints_kept"] == 0
+    assert p["evaluations"] == [0, 2, 3]
+    assert p["eval_tokens_max"] == 3 * 16 * 2 * 7  # evaluations × rows × samples × eval_max_new_tokens
+    assert p["generated_tokens_max"] == 3 * 4 * 4 * 4  # training completions × rollout.max_new_tokens
+
+
+def test_the_disk_estimate_counts_the_best_model_beside_the_final_one(tmp_path):
+    """trainer.save_best keeps OUT/best as well as OUT/final: the run's folder holds one more model."""
+    weights, checkpoint = 1_000, 3_000
+    plain = load_config(DEMO, tiny_overrides(tmp_path / "run", "cold_start=null", "trainer.keep_checkpoints=2"))
+    best = load_config(DEMO, tiny_overrides(tmp_path / "run", "cold_start=null", "trainer.keep_checkpoints=2",
+                                            "trainer.save_best=true"))
+    assert disk_needed(plain, weights, checkpoint, 5) == 3 * checkpoint + weights
+    assert disk_needed(best, weights, checkpoint, 5) == 3 * checkpoint + 2 * weights
+
+
+def test_a_held_out_prompt_of_exactly_the_passage_length_is_compared_too():
+    """A prompt of exactly `PASSAGE_WORDS` words is one passage (its last and only one): copied into a training prompt,
+    it is found."""
+    held = [{"prompt": "one two three four five six seven eight"}]
+    train = [{"prompt": "Here: one two three four five six seven eight."}]
+    assert shared_passages(train, held)["rows"] == 1
+
+
+def test_a_passage_every_held_out_row_carries_is_a_template_even_when_few_training_rows_have_it():
+    """The held-out file's own instruction (in more than max(5, 1 %) of its rows) is a template: a training row that
+    carries it too does not make every held-out row look copied."""
+    template = "Answer with a single number and nothing else please thank you. "
+    held = [{"prompt": template + f"What is {i} plus {i + 3}?"} for i in range(20)]
+    train = [{"prompt": template + "What is 1000 minus 1?"}] + [{"prompt": f"Add {i} and {i}."} for i in range(30)]
+    assert shared_passages(train, held)["rows"] == 0
+
+
+def test_the_reports_lengths_interval_and_update_size_are_those_of_the_rows_and_the_config(tmp_path):
+    """On 20 prompts of 20 different lengths the 95th percentile is the 19th (nearest rank), below the longest; the
+    held-out interval is a half width (±); an update forward is one minibatch's rows (prompts × completions /
+    minibatches), each as long as the longest prompt plus the new-token budget; and one training solution in 20 over
+    the budget (more than 1 %) is warned about."""
+    def write(name: str, lengths: range) -> Path:
+        rows = [{"question": "1" * k + "+0=", "result": "1" * k} for k in lengths]
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return tmp_path / name
+
+    report = check(load_config(DEMO, [
+        *tiny_overrides(tmp_path / "run", "cold_start=null", "algorithm.minibatches=2", "algorithm.epochs=1"),
+        f"data.path={write('train.jsonl', range(1, 21))}", f"data.eval_path={write('heldout.jsonl', range(21, 41))}",
+        "data.task=null", "data.train_size=null", "data.eval_size=null",
+        "data.fields={prompt: question, answer: result, solution: result}"]))
+    p = report["train"]["prompt_tokens"]
+    assert p["rows"] == 20 and p["min"] < p["median"] < p["p95"] < p["max"]
+    low, high = wilson_ci95(10, 20)
+    assert report["heldout"]["ci95_half_width"] == pytest.approx((high - low) / 2)
+    m = report["model"]
+    assert m["update_rows"] == 4 * 4 // 2 and m["update_row_tokens_max"] == p["max"] + 4
+    report["train"]["solution_tokens"] = {**report["train"]["solution_tokens"], "over": 1, "rows": 20}
+    assert any("1 of 20 training rows' solutions need more than" in w for w in warnings(report))
+
+
+def test_a_reset_prompt_as_long_as_the_prompt_limit_is_within_it(tmp_path):
+    """`--check` counts the sampled reset prompts longer than the run's prompt limit; one of exactly the limit fits
+    (a false "over" would make `--check` exit 1 on a run that is fine)."""
+    from types import SimpleNamespace
+
+    from gspo.agent.env import make_env_factory
+    from gspo.models import build_preset
+    from gspo.preflight import reset_sample
+
+    module = tmp_path / "fixed_env.py"
+    module.write_text("class Fixed:\n    def reset(self, row):\n        return '12*34='\n"
+                      "    def step(self, action):\n        raise NotImplementedError\n")
+    cfg = load_config(DEMO, tiny_overrides(tmp_path / "run", f"env.name={module}:Fixed", "algorithm.loss=gspo_token",
+                                           "data.chat=always", "env.max_tokens=48", "rollout.max_new_tokens=8"))
+    _, tok = build_preset("tiny-dense", seed=0)
+    n = len(tok("12*34=", add_special_tokens=False)["input_ids"])
+    rows = [{"prompt": f"{a}*2=", "answer": str(2 * a)} for a in range(3)]
+    setup = SimpleNamespace(cfg=cfg, tokenizer=tok, make_env=make_env_factory(cfg.env)[0], train_rows=rows,
+                            eval_rows=rows, prompt_limits=(n, n - 1), tool_schemas=None)
+    found = reset_sample(setup)
+    assert (found["training"]["max"], found["training"]["over"]) == (n, 0)
+    assert found["held-out"]["over"] == 3
+
+
+def test_measure_paces_the_run_by_the_steps_after_the_first(tmp_path, monkeypatch):
+    """The first step pays for warm-up: the pace is the median of the later steps' times only, as the metrics of the
+    timed steps record them."""
+    import gspo.tracking
+
+    seen = {}
+    read = gspo.tracking.read_metrics
+    monkeypatch.setattr(gspo.tracking, "read_metrics", lambda path, **kw: seen.setdefault(Path(path).name, [])
+                        .append(read(path, **kw)) or seen[Path(path).name][-1])
+    cfg = load_config(DEMO, tiny_overrides(tmp_path / "run", "cold_start=null", "trainer.eval_every=0"))
+    t = measure(cfg, plan(cfg, 200, 16), steps=2)
+    records = seen["metrics.jsonl"][-1]  # the timed steps' metrics, as measure read them
+    assert len(records) == 2
+    assert t["rollout_seconds"] == records[1]["time_rollout"] and t["update_seconds"] == records[1]["time_update"]
+    assert t["first_step_seconds"] == records[0]["time_rollout"] + records[0]["time_update"]

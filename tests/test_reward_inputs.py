@@ -16,7 +16,13 @@ from conftest import DEMO, tiny_overrides
 from gspo.cli import main
 from gspo.config import ConfigError, load_config
 from gspo.rewards import RewardFailure, RewardRunner, batched, resolve_reward
-from gspo.rewards.checks import RewardCheckFailed, reward_checks, reward_warnings, split_warnings
+from gspo.rewards.checks import (
+    RewardCheckFailed,
+    reference_text,
+    reward_checks,
+    reward_warnings,
+    split_warnings,
+)
 from gspo.trainer import train
 
 ROWS = [{"prompt": f"{a}+1=", "answer": str(a + 1)} for a in range(8)]
@@ -198,6 +204,73 @@ def test_a_fail_mode_run_whose_reward_fails_on_every_answer_stops_before_any_com
     assert main(["train", str(cfg), "--check", *args]) == 2
     err = capsys.readouterr().err
     assert "bad_rw.py:raises' fails on all" in err and "RuntimeError: boom" in err
+
+
+def test_a_boolean_answer_is_no_reference_text():
+    """A row whose `answer` is a JSON true/false has no answer text to check (str(True) is "True", which no verifier
+    of that row is meant to accept): it is left out, like a multi-turn solution."""
+    assert reference_text({"answer": True}, "answer", "q", None) is None
+    assert reference_text({"answer": 0}, "answer", "q", None) == "0"
+
+
+def test_answers_equal_up_to_surrounding_whitespace_are_not_another_rows_different_answer():
+    """The neighbour check scores a row with the next row's answer only where that answer differs from its own: "42"
+    and "42 " are the same answer, and a verifier that strips it must not be reported as accepting a wrong one."""
+    def stripped(prompt: str, completion: str, answer: str, **row) -> float:
+        return float(completion.strip() == answer.strip())
+
+    rows = [{"prompt": "40+2=", "answer": "42"}, {"prompt": "41+1=", "answer": "42 "}]
+    found = reward_checks(RewardRunner([(stripped, 1.0)]), rows, "stripped", 1.0)
+    assert (found["neighbour_rows"], found["neighbour_solved"]) == (0, 0)
+    assert reward_warnings(found, "training") == []
+
+
+def test_a_failure_on_another_rows_answer_names_the_row_it_was_scored_for():
+    """The neighbour check skips rows whose next answer is the same; a failure there is reported with the row it was
+    scored for (not its position among the rows scored), and the completion that made it fail."""
+    def picky(prompt: str, completion: str, answer: str, **row) -> float:
+        if completion != answer:
+            raise ValueError("not this row's answer")
+        return 1.0
+
+    rows = [{"prompt": f"q{i}=", "answer": a} for i, a in enumerate(["1", "1", "2", "3"])]
+    found = reward_checks(RewardRunner([(picky, 1.0)], on_error="zero"), rows, "picky", 1.0)
+    assert found["neighbour_rows"] == 3  # row 0's next answer is its own
+    first = found["failures"]["picky"]["neighbour"]["first"]
+    assert (first["row"], first["completion"]) == (1, "2")
+
+
+def test_a_reference_judged_wrong_is_reported_even_when_another_function_fails_on_it():
+    """Only the accuracy reward's own failure makes a verdict a failure rather than a wrong one: a format reward
+    that raises on the references does not hide an accuracy reward that rejects every one of them."""
+    def never(prompt: str, completion: str, **row) -> float:
+        return 0.0
+
+    found = reward_checks(RewardRunner([(raises, 1.0), (never, 1.0)], on_error="zero"), ROWS, "never", 1.0)
+    assert found["reference_solved"] == 0 and found["reference_wrong"] == 8
+    assert any("judges 8 of 8 training rows' own answer wrong" in w for w in reward_warnings(found, "training"))
+
+
+def test_a_function_failing_on_references_and_empty_completions_is_told_to_return_a_number_for_every_one():
+    """The advice "return 0 for an empty completion" fits a function that fails on empty completions only; one that
+    also fails on some references gets the general advice."""
+    def half(prompt: str, completion: str, answer: str, **row) -> float:
+        if int(answer) % 2:
+            raise KeyError("odd")
+        return float(int(completion) == int(answer))  # int("") raises
+
+    found = reward_checks(RewardRunner([(half, 1.0)], on_error="fail"), ROWS, "half", 1.0)
+    (line,) = reward_warnings(found, "training")
+    assert "a run stops at its first failure; return a number for every completion" in line
+    assert "return 0 for it instead" not in line
+
+
+def test_the_check_counts_the_rows_it_sampled_and_those_with_a_text_answer_apart():
+    """A row without a text `solution` or `answer` (a multi-turn demonstration with no answer) is sampled but not
+    checked: `sampled` and `rows` differ, which `--check` prints ("3 with a text answer, a sample of 4")."""
+    rows = [*ROWS[:3], {"prompt": "chat", "solution": [{"role": "assistant", "content": "hi"}]}]
+    found = reward_checks(RewardRunner([(exact, 1.0)]), rows, "exact", 1.0)
+    assert (found["sampled"], found["rows"], found["reference_solved"]) == (4, 3, 3)
 
 
 # ----------------------------------------------------------------------------------------------------- weights
