@@ -52,7 +52,9 @@ TINY_DENSE = {"tiny": ("Qwen3Config", {**run._GPU_COMMON, "vocab_size": 4096, "h
                                        "head_dim": 32, "intermediate_size": 256})}
 
 
-@pytest.mark.parametrize("decode", ["dynamic", "static", pytest.param("compiled", marks=pytest.mark.slow)])
+# the dynamic loop is the CPU's default, which the rest of the suite runs: its GPU-mode row is in the slow suite
+@pytest.mark.parametrize("decode", [pytest.param("dynamic", marks=pytest.mark.slow), "static",
+                                    pytest.param("compiled", marks=pytest.mark.slow)])
 def test_the_gpu_modes_gspo_sides_run_a_rollout_batch_on_the_cpu(tmp_path, decode):
     """`--device cuda`'s gspo workers ("gspo exact": the engine shares the float32 policy and samples under bf16
     autocast; "gspo fast": a bf16 engine, π_old from it) run end to end on the CPU with each decode loop: a model
