@@ -33,9 +33,11 @@ training (an interrupted run resumed equals an uninterrupted one) pin `trainer.d
 accumulate with atomic float adds (e.g. the backward of SDPA's memory-efficient attention, which the fp32 models here
 use) do not give bitwise-identical results from one run to the next, so a resumed run drifts by rounding."""
 
-SLOW_ON_CPU = pytest.mark.slow if DEVICE == "cpu" else pytest.mark.usefixtures()
-"""For a test whose cost on the CPU is torch.compile building C++ kernels (30-80 s each on 2 cores): in the slow suite
-there, in the fast suite on a GPU machine, whose fast suite is where the CUDA path runs."""
+def slow_on_cpu(test):
+    """Mark `test` slow on a machine without a GPU: for a test whose cost on the CPU is torch.compile building C++
+    kernels (30-80 s each on 2 cores), in the slow suite there, in the fast suite on a GPU machine, whose fast suite
+    is where the CUDA path runs."""
+    return pytest.mark.slow(test) if DEVICE == "cpu" else test
 
 CPU_COMPILE_ROUNDS_AS_EAGER = torch.__version__ >= "2.13"
 """Whether inductor's CPU code generator rounds to bf16 where eager autocast does (`gspo.models.COMPILE_OPTIONS`,

@@ -11,9 +11,9 @@ import torch
 from conftest import (
     CPU_COMPILE_ROUNDS_AS_EAGER,
     DEMO,
-    SLOW_ON_CPU,
     ragged_trajectory,
     record_objective,
+    slow_on_cpu,
     tiny_overrides,
 )
 from gspo.config import ConfigError, load_config
@@ -159,7 +159,7 @@ def test_prompt_sharing_forwards_run_eager_inside_compiled_layers(device):
     assert torch.allclose(compiled_plain, shared, atol=2e-5)
 
 
-@SLOW_ON_CPU  # the trainer's and the CLI's wiring; the values are the unit tests' above
+@slow_on_cpu  # the trainer's and the CLI's wiring; the values are the unit tests' above
 def test_a_compiled_run_keeps_the_first_minibatch_on_policy_and_trains_like_an_eager_one(tmp_path, monkeypatch):
     """The same run eager and compiled: π_old and π_θ of the on-policy minibatch are the same compiled forwards (its
     ratios are 1 up to float rounding), and the first step's updates see the same log-probs within float rounding,
@@ -198,7 +198,7 @@ def test_compile_is_refused_for_moe_models_before_anything_is_written(tmp_path):
     assert not (out / "metrics.jsonl").exists()
 
 
-@SLOW_ON_CPU  # the trainer's and the CLI's wiring; the values are the unit tests' above
+@slow_on_cpu  # the trainer's and the CLI's wiring; the values are the unit tests' above
 def test_a_compiled_cold_start_takes_the_eager_steps(tmp_path, capsys):
     """`gspo sft --compile` (the cold start's `sft(compile=True)`): the losses of the eager run's steps, within float
     rounding, over batches of different widths."""
