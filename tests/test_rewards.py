@@ -423,6 +423,17 @@ def test_many_hanging_calls_cost_one_deadline_not_one_each(hang_on) -> None:
     assert rewards.tolist() == [0.0] * 16 and stats["reward_timeouts"] == 16.0
 
 
+def _timed_map(pool, calls: list, rounds: int, release: threading.Event) -> tuple[list, float]:
+    """`pool.map(calls, rounds=rounds)` and the seconds it took; `release` is set afterwards whatever happened, so that
+    the calls hung on it end."""
+    t0 = time.monotonic()
+    try:
+        outcomes = pool.map(calls, rounds=rounds)
+    finally:
+        release.set()
+    return outcomes, time.monotonic() - t0
+
+
 def test_a_hung_call_frees_its_worker_for_the_calls_queued_behind_it() -> None:
     """An episode driver's batch: 7 environment steps on 2 workers, 4 rounds of 1 s. The first step hangs, the six
     others take 0.8 s each. Holding its worker to the batch's deadline (4 s) left one worker for 4.8 s of healthy
@@ -431,14 +442,10 @@ def test_a_hung_call_frees_its_worker_for_the_calls_queued_behind_it() -> None:
     release = threading.Event()
     pool = deadline_module.DeadlinePool(workers=2, timeout_s=1.0)
     calls = [(release.wait, (), {}), *[(lambda i=i: time.sleep(0.8) or i, (), {}) for i in range(6)]]
-    t0 = time.monotonic()
-    try:
-        outcomes = pool.map(calls, rounds=4)
-    finally:
-        release.set()
+    outcomes, seconds = _timed_map(pool, calls, 4, release)
     assert outcomes[0].timed_out
     assert [o.value for o in outcomes[1:]] == list(range(6)) and not any(o.timed_out for o in outcomes[1:])
-    assert time.monotonic() - t0 < 3.9
+    assert seconds < 3.9
     assert pool.map([(lambda: 7, (), {})] * 3)[2].value == 7  # the pool goes on with its replaced worker
 
 
@@ -449,14 +456,10 @@ def test_calls_that_hang_on_every_worker_are_abandoned_at_their_own_time_limit()
     release = threading.Event()
     pool = deadline_module.DeadlinePool(workers=2, timeout_s=0.5)
     calls = [(release.wait, (), {}), (release.wait, (), {}), (lambda: 1, (), {}), (lambda: 2, (), {})]
-    t0 = time.monotonic()
-    try:
-        outcomes = pool.map(calls, rounds=3)
-    finally:
-        release.set()
+    outcomes, seconds = _timed_map(pool, calls, 3, release)
     assert [o.timed_out for o in outcomes] == [True, True, False, False]
     assert [o.value for o in outcomes[2:]] == [1, 2]
-    assert time.monotonic() - t0 < 1.4
+    assert seconds < 1.4
 
 
 def test_a_batch_whose_last_call_is_abandoned_ends_then_not_at_its_deadline() -> None:
@@ -464,12 +467,8 @@ def test_a_batch_whose_last_call_is_abandoned_ends_then_not_at_its_deadline() ->
     the caller returns then, not at the batch's deadline."""
     release = threading.Event()
     pool = deadline_module.DeadlinePool(workers=1, timeout_s=0.5)
-    t0 = time.monotonic()
-    try:
-        (outcome,) = pool.map([(release.wait, (), {})], rounds=3)
-    finally:
-        release.set()
-    assert outcome.timed_out and time.monotonic() - t0 < 1.2
+    (outcome,), seconds = _timed_map(pool, [(release.wait, (), {})], 3, release)
+    assert outcome.timed_out and seconds < 1.2
 
 
 def test_a_call_abandoned_at_its_own_limit_is_counted_once_and_the_skipped_calls_never_run() -> None:

@@ -284,7 +284,6 @@ def test_rows_the_overlong_filter_drops_leave_the_normaliser(loss):
     tokens out. With 1/B the filter scaled each step's update by the fraction it kept."""
     import dataclasses
 
-
     spec = OBJECTIVES[loss]
     advantages = ADVANTAGES
     mb = torch.arange(8)
