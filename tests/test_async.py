@@ -3,6 +3,7 @@ processes under the trainer (staleness bound, back-pressure, a killed worker, re
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import signal
@@ -13,14 +14,15 @@ import pytest
 import torch
 
 from conftest import DEMO, SimulatedCrash, crash_after, tiny_overrides
-from gspo.checkpoint import find_latest_checkpoint
+from gspo.checkpoint import find_latest_checkpoint, verify_checkpoint
 from gspo.config import ConfigError, load_config
 from gspo.models import build_preset
 from gspo.rewards import REWARDS
 from gspo.rollout import HFSampler, SamplingParams, policy_weights
-from gspo.rollout.workers import staleness_metrics, token_staleness, worker_policy
+from gspo.rollout.workers import AsyncRollouts, staleness_metrics, token_staleness, worker_policy
+from gspo.schedule import step_prompts
 from gspo.tracking import read_metrics
-from gspo.trainer import TrainingError, train
+from gspo.trainer import TrainingError, prepare, train
 from gspo.trajectory import NO_VERSION, Trajectory
 
 ASYNC = ["rollout.mode=async", "trainer.steps=5", "cold_start.steps=2", "trainer.eval_every=0", "data.eval_size=8"]
@@ -213,3 +215,59 @@ def test_async_settings_on_a_sync_run_are_refused_not_ignored(tmp_path):
         load_config(DEMO, tiny_overrides(tmp_path, *servers, "rollout.vllm.server_url=[http://a:1,http://a:1]"))
     with pytest.raises(ConfigError, match="must look like http"):
         load_config(DEMO, tiny_overrides(tmp_path, *servers, "rollout.vllm.server_url=[http://a:1,b:2]"))
+
+
+def slow_on_marked_prompts(prompt: str, completion: str, **row) -> float:
+    """A reward (module level: the workers import it) that takes 0.25 s per completion of the prompts listed in
+    GSPO_TEST_SLOW_PROMPTS, so that the batch holding them arrives well after the batches claimed after it."""
+    if prompt in json.loads(os.environ.get("GSPO_TEST_SLOW_PROMPTS", "[]")):
+        time.sleep(0.25)
+    return zlib.crc32(completion.encode()) % 1000 / 1000
+
+
+def test_a_resume_generates_again_the_batches_in_flight_at_its_checkpoint(tmp_path, monkeypatch):
+    """Two workers, batch 1 slow: batches 0 and 2 are trained first, so the checkpoint of step 2 continues at index 3
+    with batch 1 still in flight. A resume from it used to skip batch 1's prompts for good; it now generates batch 1
+    again first, and the run trains every batch index exactly once."""
+    cfg = async_cfg(tmp_path, "rollout.workers=2", "rollout.worker_threads=1", "rollout.max_staleness=2",
+                    "trainer.checkpoint_every=2", "rewards.functions={slow_on_marked_prompts: 1.0}",
+                    "rewards.check=false")
+    monkeypatch.setitem(REWARDS, "slow_on_marked_prompts", slow_on_marked_prompts)
+    rows, _ = step_prompts(1, prepare(cfg).train_rows, cfg.rollout.prompts_per_step, cfg.trainer.seed)
+    monkeypatch.setenv("GSPO_TEST_SLOW_PROMPTS", json.dumps([r["prompt"] for r in rows]))
+    with pytest.raises(SimulatedCrash):
+        train(cfg, callbacks=[crash_after(2)])
+    state = verify_checkpoint(find_latest_checkpoint(tmp_path))["state"]
+    assert (state["rollout_index"], state["rollout_pending"]) == (3, [1])  # trained 0 and 2; 1 in flight
+    monkeypatch.delenv("GSPO_TEST_SLOW_PROMPTS")  # batch 1 at its own pace again: the run ends with batch 4
+    summary = train(cfg, resume=True)
+    assert summary["status"] == "completed"
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    assert sorted(int(r["rollout_batch_index"]) for r in records) == [0, 1, 2, 3, 4]
+    assert records[-1]["rollout_lost_batches"] == records[-1]["rollout_dropped_stale"] == 0
+    assert not multiprocessing.active_children()
+
+
+def test_the_batches_a_resume_generates_again_come_first_and_use_no_version_of_the_bound(tmp_path):
+    """Resumed at version 2 with index 3 next and index 1 pending, under max_staleness=0: index 1 is claimed first,
+    and index 3 waits for version 3, as the bound requires (were batch 1 counted as skipped, index 3 would be sampled
+    under version 2 and one of the two batches would be dropped as stale)."""
+    cfg = async_cfg(tmp_path, "rollout.workers=2", "rollout.worker_threads=1", "rollout.max_staleness=0")
+    setup = prepare(cfg)
+    rollouts = AsyncRollouts(cfg, setup.model, setup.tokenizer, setup.train_rows, policy_weights(setup.model), 2,
+                             start_index=3, pending=[1])
+    try:
+        assert rollouts.state_dict()["rollout_pending"] == [1]
+        taken = []
+        for version in (2, 3, 4):
+            item, _ = rollouts.next(version)
+            taken.append(item.index)
+            assert item.traj.versions[item.traj.completion_mask.bool()].eq(version).all()
+            rollouts.publish(policy_weights(setup.model), version + 1)
+        assert taken == [1, 3, 4] and rollouts.counts["dropped_stale"] == 0
+        assert rollouts.state_dict()["rollout_index"] == 5
+        assert rollouts.state_dict()["rollout_pending"] == []
+    finally:
+        rollouts.close()
+    assert not multiprocessing.active_children()

@@ -281,7 +281,8 @@ def _collect_async(step: int, ctx: RLStep) -> Collected:
             mine[name] = mine.get(name, 0) + n
     traj = batch.traj.to(ctx.group.device)
     rewards = batch.rewards.to(ctx.group.device)
-    stats = {**batch.stats, **staleness_metrics(traj, step), "rollout_worker_seconds": batch.seconds,
+    stats = {**batch.stats, **staleness_metrics(traj, step), "rollout_batch_index": float(batch.index),
+             "rollout_worker_seconds": batch.seconds,
              "rollout_ahead": float(ctx.rollouts.ahead()),
              **{f"rollout_{k}": float(v) for k, v in ctx.rollouts.counts.items()}}
     every = rewards if batch.sampled_rewards is None else batch.sampled_rewards.to(ctx.group.device)
@@ -847,19 +848,19 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
 
     def start_rollouts(start: int, state: dict) -> AsyncRollouts | SharedRollouts | None:
         """rollout.mode async: worker processes start generating now; a resume (or a rollback) continues after the
-        last batch trained up to `start`."""
+        last batch trained up to `start`, and first generates again those in flight at that checkpoint."""
         if ro.mode != "async":
             return None
-        index = state.get("rollout_index", start)
+        index, pending = state.get("rollout_index", start), state.get("rollout_pending", [])
         counts = {k: state[k] for k in ROLLOUT_COUNTS if k in state}
         weights = policy_weights(model)  # under FSDP gathered by every process
         inner = None  # torchrun: rank 0 runs the workers and hands every process each batch
         if group.is_main:
             inner = AsyncRollouts(cfg, model, tokenizer, train_rows, weights, start, start_index=index,
-                                  device=str(group.device), counts=counts, out=str(out))
+                                  device=str(group.device), counts=counts, out=str(out), pending=pending)
         else:
             drain(weights)
-        return SharedRollouts(group, inner, index, counts) if group.enabled else inner
+        return SharedRollouts(group, inner, index, counts, pending) if group.enabled else inner
 
     rollouts = start_rollouts(start, state)
     episodes = make_episode_runner(cfg, engine, tokenizer, make_env) if make_env is not None else None

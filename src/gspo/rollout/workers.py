@@ -7,8 +7,8 @@
               through its own pipe
 
 `skipped` counts the batch indices that will never be trained (lost with a dead worker, dropped as stale; at a resume,
-the indices the run had passed by then): without it each one would use up a version of the bound for good, and once
-more than `max_staleness` were skipped every worker would wait for a version the learner cannot publish.
+those the run had passed by then and will not redo): without it each one would use up a version of the bound for good,
+and once more than `max_staleness` were skipped every worker would wait for a version the learner cannot publish.
 
 A worker's engine is the one `rollout.engine` names (`gspo.rollout.worker_engine`): the built-in sampler on its own
 copy of the weights, an in-process vLLM engine, or a vLLM server of its own (`rollout.vllm.server_url[worker]`).
@@ -26,9 +26,10 @@ A worker that dies (killed, out of memory) is restarted with the current weights
 counted as lost; an exception in a worker stops the run with the worker's traceback, except a ValueError (a
 ConfigError included: a bad input the worker met, e.g. an environment's reset that failed), which the learner raises
 as it is, with the message a sync run would give (the worker's traceback logged at debug level). On resume, batch
-indices continue after the highest one trained: a batch in flight at a crash was never trained, and it is generated
-again (with several workers, not one whose index is below a batch that arrived and was trained before it: its prompts
-are skipped, as a lost batch's are).
+indices continue after the highest one trained, and the batches in flight at the checkpoint are generated again: a
+checkpoint keeps the indices below that one which were claimed but had not arrived (`rollout_pending`; with several
+workers a later batch can arrive and be trained first), and workers claim those before any new index, so a crash
+skips no prompts.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import pickle
 import tempfile
 import time
 import traceback
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any
@@ -166,7 +167,8 @@ def worker_policy(model_config, cfg, device: str) -> torch.nn.Module:
 
 
 def _worker_main(worker: int, model_config, tokenizer, cfg, train_rows: list[dict], shared: SharedWeights, channel,
-                 claim, in_flight, skipped, device: str, out: str, source: str | None, registered: dict) -> None:
+                 claim, redo, redone, in_flight, skipped, device: str, out: str, source: str | None,
+                 registered: dict) -> None:
     """A rollout worker process: claim, wait for fresh-enough weights, generate (or play episodes), score, send; until
     the learner stops it. Its engine (`gspo.rollout.worker_engine`: the built-in sampler or vLLM) is built for the
     policy's architecture and takes every weight from `shared`. Exceptions go to the learner as ("error", worker,
@@ -202,8 +204,12 @@ def _worker_main(worker: int, model_config, tokenizer, cfg, train_rows: list[dic
 
         while True:
             with claim.get_lock():  # claimed and held as one: a worker killed now leaves no index uncounted
-                i = claim.value
-                claim.value += 1
+                if redone.value < len(redo):  # a resume's batches in flight at its checkpoint come first
+                    i = redo[redone.value]
+                    redone.value += 1
+                else:
+                    i = claim.value
+                    claim.value += 1
                 in_flight[worker] = i
             # the staleness bound, enforced before generating, over the indices that will be trained
             while shared.version.value + skipped.value < i - ro.max_staleness:
@@ -245,9 +251,11 @@ class SharedRollouts:
     their shares of one batch, as in sync mode. The other processes take part in what is collective (gathering sharded
     weights for a publish) and mirror the counts that checkpoints keep."""
 
-    def __init__(self, group, inner: AsyncRollouts | None, start_index: int, counts: dict[str, int]) -> None:
+    def __init__(self, group, inner: AsyncRollouts | None, start_index: int, counts: dict[str, int],
+                 pending: Sequence[int] = ()) -> None:
         self.group, self.inner = group, inner
         self.next_index, self.counts, self._ahead = start_index, {**dict.fromkeys(ROLLOUT_COUNTS, 0), **counts}, 0
+        self.pending = list(pending)
 
     def next(self, version: int) -> tuple[WorkerBatch, float]:
         """Rank 0's next batch (`AsyncRollouts.next`) on every process; the wait is rank 0's."""
@@ -255,13 +263,14 @@ class SharedRollouts:
         if self.inner is not None:
             try:
                 item, waited = self.inner.next(version)
-                payload = (item, waited, self.inner.ahead(), dict(self.inner.counts), self.inner.next_index)
+                payload = (item, waited, self.inner.ahead(), dict(self.inner.counts), self.inner.next_index,
+                           self.inner.pending())
             except (NoSignal, WorkerError, ValueError) as e:
                 payload = e  # every process raises it, none waits for a batch that never comes
         payload = self.group.broadcast_object(payload)
         if isinstance(payload, Exception):
             raise payload
-        item, waited, self._ahead, self.counts, self.next_index = payload
+        item, waited, self._ahead, self.counts, self.next_index, self.pending = payload
         return item, waited
 
     def publish(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
@@ -274,8 +283,10 @@ class SharedRollouts:
     def ahead(self) -> int:
         return self._ahead
 
-    def state_dict(self) -> dict[str, int]:
-        return {"rollout_index": self.next_index, **self.counts}
+    def state_dict(self) -> dict[str, Any]:
+        """As `AsyncRollouts.state_dict`, as of the last batch taken (a batch arriving later settles nothing that the
+        checkpoint after this step keeps: it is trained after it)."""
+        return {"rollout_index": self.next_index, "rollout_pending": self.pending, **self.counts}
 
     def close(self) -> None:
         if self.inner is not None:
@@ -304,7 +315,7 @@ class AsyncRollouts:
 
     def __init__(self, cfg, model: torch.nn.Module, tokenizer, train_rows: list[dict], weights, version: int,
                  start_index: int = 0, device: str = "cpu", counts: dict[str, int] | None = None,
-                 out: str = ".") -> None:
+                 out: str = ".", pending: Sequence[int] = ()) -> None:
         from gspo.rollout import prepare_worker_source
 
         ro = cfg.rollout
@@ -317,10 +328,18 @@ class AsyncRollouts:
         # a (re)started worker builds this architecture; weights come from `shared`
         self.model_config = unwrap_model(model).config
         self.claim = self.ctx.Value("q", start_index)
+        # a resume's indices below `start_index` in flight at its checkpoint, claimed (under claim's lock) first
+        self.redo = self.ctx.Array("q", list(pending), lock=False)
+        self.redone = self.ctx.Value("q", 0, lock=False)
         self.in_flight = self.ctx.Array("q", [IDLE] * ro.workers)
-        # indices that will never be trained: at a resume those the run passed (its next index less its version)
-        self.skipped = self.ctx.Value("q", start_index - version, lock=False)
+        # indices that will never be trained: at a resume those the run passed and will not redo (its next index less
+        # its version, the batches trained, less the pending ones)
+        self.skipped = self.ctx.Value("q", start_index - version - len(pending), lock=False)
         self.next_index = start_index  # after the last trained batch: where a resume continues
+        # what `pending` reports: every index below next_index was claimed; those below `floor` and those in
+        # `settled` have arrived (trained or dropped) or were lost
+        self.floor = min([*pending, start_index])
+        self.settled = set(range(self.floor, start_index)) - set(pending)
         self.counts = {**dict.fromkeys(ROLLOUT_COUNTS, 0), **(counts or {})}
         self.workers: list = [None] * ro.workers
         self.readers: list = [None] * ro.workers
@@ -332,7 +351,8 @@ class AsyncRollouts:
         process = self.ctx.Process(
             target=_worker_main, daemon=True, name=f"gspo-rollout-{worker}",
             args=(worker, self.model_config, self.tokenizer, self.cfg, self.train_rows, self.shared, writer,
-                  self.claim, self.in_flight, self.skipped, self.device, str(self.out), self.source, self.registered))
+                  self.claim, self.redo, self.redone, self.in_flight, self.skipped, self.device, str(self.out),
+                  self.source, self.registered))
         process.start()
         writer.close()  # the worker holds the only write end: its death reads as end-of-file here
         self.workers[worker], self.readers[worker] = process, reader
@@ -367,6 +387,7 @@ class AsyncRollouts:
             with self.claim.get_lock():  # arrived: a death of its worker from now on loses no batch
                 if self.in_flight[w] == item.index:
                     self.in_flight[w] = IDLE
+            self._settle(item.index)
             sampled = item.traj.versions[item.traj.versions != NO_VERSION]
             oldest = int(sampled.min()) if sampled.numel() else version
             if version - oldest > self.cfg.rollout.max_staleness:
@@ -384,6 +405,7 @@ class AsyncRollouts:
         if self.in_flight[w] != IDLE:
             self.counts["lost_batches"] += 1
             self.skipped.value += 1
+            self._settle(self.in_flight[w])
             self.in_flight[w] = IDLE
         self.counts["worker_restarts"] += 1
         if self.counts["worker_restarts"] > 10 * len(self.workers):
@@ -395,9 +417,22 @@ class AsyncRollouts:
         """Batches the workers have claimed beyond the last one the learner took (bounded: back-pressure)."""
         return int(self.claim.value) - self.next_index
 
-    def state_dict(self) -> dict[str, int]:
-        """What a checkpoint keeps: where the batch indices continue, and the counts."""
-        return {"rollout_index": self.next_index, **self.counts}
+    def pending(self) -> list[int]:
+        """The batch indices below `next_index` that were claimed but have not arrived (nor been lost): generating,
+        or sent and not yet read. A resume from a checkpoint taken now generates them again, or their prompts would be
+        skipped (with several workers a later index can arrive, and be trained, before them)."""
+        return sorted(set(range(self.floor, self.next_index)) - self.settled)
+
+    def _settle(self, *indices: int) -> None:
+        """Mark batch indices as arrived or lost; the settled ones at the bottom move into `floor`."""
+        self.settled.update(indices)
+        while self.floor in self.settled:
+            self.settled.remove(self.floor)
+            self.floor += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps: where the batch indices continue, the ones in flight below it, and the counts."""
+        return {"rollout_index": self.next_index, "rollout_pending": self.pending(), **self.counts}
 
     def close(self) -> None:
         """Stop the workers (they may be blocked sending, or waiting for weights)."""
