@@ -655,9 +655,16 @@ def test_last_number_keeps_a_comma_before_four_digits_as_a_separator_between_num
 
 def test_math_reward_does_not_evaluate_an_exponent_of_five_digits() -> None:
     """An exponent of 5 or more digits is not evaluated (sympy may hold the GIL for hours on it): such a completion
-    scores 0 and gives no answer, even when it equals the gold answer; a 4-digit exponent is still evaluated."""
+    scores 0 and gives no answer, even when it equals the gold answer; a 4-digit exponent is still evaluated. In a
+    child process with a deadline: without the guard the calls would hold the GIL, which no pytest timeout
+    interrupts, so a regression would hang the suite instead of failing this test."""
     pytest.importorskip("math_verify")
-    from gspo.rewards.builtin import _math_answer
-
-    assert math_reward("q", "$2^{10000}$", answer="2^{10000}") == 0.0 and _math_answer("$2^{10000}$") is None
-    assert math_reward("q", "$2^{9999}$", answer="2^{9999}") == 1.0
+    check = ("from gspo.rewards.builtin import _math_answer, math_reward as m; "
+             "assert m('q', '$2^{10000}$', answer='2^{10000}') == 0.0 and _math_answer('$2^{10000}$') is None; "
+             "assert m('q', '$10^{10^{10}}$', answer='1') == 0.0; "
+             "assert m('q', '$2^{9999}$', answer='2^{9999}') == 1.0")
+    try:
+        done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("math_reward evaluated a huge power: still running after 120 s")
+    assert done.returncode == 0, done.stderr

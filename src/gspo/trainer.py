@@ -4,8 +4,9 @@
     learn     π_old, then one update per minibatch (`gspo.learner`: the paper's algorithm on one screen)
     sync      the new weights to the rollout engine (a stream of named tensors, `gspo.rollout.base`)
 
-`train` is set-up (checks, model, cold start, engine, wrapping, resume), the loop, and tear-down (final model,
-summary). The run folder it writes:
+`train` is set-up (`prepare`: every check, the data, the model; then `_Run`: the cold start, the engine, wrapping,
+the optimizer, a resume's state), the loop (`_Run.loop`), and tear-down (`_Run.finish`: final model, summary). The
+run folder it writes:
 
     OUT/config.yaml        the validated config as set (derived defaults, e.g. ε, null; a resume must match it)
     OUT/cold_start/        the cold-start SFT model, when `cold_start` is configured
@@ -719,83 +720,82 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
     steps had all their updates skipped for a non-finite loss or gradient norm; CheckpointError when a checkpoint
     cannot be written (earlier checkpoints stay intact and resumable); RunInterrupted on Ctrl-C.
     """
-    # ---------------------------------------------------------------------------------------------------- set-up
     setup = prepare(cfg, resume, overwrite)
-    cfg, cfg_dict, group, out, changed, rewards = (setup.cfg, setup.cfg_dict, setup.group, setup.out, setup.changed,
-                                                   setup.rewards)
-    model, tokenizer, train_rows, eval_rows, eval_group = (setup.model, setup.tokenizer, setup.train_rows,
-                                                           setup.eval_rows, setup.eval_group)
-    make_env, ro, eval_tokens, wall0 = setup.make_env, cfg.rollout, setup.eval_tokens, setup.wall0
-    reward_check = check_rewards(setup) if cfg.rewards.check and group.is_main else None
+    reward_check = check_rewards(setup) if setup.cfg.rewards.check and setup.group.is_main else None
     for line in split_warnings(reward_check or {}):
         log.warning("rewards.check: %s", line)
+    _open_run_folder(setup, overwrite)  # every check passed: from here on the run writes into its folder
+    run = _Run(setup, resume)  # the cold start, the policy and its engine, a resume's state
+    run.loop(callbacks)
+    return run.finish(reward_check)
 
-    # every check passed: from here on the run writes into its folder
-    if group.is_main:
+
+def _open_run_folder(setup: Setup, overwrite: bool) -> None:
+    """Rank 0 deletes the run `overwrite` replaces and writes OUT/config.yaml; every process waits for it."""
+    if setup.group.is_main:
         if overwrite:
-            removed = clear_run(out)
+            removed = clear_run(setup.out)
             if removed:
-                log.info("--overwrite: deleted %s from %s", ", ".join(removed), out)
-        if changed:
-            log.info("resuming with changed settings: %s", ", ".join(changed))
-        write_atomic(out / "config.yaml", yaml.safe_dump(cfg_dict, sort_keys=False))
-    group.barrier()
-    if not group.fsdp:  # FSDP moves only its shards, when wrapping
-        model = model.to(group.device)
+                log.info("--overwrite: deleted %s from %s", ", ".join(removed), setup.out)
+        if setup.changed:
+            log.info("resuming with changed settings: %s", ", ".join(setup.changed))
+        write_atomic(setup.out / "config.yaml", yaml.safe_dump(setup.cfg_dict, sort_keys=False))
+    setup.group.barrier()
 
-    checkpoint = setup.checkpoint
-    n_eval = cfg.trainer.eval_samples  # > 1: sampled evaluation with pass@k / maj@k (gspo.evaluation)
-    eval_settings = {} if n_eval == 1 else {
-        "samples_per_prompt": n_eval, "temperature": cfg.trainer.eval_temperature, "seed": cfg.trainer.seed,
-        "ks": sorted({*(2 ** i for i in range(n_eval.bit_length()) if 2 ** i <= n_eval), n_eval})}
-    eval_settings["stop"] = cfg.rollout.stop  # held-out completions end where the training ones do
-    rows_digest, train_digest = _prompts_digest(eval_rows), _prompts_digest(train_rows)  # what a resume compares
+
+def _run_cold_start(setup: Setup, model: nn.Module, eval_settings: dict, rows_digest: str) -> dict | None:
+    """`cold_start` (None when not configured): rank 0 trains and saves it, the other processes then load it. With
+    held-out rows and single-turn prompts it first measures the model it begins from (rank 0, the built-in sampler,
+    the run's evaluation settings; its reward calls are not the run's): each row's solved fraction, for the change
+    the cold start made (`_cold_start_summary`). Out of memory: a TrainingError naming the settings to lower."""
+    cfg, group, rewards = setup.cfg, setup.group, setup.rewards
+    if cfg.cold_start is None:
+        return None
 
     def before_sft(m: nn.Module) -> dict:
-        """The held-out accuracy of the model the cold start begins from (rank 0, the built-in sampler, the run's
-        evaluation settings; its reward calls are not the run's): each row's solved fraction, for the change the
-        cold start made (`_cold_start_summary`)."""
         values: list[float] = []
         with rewards.probing():  # under the autocast the run's engine samples with (gspo.rollout.make_engine)
-            scores = evaluate(m, tokenizer, eval_rows, rewards, eval_tokens, row_values=values,
+            scores = evaluate(m, setup.tokenizer, setup.eval_rows, rewards, setup.eval_tokens, row_values=values,
                               autocast=cfg.trainer.mixed_precision,
                               accuracy_reward=cfg.rewards.accuracy_reward,
                               accuracy_threshold=cfg.rewards.accuracy_threshold, **eval_settings)
         return {"heldout_accuracy": sum(values) / len(values), "heldout_accuracy_ci95": list(accuracy_ci95(values)),
                 "rows": values, "digest": rows_digest, **({"reward_failure_rate": scores["reward_failure_rate"]}
                                                            if scores["reward_failure_rate"] else {})}
-    # on a resume the checkpoint's weights replace the cold-start ones, but the KL reference is the cold-start model
-    cold = None  # rank 0 trains and saves it; the other processes then load it
-    if cfg.cold_start is not None:
-        measure = before_sft if eval_rows and make_env is None else None  # episodes need the run's engine
+    measure = before_sft if setup.eval_rows and setup.make_env is None else None  # episodes need the run's engine
 
-        def cold_start_on_device() -> dict:
-            """`cold_start` on the process's device. Under FSDP the model waits on the CPU to be sharded, so rank 0
-            moves it to its GPU for the SFT and its evaluation (one GPU then holds the model and its AdamW state) and
-            back: otherwise both ran on the CPU while the GPUs waited."""
-            moved = (group.fsdp and group.is_main and group.device.type != "cpu"
-                     and not (out / "cold_start" / "sft.json").exists())
-            if moved:
-                model.to(group.device)
-            try:
-                return cold_start(cfg, out, model, tokenizer, train_rows, before=measure if group.is_main else None)
-            finally:
-                if moved:
-                    model.to("cpu")
-                    torch.cuda.empty_cache()
-
+    def on_device() -> dict:
+        """On the process's device. Under FSDP the model waits on the CPU to be sharded, so rank 0 moves it to its
+        GPU for the SFT and its evaluation (one GPU then holds the model and its AdamW state) and back: otherwise
+        both ran on the CPU while the GPUs waited."""
+        moved = (group.fsdp and group.is_main and group.device.type != "cpu"
+                 and not (setup.out / "cold_start" / "sft.json").exists())
+        if moved:
+            model.to(group.device)
         try:
-            cold = group.main_first(cold_start_on_device)
-        except RuntimeError as e:
-            if not _out_of_memory(e):
-                raise
-            cs = cfg.cold_start
-            budget = "" if cs.micro_batch_tokens is None else f" below {cs.micro_batch_tokens}"
-            raise TrainingError(f"out of memory in the cold start's SFT ({cs.batch_size} rows per step): set "
-                                f"cold_start.micro_batch_tokens{budget} (forwards of at most that many tokens, the "
-                                "same step) or lower cold_start.batch_size, and run the command again (the cold "
-                                "start saves nothing until it is done)") from e
-    dropout = disable_dropout(model, dry_run=not cfg.trainer.disable_dropout)  # for RL: π_θ deterministic
+            return cold_start(cfg, setup.out, model, setup.tokenizer, setup.train_rows,
+                              before=measure if group.is_main else None)
+        finally:
+            if moved:
+                model.to("cpu")
+                torch.cuda.empty_cache()
+
+    try:
+        return group.main_first(on_device)
+    except RuntimeError as e:
+        if not _out_of_memory(e):
+            raise
+        cs = cfg.cold_start
+        budget = "" if cs.micro_batch_tokens is None else f" below {cs.micro_batch_tokens}"
+        raise TrainingError(f"out of memory in the cold start's SFT ({cs.batch_size} rows per step): set "
+                            f"cold_start.micro_batch_tokens{budget} (forwards of at most that many tokens, the "
+                            "same step) or lower cold_start.batch_size, and run the command again (the cold "
+                            "start saves nothing until it is done)") from e
+
+
+def _disable_dropout(cfg: Config, model: nn.Module) -> None:
+    """trainer.disable_dropout: the model's dropout off for RL (π_θ deterministic), said; kept on: warned."""
+    dropout = disable_dropout(model, dry_run=not cfg.trainer.disable_dropout)
     if dropout:
         listed = ", ".join(dropout[:3]) + (f", ... ({len(dropout)} in all)" if len(dropout) > 3 else "")
         if cfg.trainer.disable_dropout:
@@ -803,210 +803,273 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
         else:
             log.warning("trainer.disable_dropout=false and the model has dropout (%s): π_θ is random, so the "
                         "on-policy minibatch's ratios are noise, not 1", listed)
-    # what LoRA adapts, as adapter folders name it: an absolute path (a preset: with its seed), so that
-    # `gspo eval RUN/final` builds that same base from anywhere
-    lora_base = (str((out / "cold_start").absolute()) if cfg.cold_start is not None
+
+
+@dataclass
+class _Policy:
+    """What `_build_policy` makes of the model: the policy as it trains, its rollout engine, the KL reference, the
+    optimizer, its schedule and the float16 loss scaler."""
+
+    model: nn.Module  # with LoRA adapters when configured; DDP / FSDP2 under torchrun
+    engine: RolloutEngine
+    ref_model: nn.Module | None
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler | None  # None but for float16 compute
+    lora_base: str  # what LoRA adapts, as adapter folders name it
+
+
+def _build_policy(setup: Setup, model: nn.Module) -> _Policy:
+    """The KL reference, the rollout engine, LoRA, the DDP / FSDP2 wrapping and the optimizer, in the order each needs:
+    the reference copy and the engine before wrapping (either may copy the full model), LoRA after the engine (an
+    own-copy engine is built from the plain model; engines receive merged weights)."""
+    cfg, group = setup.cfg, setup.group
+    # an absolute path (a preset: with its seed), so that `gspo eval RUN/final` builds that same base from anywhere
+    lora_base = (str((setup.out / "cold_start").absolute()) if cfg.cold_start is not None
                  else adapter_base_name(cfg.model.name, cfg.trainer.seed))
     kl_copy = cfg.algorithm.kl_beta > 0 and cfg.model.lora is None  # LoRA: the base with its adapters off, no copy
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if kl_copy else None
-    # before wrapping: it may copy the full model. Async: the learner's engine only evaluates, and vLLM servers belong
-    # to the rollout workers (one each; a push from the learner would change what a worker samples from)
-    if ro.mode == "async" and ro.engine == "vllm_server":
-        engine = make_engine(cfg, model, tokenizer, out=out, dist=group, kind="hf")
-    else:
-        engine = make_engine(cfg, model, tokenizer, out=out, dist=group)
-    if cfg.model.lora is not None:  # after the engine: an own-copy engine is built from the plain model
-        model = apply_lora(model, cfg.model.lora, base_model=lora_base,  # only the adapters train; engines receive
-                           seed=derive_seed(cfg.trainer.seed, "lora"))
-        # merged weights; every adapter folder saved (checkpoints, final/) names the base it was trained on
+    # async: the learner's engine only evaluates, and vLLM servers belong to the rollout workers (one each; a push from
+    # the learner would change what a worker samples from)
+    kind = "hf" if cfg.rollout.mode == "async" and cfg.rollout.engine == "vllm_server" else None
+    engine = make_engine(cfg, model, setup.tokenizer, out=setup.out, dist=group, kind=kind)
+    if cfg.model.lora is not None:  # only the adapters train; every adapter folder saved names the base it adapts
+        model = apply_lora(model, cfg.model.lora, base_model=lora_base, seed=derive_seed(cfg.trainer.seed, "lora"))
     model = wrap_policy(group, model, cfg.trainer.mixed_precision)  # DDP / FSDP2; one process: as is
     if cfg.model.lora is not None and cfg.algorithm.kl_beta > 0:  # the policy with its adapters off; under FSDP
         ref_model = BaseReference(model if group.fsdp else unwrap_model(model))  # the sharded root gathers them
     else:
         ref_model = wrap_frozen(group, ref_model, cfg.trainer.mixed_precision)
-    updates = cfg.algorithm.minibatches * cfg.algorithm.epochs  # optimizer steps per RL step
-    if (warmup_note := warmup_warning(cfg.optim.warmup_steps, cfg.trainer.steps * updates)) and group.is_main:
+    updates = cfg.trainer.steps * cfg.algorithm.minibatches * cfg.algorithm.epochs  # optimizer steps in the run
+    if (warmup_note := warmup_warning(cfg.optim.warmup_steps, updates)) and group.is_main:
         log.warning(warmup_note)
     optimizer, scheduler = make_optimizer(
-        model, cfg.optim.lr, cfg.trainer.steps * updates, weight_decay=cfg.optim.weight_decay,
-        betas=cfg.optim.betas, warmup_steps=cfg.optim.warmup_steps, min_lr_ratio=cfg.optim.min_lr_ratio,
-        cosine=cfg.optim.schedule == "cosine")
-    scaler = loss_scaler(model, cfg.trainer.mixed_precision, group.fsdp)  # None but for float16 compute
-    start, bad_steps, state = 0, 0, {}  # bad_steps: consecutive steps whose updates were all skipped (non-finite)
-    if checkpoint is not None:  # found and checked against trainer.steps before anything was written (`prepare`)
-        state = load_state(group, checkpoint, model, optimizer, scheduler)
-        start, bad_steps = state["step"], state.get("bad_steps", 0)
-        _load_loss_scale(scaler, state)
-        wall0 -= state.get("wall_seconds", 0.0)  # the run's wall time up to that checkpoint (not the lost work after)
-        # counts up to the checkpoint, so that the summary covers the whole run, not just this process
-        rewards.load_state_dict({"failures": state.get("reward_failures", {}),
-                                 "timeouts": state.get("reward_timeouts", {})})
-        log.info("resumed from %s at step %d", checkpoint, start)
-    elif resume:
-        log.info("no checkpoint in %s yet: starting the run over", out)
-    sync(engine, model, start)  # the policy as it is now (cold start, resume), not what the engine was built from
+        model, cfg.optim.lr, updates, weight_decay=cfg.optim.weight_decay, betas=cfg.optim.betas,
+        warmup_steps=cfg.optim.warmup_steps, min_lr_ratio=cfg.optim.min_lr_ratio, cosine=cfg.optim.schedule == "cosine")
+    return _Policy(model, engine, ref_model, optimizer, scheduler, loss_scaler(model, cfg.trainer.mixed_precision,
+                                                                              group.fsdp), lora_base)
 
-    def start_rollouts(start: int, state: dict) -> AsyncRollouts | SharedRollouts | None:
+
+class _Run:
+    """A run of `train` after its checks: the policy and its rollouts, the state a checkpoint keeps (the step, the
+    collapse guard's, the evaluations'), the loop, and what the run writes along the way (evaluations, checkpoints,
+    rollbacks, the summary). Every process holds one; rank 0 writes the files."""
+
+    def __init__(self, setup: Setup, resume: bool) -> None:
+        cfg, group, out = self.cfg, self.group, self.out = setup.cfg, setup.group, setup.out
+        self.setup, self.rewards, self.tokenizer = setup, setup.rewards, setup.tokenizer
+        self.eval_rows, self.wall0 = setup.eval_rows, setup.wall0
+        model = setup.model if group.fsdp else setup.model.to(group.device)  # FSDP moves only its shards, when wrapping
+        self.n_eval = n_eval = cfg.trainer.eval_samples  # > 1: sampled evaluation with pass@k / maj@k
+        self.eval_settings = {} if n_eval == 1 else {
+            "samples_per_prompt": n_eval, "temperature": cfg.trainer.eval_temperature, "seed": cfg.trainer.seed,
+            "ks": sorted({*(2 ** i for i in range(n_eval.bit_length()) if 2 ** i <= n_eval), n_eval})}
+        self.eval_settings["stop"] = cfg.rollout.stop  # held-out completions end where the training ones do
+        # what a resume compares
+        self.rows_digest, self.train_digest = _prompts_digest(setup.eval_rows), _prompts_digest(setup.train_rows)
+        # on a resume the checkpoint's weights replace the cold-start ones, but the KL reference is the cold-start model
+        self.cold = _run_cold_start(setup, model, self.eval_settings, self.rows_digest)
+        _disable_dropout(cfg, model)
+        policy = _build_policy(setup, model)
+        self.model, self.engine, self.optimizer, self.scheduler, self.scaler, self.lora_base = (
+            policy.model, policy.engine, policy.optimizer, policy.scheduler, policy.scaler, policy.lora_base)
+        self.updates = cfg.algorithm.minibatches * cfg.algorithm.epochs  # optimizer steps per RL step
+        # bad_steps: consecutive steps whose updates were all skipped (non-finite)
+        self.start, self.bad_steps, state = 0, 0, {}
+        if setup.checkpoint is not None:  # found and checked against trainer.steps before anything was written
+            state = load_state(group, setup.checkpoint, self.model, self.optimizer, self.scheduler)
+            self.start, self.bad_steps = state["step"], state.get("bad_steps", 0)
+            _load_loss_scale(self.scaler, state)
+            self.wall0 -= state.get("wall_seconds", 0.0)  # the run's wall time up to that checkpoint, not the lost work
+            # counts up to the checkpoint, so that the summary covers the whole run, not just this process
+            self.rewards.load_state_dict({"failures": state.get("reward_failures", {}),
+                                          "timeouts": state.get("reward_timeouts", {})})
+            log.info("resumed from %s at step %d", setup.checkpoint, self.start)
+        elif resume:
+            log.info("no checkpoint in %s yet: starting the run over", out)
+        sync(self.engine, self.model, self.start)  # the policy as it is now (cold start, resume), not as built
+
+        self.rollouts = self.start_rollouts(self.start, state)
+        self.episodes = (make_episode_runner(cfg, self.engine, self.tokenizer, setup.make_env)
+                         if setup.make_env is not None else None)
+        self.ctx = RLStep(cfg, self.engine, self.rewards, policy.ref_model, default_hooks(cfg, self.model), group,
+                          self.rollouts, self.episodes, scaler=self.scaler)
+        self.gc = cfg.trainer.guard
+        self.guard = CollapseGuard(guard_settings(cfg)) if self.gc.enabled else None
+        guarded = state.get("guard", {})  # the guard's baseline, rollbacks and learning-rate scale at the checkpoint
+        if self.guard is not None:
+            self.guard.load_state_dict(guarded)
+        self.rollbacks, self.lr_scale = guarded.get("rollbacks", 0), guarded.get("lr_scale", 1.0)
+        self.logger = MetricsLogger(out, tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb, mlflow=cfg.log.mlflow,
+                                    resume_step=self.start if resume else None,
+                                    run_config=config_to_dict(cfg, resolved=True)) if group.is_main else None
+        self._restore_evaluations(state)
+
+    def _restore_evaluations(self, state: dict) -> None:
+        """What the evaluations keep across a resume: the earlier evaluations and sample completions, each held-out
+        row's solved fraction at the run's first evaluation, OUT/best's record; and whether the rows changed."""
+        out, start = self.out, self.start
+        # evaluations (and their sample completions) up to the checkpoint are kept; a run restarting at 0 redoes step 0
+        self.evals, self.samples = ([r for r in read_metrics(out / name) if r["step"] <= start]
+                                    if start > 0 and (out / name).exists() else []
+                                    for name in ("eval.jsonl", "samples.jsonl"))
+        # Each held-out row's solved fraction at the run's first evaluation (kept in checkpoints): every later
+        # evaluation reports its change since then with the interval of the paired difference
+        # (gspo.evaluation.paired_change_ci95) ...
+        self.first_rows: list[float] | None = state.get("heldout_first_rows")
+        # ... of these very rows: resumed with other held-out rows (the data or its selection changed), the pairs are
+        # lost
+        if self.first_rows is not None and state.get("heldout_digest") != self.rows_digest:
+            log.warning("the held-out rows differ from those of the run's first evaluation (the data, or how rows "
+                        "are chosen, changed since): later evaluations report no change since then")
+            self.first_rows = None
+        self.best: dict | None = state.get("best")  # trainer.save_best: the step and accuracy of OUT/best
+        # OUT/best is not versioned with the checkpoints: an evaluation after the checkpoint a run resumes from may have
+        # written it (its record, OUT/best/best.json, says), and then that is what OUT/best holds
+        marker = self.group.broadcast_object(_read_best_marker(out) if self.group.is_main else None)
+        if marker is not None and marker["step"] > start and self.best != marker:
+            self.best = {**marker, "discarded_by_resume": True}
+        # resumed on other training rows (the data, its selection, or an embedded task's split changed since): said
+        self.train_changed = state.get("train_digest", self.train_digest) != self.train_digest
+        if self.train_changed:
+            log.warning("the training rows differ from those the run trained on before its checkpoint (the data, how "
+                        "rows are chosen, or an embedded task's split changed since): the rest of the run trains on "
+                        "the new rows (summary.json: train.changed_on_resume)")
+
+    def start_rollouts(self, start: int, state: dict) -> AsyncRollouts | SharedRollouts | None:
         """rollout.mode async: worker processes start generating now; a resume (or a rollback) continues after the
         last batch trained up to `start`, and first generates again those in flight at that checkpoint."""
-        if ro.mode != "async":
+        cfg, group = self.cfg, self.group
+        if cfg.rollout.mode != "async":
             return None
         index, pending = state.get("rollout_index", start), state.get("rollout_pending", [])
         counts = {k: state[k] for k in ROLLOUT_COUNTS if k in state}
-        weights = policy_weights(model)  # under FSDP gathered by every process
+        weights = policy_weights(self.model)  # under FSDP gathered by every process
         inner = None  # torchrun: rank 0 runs the workers and hands every process each batch
         if group.is_main:
-            inner = AsyncRollouts(cfg, model, tokenizer, train_rows, weights, start, start_index=index,
-                                  device=str(group.device), counts=counts, out=str(out), pending=pending)
+            inner = AsyncRollouts(cfg, self.model, self.tokenizer, self.setup.train_rows, weights, start,
+                                  start_index=index, device=str(group.device), counts=counts, out=str(self.out),
+                                  pending=pending)
         else:
             drain(weights)
         return SharedRollouts(group, inner, index, counts, pending) if group.enabled else inner
 
-    rollouts = start_rollouts(start, state)
-    episodes = make_episode_runner(cfg, engine, tokenizer, make_env) if make_env is not None else None
-    ctx = RLStep(cfg, engine, rewards, ref_model, default_hooks(cfg, model), group, rollouts, episodes,
-                 scaler=scaler)
-    gc = cfg.trainer.guard
-    guard = CollapseGuard(guard_settings(cfg)) if gc.enabled else None
-    guarded = state.get("guard", {})  # the guard's baseline, rollbacks and learning-rate scale at the checkpoint
-    if guard is not None:
-        guard.load_state_dict(guarded)
-    rollbacks, lr_scale = guarded.get("rollbacks", 0), guarded.get("lr_scale", 1.0)
-    logger = MetricsLogger(out, tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb, mlflow=cfg.log.mlflow,
-                           resume_step=start if resume else None,
-                           run_config=config_to_dict(cfg, resolved=True)) if group.is_main else None  # values used
-    # evaluations (and their sample completions) up to the checkpoint are kept; a run restarting at 0 redoes step 0
-    evals, samples = ([r for r in read_metrics(out / name) if r["step"] <= start]
-                      if start > 0 and (out / name).exists() else [] for name in ("eval.jsonl", "samples.jsonl"))
-
-
-    # Each held-out row's solved fraction at the run's first evaluation (kept in checkpoints): every later evaluation
-    # reports its change since then with the interval of the paired difference (gspo.evaluation.paired_change_ci95).
-    first_rows: list[float] | None = state.get("heldout_first_rows")
-    # ... of these very rows: resumed with other held-out rows (the data or its selection changed), the pairs are lost
-    if first_rows is not None and state.get("heldout_digest") != rows_digest:
-        log.warning("the held-out rows differ from those of the run's first evaluation (the data, or how rows are "
-                    "chosen, changed since): later evaluations report no change since then")
-        first_rows = None
-    best: dict | None = state.get("best")  # trainer.save_best: the step and accuracy of OUT/best
-    # OUT/best is not versioned with the checkpoints: an evaluation after the checkpoint a run resumes from may have
-    # written it (its record, OUT/best/best.json, says), and then that is what OUT/best holds
-    marker = group.broadcast_object(_read_best_marker(out) if group.is_main else None)
-    if marker is not None and marker["step"] > start and best != marker:
-        best = {**marker, "discarded_by_resume": True}
-    # resumed on other training rows (the data, its selection, or an embedded task's split changed since): said
-    train_changed = state.get("train_digest", train_digest) != train_digest
-    if train_changed:
-        log.warning("the training rows differ from those the run trained on before its checkpoint (the data, how "
-                    "rows are chosen, or an embedded task's split changed since): the rest of the run trains on the "
-                    "new rows (summary.json: train.changed_on_resume)")
-
-    def publish_model(name: str) -> None:
+    def publish_model(self, name: str) -> None:
         """The policy as a model folder OUT/`name` (written aside, then swapped in): a transformers model, or with
         LoRA a peft adapter folder (and the merged model on request). A collective: every process calls it."""
-        tmp = out / f".{name}.tmp"
-        with full_state(group, model) as full_model:  # None but on rank 0
+        tmp = self.out / f".{name}.tmp"
+        with full_state(self.group, self.model) as full_model:  # None but on rank 0
             if full_model is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
-                if cfg.model.lora is not None:  # a peft adapter folder (and, on request, the merged model in merged/)
+                if self.cfg.model.lora is not None:  # a peft adapter folder (and, on request, the merged model)
                     peft, weights = ((full_model.model, full_model.weights) if isinstance(full_model, FullModelView)
                                      else (full_model, None))  # FSDP: the full weights gathered on this process
-                    save_lora_final(peft, tokenizer, tmp, merged=cfg.model.lora.merged_final, state=weights,
-                                    base_model=lora_base)
+                    save_lora_final(peft, self.tokenizer, tmp, merged=self.cfg.model.lora.merged_final,
+                                    state=weights, base_model=self.lora_base)
                 else:
-                    save_model(full_model, tokenizer, tmp)
-                publish_dir(tmp, out / name)
+                    save_model(full_model, self.tokenizer, tmp)
+                publish_dir(tmp, self.out / name)
 
-    def run_eval(step: int) -> dict[str, float]:
-        nonlocal first_rows, best
+    def evaluate(self, step: int) -> dict[str, float]:
+        """The held-out evaluation at `step` (every process its share of the rows): appended to OUT/eval.jsonl (with
+        sample completions to OUT/samples.jsonl), OUT/best replaced when it is the best so far (trainer.save_best);
+        returns its metrics (heldout_*)."""
+        cfg, group, out = self.cfg, self.group, self.out
         shown: list[dict] = []
         mine: list[float] = []  # this process's rows' solved fractions, in row order
-        if engine.version != step:  # async: the learner's engine took no weights since it last evaluated
-            sync(engine, model, step)
+        if self.engine.version != step:  # async: the learner's engine took no weights since it last evaluated
+            sync(self.engine, self.model, step)
         scores = group.evaluate(lambda part, offset: evaluate(
-            model, tokenizer, part, rewards, eval_tokens, sampler=engine, episodes=episodes,
-            accuracy_reward=cfg.rewards.accuracy_reward, accuracy_threshold=cfg.rewards.accuracy_threshold,
-            samples=shown, n_samples=cfg.log.samples, row_values=mine, row_offset=offset, **eval_settings), eval_rows,
-            after=lambda: rewards.sync_counts(group.all_sum))  # rank 0: the first rows
+            self.model, self.tokenizer, part, self.rewards, self.setup.eval_tokens, sampler=self.engine,
+            episodes=self.episodes, accuracy_reward=cfg.rewards.accuracy_reward,
+            accuracy_threshold=cfg.rewards.accuracy_threshold, samples=shown, n_samples=cfg.log.samples,
+            row_values=mine, row_offset=offset, **self.eval_settings), self.eval_rows,
+            after=lambda: self.rewards.sync_counts(group.all_sum))  # rank 0: the first rows
         every = mine
         if group.enabled:  # row-weighted means are right for pass@k and maj@k, not for the interval bounds
             scores = {k: v for k, v in scores.items() if "_ci95_" not in k}
             every = [v for part in group.all_gather_object(mine) for v in part]  # every process's rows, in order
             scores["accuracy_ci95_low"], scores["accuracy_ci95_high"] = accuracy_ci95(every)
-            if n_eval > 1:
-                scores.update(pass_at_k_ci95(every, n_eval, eval_settings["ks"]))
-        since = first_rows if evals and first_rows is not None and len(first_rows) == len(every) else None
-        if not evals:  # the run's first evaluation (a resume has the earlier ones)
-            first_rows = every
+            if self.n_eval > 1:
+                scores.update(pass_at_k_ci95(every, self.n_eval, self.eval_settings["ks"]))
+        first = self.first_rows
+        since = first if self.evals and first is not None and len(first) == len(every) else None
+        if not self.evals:  # the run's first evaluation (a resume has the earlier ones)
+            self.first_rows = every
             if group.is_main:
-                _warn_cut_off(scores, eval_tokens, "trainer.eval_max_new_tokens", episodes is not None)
+                _warn_cut_off(scores, self.setup.eval_tokens, "trainer.eval_max_new_tokens", self.episodes is not None)
         elif since is not None:
             (scores["accuracy_change"], scores["accuracy_change_ci95_low"],
              scores["accuracy_change_ci95_high"]) = paired_change_ci95(since, every)
-        if eval_group is not None:  # accuracy/GROUP etc., each group's change since the first evaluation
-            scores.update(accuracy_by_group(every, eval_group, since))
+        if self.setup.eval_group is not None:  # accuracy/GROUP etc., each group's change since the first evaluation
+            scores.update(accuracy_by_group(every, self.setup.eval_group, since))
         result = {f"heldout_{k}": v for k, v in scores.items()}
-        evals.append({"step": step, **result})
+        self.evals.append({"step": step, **result})
         accuracy = sum(every) / len(every)  # the same on every process: the decision is collective
-        if cfg.trainer.save_best and (best is None or accuracy > best["heldout_accuracy"]):
-            publish_model("best")
-            best = {"step": step, "heldout_accuracy": accuracy}
+        if cfg.trainer.save_best and (self.best is None or accuracy > self.best["heldout_accuracy"]):
+            self.publish_model("best")
+            self.best = {"step": step, "heldout_accuracy": accuracy}
             if group.is_main:
-                write_atomic(out / "best" / BEST_MARKER, json.dumps(best))
-        if logger is not None:
-            write_jsonl(out / "eval.jsonl", evals)
+                write_atomic(out / "best" / BEST_MARKER, json.dumps(self.best))
+        if self.logger is not None:
+            write_jsonl(out / "eval.jsonl", self.evals)
             if shown:
-                samples.extend({"step": step, **x} for x in shown)
-                write_jsonl(out / "samples.jsonl", samples)
-                logger.log_text(step, "heldout_samples", format_samples(step, shown))
+                self.samples.extend({"step": step, **x} for x in shown)
+                write_jsonl(out / "samples.jsonl", self.samples)
+                self.logger.log_text(step, "heldout_samples", format_samples(step, shown))
         return result
 
-    def checkpoint_now(step: int) -> None:
-        save_state(group, out, step, model=model, optimizer=optimizer, scheduler=scheduler, tokenizer=tokenizer,
-                   state={"step": step, "data_position": step * ro.prompts_per_step, "bad_steps": bad_steps,
+    def checkpoint(self, step: int) -> None:
+        """A checkpoint of `step`: the weights, the optimizer, and the state a resume continues from."""
+        guard, rollouts, scaler, first_rows = self.guard, self.rollouts, self.scaler, self.first_rows
+        save_state(self.group, self.out, step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                   tokenizer=self.tokenizer,
+                   state={"step": step, "data_position": step * self.cfg.rollout.prompts_per_step,
+                          "bad_steps": self.bad_steps,
                           **({"loss_scaler": scaler.state_dict()} if scaler is not None else {}),
                           **(rollouts.state_dict() if rollouts is not None else {}),
-                          **({"guard": {**guard.state_dict(), "rollbacks": rollbacks, "lr_scale": lr_scale,
+                          **({"guard": {**guard.state_dict(), "rollbacks": self.rollbacks, "lr_scale": self.lr_scale,
                                         "reward_baseline": guard.reward_baseline()}}
                              if guard is not None else {}),
-                          **{f"reward_{kind}": counts for kind, counts in rewards.state_dict().items()},
-                          **({"heldout_first_rows": first_rows, "heldout_digest": rows_digest}
+                          **{f"reward_{kind}": counts for kind, counts in self.rewards.state_dict().items()},
+                          **({"heldout_first_rows": first_rows, "heldout_digest": self.rows_digest}
                              if first_rows is not None else {}),
-                          **({"best": best} if best is not None else {}), "train_digest": train_digest,
-                          "wall_seconds": time.perf_counter() - wall0},
-                   keep_last=cfg.trainer.keep_checkpoints + doubted_checkpoints(), keep=best_kept())
+                          **({"best": self.best} if self.best is not None else {}), "train_digest": self.train_digest,
+                          "wall_seconds": time.perf_counter() - self.wall0},
+                   keep_last=self.cfg.trainer.keep_checkpoints + self._doubted_checkpoints(), keep=self._best_kept())
 
-    def best_kept() -> set[int]:
+    def _best_kept(self) -> set[int]:
         """The checkpoint with the best reward baseline, kept from pruning while the guard may roll back to it."""
-        if guard is None or gc.action != "rollback" or not group.is_main:
+        if self.guard is None or self.gc.action != "rollback" or not self.group.is_main:
             return set()
-        best = best_checkpoint(_checkpoint_baselines(out))
+        best = best_checkpoint(_checkpoint_baselines(self.out))
         return set() if best is None else {best}
 
-    def doubted_checkpoints() -> int:
+    def _doubted_checkpoints(self) -> int:
         """Checkpoints taken since the guard's current anomalies began (their weights may be the collapse's): kept on
         top of trainer.keep_checkpoints, so that they do not push the last clean checkpoint out."""
-        if guard is None or guard.since is None or gc.action != "rollback":
+        if self.guard is None or self.guard.since is None or self.gc.action != "rollback":
             return 0
-        return sum(c + 1 >= guard.since for c in list_checkpoints(out))
+        return sum(c + 1 >= self.guard.since for c in list_checkpoints(self.out))
 
-    def roll_back(verdict: Verdict) -> int | None:
+    def roll_back(self, verdict: Verdict) -> int | None:
         """The guard saw a collapse: restore the last checkpoint no anomalous step saw whose recent reward is within
         trainer.guard.reward_drop / 4 of the best such one's (`good_checkpoint`), with the learning rate ×
         trainer.guard.lr_factor; returns its step (None: no rollback, the run stops). Later checkpoints, metrics and
         evaluations are discarded (OUT/guard.jsonl keeps the discarded metrics), and the restored checkpoint is saved
         again with the guard's new state, so that a crash from here resumes with the lower learning rate."""
-        nonlocal rollbacks, lr_scale, bad_steps, rollouts, best
+        gc, group, out = self.gc, self.group, self.out
         steps, baselines = group.main_first(lambda: (list_checkpoints(out), _checkpoint_baselines(out)))
         back = good_checkpoint(steps, verdict.first_step, baselines, gc.reward_drop / 4)
-        if gc.action != "rollback" or rollbacks >= gc.max_rollbacks or back is None:
+        if gc.action != "rollback" or self.rollbacks >= gc.max_rollbacks or back is None:
             return None
-        state = load_state(group, checkpoint_path(out, back), model, optimizer, scheduler)
+        state = load_state(group, checkpoint_path(out, back), self.model, self.optimizer, self.scheduler)
         before = state.get("guard", {})
-        scale_lr(optimizer, scheduler, lr_scale * gc.lr_factor / before.get("lr_scale", 1.0))
-        rollbacks, lr_scale, bad_steps = rollbacks + 1, lr_scale * gc.lr_factor, state.get("bad_steps", 0)
-        _load_loss_scale(scaler, state)
-        guard.load_state_dict(before)
+        scale_lr(self.optimizer, self.scheduler, self.lr_scale * gc.lr_factor / before.get("lr_scale", 1.0))
+        self.rollbacks, self.lr_scale = self.rollbacks + 1, self.lr_scale * gc.lr_factor
+        self.bad_steps = state.get("bad_steps", 0)
+        _load_loss_scale(self.scaler, state)
+        self.guard.load_state_dict(before)
         if group.is_main:
             for later in (s for s in steps if s > back):
                 shutil.rmtree(checkpoint_path(out, later), ignore_errors=True)
@@ -1014,167 +1077,181 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False,
             with open(out / "guard.jsonl", "a", encoding="utf-8") as f:
                 f.write(json.dumps({"step": verdict.step, "event": "rollback", "reason": verdict.reason,
                                     "first_anomalous_step": verdict.first_step, "to_checkpoint": back,
-                                    "lr_scale": lr_scale, "rollback": rollbacks, "discarded": discarded}) + "\n")
-            logger.rewind(back)
-        evals[:] = [r for r in evals if r["step"] <= back]
-        if best is not None and best["step"] > back:  # OUT/best stays, but its evaluation is no longer in eval.jsonl
-            best = {**best, "discarded_by_rollback": True}
-        samples[:] = [r for r in samples if r["step"] <= back]
+                                    "lr_scale": self.lr_scale, "rollback": self.rollbacks,
+                                    "discarded": discarded}) + "\n")
+            self.logger.rewind(back)
+        self.evals[:] = [r for r in self.evals if r["step"] <= back]
+        if self.best is not None and self.best["step"] > back:  # OUT/best stays, but its evaluation is gone
+            self.best = {**self.best, "discarded_by_rollback": True}
+        self.samples[:] = [r for r in self.samples if r["step"] <= back]
         if group.is_main:
-            write_jsonl(out / "eval.jsonl", evals)
-            write_jsonl(out / "samples.jsonl", samples)
-        sync(engine, model, back)
-        if rollouts is not None:
-            rollouts.close()
-            rollouts = ctx.rollouts = start_rollouts(back, state)
-        checkpoint_now(back)
+            write_jsonl(out / "eval.jsonl", self.evals)
+            write_jsonl(out / "samples.jsonl", self.samples)
+        sync(self.engine, self.model, back)
+        if self.rollouts is not None:
+            self.rollouts.close()
+            self.rollouts = self.ctx.rollouts = self.start_rollouts(back, state)
+        self.checkpoint(back)
         log.warning("collapse guard: %s (steps %d-%d); rolled back to the checkpoint of step %d with the learning "
                     "rate × %g (rollback %d of %d)", verdict.reason, verdict.first_step, verdict.step, back,
-                    lr_scale, rollbacks, gc.max_rollbacks)
+                    self.lr_scale, self.rollbacks, gc.max_rollbacks)
         return back
 
-    def collapsed(verdict: Verdict) -> RunCollapsed:
+    def collapsed(self, verdict: Verdict) -> RunCollapsed:
         """Stop: summary.json with status "collapsed" and the reason (the last good checkpoint stays resumable)."""
+        gc = self.gc
         why = ("trainer.guard.action=stop" if gc.action == "stop" else
-               f"{rollbacks} rollback(s) already (trainer.guard.max_rollbacks={gc.max_rollbacks})"
-               if rollbacks >= gc.max_rollbacks else
+               f"{self.rollbacks} rollback(s) already (trainer.guard.max_rollbacks={gc.max_rollbacks})"
+               if self.rollbacks >= gc.max_rollbacks else
                f"no checkpoint from before step {verdict.first_step - 1} to roll back to (trainer.checkpoint_every)")
         error = (f"collapse at step {verdict.step} (anomalous since step {verdict.first_step}): {verdict.reason}; "
                  f"stopped, since {why}")
-        if group.is_main:
-            stopped_summary("collapsed", error, verdict.step, guard={
-                "rollbacks": rollbacks, "lr_scale": lr_scale, "reason": verdict.reason,
+        if self.group.is_main:
+            self.stopped_summary("collapsed", error, verdict.step, guard={
+                "rollbacks": self.rollbacks, "lr_scale": self.lr_scale, "reason": verdict.reason,
                 "first_anomalous_step": verdict.first_step})
         return RunCollapsed(error)
 
-    def stopped_summary(status: str, error: str, steps_done: int, **extra) -> None:
+    def stopped_summary(self, status: str, error: str, steps_done: int, **extra) -> None:
         """summary.json (and curves.png) of a run that stopped before its last step: why, and what it has to show —
         the held-out accuracy before RL and at its last evaluation, OUT/best (trainer.save_best), the checkpoint
         a resume continues from."""
-        latest = list_checkpoints(out)
-        write_atomic(out / "summary.json", json.dumps({
-            "status": status, "error": error, "steps_done": steps_done, "steps": cfg.trainer.steps, **extra,
+        evals, latest = self.evals, list_checkpoints(self.out)
+        write_atomic(self.out / "summary.json", json.dumps({
+            "status": status, "error": error, "steps_done": steps_done, "steps": self.cfg.trainer.steps, **extra,
             "heldout_accuracy_before_rl": evals[0]["heldout_accuracy"] if evals else None,
             "heldout_accuracy_last": {"step": evals[-1]["step"], "accuracy": evals[-1]["heldout_accuracy"]}
             if evals else None,
-            **({"best": _best_record(best, out)} if best is not None else {}),
+            **({"best": _best_record(self.best, self.out)} if self.best is not None else {}),
             "last_checkpoint": latest[-1] if latest else None,
-            "wall_seconds": time.perf_counter() - wall0}, indent=2))
-        _plot_run(cfg, out, evals)
+            "wall_seconds": time.perf_counter() - self.wall0}, indent=2))
+        _plot_run(self.cfg, self.out, evals)
 
-    def failed_summary(error: str, steps_done: int, **extra) -> None:
+    def failed_summary(self, error: str, steps_done: int, **extra) -> None:
         """stopped_summary "failed" on rank 0 while the others wait, before every process raises (raised at once,
         they had torchrun kill rank 0 before it wrote why)."""
-        group.main_first(lambda: stopped_summary("failed", error, steps_done, **extra) if group.is_main else None)
+        self.group.main_first(lambda: self.stopped_summary("failed", error, steps_done, **extra)
+                              if self.group.is_main else None)
 
-    # ------------------------------------------------------------------------------------------------------ loop
-    done = start
-    progress = Progress(total=cfg.trainer.steps, initial=start, every=cfg.log.progress_every,
-                        disable=None if cfg.log.progress and group.is_main else True,
-                        keys=("reward_mean", "heldout_accuracy", "clip_frac_tokens"))
-    try:
-        if start == 0 and eval_rows:
-            run_eval(0)
-        step = start
-        while step < cfg.trainer.steps:
-            try:
-                metrics = rl_step(step, model, optimizer, scheduler, train_rows, ctx)
-            except NoSignalError as e:
-                # after steps with signal, every group constant is a collapse (e.g. accuracy fell to 0 %): the guard
-                # rolls back or stops as it would on the metrics, which dynamic sampling never lets it see
-                if guard is not None and gc.action != "warn" and step > 0:
-                    verdict = Verdict(step + 1, {"reward": str(e)}, collapsed=True, first_step=guard.since or step + 1)
-                    log.warning("collapse guard, step %d: %s", step + 1, verdict.reason)
-                    back = roll_back(verdict)
-                    if back is None:
-                        raise collapsed(verdict) from None
-                    step = done = back
-                    progress.update(done, {})
-                    continue
-                failed_summary(str(e), step)
-                raise
-            done = step = step + 1
-            if logger is not None and cfg.log.rollouts:
-                logger.log_rollouts(done, rollout_records(ctx.last, tokenizer, cfg.log.rollouts,
-                                                          cfg.rollout.group_size, rewards.names))
-            ctx.last = None  # not held through the next step's rollouts
-            verdict = guard.observe(done, metrics) if guard is not None else None
-            if verdict is not None:
-                metrics["guard_anomalies"] = float(len(verdict.flags))
-                if verdict.flags:
-                    log.warning("collapse guard, step %d: %s", done, verdict.reason)
-                if verdict.collapsed and gc.action != "warn":
-                    if logger is not None:
-                        logger.log(done, metrics)
-                    back = roll_back(verdict)
-                    if back is None:
-                        raise collapsed(verdict)
-                    step = done = back
-                    progress.update(done, {})
-                    continue
-            # the last step is always evaluated: the summary's accuracy after RL must be measured after RL
-            if eval_rows and (done == cfg.trainer.steps or (cfg.trainer.eval_every
-                                                            and done % cfg.trainer.eval_every == 0)):
-                t_eval = time.perf_counter()
-                metrics.update(run_eval(done))
-                metrics["time_eval"] = time.perf_counter() - t_eval  # in metrics.jsonl with the other timings
+    def _collapse(self, verdict: Verdict) -> int:
+        """The guard's collapse verdict acted on: the step rolled back to, or RunCollapsed raised (summary written)."""
+        back = self.roll_back(verdict)
+        if back is None:
+            raise self.collapsed(verdict) from None
+        return back
+
+    def loop(self, callbacks: Sequence[StepCallback]) -> None:
+        """The RL steps from the start (or the resumed step) to trainer.steps: each step trained, then guarded,
+        evaluated, logged and checkpointed as scheduled, then the callbacks; the workers and trackers stopped on the
+        way out, whatever stopped the loop."""
+        cfg, gc, guard, logger = self.cfg, self.gc, self.guard, self.logger
+        done = self.start
+        progress = Progress(total=cfg.trainer.steps, initial=self.start, every=cfg.log.progress_every,
+                            disable=None if cfg.log.progress and self.group.is_main else True,
+                            keys=("reward_mean", "heldout_accuracy", "clip_frac_tokens"))
+        try:
+            if self.start == 0 and self.eval_rows:
+                self.evaluate(0)
+            step = self.start
+            while step < cfg.trainer.steps:
+                try:
+                    metrics = rl_step(step, self.model, self.optimizer, self.scheduler, self.setup.train_rows,
+                                      self.ctx)
+                except NoSignalError as e:
+                    # after steps with signal, every group constant is a collapse (e.g. accuracy fell to 0 %): the
+                    # guard rolls back or stops as it would on the metrics, which dynamic sampling never lets it see
+                    if guard is not None and gc.action != "warn" and step > 0:
+                        verdict = Verdict(step + 1, {"reward": str(e)}, collapsed=True,
+                                          first_step=guard.since or step + 1)
+                        log.warning("collapse guard, step %d: %s", step + 1, verdict.reason)
+                        step = done = self._collapse(verdict)
+                        progress.update(done, {})
+                        continue
+                    self.failed_summary(str(e), step)
+                    raise
+                done = step = step + 1
+                if logger is not None and cfg.log.rollouts:
+                    logger.log_rollouts(done, rollout_records(self.ctx.last, self.tokenizer, cfg.log.rollouts,
+                                                              cfg.rollout.group_size, self.rewards.names))
+                self.ctx.last = None  # not held through the next step's rollouts
+                verdict = guard.observe(done, metrics) if guard is not None else None
+                if verdict is not None:
+                    metrics["guard_anomalies"] = float(len(verdict.flags))
+                    if verdict.flags:
+                        log.warning("collapse guard, step %d: %s", done, verdict.reason)
+                    if verdict.collapsed and gc.action != "warn":
+                        if logger is not None:
+                            logger.log(done, metrics)
+                        step = done = self._collapse(verdict)
+                        progress.update(done, {})
+                        continue
+                # the last step is always evaluated: the summary's accuracy after RL must be measured after RL
+                if self.eval_rows and (done == cfg.trainer.steps or (cfg.trainer.eval_every
+                                                                     and done % cfg.trainer.eval_every == 0)):
+                    t_eval = time.perf_counter()
+                    metrics.update(self.evaluate(done))
+                    metrics["time_eval"] = time.perf_counter() - t_eval  # in metrics.jsonl with the other timings
+                if logger is not None:
+                    logger.log(done, metrics)
+                progress.update(done, metrics)
+                self.bad_steps = self.bad_steps + 1 if metrics["skipped_updates"] == self.updates else 0
+                if cfg.trainer.checkpoint_every and (done % cfg.trainer.checkpoint_every == 0
+                                                     or done == cfg.trainer.steps):
+                    self.checkpoint(done)
+                if cfg.trainer.max_bad_steps is not None and self.bad_steps >= cfg.trainer.max_bad_steps:
+                    error = (f"stopped at step {done}: the last {self.bad_steps} steps (trainer.max_bad_steps) had "
+                             f"every update skipped for a non-finite loss or gradient norm, so the weights stopped "
+                             f"changing; lower optim.lr, keep optim.grad_clip, or check the rewards and the model's "
+                             f"dtype")
+                    self.failed_summary(error, done, skipped_updates=_skipped_updates(self.out))
+                    raise TrainingError(error)
+                for callback in callbacks:
+                    callback(done, metrics)
+        except KeyboardInterrupt:
+            latest = find_latest_checkpoint(self.out)
+            raise RunInterrupted(self.out, done, None if latest is None else int(latest.name.split("_")[-1])) from None
+        finally:
+            progress.close()
             if logger is not None:
-                logger.log(done, metrics)
-            progress.update(done, metrics)
-            bad_steps = bad_steps + 1 if metrics["skipped_updates"] == updates else 0
-            if cfg.trainer.checkpoint_every and (done % cfg.trainer.checkpoint_every == 0 or done == cfg.trainer.steps):
-                checkpoint_now(done)
-            if cfg.trainer.max_bad_steps is not None and bad_steps >= cfg.trainer.max_bad_steps:
-                error = (f"stopped at step {done}: the last {bad_steps} steps (trainer.max_bad_steps) had every update "
-                         f"skipped for a non-finite loss or gradient norm, so the weights stopped changing; "
-                         f"lower optim.lr, keep optim.grad_clip, or check the rewards and the model's dtype")
-                failed_summary(error, done, skipped_updates=_skipped_updates(out))
-                raise TrainingError(error)
-            for callback in callbacks:
-                callback(done, metrics)
-    except KeyboardInterrupt:
-        latest = find_latest_checkpoint(out)
-        raise RunInterrupted(out, done, None if latest is None else int(latest.name.split("_")[-1])) from None
-    finally:
-        progress.close()
-        if logger is not None:
-            logger.close()
-        if rollouts is not None:
-            rollouts.close()
+                logger.close()
+            if self.rollouts is not None:
+                self.rollouts.close()
 
-    # ------------------------------------------------------------------------------------------------- tear-down
-    publish_model("final")
-    if group.is_main:
-        _plot_run(cfg, out, evals)
-    summary = {
-        "status": "completed",
-        "heldout_accuracy_before_rl": evals[0]["heldout_accuracy"] if evals else None,
-        "heldout_accuracy_after_rl": evals[-1]["heldout_accuracy"] if evals else None,
-        "heldout_accuracy_ci95": _accuracy_intervals(evals),
-        # before and after RL on the same rows (a resume with other held-out rows, or from a checkpoint that did not
-        # keep them, compares different or unknown rows: no paired change then)
-        "heldout_same_rows": bool(evals) and (len(evals) == 1 or first_rows is not None),
-        **({"heldout_accuracy_by": _accuracy_by_group(evals)} if eval_group is not None and evals else {}),
-        "heldout": {**setup.heldout_source,
-                    "accuracy": accuracy_means(cfg.rewards.accuracy_reward, cfg.rewards.accuracy_threshold)},
-        "train": {**setup.train_source, **({"changed_on_resume": True} if train_changed else {})},
-        **({"best": _best_record(best, out)} if best is not None else {}),
-        "steps": cfg.trainer.steps,
-        "cold_start": _cold_start_summary(cold, first_rows, rows_digest),
-        "wall_seconds": time.perf_counter() - wall0,
-        "reward_failures": dict(rewards.failures),
-        "reward_timeouts": dict(rewards.timeouts),
-        "skipped_updates": _skipped_updates(out),
-        **({"overflow_updates": _skipped_updates(out, "overflow_updates")} if scaler is not None else {}),
-        "skipped_prompts": setup.skipped_prompts,
-        "guard": None if guard is None else {"rollbacks": rollbacks, "lr_scale": lr_scale},
-        "unknown_character_rows": setup.unknown,
-        "reward_check": reward_check,
-    }
-    if group.is_main:
-        write_atomic(out / "summary.json", json.dumps(summary, indent=2))
-    group.barrier()  # no process returns before the final model and summary exist
-    return summary
+    def finish(self, reward_check: dict | None) -> dict:
+        """The final model (OUT/final/), curves.png and summary.json: what the run achieved; returns the summary."""
+        cfg, out, evals, setup = self.cfg, self.out, self.evals, self.setup
+        self.publish_model("final")
+        if self.group.is_main:
+            _plot_run(cfg, out, evals)
+        summary = {
+            "status": "completed",
+            "heldout_accuracy_before_rl": evals[0]["heldout_accuracy"] if evals else None,
+            "heldout_accuracy_after_rl": evals[-1]["heldout_accuracy"] if evals else None,
+            "heldout_accuracy_ci95": _accuracy_intervals(evals),
+            # before and after RL on the same rows (a resume with other held-out rows, or from a checkpoint that did
+            # not keep them, compares different or unknown rows: no paired change then)
+            "heldout_same_rows": bool(evals) and (len(evals) == 1 or self.first_rows is not None),
+            **({"heldout_accuracy_by": _accuracy_by_group(evals)} if setup.eval_group is not None and evals else {}),
+            "heldout": {**setup.heldout_source,
+                        "accuracy": accuracy_means(cfg.rewards.accuracy_reward, cfg.rewards.accuracy_threshold)},
+            "train": {**setup.train_source, **({"changed_on_resume": True} if self.train_changed else {})},
+            **({"best": _best_record(self.best, out)} if self.best is not None else {}),
+            "steps": cfg.trainer.steps,
+            "cold_start": _cold_start_summary(self.cold, self.first_rows, self.rows_digest),
+            "wall_seconds": time.perf_counter() - self.wall0,
+            "reward_failures": dict(self.rewards.failures),
+            "reward_timeouts": dict(self.rewards.timeouts),
+            "skipped_updates": _skipped_updates(out),
+            **({"overflow_updates": _skipped_updates(out, "overflow_updates")} if self.scaler is not None else {}),
+            "skipped_prompts": setup.skipped_prompts,
+            "guard": None if self.guard is None else {"rollbacks": self.rollbacks, "lr_scale": self.lr_scale},
+            "unknown_character_rows": setup.unknown,
+            "reward_check": reward_check,
+        }
+        if self.group.is_main:
+            write_atomic(out / "summary.json", json.dumps(summary, indent=2))
+        self.group.barrier()  # no process returns before the final model and summary exist
+        return summary
 
 
 def _cold_start_summary(cold: dict | None, first_rows: list[float] | None, digest: str) -> dict | None:
