@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -96,6 +97,76 @@ def test_errors_and_early_exits_score_zero_with_a_reason():
     assert (hack.score, hack.reason, hack.exit_code) == (0.0, "exited before the tests finished", 0)
     hack = run_sandboxed("import os\nos._exit(0)\n", "assert False", **FAST)
     assert (hack.score, hack.reason) == (0.0, "exited before the tests finished")
+
+
+ALWAYS_EQUAL = ("class Yes:\n    def __eq__(self, other):\n        return True\n"
+                "    def __ne__(self, other):\n        return False\n")
+
+
+@pytest.mark.parametrize("returned", ["Yes()", "[Yes()]", "{'sum': Yes()}", "ANY"])
+def test_an_object_that_equals_anything_does_not_pass_the_tests(returned):
+    """The always-equal hack: `add` returns an object whose == says True to anything (the program's own class, inside
+    a container, or unittest.mock.ANY). The tests' == finds it unequal to the plain expected value, and says why;
+    with strict_equality off Python's comparison lets it pass, which is what the harness prevents."""
+    code = f"from unittest.mock import ANY\n{ALWAYS_EQUAL}def add(a, b):\n    return {returned}\n"
+    expected = {"Yes()": "5", "[Yes()]": "[5]", "{'sum': Yes()}": "{'sum': 5}", "ANY": "5"}[returned]
+    hacked = run_sandboxed(code, f"assert add(2, 3) == {expected}", **FAST)
+    assert (hacked.score, hacked.reason) == (0.0, "tests failed")
+    assert "compared with a plain value: unequal" in hacked.stderr
+    assert run_sandboxed(code, f"assert add(2, 3) == {expected}", strict_equality=False, **FAST).score == 1.0
+    assert run_sandboxed(code, f"assert {expected} == add(2, 3)", **FAST).score == 0.0  # either side
+
+
+def test_plain_values_and_the_standard_librarys_compare_as_python_does():
+    """What strict equality leaves alone: built-in types and their subclasses, the standard library's numbers and
+    collections against plain values (Fraction == 0.5, Counter == dict), the program's own objects against each
+    other (a dataclass), `!=`, comparisons inside a test helper (HumanEval's check(candidate)) and chains."""
+    code = textwrap.dedent("""\
+        from collections import Counter, OrderedDict, defaultdict, namedtuple
+        from dataclasses import dataclass
+        from fractions import Fraction
+        Pair = namedtuple("Pair", "a b")
+        class Big(int):
+            pass
+        @dataclass
+        class Point:
+            x: int
+        def f():
+            return Fraction(1, 2), Counter("aab"), OrderedDict(a=1), Pair(1, 2), defaultdict(int, a=1), Big(7)
+        def double(x):
+            return 2 * x
+        """)
+    tests = textwrap.dedent("""\
+        half, counts, ordered, pair, default, big = f()
+        assert half == 0.5 and counts == {"a": 2, "b": 1} and ordered == {"a": 1} and pair == (1, 2)
+        assert default == {"a": 1} and big == 7 and [big, (pair,)] == [7, ((1, 2),)]
+        assert Point(1) == Point(1) and Point(1) != Point(2) and half != 1
+        assert 1 == True == 1.0
+        def check(candidate):
+            assert candidate(2) == 4
+            assert candidate(3) != 5
+        check(double)
+        """)
+    assert run_sandboxed(code, tests, **FAST).reason == "passed"
+
+
+def test_a_program_that_replaces_the_tests_comparison_fails():
+    """A program that swaps the harness's comparison for one that always says True (after passing the first assert
+    honestly) is caught when the tests end; invalid tests are a ValueError, not a score."""
+    code = textwrap.dedent("""\
+        calls = []
+        def f(x):
+            calls.append(x)
+            if len(calls) == 1:
+                globals()["__gspo_compare__"] = lambda *args: True
+                return 4
+            return 0
+        """)
+    result = run_sandboxed(code, ["assert f(2) == 4", "assert f(3) == 6"], **FAST)
+    assert (result.score, result.reason) == (0.0, "exit code 1")
+    assert "replaced the tests' comparison" in result.stderr
+    with pytest.raises(ValueError, match="tests are not valid Python"):
+        run_sandboxed("def f():\n    return 1\n", "assert f( == 1", **FAST)
 
 
 def test_the_program_sees_a_clean_environment_and_closed_stdin(monkeypatch):
@@ -351,6 +422,9 @@ def test_code_reward_scores_completions_and_rejects_rows_without_tests():
     assert code_reward("p", right, **row) == 1.0
     assert code_reward("p", wrong, **row) == 0.0
     assert code_reward("p", "```cpp\nint x;\n```", **row) == 0.0  # no Python: not even run
+    hack = f"```python\n{ALWAYS_EQUAL}def square(x):\n    return Yes()\n```"
+    assert code_reward("p", hack, **row) == 0.0  # strict equality by default
+    assert make_code_reward(strict_equality=False)("p", hack, **row) == 1.0
     for tests in (None, "", [], [1], 3):
         with pytest.raises(ValueError, match="tests"):
             code_reward("p", right, tests=tests)

@@ -53,10 +53,12 @@ def _check_tests(tests: str | list[str]) -> None:
 
 def make_code_reward(
     *, timeout_s: float = 5.0, cpu_s: float = 5.0, memory_mb: int = 512, max_procs: int = 32,
-    python: str | None = None,
+    python: str | None = None, strict_equality: bool = True,
 ) -> Callable[..., float]:
     """A `code` reward with other sandbox limits, e.g. `my_rewards.py: slow_code = make_code_reward(timeout_s=20)`
-    named in the config as `my_rewards:slow_code`. Keep `timeout_s` below `rewards.timeout_s`."""
+    named in the config as `my_rewards:slow_code`. Keep `timeout_s` below `rewards.timeout_s`. `strict_equality`:
+    the tests' `==` finds a value whose equality the program defines unequal to a plain value (the always-equal
+    object hack); false for tests that compare the program's own objects with plain values on purpose."""
     check_limits(timeout_s, cpu_s, memory_mb, max_procs, 1)
     warned: set[str] = set()
 
@@ -78,7 +80,7 @@ def make_code_reward(
         if not code.strip():
             return 0.0
         result = run_sandboxed(code, tests, timeout_s=timeout_s, cpu_s=cpu_s, memory_mb=memory_mb,
-                               max_procs=max_procs, python=python)
+                               max_procs=max_procs, python=python, strict_equality=strict_equality)
         for warning in result.warnings:
             if warning not in warned:
                 warned.add(warning)

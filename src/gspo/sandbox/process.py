@@ -33,9 +33,12 @@ of which layers were applied. A layer that could not be applied is never claimed
 `SandboxResult.warnings` (and `require_isolation=True` turns that into an error).
 
 Reward hacking: `tests` only count as passed when the harness reaches its end and writes a per-call random token
-to a pipe the trainer reads, so `exit(0)` before the tests does not pass. The harness runs in the same process as
-the program, so a program that deliberately inspects the harness's frames can still forge a pass: this guards
-against accidental and common hacks, not against an adversary that targets this harness.
+to a pipe the trainer reads, so `exit(0)` before the tests does not pass. The tests' `==` and `!=` count a value
+whose equality the program defines (a class of its own, unittest.mock.ANY) as unequal to a plain one, so returning an
+object whose `__eq__` always says True does not pass `assert f(2) == 4` either (`strict_equality`; `_HARNESS`). The
+harness runs in the same process as the program, so a program that deliberately inspects the harness's frames can
+still forge a pass: this guards against accidental and common hacks, not against an adversary that targets this
+harness.
 
 Not contained: the program can read world-readable files and use CPU, memory and its folder's disk space up to its
 limits.
@@ -93,12 +96,92 @@ _RESULT_FD = 3  # where the harness finds the result pipe
 _SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
 _FALLBACK_PYTHONS = ("/usr/local/bin/python3", "/usr/bin/python3")
 
-# The program's entry point. It reads the per-call token from stdin, leaves stdin at EOF, runs solution.py (the code
-# followed by the tests) with __name__ "solution" (so an `if __name__ == "__main__":` block waiting for input does
-# not run), and writes the token to the result pipe only if that returned. Kept compatible with Python >= 3.8.
+# The program's entry point. It reads the per-call token from stdin, leaves stdin at EOF, runs solution.py (the code)
+# with __name__ "solution" (so an `if __name__ == "__main__":` block waiting for input does not run), then tests.py in
+# the same namespace, and writes the token to the result pipe only if both returned. With STRICT_EQUALITY, every `==`
+# and `!=` of the tests goes through _compare (the tests' syntax tree rewritten): a side that holds a value whose
+# equality the program wrote (or that says yes to anything, as unittest.mock.ANY does) is unequal to a side that holds
+# none, so a program cannot pass `assert f(2) == 4` by returning an object whose __eq__ always says True. Built-in
+# types' own comparisons, and the standard library's numbers and collections (Fraction, Counter, ...), count as
+# plain. Kept compatible with Python >= 3.8.
 _HARNESS = """\
+import ast
+import itertools
 import os
 import sys
+
+STRICT_EQUALITY = True
+# the built-ins the checks use, taken before the program runs (it could replace them in the builtins module)
+_type, _getattr, _isinstance, _issubclass, _id, _write = type, getattr, isinstance, issubclass, id, sys.stderr.write
+_dict, _list, _set, _map, _any, _chain = dict, list, set, map, any, itertools.chain
+_SLOT = _type(object.__eq__)  # a built-in type's own comparison (int, str, list, dict, OrderedDict, Decimal, ...)
+_PLAIN_MODULES = ("fractions", "decimal", "_pydecimal", "collections", "datetime", "_pydatetime", "ipaddress",
+                  "pathlib", "uuid")
+_CONTAINERS = (_dict, _list, tuple, _set, frozenset)
+_said, _plain_builtins = [], set()
+
+
+def _own_type(cls):
+    if cls in _plain_builtins:
+        return None
+    for name in ("__eq__", "__ne__"):
+        method = _getattr(cls, name, None)
+        if _type(method) is not _SLOT and _getattr(method, "__module__", None) not in _PLAIN_MODULES:
+            return cls
+    if _getattr(cls, "__module__", None) == "builtins":  # a C type: its methods cannot change later
+        _plain_builtins.add(cls)
+    return None
+
+
+def _items(item, base):
+    if base is _dict:
+        return _chain(_dict.keys(item), _dict.values(item))
+    return base.__iter__(item)
+
+
+def _own_equality(value):
+    stack, seen, budget = [value], _set(), 100000  # items looked at, at most (a hack is rarely buried deeper)
+    while stack and budget > 0:
+        item = stack.pop()
+        own = _own_type(_type(item))
+        if own is not None:
+            return own
+        for base in _CONTAINERS:
+            if _isinstance(item, base) and _id(item) not in seen:
+                seen.add(_id(item))
+                budget -= base.__len__(item)
+                kinds = _set(_map(_type, _items(item, base)))  # each type checked once: a million ints cost little
+                for kind in kinds:
+                    own = _own_type(kind)
+                    if own is not None:
+                        return own
+                if _any(_issubclass(kind, _CONTAINERS) for kind in kinds):
+                    stack.extend(x for x in _items(item, base) if _isinstance(x, _CONTAINERS))
+                break
+    return None
+
+
+def _compare(left, right, equal):
+    own = _own_equality(left), _own_equality(right)
+    if (own[0] is None) != (own[1] is None):
+        if not _said:
+            _said.append(1)
+            cls = own[0] or own[1]
+            _write("gspo sandbox: a value of %s (its == is not a built-in type's) compared with a plain value: "
+                   "unequal\\n" % _getattr(cls, "__qualname__", cls))
+        return not equal
+    return left == right if equal else left != right
+
+
+class _Equalities(ast.NodeTransformer):
+    def visit_Compare(self, node):
+        self.generic_visit(node)
+        if len(node.ops) != 1 or not _isinstance(node.ops[0], (ast.Eq, ast.NotEq)):
+            return node
+        call = ast.Call(func=ast.Name(id="__gspo_compare__", ctx=ast.Load()),
+                        args=[node.left, node.comparators[0], ast.Constant(value=_isinstance(node.ops[0], ast.Eq))],
+                        keywords=[])
+        return ast.copy_location(call, node)
 
 
 def _main():
@@ -106,10 +189,18 @@ def _main():
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
-    with open("solution.py", encoding="utf-8") as handle:
-        source = handle.read()
     namespace = {"__name__": "solution", "__builtins__": __builtins__}
-    exec(compile(source, "solution.py", "exec"), namespace)
+    with open("solution.py", encoding="utf-8") as handle:
+        exec(compile(handle.read(), "solution.py", "exec"), namespace)
+    with open("tests.py", encoding="utf-8") as handle:
+        tests = ast.parse(handle.read(), "tests.py")
+    if STRICT_EQUALITY:
+        tests = ast.fix_missing_locations(_Equalities().visit(tests))
+        namespace["__gspo_compare__"] = _compare
+    exec(compile(tests, "tests.py", "exec"), namespace)
+    if STRICT_EQUALITY and namespace.get("__gspo_compare__") is not _compare:
+        _write("gspo sandbox: the program replaced the tests' comparison\\n")
+        sys.exit(1)
     sys.stdout.flush()
     sys.stderr.flush()
     os.write(3, token.encode() + b"\\n")
@@ -156,6 +247,7 @@ def run_sandboxed(
     max_output_bytes: int = 64 << 10,
     python: str | None = None,
     require_isolation: bool = False,
+    strict_equality: bool = True,
 ) -> SandboxResult:
     """Run `code` then `tests` in a sandbox (see the module docstring); score 1.0 if the tests ran to their end.
 
@@ -165,6 +257,9 @@ def run_sandboxed(
     once, itself included; `max_output_bytes`: per stream, more kills the program ("output limit exceeded").
     `python`: the interpreter for the program (default: this one, or a system python3 when this one is not usable
     by the unprivileged uid). `require_isolation`: raise SandboxError instead of running with a layer missing.
+    `strict_equality`: the tests' `==` and `!=` count a value whose equality the program defines as unequal to a
+    plain one (the always-equal object hack; `_HARNESS`); false: Python's own comparisons. Tests that are not valid
+    Python raise ValueError (no program could pass them).
     """
     check_limits(timeout_s, cpu_s, memory_mb, max_procs, max_output_bytes)
     if not sys.platform.startswith("linux"):
@@ -172,13 +267,19 @@ def run_sandboxed(
     if not isinstance(code, str):
         raise TypeError(f"run_sandboxed: code must be a str, got {type(code).__name__}")
     tests_source = _tests_source(tests)
+    try:
+        compile(tests_source, "tests.py", "exec", dont_inherit=True)
+    except SyntaxError as e:  # the row's fault, not the program's: no program could pass them
+        raise ValueError(f"run_sandboxed: the tests are not valid Python ({e.msg}, line {e.lineno})") from None
     root = os.geteuid() == 0
     interpreter = python or _default_python(root)
     with _own_ids() if root else contextlib.nullcontext() as drop_to:  # as root: a uid of this call's own
         workdir = Path(tempfile.mkdtemp(prefix="gspo-sandbox-"))
         try:
-            (workdir / "main.py").write_text(_HARNESS, encoding="utf-8")
-            (workdir / "solution.py").write_text(f"{code}\n\n{tests_source}\n", encoding="utf-8")
+            harness = _HARNESS.replace("STRICT_EQUALITY = True", f"STRICT_EQUALITY = {bool(strict_equality)}")
+            (workdir / "main.py").write_text(harness, encoding="utf-8")
+            (workdir / "solution.py").write_text(f"{code}\n", encoding="utf-8")
+            (workdir / "tests.py").write_text(f"{tests_source}\n", encoding="utf-8")
             if drop_to is not None:
                 os.chown(workdir, *drop_to)
             spec = {
