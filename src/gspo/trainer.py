@@ -831,8 +831,10 @@ def _build_policy(setup: Setup, model: nn.Module) -> _Policy:
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if kl_copy else None
     # async: the learner's engine only evaluates, and vLLM servers belong to the rollout workers (one each; a push from
     # the learner would change what a worker samples from)
-    kind = "hf" if cfg.rollout.mode == "async" and cfg.rollout.engine == "vllm_server" else None
-    engine = make_engine(cfg, model, setup.tokenizer, out=setup.out, dist=group, kind=kind)
+    if cfg.rollout.mode == "async" and cfg.rollout.engine == "vllm_server":
+        engine = make_engine(cfg, model, setup.tokenizer, out=setup.out, dist=group, kind="hf")
+    else:
+        engine = make_engine(cfg, model, setup.tokenizer, out=setup.out, dist=group)
     if cfg.model.lora is not None:  # only the adapters train; every adapter folder saved names the base it adapts
         model = apply_lora(model, cfg.model.lora, base_model=lora_base, seed=derive_seed(cfg.trainer.seed, "lora"))
     model = wrap_policy(group, model, cfg.trainer.mixed_precision)  # DDP / FSDP2; one process: as is
