@@ -346,6 +346,40 @@ def test_several_processes_without_their_place_on_the_machine_are_refused(gpus, 
     assert not torch.distributed.is_initialized()
 
 
+PRE_INITIALISED = """
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore, _create_fake_pg
+from gspo.config import ConfigError
+from gspo.parallel.group import init_distributed
+backend = {backend!r}
+if backend == "gloo":
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+else:  # a backend for CUDA tensors only, as NCCL is (NCCL itself cannot start on a machine without a GPU)
+    dist.Backend.register_backend(backend, _create_fake_pg, extended_api=True, devices=["cuda"])
+    dist.init_process_group(backend, store=FakeStore(), rank=0, world_size=2)
+try:
+    group = init_distributed("ddp", "cpu")
+    print("ok", group.world_size, group.device)
+except ConfigError as e:
+    print("refused:", e)
+"""
+
+
+@pytest.mark.parametrize("backend", ["gloo", "cudaonly"])
+def test_a_process_group_started_before_gspo_must_reduce_the_runs_tensors(backend):
+    """A group the caller initialised (a launcher's) is used as it is: a gloo one for a CPU run; one whose backend
+    takes CUDA tensors only, as NCCL's, is refused for a CPU run with what to do (its first collective failed deep in
+    torch). In a child process: a process group belongs to its process."""
+    done = subprocess.run([sys.executable, "-c", PRE_INITIALISED.format(backend=backend)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    if backend == "gloo":
+        assert done.stdout.strip() == "ok 1 cpu"
+    else:
+        assert "refused: the process group was initialised with the cudaonly backend, which cannot reduce cpu " \
+               "tensors" in done.stdout and "'cpu:gloo,cuda:nccl'" in done.stdout
+
+
 # ------------------------------------------------------------------------------------------------ pure pieces
 
 

@@ -77,13 +77,22 @@ def resolve_device(device: str = "auto", local_rank: int = 0, local_world_size: 
     return torch.device("cuda", local_rank)
 
 
+def _backend_devices(backend: str) -> set[str]:
+    """The device types a process group's backend reduces tensors of: "nccl" → {"cuda"}; "cpu:gloo,cuda:nccl" →
+    {"cpu", "cuda"}; a backend torch has no record of is taken to take any."""
+    if ":" in backend:
+        return {part.split(":")[0].strip() for part in backend.split(",")}
+    return set(dist.Backend.backend_capability.get(backend, ["cpu", "cuda"]))
+
+
 def init_distributed(parallel: str = "ddp", device: str = "auto") -> ProcessGroup:
     """The process group of this run: from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE),
     else one process.
 
-    Initialises the default process group (NCCL on GPUs, gloo on CPUs) unless it already is, and selects this
-    process's GPU (LOCAL_RANK) when training on CUDA (`resolve_device`: one GPU per process on the machine, else the
-    CPU for `auto` and a ConfigError for `cuda`)."""
+    Initialises the default process group (NCCL on GPUs, gloo on CPUs) unless it already is (then a ConfigError when
+    its backend cannot reduce the run's tensors: NCCL on the CPU), and selects this process's GPU (LOCAL_RANK) when
+    training on CUDA (`resolve_device`: one GPU per process on the machine, else the CPU for `auto` and a ConfigError
+    for `cuda`)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -96,6 +105,12 @@ def init_distributed(parallel: str = "ddp", device: str = "auto") -> ProcessGrou
                           "chosen from its place on its machine; start the processes with torchrun, which sets them, "
                           "or set them as torchrun does")
     target = resolve_device(device, local_rank, local_world)
+    if dist.is_available() and dist.is_initialized() and target.type not in _backend_devices(dist.get_backend()):
+        # a group the caller started (e.g. a launcher's NCCL one) whose collectives cannot take this device's tensors
+        raise ConfigError(f"the process group was initialised with the {dist.get_backend()} backend, which cannot "
+                          f"reduce {target.type} tensors, but this run trains on the {target.type} "
+                          f"(trainer.device={device}): initialise it with a backend for both (e.g. "
+                          "'cpu:gloo,cuda:nccl'), or leave that to gspo")
     if target.type == "cuda":
         torch.cuda.set_device(target)
     if world > 1 and not dist.is_initialized():
