@@ -891,11 +891,10 @@ class _Run:
             log.info("no checkpoint in %s yet: starting the run over", out)
         sync(self.engine, self.model, self.start)  # the policy as it is now (cold start, resume), not as built
 
-        self.rollouts = self.start_rollouts(self.start, state)
         self.episodes = (make_episode_runner(cfg, self.engine, self.tokenizer, setup.make_env)
                          if setup.make_env is not None else None)
         self.ctx = RLStep(cfg, self.engine, self.rewards, policy.ref_model, default_hooks(cfg, self.model), group,
-                          self.rollouts, self.episodes, scaler=self.scaler)
+                          None, self.episodes, scaler=self.scaler)
         self.gc = cfg.trainer.guard
         self.guard = CollapseGuard(guard_settings(cfg)) if self.gc.enabled else None
         guarded = state.get("guard", {})  # the guard's baseline, rollbacks and learning-rate scale at the checkpoint
@@ -905,7 +904,14 @@ class _Run:
         self.logger = MetricsLogger(out, tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb, mlflow=cfg.log.mlflow,
                                     resume_step=self.start if resume else None,
                                     run_config=config_to_dict(cfg, resolved=True)) if group.is_main else None
-        self._restore_evaluations(state)
+        self.rollouts = None
+        try:
+            self._restore_evaluations(state)
+            self.rollouts = self.ctx.rollouts = self.start_rollouts(self.start, state)  # last: processes to stop
+        except BaseException:
+            if self.logger is not None:  # a tracker's run (wandb, mlflow) ends here, not as a crash at exit
+                self.logger.close()
+            raise
 
     def _restore_evaluations(self, state: dict) -> None:
         """What the evaluations keep across a resume: the earlier evaluations and sample completions, each held-out
