@@ -103,13 +103,15 @@ ALWAYS_EQUAL = ("class Yes:\n    def __eq__(self, other):\n        return True\n
                 "    def __ne__(self, other):\n        return False\n")
 
 
-@pytest.mark.parametrize("returned", ["Yes()", "[Yes()]", "{'sum': Yes()}", "ANY"])
+@pytest.mark.parametrize("returned", ["Yes()", "[Yes()]", "{'sum': Yes()}", "ANY", "inner()"])
 def test_an_object_that_equals_anything_does_not_pass_the_tests(returned):
     """The always-equal hack: `add` returns an object whose == says True to anything (the program's own class, inside
-    a container, or unittest.mock.ANY). The tests' == finds it unequal to the plain expected value, and says why;
-    with strict_equality off Python's comparison lets it pass, which is what the harness prevents."""
-    code = f"from unittest.mock import ANY\n{ALWAYS_EQUAL}def add(a, b):\n    return {returned}\n"
-    expected = {"Yes()": "5", "[Yes()]": "[5]", "{'sum': Yes()}": "{'sum': 5}", "ANY": "5"}[returned]
+    a container, a class it defines while the tests run, or unittest.mock.ANY). The tests' == finds it unequal to the
+    plain expected value, and says why; with strict_equality off Python's comparison lets it pass, which is what the
+    harness prevents."""
+    inner = "def inner():\n    class Inner:\n        __eq__ = lambda self, other: True\n    return Inner()\n"
+    code = f"from unittest.mock import ANY\n{ALWAYS_EQUAL}{inner}def add(a, b):\n    return {returned}\n"
+    expected = {"Yes()": "5", "[Yes()]": "[5]", "{'sum': Yes()}": "{'sum': 5}", "ANY": "5", "inner()": "5"}[returned]
     hacked = run_sandboxed(code, f"assert add(2, 3) == {expected}", **FAST)
     assert (hacked.score, hacked.reason) == (0.0, "tests failed")
     assert "compared with a plain value: unequal" in hacked.stderr
@@ -120,7 +122,8 @@ def test_an_object_that_equals_anything_does_not_pass_the_tests(returned):
 def test_plain_values_and_the_standard_librarys_compare_as_python_does():
     """What strict equality leaves alone: built-in types and their subclasses, the standard library's numbers and
     collections against plain values (Fraction == 0.5, Counter == dict), the program's own objects against each
-    other (a dataclass), `!=`, comparisons inside a test helper (HumanEval's check(candidate)) and chains."""
+    other (a dataclass), a comparison helper the tests define (an approx class), `!=`, comparisons inside a test
+    helper (HumanEval's check(candidate)) and chains."""
     code = textwrap.dedent("""\
         from collections import Counter, OrderedDict, defaultdict, namedtuple
         from dataclasses import dataclass
@@ -142,6 +145,12 @@ def test_plain_values_and_the_standard_librarys_compare_as_python_does():
         assert default == {"a": 1} and big == 7 and [big, (pair,)] == [7, ((1, 2),)]
         assert Point(1) == Point(1) and Point(1) != Point(2) and half != 1
         assert 1 == True == 1.0
+        class approx:
+            def __init__(self, value):
+                self.value = value
+            def __eq__(self, other):
+                return abs(other - self.value) < 1e-9
+        assert 0.1 + 0.2 == approx(0.3) and [half] == [approx(0.5)]
         def check(candidate):
             assert candidate(2) == 4
             assert candidate(3) != 5

@@ -102,8 +102,8 @@ _FALLBACK_PYTHONS = ("/usr/local/bin/python3", "/usr/bin/python3")
 # and `!=` of the tests goes through _compare (the tests' syntax tree rewritten): a side that holds a value whose
 # equality the program wrote (or that says yes to anything, as unittest.mock.ANY does) is unequal to a side that holds
 # none, so a program cannot pass `assert f(2) == 4` by returning an object whose __eq__ always says True. Built-in
-# types' own comparisons, and the standard library's numbers and collections (Fraction, Counter, ...), count as
-# plain. Kept compatible with Python >= 3.8.
+# types' own comparisons, the standard library's numbers and collections (Fraction, Counter, ...) and methods the
+# tests themselves define (by their code's file: an approx class) count as plain. Kept compatible with Python >= 3.8.
 _HARNESS = """\
 import ast
 import itertools
@@ -121,12 +121,20 @@ _CONTAINERS = (_dict, _list, tuple, _set, frozenset)
 _said, _plain_builtins = [], set()
 
 
+def _plain_method(method):
+    if _type(method) is _SLOT:
+        return True
+    code = _getattr(method, "__code__", None)
+    if code is not None and code.co_filename == "tests.py":  # the tests' own helper, e.g. an approx class
+        return True
+    return _getattr(method, "__module__", None) in _PLAIN_MODULES
+
+
 def _own_type(cls):
     if cls in _plain_builtins:
         return None
     for name in ("__eq__", "__ne__"):
-        method = _getattr(cls, name, None)
-        if _type(method) is not _SLOT and _getattr(method, "__module__", None) not in _PLAIN_MODULES:
+        if not _plain_method(_getattr(cls, name, None)):
             return cls
     if _getattr(cls, "__module__", None) == "builtins":  # a C type: its methods cannot change later
         _plain_builtins.add(cls)
