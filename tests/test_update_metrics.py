@@ -276,6 +276,46 @@ def test_the_first_minibatchs_own_forward_is_its_pi_old(monkeypatch):
     assert any(key.startswith("mismatch_") and key in metrics for key in full)
 
 
+@pytest.mark.parametrize("replay", ["none", "r2"])
+def test_an_moe_policys_first_minibatch_takes_its_pi_old_and_its_routing_from_its_own_forward(monkeypatch, replay):
+    """The same reuse for an MoE policy, whose routing hook captures π_old's routing (over the padded layout): the
+    first update's forward records its rows' π_old routing, so the π_old pass runs over the other minibatches only.
+    With routing replay off or R2 (which replays that routing in the later updates), the weight update of two passes,
+    the expert volatility (measured on the last update: the first minibatch's rows again) and every other metric are
+    those of the full π_old pass, bit for bit; the first minibatch's ratios are exactly 1."""
+    import gspo.learner
+    from gspo.correction import Correction
+    from gspo.hooks import MoERouting
+
+    forwards = []
+    inner = gspo.learner.completion_logprobs
+    monkeypatch.setattr(gspo.learner, "completion_logprobs",
+                        lambda *a, **k: forwards.append(torch.is_grad_enabled()) or inner(*a, **k))
+    spec = OBJECTIVES["gspo"]
+    minibatches = [torch.tensor([0, 5]), torch.tensor([2, 7]), torch.tensor([4, 1]), torch.tensor([6, 3])]
+    # a second pass whose last update (where volatility is measured) is on the first minibatch's rows again
+    second_pass = [torch.tensor([1, 2]), torch.tensor([3, 4]), torch.tensor([6, 7]), torch.tensor([0, 5])]
+    runs = {}
+    for name, mismatch in (("reused", None), ("full pass", Correction(level="sequence", bounds=(1e-30, 1e30)))):
+        forwards.clear()
+        model, _ = build_preset("tiny-moe", seed=1)
+        traj = ragged_trajectory(model)
+        runs[name] = sgd_learn(model, traj, ADVANTAGES, minibatches, LearnSettings(
+            objective=spec, eps_low=spec.eps_low, eps_high=spec.eps_high, max_new_tokens=12, grad_clip=None,
+            mismatch=mismatch), hooks=[MoERouting(model, replay)], lr=2.0, later_epochs=[second_pass])
+        runs[name][1]["forwards"] = list(forwards)
+    (delta, metrics), (full_delta, full) = runs["reused"], runs["full pass"]
+    assert metrics["forwards"] == [False] * 3 + [True] * 8 and full["forwards"] == [False] * 4 + [True] * 8
+    assert metrics["clip_frac_tokens_first_mb"] == 0.0
+    for key in delta:
+        assert torch.equal(delta[key], full_delta[key]), key
+    assert max(float(d.abs().max()) for d in delta.values()) > 1e-5  # the update is not vacuous
+    assert metrics["expert_volatility"] > 0  # the routers moved: the routing compared is not vacuous
+    for key, value in full.items():
+        if key not in ("forwards", "mismatch_masked_frac", "mismatch_truncated_frac"):
+            assert metrics[key] == value, key
+
+
 @pytest.mark.parametrize("loss", ["gspo", "dr_grpo"])
 def test_rows_the_overlong_filter_drops_leave_the_normaliser(loss):
     """Rows left out of the loss mask though they have completion tokens (rollout.overlong_filter's truncated rows)

@@ -50,6 +50,12 @@ class LearnHook:
         """Around the π_θ forward of update `k` on `rows` (`last`: the step's last update)."""
         return contextlib.nullcontext()
 
+    def first_update_forward(self, rows: torch.Tensor, last: bool) -> AbstractContextManager:
+        """Around the first update's forward of `rows` when it is also their π_old forward (π_old recomputed without
+        a correction: the weights are π_old's, so the learner runs no no-grad forward for these rows; `gspo.learner`).
+        `update_forward(0, ...)` unless the hook captures π_old state, which it then captures here."""
+        return self.update_forward(0, rows, last)
+
     def update_metrics(self, k: int, rows: torch.Tensor, logprobs: torch.Tensor,
                        old_logprobs: torch.Tensor) -> dict[str, float]:
         """Metrics of update `k` (this process's share), taken as they are (not averaged over the minibatches)."""
@@ -152,6 +158,10 @@ class MoERouting(LearnHook):
 
     def old_forward(self, rows: torch.Tensor) -> AbstractContextManager:
         return self._capture(self.engine_routing, rows, self._store_old)
+
+    def first_update_forward(self, rows: torch.Tensor, last: bool) -> AbstractContextManager:
+        # at π_old's weights the routing this forward picks is π_old's (R2 replays exactly that: nothing to replay yet)
+        return self.old_forward(rows)
 
     def _store_old(self, rows: torch.Tensor, chosen: torch.Tensor) -> None:
         width = self.token_mask.shape[1]

@@ -229,11 +229,12 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
     # π_old. The forward runs on the same row groups as the updates: a row's logits depend in the last bits on which
     # rows share its batch (matmul blocking, MoE expert grouping), and with other groups the on-policy first minibatch
     # would see ratios of 1 ± 1e-7 instead of exactly 1. The first minibatch's π_old is its first update's own forward
-    # (the weights are the same), detached, unless something needs every row's π_old before that update (a mismatch
-    # correction, a hook that captures the π_old forward): one forward of the rollout batch's four fewer, and ratios
-    # exactly 1 on any device (a no-grad forward may take other kernels than one that keeps its graph).
+    # (the weights are the same), detached, unless a mismatch correction needs every row's π_old before that update:
+    # one forward of the rollout batch's four fewer, and ratios exactly 1 on any device (a no-grad forward may take
+    # other kernels than one that keeps its graph). Hooks capture that forward's π_old state (MoE routing) in
+    # `first_update_forward`, over π_old's layout.
     old_layout = any(h.keeps_layout("old") for h in hooks)
-    reuse = s.old_logprobs == "recompute" and s.mismatch is None and not old_layout
+    reuse = s.old_logprobs == "recompute" and s.mismatch is None
     if s.old_logprobs == "rollout":
         old_logprobs = traj.logprobs
     else:
@@ -278,17 +279,19 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
     with_ref = ref_model is not None and s.kl_beta > 0
     ref_logprobs = torch.zeros_like(old_logprobs) if with_ref else None
     for k, (mb, micros) in enumerate(zip(updates, micros_of, strict=True)):
-        trim = not any(h.keeps_layout("update") for h in hooks)
+        first_old = reuse and k == 0  # this update's forward is its rows' π_old forward too
+        trim = not (old_layout if first_old else any(h.keeps_layout("update") for h in hooks))
         # normalised by the count over every process's share: N processes' averaged gradients = one process's
         count_mask = loss_mask[mb][counted[mb]]
         count, rows = group.all_sum([s.objective.count(count_mask, s.max_new_tokens), float(len(mb))])
         normaliser = process_normaliser(count, group.world_size)
         for j, r in enumerate(micros):
             with gradient_sync(model, j == len(micros) - 1):  # DDP: one all-reduce, after the last backward
-                with forwards(lambda h, k=k, r=r: h.update_forward(k, r, k == n - 1)):
+                with forwards(lambda h, k=k, r=r, first_old=first_old: h.first_update_forward(r, n == 1)
+                              if first_old else h.update_forward(k, r, k == n - 1)):
                     lp, ent = completion_logprobs(model, *traj.rows(r), temperature=s.temperature,
                                                   with_entropy=k == 0, trim_padding=trim)
-                if reuse and k == 0:
+                if first_old:
                     old_logprobs[r] = lp.detach()
                 loss, m = s.objective.loss(lp, old_logprobs[r], loss_adv[r], loss_mask[r], eps_low=s.eps_low,
                                            eps_high=s.eps_high, normaliser=normaliser)
@@ -306,7 +309,7 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
                 entropy[r] = ent
             if with_ref:
                 ref_logprobs[r] = ref_lp
-        if reuse and k == 0:
+        if first_old:
             old_done()
         if len(micros) > 1:  # the minibatch's metrics and loss value, as one forward would have computed them
             with torch.no_grad():
