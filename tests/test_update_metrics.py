@@ -240,12 +240,14 @@ def test_sequences_dropped_by_the_mismatch_mask_leave_the_normaliser():
         normaliser=float(8 - len(dropped)))[0])
 
 
-def test_the_first_minibatchs_own_forward_is_its_pi_old(monkeypatch):
-    """π_old recomputed without a mismatch correction: the first update's forward, at the same weights, is also its
-    rows' π_old, so the π_old pass runs over the other minibatches only (3 no-grad forwards and 4 with gradient for
-    4 minibatches, where it was 4 and 4). The update and the metrics are those of the full pass — the first
-    minibatch's ratios exactly 1, nothing clipped there, the mismatch measured over every row — which a correction
-    still runs (it needs every row's π_old before the first update: here one that keeps every row)."""
+FIRST_PASS = [torch.tensor([0, 5]), torch.tensor([2, 7]), torch.tensor([4, 1]), torch.tensor([6, 3])]
+
+
+def reused_and_full_pass(monkeypatch, make, extra=lambda model: {}) -> tuple[tuple, tuple]:
+    """`sgd_learn` of GSPO over FIRST_PASS on a fresh (model, traj) from `make()`, with π_old recomputed as the learner
+    does by default (the first minibatch's from its update's own forward) and with the full π_old pass, which a
+    mismatch correction still runs (here one that keeps every row). Each run's metrics get "forwards": whether each
+    log-prob forward kept a graph. `extra(model)`: further sgd_learn arguments (hooks on that model, ...)."""
     import gspo.learner
     from gspo.correction import Correction
 
@@ -254,25 +256,40 @@ def test_the_first_minibatchs_own_forward_is_its_pi_old(monkeypatch):
     monkeypatch.setattr(gspo.learner, "completion_logprobs",
                         lambda *a, **k: forwards.append(torch.is_grad_enabled()) or inner(*a, **k))
     spec = OBJECTIVES["gspo"]
-    advantages = ADVANTAGES
-    minibatches = [torch.tensor([0, 5]), torch.tensor([2, 7]), torch.tensor([4, 1]), torch.tensor([6, 3])]
-    runs = {}
-    for name, mismatch in (("reused", None), ("full pass", Correction(level="sequence", bounds=(1e-30, 1e30)))):
+    runs = []
+    for mismatch in (None, Correction(level="sequence", bounds=(1e-30, 1e30))):
         forwards.clear()
-        model, traj = tiny_ragged()
-        runs[name] = sgd_learn(model, traj, advantages, minibatches, LearnSettings(
+        model, traj = make()
+        delta, metrics = sgd_learn(model, traj, ADVANTAGES, FIRST_PASS, LearnSettings(
             objective=spec, eps_low=spec.eps_low, eps_high=spec.eps_high, max_new_tokens=12, grad_clip=None,
-            mismatch=mismatch))
-        runs[name][1]["forwards"] = list(forwards)
-    (delta, metrics), (full_delta, full) = runs["reused"], runs["full pass"]
-    assert metrics["forwards"] == [False] * 3 + [True] * 4 and full["forwards"] == [False] * 4 + [True] * 4
-    assert metrics["clip_frac_tokens_first_mb"] == 0.0 and metrics["clip_frac_tokens"] > 0  # later ones are off-policy
+            mismatch=mismatch), **extra(model))
+        runs.append((delta, {**metrics, "forwards": list(forwards)}))
+    return runs[0], runs[1]
+
+
+def assert_same_update_and_metrics(reused: tuple, full_pass: tuple) -> None:
+    """The reused run's weight update is the full pass's bit for bit (and not vacuous); so is every metric but the
+    forwards and the correction's own fractions."""
+    (delta, metrics), (full_delta, full) = reused, full_pass
     for key in delta:
         assert torch.equal(delta[key], full_delta[key]), key
     assert max(float(d.abs().max()) for d in delta.values()) > 1e-5  # the update is not vacuous
     for key, value in full.items():
         if key not in ("forwards", "mismatch_masked_frac", "mismatch_truncated_frac"):
             assert metrics[key] == value, key
+
+
+def test_the_first_minibatchs_own_forward_is_its_pi_old(monkeypatch):
+    """π_old recomputed without a mismatch correction: the first update's forward, at the same weights, is also its
+    rows' π_old, so the π_old pass runs over the other minibatches only (3 no-grad forwards and 4 with gradient for
+    4 minibatches, where it was 4 and 4). The update and the metrics are those of the full pass — the first
+    minibatch's ratios exactly 1, nothing clipped there, the mismatch measured over every row — which a correction
+    still runs (it needs every row's π_old before the first update: here one that keeps every row)."""
+    reused, full_pass = reused_and_full_pass(monkeypatch, tiny_ragged)
+    metrics, full = reused[1], full_pass[1]
+    assert metrics["forwards"] == [False] * 3 + [True] * 4 and full["forwards"] == [False] * 4 + [True] * 4
+    assert metrics["clip_frac_tokens_first_mb"] == 0.0 and metrics["clip_frac_tokens"] > 0  # later ones are off-policy
+    assert_same_update_and_metrics(reused, full_pass)
     assert any(key.startswith("mismatch_") and key in metrics for key in full)
 
 
@@ -283,37 +300,21 @@ def test_an_moe_policys_first_minibatch_takes_its_pi_old_and_its_routing_from_it
     With routing replay off or R2 (which replays that routing in the later updates), the weight update of two passes,
     the expert volatility (measured on the last update: the first minibatch's rows again) and every other metric are
     those of the full π_old pass, bit for bit; the first minibatch's ratios are exactly 1."""
-    import gspo.learner
-    from gspo.correction import Correction
     from gspo.hooks import MoERouting
 
-    forwards = []
-    inner = gspo.learner.completion_logprobs
-    monkeypatch.setattr(gspo.learner, "completion_logprobs",
-                        lambda *a, **k: forwards.append(torch.is_grad_enabled()) or inner(*a, **k))
-    spec = OBJECTIVES["gspo"]
-    minibatches = [torch.tensor([0, 5]), torch.tensor([2, 7]), torch.tensor([4, 1]), torch.tensor([6, 3])]
+    def tiny_moe() -> tuple[torch.nn.Module, object]:
+        model, _ = build_preset("tiny-moe", seed=1)
+        return model, ragged_trajectory(model)
+
     # a second pass whose last update (where volatility is measured) is on the first minibatch's rows again
     second_pass = [torch.tensor([1, 2]), torch.tensor([3, 4]), torch.tensor([6, 7]), torch.tensor([0, 5])]
-    runs = {}
-    for name, mismatch in (("reused", None), ("full pass", Correction(level="sequence", bounds=(1e-30, 1e30)))):
-        forwards.clear()
-        model, _ = build_preset("tiny-moe", seed=1)
-        traj = ragged_trajectory(model)
-        runs[name] = sgd_learn(model, traj, ADVANTAGES, minibatches, LearnSettings(
-            objective=spec, eps_low=spec.eps_low, eps_high=spec.eps_high, max_new_tokens=12, grad_clip=None,
-            mismatch=mismatch), hooks=[MoERouting(model, replay)], lr=2.0, later_epochs=[second_pass])
-        runs[name][1]["forwards"] = list(forwards)
-    (delta, metrics), (full_delta, full) = runs["reused"], runs["full pass"]
+    reused, full_pass = reused_and_full_pass(monkeypatch, tiny_moe, lambda model: {
+        "hooks": [MoERouting(model, replay)], "lr": 2.0, "later_epochs": [second_pass]})
+    metrics, full = reused[1], full_pass[1]
     assert metrics["forwards"] == [False] * 3 + [True] * 8 and full["forwards"] == [False] * 4 + [True] * 8
     assert metrics["clip_frac_tokens_first_mb"] == 0.0
-    for key in delta:
-        assert torch.equal(delta[key], full_delta[key]), key
-    assert max(float(d.abs().max()) for d in delta.values()) > 1e-5  # the update is not vacuous
     assert metrics["expert_volatility"] > 0  # the routers moved: the routing compared is not vacuous
-    for key, value in full.items():
-        if key not in ("forwards", "mismatch_masked_frac", "mismatch_truncated_frac"):
-            assert metrics[key] == value, key
+    assert_same_update_and_metrics(reused, full_pass)
 
 
 @pytest.mark.parametrize("loss", ["gspo", "dr_grpo"])
