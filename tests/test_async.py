@@ -228,7 +228,9 @@ def slow_on_marked_prompts(prompt: str, completion: str, **row) -> float:
 def test_a_resume_generates_again_the_batches_in_flight_at_its_checkpoint(tmp_path, monkeypatch):
     """Two workers, batch 1 slow: batches 0 and 2 are trained first, so the checkpoint of step 2 continues at index 3
     with batch 1 still in flight. A resume from it used to skip batch 1's prompts for good; it now generates batch 1
-    again first, and the run trains every batch index exactly once."""
+    again first (claimed before index 3), so batch 1 is among the three the resumed run trains, and no index is
+    trained twice. (Which of 3, 4 and 5 fill the other two steps is the workers' race: an earlier version of this
+    test that asked for exactly 0-4 failed once with 0, 1, 2, 3, 5.)"""
     cfg = async_cfg(tmp_path, "rollout.workers=2", "rollout.worker_threads=1", "rollout.max_staleness=2",
                     "trainer.checkpoint_every=2", "rewards.functions={slow_on_marked_prompts: 1.0}",
                     "rewards.check=false")
@@ -244,7 +246,8 @@ def test_a_resume_generates_again_the_batches_in_flight_at_its_checkpoint(tmp_pa
     assert summary["status"] == "completed"
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
-    assert sorted(int(r["rollout_batch_index"]) for r in records) == [0, 1, 2, 3, 4]
+    trained = [int(r["rollout_batch_index"]) for r in records]
+    assert trained[:2] == [0, 2] and 1 in trained[2:] and len(set(trained)) == 5, trained
     assert records[-1]["rollout_lost_batches"] == records[-1]["rollout_dropped_stale"] == 0
     assert not multiprocessing.active_children()
 
