@@ -150,7 +150,9 @@ def test_async_dynamic_sampling_on_a_constant_reward_stops_with_the_sync_error(t
     assert not multiprocessing.active_children()
 
 
-def test_a_killed_worker_is_restarted_and_the_run_goes_on(tmp_path):
+def test_a_killed_worker_is_restarted_and_generates_its_batch_again(tmp_path):
+    """The batch a killed worker held (generating, waiting for weights, or blocked sending it) is generated again by
+    its replacement, so every batch of prompts is trained, in order (one worker); it used to be lost."""
     def kill_worker(done: int, metrics: dict) -> None:
         if done == 2:
             (worker,) = multiprocessing.active_children()
@@ -158,9 +160,35 @@ def test_a_killed_worker_is_restarted_and_the_run_goes_on(tmp_path):
 
     summary = train(async_cfg(tmp_path, "trainer.steps=6"), callbacks=[kill_worker])
     assert summary["status"] == "completed"
-    last = read_metrics(tmp_path / "metrics.jsonl")[-1]
-    assert last["step"] == 6 and last["rollout_worker_restarts"] == 1
-    assert last["rollout_lost_batches"] in (0, 1)  # 1 when it died holding a batch (generating, or on a full queue)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [int(r["rollout_batch_index"]) for r in records] == [0, 1, 2, 3, 4, 5]
+    last = records[-1]
+    assert last["step"] == 6 and last["rollout_worker_restarts"] == 1 and last["rollout_lost_batches"] == 0
+    assert last["rollout_retried_batches"] in (0, 1)  # 0 when it died between two batches (rare)
+
+
+def kill_own_worker_on_marked_prompts(prompt: str, completion: str, **row) -> float:
+    """A reward (module level: the workers import it) that kills its worker process on the prompts listed in
+    GSPO_TEST_FATAL_PROMPTS: a batch that takes down every worker that generates it."""
+    if prompt in json.loads(os.environ.get("GSPO_TEST_FATAL_PROMPTS", "[]")):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return zlib.crc32(completion.encode()) % 1000 / 1000
+
+
+def test_a_batch_that_kills_its_worker_twice_is_counted_lost_and_the_run_goes_on(tmp_path, monkeypatch):
+    """Batch 2 kills whichever worker scores it: it is tried once more, then counted as lost (not retried for good:
+    the run would only stop at the restart limit), and the run trains the other batches."""
+    cfg = async_cfg(tmp_path, "rewards.functions={kill_own_worker_on_marked_prompts: 1.0}", "rewards.check=false")
+    monkeypatch.setitem(REWARDS, "kill_own_worker_on_marked_prompts", kill_own_worker_on_marked_prompts)
+    rows, _ = step_prompts(2, prepare(cfg).train_rows, cfg.rollout.prompts_per_step, cfg.trainer.seed)
+    monkeypatch.setenv("GSPO_TEST_FATAL_PROMPTS", json.dumps([r["prompt"] for r in rows]))
+    summary = train(cfg)
+    assert summary["status"] == "completed"
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [int(r["rollout_batch_index"]) for r in records] == [0, 1, 3, 4, 5]
+    last = records[-1]
+    assert (last["rollout_worker_restarts"], last["rollout_retried_batches"], last["rollout_lost_batches"]) == (2, 1, 1)
+    assert not multiprocessing.active_children()
 
 
 @pytest.mark.timeout(300)
@@ -176,7 +204,8 @@ def test_batches_lost_beyond_the_staleness_bound_do_not_stall_the_workers(tmp_pa
     assert summary["status"] == "completed"
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
-    assert records[-1]["rollout_worker_restarts"] == 3 and records[-1]["rollout_lost_batches"] >= 1
+    assert [int(r["rollout_batch_index"]) for r in records] == [0, 1, 2, 3, 4]  # the killed workers' batches again
+    assert records[-1]["rollout_worker_restarts"] == 3 and records[-1]["rollout_lost_batches"] == 0
     assert all(r["staleness_max"] == 0 for r in records)  # the bound still holds for what is trained
 
 

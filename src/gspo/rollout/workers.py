@@ -6,7 +6,8 @@
               (or play the episodes of an `env` run) and score batch i with its own engine, send it to the learner
               through its own pipe
 
-`skipped` counts the batch indices that will never be trained (lost with a dead worker, dropped as stale; at a resume,
+`skipped` counts the batch indices that will never be trained (lost with workers that died twice generating them,
+dropped as stale; at a resume,
 those the run had passed by then and will not redo): without it each one would use up a version of the bound for good,
 and once more than `max_staleness` were skipped every worker would wait for a version the learner cannot publish.
 
@@ -21,15 +22,16 @@ With `partial`, a worker takes newly published weights between two decode steps,
 under them (a partial rollout, §5.4): each token keeps the version and the engine log-probability it was sampled with,
 so π_old is per token (`old_logprobs: rollout`). Batch i draws its prompts and seeds exactly as sync step i would.
 
-Which weights a token was sampled with depends on timing, so async runs are not bit-reproducible (sync runs are).
-A worker that dies (killed, out of memory) is restarted with the current weights and the batch it was generating is
-counted as lost; an exception in a worker stops the run with the worker's traceback, except a ValueError (a
-ConfigError included: a bad input the worker met, e.g. an environment's reset that failed), which the learner raises
-as it is, with the message a sync run would give (the worker's traceback logged at debug level). On resume, batch
-indices continue after the highest one trained, and the batches in flight at the checkpoint are generated again: a
-checkpoint keeps the indices below that one which were claimed but had not arrived (`rollout_pending`; with several
-workers a later batch can arrive and be trained first), and workers claim those before any new index, so a crash
-skips no prompts.
+Which weights a token was sampled with depends on timing, so async runs are not bit-reproducible (sync runs are). A
+worker that dies (killed, out of memory) is restarted with the current weights and generates the batch it held again
+first (`retried_batches`); a batch that kills its worker a second time is not tried again but counted as lost
+(`lost_batches`: its prompts are skipped, e.g. one whose sampling runs out of memory every time). An exception in a
+worker stops the run with the worker's traceback, except a ValueError (a ConfigError included: a bad input the worker
+met, e.g. an environment's reset that failed), which the learner raises as it is, with the message a sync run would give
+(the worker's traceback logged at debug level). On resume, batch indices continue after the highest one trained, and the
+batches in flight at the checkpoint are generated again: a checkpoint keeps the indices below that one which were
+claimed but had not arrived (`rollout_pending`; with several workers a later batch can arrive and be trained first), and
+workers claim those before any new index, so a crash skips no prompts.
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ __all__ = ["ROLLOUT_COUNTS", "AsyncRollouts", "SharedRollouts", "WorkerBatch", "
 log = logging.getLogger(__name__)
 
 IDLE = -1  # a worker's in-flight index when it is not generating
-ROLLOUT_COUNTS = ("dropped_stale", "lost_batches", "worker_restarts")  # what checkpoints keep of the rollouts
+# what checkpoints keep of the rollouts
+ROLLOUT_COUNTS = ("dropped_stale", "lost_batches", "retried_batches", "worker_restarts")
 
 
 def drain(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -168,13 +171,13 @@ def worker_policy(model_config, cfg, device: str) -> torch.nn.Module:
 
 def _worker_main(worker: int, model_config, tokenizer, cfg, train_rows: list[dict], shared: SharedWeights, channel,
                  claim, redo, redone, in_flight, skipped, device: str, out: str, source: str | None,
-                 registered: dict) -> None:
+                 registered: dict, retry: int = IDLE) -> None:
     """A rollout worker process: claim, wait for fresh-enough weights, generate (or play episodes), score, send; until
-    the learner stops it. Its engine (`gspo.rollout.worker_engine`: the built-in sampler or vLLM) is built for the
-    policy's architecture and takes every weight from `shared`. Exceptions go to the learner as ("error", worker,
-    traceback); a ValueError (a bad input's clean message) as ("value_error", worker, traceback, message, whether it
-    is a ConfigError)."""
-    from gspo.agent import build_env, make_episode_runner
+    the learner stops it. `retry`: the batch index a worker that died held, which this one generates first. Its
+    engine (`gspo.rollout.worker_engine`: the built-in sampler or vLLM) is built for the policy's architecture and
+    takes every weight from `shared`. Exceptions go to the learner as ("error", worker, traceback); a ValueError (a
+    bad input's clean message) as ("value_error", worker, traceback, message, whether it is a ConfigError)."""
+    from gspo.agent import build_env, counted_episodes, make_episode_runner
     from gspo.rewards import REWARDS, RewardRunner, score_trajectory
     from gspo.rollout import worker_engine
     from gspo.rollout.dynamic import Scored, keep_informative
@@ -204,7 +207,9 @@ def _worker_main(worker: int, model_config, tokenizer, cfg, train_rows: list[dic
 
         while True:
             with claim.get_lock():  # claimed and held as one: a worker killed now leaves no index uncounted
-                if redone.value < len(redo):  # a resume's batches in flight at its checkpoint come first
+                if retry != IDLE:  # what the worker this one replaces died generating
+                    i, retry = retry, IDLE
+                elif redone.value < len(redo):  # a resume's batches in flight at its checkpoint come first
                     i = redo[redone.value]
                     redone.value += 1
                 else:
@@ -222,7 +227,8 @@ def _worker_main(worker: int, model_config, tokenizer, cfg, train_rows: list[dic
             every = scored.rewards
             if ro.dynamic_sampling:  # as the sync collect of step i: refill rounds until P informative groups
                 scored, every = keep_informative(i, train_rows, scored, sample, ro, cfg.trainer.seed,
-                                                 pad_id=engine.pad_id)
+                                                 pad_id=engine.pad_id,
+                                                 counted=lambda traj: counted_episodes(cfg, traj))
             after = rewards.state_dict()
             failures = {kind: {name: n - before[kind][name] for name, n in counts.items()}
                         for kind, counts in after.items()}
@@ -341,18 +347,19 @@ class AsyncRollouts:
         self.floor = min([*pending, start_index])
         self.settled = set(range(self.floor, start_index)) - set(pending)
         self.counts = {**dict.fromkeys(ROLLOUT_COUNTS, 0), **(counts or {})}
+        self.retried: set[int] = set()  # indices a worker died generating once (a second death loses them)
         self.workers: list = [None] * ro.workers
         self.readers: list = [None] * ro.workers
         for w in range(ro.workers):
             self._start(w)
 
-    def _start(self, worker: int) -> None:
+    def _start(self, worker: int, retry: int = IDLE) -> None:
         reader, writer = self.ctx.Pipe(duplex=False)
         process = self.ctx.Process(
             target=_worker_main, daemon=True, name=f"gspo-rollout-{worker}",
             args=(worker, self.model_config, self.tokenizer, self.cfg, self.train_rows, self.shared, writer,
                   self.claim, self.redo, self.redone, self.in_flight, self.skipped, self.device, str(self.out),
-                  self.source, self.registered))
+                  self.source, self.registered, retry))
         process.start()
         writer.close()  # the worker holds the only write end: its death reads as end-of-file here
         self.workers[worker], self.readers[worker] = process, reader
@@ -398,20 +405,30 @@ class AsyncRollouts:
             return item, time.perf_counter() - t0
 
     def _restart(self, w: int) -> None:
-        """Worker `w` died: count the batch it held as lost and start a new one on a new pipe."""
+        """Worker `w` died: start a new one on a new pipe, which generates the batch `w` held again first; a batch
+        that a worker already died generating is counted as lost instead (it may be what kills them)."""
         process = self.workers[w]
         process.join(timeout=10)
         self.readers[w].close()
-        if self.in_flight[w] != IDLE:
+        held, retry = int(self.in_flight[w]), IDLE
+        if held != IDLE and held in self.retried:
             self.counts["lost_batches"] += 1
             self.skipped.value += 1
-            self._settle(self.in_flight[w])
+            self._settle(held)
             self.in_flight[w] = IDLE
+            log.warning("rollout batch %d was lost: a worker died generating it twice (counted in "
+                        "rollout_lost_batches; its prompts are skipped)", held)
+        elif held != IDLE:  # generated again; in_flight[w] keeps it, so a new worker dying before it claims it loses it
+            self.retried.add(held)
+            self.counts["retried_batches"] += 1
+            retry = held
+        log.warning("rollout worker %d died (exit code %s); restarted%s", w, process.exitcode,
+                    f", generating batch {retry} again" if retry != IDLE else "")
         self.counts["worker_restarts"] += 1
         if self.counts["worker_restarts"] > 10 * len(self.workers):
             raise WorkerError(f"rollout workers died {self.counts['worker_restarts']} times (last exit code "
                               f"{process.exitcode}); giving up")
-        self._start(w)
+        self._start(w, retry)
 
     def ahead(self) -> int:
         """Batches the workers have claimed beyond the last one the learner took (bounded: back-pressure)."""
