@@ -97,3 +97,33 @@ def test_flat_groups_whose_mean_rounds_get_exact_zero_advantages(scale):
     adv = group_advantages(rewards, 3, scale=scale)
     assert torch.all(adv[:3] == 0)
     assert (adv[3:] != 0).any()
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_completions_that_do_not_count_leave_their_groups_baseline(scale):
+    """`valid` (env.on_failure=mask): a group's statistics are over its valid members, which get the advantages of
+    the group without the others; the others get 0. Each group here has one invalid member, so the valid ones are
+    groups of 3; a group of 4 whose only valid member is one gets 0 everywhere (no baseline)."""
+    torch.manual_seed(0)
+    rewards = torch.rand(12)
+    valid = torch.ones(12, dtype=torch.bool)
+    valid[[1, 4, 11]] = False
+    adv = group_advantages(rewards, 4, scale=scale, valid=valid)
+    expected = group_advantages(rewards[valid], 3, scale=scale)
+    torch.testing.assert_close(adv[valid], expected)
+    assert adv[~valid].tolist() == [0.0, 0.0, 0.0]
+    alone = torch.tensor([True, False, False, False])
+    assert group_advantages(torch.tensor([0.9, 0.1, 0.2, 0.3]), 4, scale=scale, valid=alone).tolist() == [0.0] * 4
+    every = torch.ones(12, dtype=torch.bool)
+    torch.testing.assert_close(group_advantages(rewards, 4, scale=scale, valid=every),
+                               group_advantages(rewards, 4, scale=scale))
+    # dynamic sampling's test, over the same members: a group varied only by a member that does not count has none
+    varied_by_one = torch.tensor([0.5, 0.5, 0.5, 0.9, 0.1, 0.5, 0.5, 0.5])
+    out = torch.tensor([False, False, False, True, True, False, False, False])
+    assert zero_variance_groups(varied_by_one, 4).tolist() == [False, False]
+    assert zero_variance_groups(varied_by_one, 4, valid=~out).tolist() == [True, True]
+    assert zero_variance_groups(rewards, 4, valid=alone.repeat(3)).tolist() == [True] * 3  # one member: no signal
+    with pytest.raises(ValueError, match="valid must be a bool tensor of the rewards' shape"):
+        group_advantages(rewards, 4, valid=valid[:6])
+    with pytest.raises(ValueError, match="valid must be a bool tensor"):
+        group_advantages(rewards, 4, valid=valid.float())

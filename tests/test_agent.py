@@ -553,6 +553,19 @@ def test_turn_advantages_equal_the_episode_advantage_when_only_the_answer_is_rew
                                    group_advantages(r.sum(-1), 4, scale)[:, None] * mask)
 
 
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_turn_advantages_of_the_valid_episodes_are_those_of_a_group_without_the_others(scale):
+    """`valid` (env.on_failure=mask): an episode its environment failed leaves its group's returns statistics and gets
+    0 on every token."""
+    torch.manual_seed(0)
+    mask = (torch.rand(8, 6) > 0.3).long()
+    r = torch.rand(8, 6) * mask
+    valid = torch.tensor([True, True, False, True, False, True, True, True])  # 3 valid episodes per group of 4
+    adv = turn_advantages(r, mask, 4, scale, valid=valid)
+    torch.testing.assert_close(adv[valid], turn_advantages(r[valid], mask[valid], 3, scale))
+    assert adv[~valid].abs().sum() == 0
+
+
 @pytest.mark.parametrize("loss", ["gspo", "gspo_token", "grpo"])
 def test_observation_tokens_never_get_gradient(loss):
     torch.manual_seed(0)

@@ -296,3 +296,64 @@ def test_check_warns_when_the_tokenizer_cannot_write_the_parsers_calls(tmp_path)
     assert any("cannot write a call of calc in env.parser=hermes's format" in w for w in warnings(hermes))
     call = check(load_config(DEMO, tiny_overrides(tmp_path / "b", *calc, "env.parser=call")))
     assert call["env"]["unwritable_calls"] == [] and not any("cannot write a call" in w for w in warnings(call))
+
+
+FLAKY = """
+import zlib
+
+from gspo.agent import Step
+
+
+class Flaky:
+    '''Fails the step of about a third of the episodes (by the reply's checksum: within groups, not whole groups).'''
+
+    def reset(self, row):
+        return row["prompt"]
+
+    def step(self, action):
+        if zlib.crc32(action.encode()) % 3 == 0:
+            raise ConnectionError("sandbox service unavailable")
+        return Step(done=True)
+"""
+
+
+@pytest.mark.parametrize("on_failure", ["mask", "train"])
+def test_episodes_the_environment_failed_leave_the_loss_and_their_groups_baseline(tmp_path, monkeypatch, on_failure):
+    """An episode ended by an environment failure was scored and trained as the policy's own doing (a broken service
+    taught the policy to avoid what it was doing). With env.on_failure=mask (the default) it has no trained token and
+    advantage 0, and the other episodes of its group get the advantages of the group without it; `train` keeps the
+    old behaviour."""
+    from conftest import varied_reward
+    from gspo.advantages import group_advantages
+    from gspo.rewards import REWARDS
+    from gspo.tracking import read_metrics
+
+    monkeypatch.setitem(REWARDS, "varied", varied_reward)
+    module = tmp_path / "flaky_envs.py"
+    module.write_text(FLAKY)
+    cfg = load_config(DEMO, tiny_overrides(tmp_path / "run", f"env.name={module}:Flaky", f"env.on_failure={on_failure}",
+                                           "data.chat=always", "env.max_tokens=48", "rollout.max_new_tokens=8",
+                                           "rewards.functions={varied: 1.0}", "rewards.check=false", "trainer.steps=2",
+                                           "trainer.eval_every=0", "log.rollouts=16", "rollout.group_size=4"))
+    assert train(cfg)["status"] == "completed"
+    records = read_metrics(tmp_path / "run" / "rollouts.jsonl")
+    failed = [r for r in records if r["env_failure"]]
+    assert 0 < len(failed) < len(records)
+    masked = on_failure == "mask"
+    if masked:
+        assert all(r["trained_tokens"] == 0 and r["advantage"] == 0 for r in failed)
+    else:
+        assert all(r["trained_tokens"] > 0 for r in failed)
+    checked = 0
+    for step in (1, 2):
+        for group in range(4):
+            mine = [r for r in records if r["step"] == step and r["group"] == group]
+            members = [r for r in mine if not (masked and r["env_failure"])]
+            if len(members) >= 2:
+                expected = group_advantages(torch.tensor([r["reward"] for r in members]), len(members))
+                assert [r["advantage"] for r in members] == pytest.approx(expected.tolist(), abs=1e-5)
+                checked += any(r["env_failure"] for r in mine) and len({r["reward"] for r in members}) > 1
+    assert checked  # a group with a failed episode and signal among the others was compared
+    metrics = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert all(r["episode_env_failures"] > 0 for r in metrics)
+    assert ("env_failed_masked" in metrics[0]) == masked

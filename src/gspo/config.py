@@ -490,6 +490,10 @@ class EnvConfig(_Section):
     invalid_call_reward: float = Field(0.0, allow_inf_nan=False)  # a turn whose call is malformed
     tool_error_reward: float = Field(0.0, allow_inf_nan=False)  # per call that raised, timed out or returned non-text
     turn_credit: bool = True  # per-token (reward-to-go) advantages for objectives that take them; False: Eq. 6's Â_i
+    # An episode its environment failed (a step that raised, timed out or returned no usable Step; an observation the
+    # chat template cannot render): `mask` leaves it out of the loss and out of its group's baseline (the policy is
+    # not blamed for the environment's fault; counted in env_failed_masked); `train` scores and trains it as it ended.
+    on_failure: Literal["mask", "train"] = "mask"
 
     @model_validator(mode="after")
     def _known(self) -> EnvConfig:

@@ -42,7 +42,14 @@ import yaml
 from torch import nn
 
 from gspo.advantages import group_advantages, turn_advantages, zero_variance_groups
-from gspo.agent import EpisodeRunner, build_env, episode_metrics, make_episode_runner
+from gspo.agent import (
+    EpisodeRunner,
+    build_env,
+    counted_episodes,
+    episode_metrics,
+    failed_episodes,
+    make_episode_runner,
+)
 from gspo.checkpoint import (
     STATE_FILENAME,
     checkpoint_path,
@@ -219,17 +226,26 @@ def collect(step: int, train_rows: list[dict], ctx: RLStep) -> Collected:
     (run seed, step, prompt position); each process generates and scores its share of the prompts, then all of them
     hold the whole batch. With rollout.dynamic_sampling, groups without reward variance are replaced by groups from
     further prompts (`gspo.rollout.dynamic`; async workers fill their batches the same way); with
-    rollout.overlong_filter, truncated completions leave the loss."""
+    rollout.overlong_filter, truncated completions leave the loss; with env.on_failure=mask, so do the episodes their
+    environment failed, which leave their groups' baselines too."""
     cfg, ro = ctx.cfg, ctx.cfg.rollout
     try:
         batch = _collect_async(step, ctx) if ctx.rollouts is not None else _collect_sync(step, train_rows, ctx)
     except NoSignal as e:  # dynamic sampling: every group constant after every round (here or in a worker)
         raise NoSignalError(str(e)) from None
     scale, traj = cfg.algorithm.advantage_scale, batch.traj
+    failed = failed_episodes(traj) if cfg.env is not None and cfg.env.on_failure == "mask" else None
+    valid = counted_episodes(cfg, traj)
+    valid = None if valid is None else valid.to(batch.rewards.device)
     if cfg.env is not None and cfg.env.turn_credit and OBJECTIVES[cfg.algorithm.loss].token_advantages:
-        batch.advantages = turn_advantages(traj.token_rewards, traj.loss_mask, ro.group_size, scale=scale)
+        batch.advantages = turn_advantages(traj.token_rewards, traj.loss_mask, ro.group_size, scale=scale,
+                                           valid=valid)
     else:
-        batch.advantages = group_advantages(batch.rewards, ro.group_size, scale=scale)
+        batch.advantages = group_advantages(batch.rewards, ro.group_size, scale=scale, valid=valid)
+    if failed is not None:
+        mask = traj.loss_mask * ~failed[:, None].to(traj.loss_mask.device)
+        batch.traj = traj = replace(traj, loss_mask=mask)
+        batch.reward_stats["env_failed_masked"] = float(failed.float().mean())
     if ro.overlong_filter:  # after the advantages: a truncated completion still counts in its group's baseline
         traj = batch.traj
         batch.traj = replace(traj, loss_mask=traj.loss_mask * ~traj.truncated[:, None].to(traj.loss_mask.device))
@@ -246,7 +262,8 @@ def _collect_sync(step: int, train_rows: list[dict], ctx: RLStep) -> Collected:
     every = scored.rewards
     if ro.dynamic_sampling:
         scored, every = keep_informative(step, train_rows, scored, lambda r, s: _sample(r, s, ctx), ro,
-                                         cfg.trainer.seed, pad_id=ctx.engine.pad_id, world_size=ctx.group.world_size)
+                                         cfg.trainer.seed, pad_id=ctx.engine.pad_id, world_size=ctx.group.world_size,
+                                         counted=lambda traj: counted_episodes(cfg, traj))
     ctx.engine.release()  # after the last refill round: e.g. an own-copy engine frees its copy until the sync
     return Collected(scored.traj, scored.rewards, torch.zeros_like(scored.rewards), scored.stats, scored.seconds,
                      sampled_rewards=every)
@@ -315,10 +332,11 @@ def rollout_records(batch: Collected, tokenizer, count: int, group_size: int,
     episode's final reply, with the whole `transcript` of policy turns and observations too), reward (the
     weighted sum trained on), each of `reward_names`' unweighted value and whether the accuracy reward calls it solved
     (when the batch carries them, `gspo.rewards.score_trajectory`), advantage (per-token advantages: their mean over
-    the trained tokens), tokens, trained tokens (0: filtered out, e.g. by rollout.overlong_filter) and whether it hit
-    the token budget."""
+    the trained tokens), tokens, trained tokens (0: filtered out, e.g. by rollout.overlong_filter or an environment
+    failure under env.on_failure=mask), whether it hit the token budget and, for an episode, whether its environment
+    failed."""
     traj, n = batch.traj, min(count, len(batch.traj))
-    values, solved = traj.extras.get("reward_values"), traj.extras.get("solved")
+    values, solved, failed = traj.extras.get("reward_values"), traj.extras.get("solved"), failed_episodes(traj)
     advantages = batch.advantages.float().cpu()
     if advantages.dim() == 2:  # token-level: the mean over the tokens the loss sees
         mask = traj.loss_mask[:n].float().cpu()
@@ -334,6 +352,8 @@ def rollout_records(batch: Collected, tokenizer, count: int, group_size: int,
                                  for name, value in zip(reward_names, values[i].tolist(), strict=True)}
         if solved is not None:
             record["solved"] = bool(solved[i])
+        if failed is not None:
+            record["env_failure"] = bool(failed[i])
         records.append({**record, "advantage": float(advantages[i]), "tokens": int(traj.completion_mask[i].sum()),
                         "trained_tokens": int(traj.loss_mask[i].sum()), "truncated": bool(traj.truncated[i])})
     return records

@@ -43,7 +43,7 @@ from gspo.schedule import derive_seed
 from gspo.trajectory import NO_VERSION, Trajectory, pad_left, pad_right
 
 __all__ = ["EPISODE_COUNTS", "ChatFormat", "EpisodeLimits", "EpisodeRunner", "count_metrics", "encode_demonstration",
-           "episode_metrics"]
+           "episode_metrics", "failed_episodes"]
 
 log = logging.getLogger(__name__)
 
@@ -403,6 +403,15 @@ def episode_metrics(traj: Trajectory) -> dict[str, float]:
     if "episode" not in traj.extras:
         return {}
     return count_metrics(traj.extras["episode"], traj.extras["episode_keys"])
+
+
+def failed_episodes(traj: Trajectory) -> torch.Tensor | None:
+    """[N] bool: the episodes their environment failed (`env_failures` counted); None for single-turn
+    trajectories."""
+    if "episode" not in traj.extras:
+        return None
+    column = traj.extras["episode_keys"].index("env_failures")
+    return traj.extras["episode"][:, column] > 0
 
 
 def env_counts(env: Environment) -> tuple[str, ...]:

@@ -42,11 +42,14 @@ class Scored:
 
 def keep_informative(step: int, train_rows: list[dict], first: Scored,
                      sample: Callable[[list[dict], list[int]], Scored], ro: RolloutConfig, seed: int, *, pad_id: int,
-                     world_size: int = 1) -> tuple[Scored, torch.Tensor]:
+                     world_size: int = 1, counted: Callable[[Trajectory], torch.Tensor | None] | None = None,
+                     ) -> tuple[Scored, torch.Tensor]:
     """While fewer than P (`ro.prompts_per_step`) of the groups sampled so far have varied rewards, `sample` another
     round (as many prompts as the informative rate so far says are needed, at most 4P, a multiple of `world_size` so
     that every process gets whole groups), up to `ro.dynamic_max_rounds` rounds in all; then keep the first P
     informative groups, topped up with constant ones (counted: `dynamic_filled_groups`) if the rounds ran out.
+    `counted(traj)`: the completions whose rewards count ([N] bool, None: all; `gspo.agent.counted_episodes`), so
+    that a group varied only by an episode its environment failed is not taken for an informative one.
 
     Returns the kept batch (its stats: the rounds' counts summed, per-function means weighted by completions, and
     `dynamic_rounds` / `dynamic_sampled_prompts` / `dynamic_filled_groups`) and every sampled reward (the step's
@@ -54,14 +57,18 @@ def keep_informative(step: int, train_rows: list[dict], first: Scored,
     p, g = ro.prompts_per_step, ro.group_size
     own = prompt_indices(step, p, len(train_rows), seed)  # the first round's rows: refills draw from the others
     parts = [first]
-    informative = [~zero_variance_groups(first.rewards, g)]
+
+    def varied(part: Scored) -> torch.Tensor:
+        return ~zero_variance_groups(part.rewards, g, valid=None if counted is None else counted(part.traj))
+
+    informative = [varied(first)]
     kept, sampled = int(informative[0].sum()), len(first.rewards) // g
     while kept < p and len(parts) < ro.dynamic_max_rounds:
         n = min(math.ceil((p - kept) * sampled / max(kept, sampled / 8)), 4 * p)
         n = math.ceil(n / world_size) * world_size
         rows, seeds = refill_prompts(step, len(parts), train_rows, n, seed, start=sampled - len(own), exclude=own)
         parts.append(sample(rows, seeds))
-        informative.append(~zero_variance_groups(parts[-1].rewards, g))
+        informative.append(varied(parts[-1]))
         kept, sampled = kept + int(informative[-1].sum()), sampled + n
     if kept == 0:
         raise NoSignal(
