@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 from pathlib import Path
 
 # Nothing here downloads from the Hugging Face Hub (models are built from configs or saved locally): a name that is
@@ -66,6 +67,39 @@ def varied_reward(prompt: str, completion: str, **row) -> float:
     """Fraction of digits in the completion: differs between the samples of a group even for an untrained model,
     so advantages (and updates) are non-zero, unlike the addition reward of a model that cannot add yet."""
     return sum(ch.isdigit() for ch in completion) / max(1, len(completion))
+
+
+def flaky_reward(prompt: str, completion: str, **row) -> float:
+    """`varied_reward`, but raising on about a third of the completions (by checksum: within groups, not whole
+    groups), as a judge that times out now and then."""
+    if zlib.crc32(completion.encode()) % 3 == 0:
+        raise TimeoutError("judge did not answer")
+    return varied_reward(prompt, completion)
+
+
+def assert_left_out_of_groups(records: list[dict], flag: str, masked: bool, steps: int, groups: int) -> None:
+    """`log.rollouts` records of a run where the completions flagged `flag` do not count (`masked`: they have no
+    trained token and advantage 0, and the others of each group have the advantages of the group without them) or
+    do (trained, in the group's statistics). Some must be flagged, and a group with a flagged completion and signal
+    among the others must be among those compared."""
+    from gspo.advantages import group_advantages
+
+    flagged = [r for r in records if r[flag]]
+    assert 0 < len(flagged) < len(records)
+    if masked:
+        assert all(r["trained_tokens"] == 0 and r["advantage"] == 0 for r in flagged)
+    else:
+        assert all(r["trained_tokens"] > 0 for r in flagged)
+    checked = 0
+    for step in range(1, steps + 1):
+        for group in range(groups):
+            mine = [r for r in records if r["step"] == step and r["group"] == group]
+            members = [r for r in mine if not (masked and r[flag])]
+            if len(members) >= 2:
+                expected = group_advantages(torch.tensor([r["reward"] for r in members]), len(members))
+                assert [r["advantage"] for r in members] == pytest.approx(expected.tolist(), abs=1e-5)
+                checked += any(r[flag] for r in mine) and len({r["reward"] for r in members}) > 1
+    assert checked
 
 
 def constant_reward(prompt: str, completion: str, **row) -> float:

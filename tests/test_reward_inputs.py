@@ -351,3 +351,32 @@ def test_a_reward_that_prints_does_not_break_gspo_evals_json_on_stdout(tmp_path,
     out, err = capsys.readouterr()
     assert code == 0 and json.loads(out)["rows"] == 4 and "baseline" in json.loads(out)
     assert err.count("scoring") >= 8  # both models' completions were scored, and said so on stderr
+
+
+# ----------------------------------------------------------------------------- rewards.on_error: what a failure trains
+
+
+@pytest.mark.parametrize("on_error", ["mask", "zero"])
+def test_completions_a_reward_failed_on_leave_the_loss_and_their_groups_baseline_under_mask(tmp_path, monkeypatch,
+                                                                                            on_error):
+    """A judge that times out now and then: under `zero` its failures are trained as reward-0 answers (and drag their
+    groups' means down); under `mask` such a completion has no trained token and advantage 0, and the others of its
+    group get the advantages of the group without it. Either way each failure is counted and marked in
+    rollouts.jsonl."""
+    from conftest import assert_left_out_of_groups, flaky_reward
+    from gspo.rewards import REWARDS
+    from gspo.tracking import read_metrics
+
+    monkeypatch.setitem(REWARDS, "flaky", flaky_reward)
+    cfg = load_config(DEMO, tiny_overrides(tmp_path, f"rewards.on_error={on_error}", "rewards.functions={flaky: 1.0}",
+                                           "rewards.check=false", "trainer.steps=2", "trainer.eval_every=0",
+                                           "log.rollouts=16", "rollout.group_size=4"))
+    assert train(cfg)["status"] == "completed"
+    records = read_metrics(tmp_path / "rollouts.jsonl")
+    assert_left_out_of_groups(records, "reward_failed", on_error == "mask", steps=2, groups=4)
+    metrics = read_metrics(tmp_path / "metrics.jsonl")
+    assert all(r["reward_failures"] > 0 for r in metrics)
+    if on_error == "mask":
+        assert [r["reward_failed_masked"] for r in metrics] == [r["reward_failures"] / 16 for r in metrics]
+    else:
+        assert "reward_failed_masked" not in metrics[0]

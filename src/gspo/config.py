@@ -233,10 +233,14 @@ class RewardConfig(_Section):
     `timeout_s`: wall-clock limit of one batch's reward calls together (None: none), so a hanging reward costs a
     step at most that long: a call not finished by then is a failure handled by `on_error`, abandoned in its thread
     (see gspo.rewards.deadline). `workers`: threads running the calls of a batch at once (> 1 only pays for rewards
-    that wait, such as `code`; the functions must then be thread-safe)."""
+    that wait, such as `code`; the functions must then be thread-safe).
+
+    `on_error`: `fail` stops the run (RewardFailure); `zero` scores the failed call 0 and trains on it; `mask` leaves
+    a completion on which a call failed out of the loss and out of its group's baseline (a judge that timed out says
+    nothing of the completion; counted in reward_failed_masked)."""
 
     functions: dict[str, float] = Field(default_factory=lambda: {"addition": 1.0})
-    on_error: Literal["fail", "zero"] = "fail"
+    on_error: Literal["fail", "zero", "mask"] = "fail"
     timeout_s: float | None = Field(30.0, gt=0, allow_inf_nan=False)
     workers: int = Field(1, ge=1)
     # At the start of a run (and of a resume), score the accuracy reward on up to 200 rows' own answers, an empty

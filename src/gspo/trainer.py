@@ -45,7 +45,6 @@ from gspo.advantages import group_advantages, turn_advantages, zero_variance_gro
 from gspo.agent import (
     EpisodeRunner,
     build_env,
-    counted_episodes,
     episode_metrics,
     failed_episodes,
     make_episode_runner,
@@ -87,7 +86,7 @@ from gspo.objectives import OBJECTIVES
 from gspo.optim import check_update_precision, loss_scaler, make_optimizer, scale_lr, warmup_warning
 from gspo.parallel import ProcessGroup, init_distributed, wrap_frozen, wrap_policy
 from gspo.parallel.state import FullModelView, full_state, load_state, save_state
-from gspo.rewards import RewardRunner, drop_unscored, score_trajectory
+from gspo.rewards import RewardRunner, counted_completions, drop_unscored, score_trajectory
 from gspo.rewards.checks import reward_checks, split_warnings
 from gspo.rollout import RolloutEngine, check_hf_engine, make_engine, policy_weights, unwrap_model
 from gspo.rollout.dynamic import NoSignal, Scored, keep_informative
@@ -226,26 +225,28 @@ def collect(step: int, train_rows: list[dict], ctx: RLStep) -> Collected:
     (run seed, step, prompt position); each process generates and scores its share of the prompts, then all of them
     hold the whole batch. With rollout.dynamic_sampling, groups without reward variance are replaced by groups from
     further prompts (`gspo.rollout.dynamic`; async workers fill their batches the same way); with
-    rollout.overlong_filter, truncated completions leave the loss; with env.on_failure=mask, so do the episodes their
-    environment failed, which leave their groups' baselines too."""
+    rollout.overlong_filter, truncated completions leave the loss; with rewards.on_error=mask / env.on_failure=mask, so
+    do the completions a reward call failed on / the episodes their environment failed, which leave their groups'
+    baselines too (`gspo.rewards.counted_completions`)."""
     cfg, ro = ctx.cfg, ctx.cfg.rollout
     try:
         batch = _collect_async(step, ctx) if ctx.rollouts is not None else _collect_sync(step, train_rows, ctx)
     except NoSignal as e:  # dynamic sampling: every group constant after every round (here or in a worker)
         raise NoSignalError(str(e)) from None
     scale, traj = cfg.algorithm.advantage_scale, batch.traj
-    failed = failed_episodes(traj) if cfg.env is not None and cfg.env.on_failure == "mask" else None
-    valid = counted_episodes(cfg, traj)
+    valid = counted_completions(cfg, traj)
     valid = None if valid is None else valid.to(batch.rewards.device)
     if cfg.env is not None and cfg.env.turn_credit and OBJECTIVES[cfg.algorithm.loss].token_advantages:
         batch.advantages = turn_advantages(traj.token_rewards, traj.loss_mask, ro.group_size, scale=scale,
                                            valid=valid)
     else:
         batch.advantages = group_advantages(batch.rewards, ro.group_size, scale=scale, valid=valid)
-    if failed is not None:
-        mask = traj.loss_mask * ~failed[:, None].to(traj.loss_mask.device)
-        batch.traj = traj = replace(traj, loss_mask=mask)
-        batch.reward_stats["env_failed_masked"] = float(failed.float().mean())
+    if valid is not None:
+        batch.traj = traj = replace(traj, loss_mask=traj.loss_mask * valid[:, None].to(traj.loss_mask.device))
+    if cfg.rewards.on_error == "mask":
+        batch.reward_stats["reward_failed_masked"] = float(traj.extras["reward_failed"].float().mean())
+    if cfg.env is not None and cfg.env.on_failure == "mask":
+        batch.reward_stats["env_failed_masked"] = float(failed_episodes(traj).float().mean())
     if ro.overlong_filter:  # after the advantages: a truncated completion still counts in its group's baseline
         traj = batch.traj
         batch.traj = replace(traj, loss_mask=traj.loss_mask * ~traj.truncated[:, None].to(traj.loss_mask.device))
@@ -263,7 +264,7 @@ def _collect_sync(step: int, train_rows: list[dict], ctx: RLStep) -> Collected:
     if ro.dynamic_sampling:
         scored, every = keep_informative(step, train_rows, scored, lambda r, s: _sample(r, s, ctx), ro,
                                          cfg.trainer.seed, pad_id=ctx.engine.pad_id, world_size=ctx.group.world_size,
-                                         counted=lambda traj: counted_episodes(cfg, traj))
+                                         counted=lambda traj: counted_completions(cfg, traj))
     ctx.engine.release()  # after the last refill round: e.g. an own-copy engine frees its copy until the sync
     return Collected(scored.traj, scored.rewards, torch.zeros_like(scored.rewards), scored.stats, scored.seconds,
                      sampled_rewards=every)
@@ -331,7 +332,8 @@ def rollout_records(batch: Collected, tokenizer, count: int, group_size: int,
     its group's rewards) as JSON records: group, prompt (decoded, special tokens kept), completion (a multi-turn
     episode's final reply, with the whole `transcript` of policy turns and observations too), reward (the
     weighted sum trained on), each of `reward_names`' unweighted value and whether the accuracy reward calls it solved
-    (when the batch carries them, `gspo.rewards.score_trajectory`), advantage (per-token advantages: their mean over
+    (when the batch carries them, `gspo.rewards.score_trajectory`) and whether a reward call failed on it (scored 0,
+    or left out of the loss under rewards.on_error=mask), advantage (per-token advantages: their mean over
     the trained tokens), tokens, trained tokens (0: filtered out, e.g. by rollout.overlong_filter or an environment
     failure under env.on_failure=mask), whether it hit the token budget and, for an episode, whether its environment
     failed."""
@@ -352,6 +354,8 @@ def rollout_records(batch: Collected, tokenizer, count: int, group_size: int,
                                  for name, value in zip(reward_names, values[i].tolist(), strict=True)}
         if solved is not None:
             record["solved"] = bool(solved[i])
+        if "reward_failed" in traj.extras:
+            record["reward_failed"] = bool(traj.extras["reward_failed"][i])
         if failed is not None:
             record["env_failure"] = bool(failed[i])
         records.append({**record, "advantage": float(advantages[i]), "tokens": int(traj.completion_mask[i].sum()),

@@ -7,8 +7,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-import torch
-
 from gspo.agent.env import Environment, Step, ToolEnv, make_env_factory
 from gspo.agent.episodes import (
     ChatFormat,
@@ -22,7 +20,6 @@ from gspo.agent.tools import PARSERS, TOOLS, Tool, ToolCall, calc, resolve_tool,
 
 if TYPE_CHECKING:
     from gspo.config import Config
-    from gspo.trajectory import Trajectory
 
 __all__ = [
     "PARSERS",
@@ -37,7 +34,6 @@ __all__ = [
     "ToolEnv",
     "build_env",
     "calc",
-    "counted_episodes",
     "encode_demonstration",
     "episode_metrics",
     "failed_episodes",
@@ -72,13 +68,6 @@ def build_env(cfg: Config) -> tuple[Callable[[], Environment] | None, list[dict]
         raise ConfigError(f"env.name={cfg.env.name}: {type(env).__name__} has no {' or '.join(missing)} method; an "
                           "environment has reset(row) -> prompt and step(reply) -> gspo.agent.Step")
     return make_env, schemas
-
-
-def counted_episodes(cfg: Config, traj: Trajectory) -> torch.Tensor | None:
-    """[N] bool: the completions that count in the loss and in their groups' statistics: every one but the episodes
-    their environment failed, under `env.on_failure: mask`. None when every one counts."""
-    failed = failed_episodes(traj) if cfg.env is not None and cfg.env.on_failure == "mask" else None
-    return None if failed is None or not failed.any() else ~failed
 
 
 def run_chat_format(cfg: Config, tokenizer, eos_ids: Sequence[int] | None = None) -> ChatFormat:

@@ -65,6 +65,7 @@ __all__ = [
     "check_signature",
     "code_reward",
     "countdown_reward",
+    "counted_completions",
     "drop_unscored",
     "final_answer",
     "is_batched",
@@ -327,10 +328,11 @@ class RewardRunner:
     in a reward is its own failure, not the end of the run; KeyboardInterrupt still stops it), runs longer than
     `timeout_s` seconds (None: no limit), or returns None, NaN, ±inf or a non-number, fails for that row: with
     `on_error="fail"` a `RewardFailure` is raised naming the function, the row, the reason and the start of the
-    completion; with `on_error="zero"` the function contributes 0 for that row, the failure is counted
+    completion; with `on_error="zero"` (or "mask") the function contributes 0 for that row, the failure is counted
     (`self.failures`, cumulative per function, and `reward_failures` in each call's stats) and a warning is logged
     once per function and kind of failure. Timeouts are also counted in `self.timeouts` (and `reward_timeouts` in
-    the stats).
+    the stats). "mask" is "zero" here, and tells the trainer to leave such completions out of the loss
+    (`score_trajectory` marks them in `traj.extras["reward_failed"]`, `counted_completions`).
 
     A batched function (`batched`) is one call per batch whose values are then judged row by row; a reward model
     (`model:PATH`, built with `model_options`, see `RewardModel`) is one too, run in the calling thread before the
@@ -352,15 +354,15 @@ class RewardRunner:
     def __init__(
         self,
         specs: Sequence[tuple[str | RewardFn, float]] | Mapping[str, float],
-        on_error: Literal["fail", "zero"] = "fail",
+        on_error: Literal["fail", "zero", "mask"] = "fail",
         timeout_s: float | None = 30.0,
         workers: int = 1,
         model_options: Mapping[str, Any] | None = None,
         think_tags: Sequence[str] | None = THINK_TAGS,
         routes: Routes | None = None,
     ) -> None:
-        if on_error not in ("fail", "zero"):
-            raise ValueError(f"RewardRunner: on_error must be 'fail' or 'zero', got {on_error!r}")
+        if on_error not in ("fail", "zero", "mask"):
+            raise ValueError(f"RewardRunner: on_error must be 'fail', 'zero' or 'mask', got {on_error!r}")
         if timeout_s is not None and (
             isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real) or not 0 < timeout_s < math.inf
         ):
@@ -446,7 +448,7 @@ class RewardRunner:
 
     @classmethod
     def from_config(cls, settings: Any, device: str | torch.device | None = None,
-                    on_error: Literal["fail", "zero"] | None = None) -> RewardRunner:
+                    on_error: Literal["fail", "zero", "mask"] | None = None) -> RewardRunner:
         """The runner a config's `rewards` section (`gspo.config.RewardConfig`) describes, its reward models on
         `device` unless the section names one; `on_error` overrides the section's (evaluation counts failures)."""
         routes = None if settings.route_by is None else Routes(settings.route_by, settings.routes)
@@ -539,9 +541,9 @@ class RewardRunner:
             raise RewardFailure(message) from cause
         if (name, kind) not in self._warned and not self._quiet:
             self._warned.add((name, kind))
-            logger.warning(
-                "%s. Scoring it 0; further %s failures of %r are counted but not logged.", message, kind, name
-            )
+            outcome = "Leaving the completion out of the loss" if self.on_error == "mask" else "Scoring it 0"
+            logger.warning("%s. %s; further %s failures of %r are counted but not logged.", message, outcome, kind,
+                           name)
         return 0.0, True
 
     def __call__(
@@ -739,6 +741,21 @@ class RewardScores:
         return torch.stack(list(self.failed.values())).any(0)
 
 
+def counted_completions(cfg: Any, traj) -> torch.Tensor | None:
+    """[N] bool: the completions that count in the loss and in their groups' statistics: every one but those on which
+    a reward call failed, under `rewards.on_error: mask` (`traj.extras["reward_failed"]`), and the episodes their
+    environment failed, under `env.on_failure: mask` (`gspo.agent.failed_episodes`). None when every one counts."""
+    from gspo.agent.episodes import failed_episodes  # the agent imports this package
+
+    out = torch.zeros(len(traj), dtype=torch.bool, device=traj.completion_ids.device)
+    if cfg.rewards.on_error == "mask" and "reward_failed" in traj.extras:
+        out |= traj.extras["reward_failed"].to(out.device)
+    episodes = failed_episodes(traj) if cfg.env is not None and cfg.env.on_failure == "mask" else None
+    if episodes is not None:
+        out |= episodes.to(out.device)
+    return ~out if out.any() else None
+
+
 def score_trajectory(runner: RewardRunner, rows: list[dict], traj, settings, max_new_tokens: int
                      ) -> tuple[torch.Tensor, dict[str, float]]:
     """The rewards a rollout batch trains on ([N], with stats): the one place the synchronous
@@ -748,7 +765,8 @@ def score_trajectory(runner: RewardRunner, rows: list[dict], traj, settings, max
     `solved`, the count of completions that `settings.accuracy_reward` ≥ `settings.accuracy_threshold` calls solved.
     Each row's unweighted value of every function (`traj.extras["reward_values"]`, [N, F] in `runner.names` order;
     NaN where `routes` keep a function off the row) and
-    its verdict (`traj.extras["solved"]`, [N]) travel with the rows (`log.rollouts` shows them). For a multi-turn
+    its verdict (`traj.extras["solved"]`, [N]) and whether a call failed on it (`traj.extras["reward_failed"]`, [N])
+    travel with the rows (`log.rollouts` shows them). For a multi-turn
     episode (`traj.token_rewards` set) the final reply's reward is added on the episode's last policy token, next to
     the per-turn rewards the environment gave, and the episode's return is their sum (`token_rewards` is updated in
     place). Then DAPO's soft overlong shaping
@@ -762,6 +780,7 @@ def score_trajectory(runner: RewardRunner, rows: list[dict], traj, settings, max
     traj.extras["reward_values"] = torch.stack([scored.values[name].masked_fill(~scored.applies[name], math.nan)
                                                 for name in runner.names], -1).to(device)  # NaN: not its route
     traj.extras["solved"] = solved.to(device)
+    traj.extras["reward_failed"] = scored.rows_failed().to(device)
     if traj.token_rewards is not None:
         last = traj.loss_mask.shape[1] - 1 - traj.loss_mask.flip(-1).argmax(-1)
         traj.token_rewards[torch.arange(len(traj), device=last.device), last] += total.to(traj.token_rewards)

@@ -48,8 +48,9 @@ def keep_informative(step: int, train_rows: list[dict], first: Scored,
     round (as many prompts as the informative rate so far says are needed, at most 4P, a multiple of `world_size` so
     that every process gets whole groups), up to `ro.dynamic_max_rounds` rounds in all; then keep the first P
     informative groups, topped up with constant ones (counted: `dynamic_filled_groups`) if the rounds ran out.
-    `counted(traj)`: the completions whose rewards count ([N] bool, None: all; `gspo.agent.counted_episodes`), so
-    that a group varied only by an episode its environment failed is not taken for an informative one.
+    `counted(traj)`: the completions whose rewards count ([N] bool, None: all; `gspo.rewards.counted_completions`),
+    so that a group varied only by a completion that does not count (a failed judge, a failed environment) is not
+    taken for an informative one.
 
     Returns the kept batch (its stats: the rounds' counts summed, per-function means weighted by completions, and
     `dynamic_rounds` / `dynamic_sampled_prompts` / `dynamic_filled_groups`) and every sampled reward (the step's

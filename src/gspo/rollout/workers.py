@@ -177,8 +177,8 @@ def _worker_main(worker: int, model_config, tokenizer, cfg, train_rows: list[dic
     engine (`gspo.rollout.worker_engine`: the built-in sampler or vLLM) is built for the policy's architecture and
     takes every weight from `shared`. Exceptions go to the learner as ("error", worker, traceback); a ValueError (a
     bad input's clean message) as ("value_error", worker, traceback, message, whether it is a ConfigError)."""
-    from gspo.agent import build_env, counted_episodes, make_episode_runner
-    from gspo.rewards import REWARDS, RewardRunner, score_trajectory
+    from gspo.agent import build_env, make_episode_runner
+    from gspo.rewards import REWARDS, RewardRunner, counted_completions, score_trajectory
     from gspo.rollout import worker_engine
     from gspo.rollout.dynamic import Scored, keep_informative
     from gspo.schedule import step_prompts
@@ -228,7 +228,7 @@ def _worker_main(worker: int, model_config, tokenizer, cfg, train_rows: list[dic
             if ro.dynamic_sampling:  # as the sync collect of step i: refill rounds until P informative groups
                 scored, every = keep_informative(i, train_rows, scored, sample, ro, cfg.trainer.seed,
                                                  pad_id=engine.pad_id,
-                                                 counted=lambda traj: counted_episodes(cfg, traj))
+                                                 counted=lambda traj: counted_completions(cfg, traj))
             after = rewards.state_dict()
             failures = {kind: {name: n - before[kind][name] for name, n in counts.items()}
                         for kind, counts in after.items()}
