@@ -279,29 +279,15 @@ def run_sandboxed(
         compile(tests_source, "tests.py", "exec", dont_inherit=True)
     except SyntaxError as e:  # the row's fault, not the program's: no program could pass them
         raise ValueError(f"run_sandboxed: the tests are not valid Python ({e.msg}, line {e.lineno})") from None
-    root = os.geteuid() == 0
-    interpreter = python or _default_python(root)
-    with _own_ids() if root else contextlib.nullcontext() as drop_to:  # as root: a uid of this call's own
-        workdir = Path(tempfile.mkdtemp(prefix="gspo-sandbox-"))
-        try:
-            harness = _HARNESS.replace("STRICT_EQUALITY = True", f"STRICT_EQUALITY = {bool(strict_equality)}")
-            (workdir / "main.py").write_text(harness, encoding="utf-8")
-            (workdir / "solution.py").write_text(f"{code}\n", encoding="utf-8")
-            (workdir / "tests.py").write_text(f"{tests_source}\n", encoding="utf-8")
-            if drop_to is not None:
-                os.chown(workdir, *drop_to)
-            spec = {
-                "python": interpreter,
-                "workdir": str(workdir),
-                "uid_gid": drop_to,
-                "cpu_s": math.ceil(cpu_s),
-                "memory_bytes": int(memory_mb) << 20,
-                "max_procs": int(max_procs),
-                "env": {"PATH": _SAFE_PATH, "LANG": "C.UTF-8", "HOME": str(workdir), "TMPDIR": str(workdir)},
-            }
-            return _run(spec, timeout_s, max_output_bytes, require_isolation)
-        finally:
-            _remove_tree(workdir)
+    token = secrets.token_hex(16)
+    harness = _HARNESS.replace("STRICT_EQUALITY = True", f"STRICT_EQUALITY = {bool(strict_equality)}")
+    files = {"main.py": harness, "solution.py": f"{code}\n", "tests.py": f"{tests_source}\n"}
+    run = _call(files, token, timeout_s=timeout_s, cpu_s=cpu_s, memory_mb=memory_mb, max_procs=max_procs,
+                max_output=max_output_bytes, python=python, require_isolation=require_isolation)
+    passed = run.stopped is None and run.exit_code == 0 and token.encode() in run.data["result"].split(b"\n")
+    stdout, stderr = (run.data[name][:max_output_bytes].decode("utf-8", "replace") for name in ("stdout", "stderr"))
+    reason = "passed" if passed else _failure_reason(run.stopped, run.exit_code, stderr)
+    return SandboxResult(1.0 if passed else 0.0, reason, stdout, stderr, run.exit_code, run.isolation, run.warnings)
 
 
 def check_limits(timeout_s: float, cpu_s: float, memory_mb: int, max_procs: int, max_output_bytes: int) -> None:
@@ -375,9 +361,52 @@ def _default_python(dropping_privileges: bool) -> str:
     )
 
 
-def _run(spec: dict[str, Any], timeout_s: float, max_output: int, require_isolation: bool) -> SandboxResult:
-    """Start the launcher, feed the token, collect output and reports until EOF or a limit, kill what is left."""
-    token = secrets.token_hex(16)
+@dataclass(frozen=True)
+class _Run:
+    """What one launch left: the streams as collected (`data`: stdout, stderr, status, result), why the collection
+    stopped early (None: every stream reached EOF), the program's exit status and the launcher's isolation report."""
+
+    data: dict[str, bytes]
+    stopped: str | None
+    exit_code: int | None
+    isolation: tuple[str, ...]
+    warnings: tuple[str, ...]
+
+
+def _call(
+    files: dict[str, str], token: str, *, timeout_s: float, cpu_s: float, memory_mb: int, max_procs: int,
+    max_output: int, python: str | None, require_isolation: bool,
+    on_result: Callable[[bytes], str | None] | None = None,
+) -> _Run:
+    """Write `files` (main.py, the entry point, and what it reads) into a fresh private folder and run main.py there
+    in the sandbox, `token` on its stdin; the folder is removed afterwards."""
+    root = os.geteuid() == 0
+    interpreter = python or _default_python(root)
+    with _own_ids() if root else contextlib.nullcontext() as drop_to:  # as root: a uid of this call's own
+        workdir = Path(tempfile.mkdtemp(prefix="gspo-sandbox-"))
+        try:
+            for name, text in files.items():
+                (workdir / name).write_text(text, encoding="utf-8")
+            if drop_to is not None:
+                os.chown(workdir, *drop_to)
+            spec = {
+                "python": interpreter,
+                "workdir": str(workdir),
+                "uid_gid": drop_to,
+                "cpu_s": math.ceil(cpu_s),
+                "memory_bytes": int(memory_mb) << 20,
+                "max_procs": int(max_procs),
+                "env": {"PATH": _SAFE_PATH, "LANG": "C.UTF-8", "HOME": str(workdir), "TMPDIR": str(workdir)},
+            }
+            return _run(spec, token, timeout_s, max_output, require_isolation, on_result)
+        finally:
+            _remove_tree(workdir)
+
+
+def _run(spec: dict[str, Any], token: str, timeout_s: float, max_output: int, require_isolation: bool,
+         on_result: Callable[[bytes], str | None] | None) -> _Run:
+    """Start the launcher, feed the token, collect output and reports until EOF or a limit (or `on_result`'s
+    reason to stop), kill what is left."""
     status_r, status_w = os.pipe()
     result_r, result_w = os.pipe()
     spec = {**spec, "status_fd": status_w, "result_fd": result_w}
@@ -401,7 +430,7 @@ def _run(spec: dict[str, Any], timeout_s: float, max_output: int, require_isolat
         with contextlib.suppress(OSError):  # the launcher is already gone; its report says why
             proc.stdin.write(token.encode() + b"\n")
             proc.stdin.close()
-        data, stopped = _collect(streams, time.monotonic() + timeout_s, max_output)
+        data, stopped = _collect(streams, time.monotonic() + timeout_s, max_output, on_result)
         ended = stopped is None
     finally:
         _stop(proc, ended)
@@ -421,15 +450,15 @@ def _run(spec: dict[str, Any], timeout_s: float, max_output: int, require_isolat
     if require_isolation and warnings:
         raise SandboxError("the sandbox is missing isolation layers: " + "; ".join(warnings))
     exit_code = None if stopped else reports.get("exit", reports.get("init_exit", proc.returncode))
-    passed = stopped is None and exit_code == 0 and token.encode() in data["result"].split(b"\n")
-    stdout, stderr = (data[name][:max_output].decode("utf-8", "replace") for name in ("stdout", "stderr"))
-    reason = "passed" if passed else _failure_reason(stopped, exit_code, stderr)
-    return SandboxResult(1.0 if passed else 0.0, reason, stdout, stderr, exit_code, isolation, warnings)
+    return _Run(data, stopped, exit_code, isolation, warnings)
 
 
-def _collect(streams: dict[str, int], deadline: float, max_output: int) -> tuple[dict[str, bytes], str | None]:
+def _collect(
+    streams: dict[str, int], deadline: float, max_output: int, on_result: Callable[[bytes], str | None] | None = None,
+) -> tuple[dict[str, bytes], str | None]:
     """Read every stream until all are at EOF (None), the deadline ("timeout") or an overflow of stdout or stderr
-    ("output limit exceeded"). The reports are kept up to _MAX_REPORT_BYTES."""
+    ("output limit exceeded"). The reports are kept up to _MAX_REPORT_BYTES. With `on_result`, the result stream's
+    chunks go to it instead (kept nowhere), and a reason it returns stops the collection (its reason)."""
     data = {name: bytearray() for name in streams}
     names = {fd: name for name, fd in streams.items()}
     with selectors.DefaultSelector() as selector:
@@ -445,6 +474,11 @@ def _collect(streams: dict[str, int], deadline: float, max_output: int) -> tuple
                     selector.unregister(key.fd)
                     continue
                 name = names[key.fd]
+                if name == "result" and on_result is not None:
+                    reason = on_result(chunk)
+                    if reason is not None:
+                        return {k: bytes(v) for k, v in data.items()}, reason
+                    continue
                 limit = max_output if name in ("stdout", "stderr") else _MAX_REPORT_BYTES
                 data[name] += chunk[: max(0, limit + 1 - len(data[name]))]
                 if len(data[name]) > limit:
