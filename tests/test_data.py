@@ -293,14 +293,31 @@ def test_load_rows_rejects_bad_arguments(tmp_path) -> None:
         ("solution", ["12"], "'solution' must be a non-empty string or a number, got list"),
         ("solution", True, "'solution' must be a non-empty string or a number, got bool"),
         ("solution", "", "'solution' must be a non-empty string or a number, got str"),
-        ("tests", ["assert f(1) == 1", 2], "'tests' must be a non-empty string or list of strings, got list"),
-        ("tests", [], "'tests' must be a non-empty string or list of strings, got list"),
+        ("tests", ["assert f(1) == 1", 2], "'tests' must be a non-empty string or list of strings, or stdin/stdout "
+         "cases .*, got list"),
+        ("tests", [], "'tests' must be a non-empty string or list of strings, or stdin/stdout cases .*, got list"),
+        ("tests", {"inputs": ["1"], "outputs": []}, "'tests' as stdin/stdout test cases need 'outputs', a non-empty "
+         "list, got \\[\\]"),
+        ("tests", '{"inputs": ["1", "2"], "outputs": ["1"]}', "'tests' as stdin/stdout test cases: 'inputs' has 2 "
+         "items but 'outputs' has 1"),
     ],
 )
 def test_wrong_typed_known_fields_name_row_and_field(tmp_path, field: str, bad, reason: str) -> None:
     good = {"prompt": "1+1=", "answer": "2", "solution": "2", "tests": "assert True"}
     src = _write_jsonl(tmp_path / "d.jsonl", [good, {**good, field: bad}])
     with pytest.raises(ValueError, match=rf"d\.jsonl: row 1 \(line 2\) field {reason}"):
+        load_rows(src)
+
+
+def test_stdin_stdout_cases_load_as_they_are(tmp_path) -> None:
+    """`tests` as stdin/stdout cases, a dict or APPS's `input_output` JSON text, pass the load-time check unchanged
+    (the code reward parses them); a JSON object with other keys is refused by name."""
+    cases = {"inputs": ["1 2\n"], "outputs": ["3\n"]}
+    rows = [{"prompt": "add", "tests": cases}, {"prompt": "add", "tests": json.dumps({**cases, "fn_name": None})}]
+    assert load_rows(_write_jsonl(tmp_path / "d.jsonl", rows)) == rows
+    src = _write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "add", "tests": json.dumps({"input": ["1"]})}])
+    with pytest.raises(ValueError, match=r"row 0 \(line 1\) field 'tests' as stdin/stdout test cases take the keys "
+                                         r".*got unknown \['input'\]"):
         load_rows(src)
 
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import json
 import math
 import os
 import pwd
+import secrets
 import shutil
 import signal
 import socket
@@ -23,7 +25,7 @@ import pytest
 
 from gspo.rewards import REWARDS, RewardRunner
 from gspo.rewards.code import code_reward, extract_code, make_code_reward
-from gspo.sandbox import SandboxError, run_sandboxed
+from gspo.sandbox import IOCases, SandboxError, outputs_match, parse_io_cases, run_sandboxed, run_sandboxed_io
 from gspo.sandbox import process as sandbox_module  # the implementation: its file is what the launcher runs
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox uses Linux namespaces and rlimits")
@@ -411,6 +413,188 @@ def test_without_root_the_user_namespace_contains_the_program(tmp_path):
         assert "read-only filesystem except the working folder" in isolation
 
 
+# --------------------------------------------------------------------------------------------- stdin/stdout cases
+
+SUM_CASES = {"inputs": ["2\n1 2\n", "3\n4 5 6\n", "1\n-7\n"], "outputs": ["3\n", "15\n", "-7\n"]}
+SUM = "n = int(input())\nprint(sum(map(int, input().split())))\n"
+
+
+def test_a_program_that_prints_every_cases_output_passes_and_a_wrong_one_stops_at_its_first_failure():
+    passed = run_sandboxed_io(SUM, SUM_CASES, **FAST)
+    assert (passed.score, passed.reason, passed.cases, passed.stdout) == (1.0, "passed", ("passed",) * 3, "-7\n")
+    assert_contained(passed)
+    # right for the first case only (it prints 3 whatever the input): all or nothing, and no case after the failing
+    # one runs; with partial credit every case runs and the fraction passed is the score
+    constant = run_sandboxed_io("print(3)", SUM_CASES, **FAST)
+    assert (constant.score, constant.reason, constant.stdout) == (0.0, "case 1: wrong answer", "3\n")
+    assert constant.cases == ("passed", "wrong answer")
+    partial = run_sandboxed_io("print(3)", SUM_CASES, partial_credit=True, **FAST)
+    assert partial.score == pytest.approx(1 / 3) and partial.cases == ("passed", "wrong answer", "wrong answer")
+
+
+def test_a_program_that_reads_stdin_wrongly_fails():
+    # one number per line where the case has them on one line: a ValueError, exit status 1
+    per_line = run_sandboxed_io("n = int(input())\nprint(sum(int(input()) for _ in range(n)))\n", SUM_CASES, **FAST)
+    assert (per_line.score, per_line.reason) == (0.0, "case 0: exit code 1") and "ValueError" in per_line.stderr
+    # the count taken for one of the numbers: a wrong answer
+    everything = run_sandboxed_io("import sys\nprint(sum(map(int, sys.stdin.read().split())))\n", SUM_CASES, **FAST)
+    assert (everything.score, everything.reason) == (0.0, "case 0: wrong answer")
+
+
+def test_trailing_whitespace_and_other_line_endings_are_tolerated():
+    code = "n = int(input())\nprint(sum(map(int, input().split())), end='  \\r\\n\\n\\n')\n"
+    assert run_sandboxed_io(code, SUM_CASES, float_tolerance=0, **FAST).reason == "passed"
+
+
+def test_outputs_match_as_the_datasets_checkers_do():
+    assert outputs_match("1 2  \r\n3\r\n\n\n", "1 2\n3") and outputs_match("", "\n")
+    assert not outputs_match(" 1 2\n3", "1 2\n3")  # leading whitespace counts
+    assert not outputs_match("1 2\n\n3", "1 2\n3")  # a blank line in between counts
+    assert not outputs_match("12\n3", "1 2\n3") and not outputs_match("1 2\n3\n4", "1 2\n3")
+    assert not outputs_match("yes", "YES")
+    # a decimal token within the tolerance (absolute or relative), token by token; integers, words and nan exact
+    assert outputs_match("0.3333333333 2\n", "0.333333 2\n") and outputs_match("1e-9", "0.0")
+    assert outputs_match("2000000.0000001", "2.0e6")
+    assert not outputs_match("0.3333333333 2\n", "0.333333 2\n", float_tolerance=0)
+    assert not outputs_match("0.34", "0.333333") and not outputs_match("1000000.5", "1000000")
+    assert not outputs_match("nan", "0.5") and not outputs_match("inf", "1e400")
+    assert not outputs_match("0.333333 3", "0.333333 2") and not outputs_match("0.3333333  2", "0.333333 2")
+
+
+def test_each_case_has_its_own_time_limit_and_the_call_its_own():
+    code = "import time\nn = int(input())\nif n == 3:\n    time.sleep(60)\nprint(sum(map(int, input().split())))\n"
+    start = time.monotonic()
+    result = run_sandboxed_io(code, SUM_CASES, **{**FAST, "timeout_s": 20.0}, case_timeout_s=0.5, partial_credit=True)
+    assert result.cases == ("passed", "timeout", "passed") and result.score == pytest.approx(2 / 3)
+    assert result.reason == "case 1: timeout" and time.monotonic() - start < 5
+    # each case in time, but not all of them in the call's time: "timeout", the cases reported before it count
+    slow = "import time\ntime.sleep(0.6)\n" + SUM
+    whole = run_sandboxed_io(slow, SUM_CASES, **{**FAST, "timeout_s": 1.0}, case_timeout_s=0.9, partial_credit=True)
+    assert whole.reason == "timeout" and len(whole.cases) < 3 and set(whole.cases) <= {"passed"}
+    assert whole.score == len(whole.cases) / 3
+
+
+def test_a_program_cannot_write_to_the_result_pipe_nor_fake_a_report():
+    """The driver reports each case on fd 3. The program tries every way to add a (fake) report there: fd 3 and
+    whatever else it inherited (close_fds: nothing), the driver's /proc/<pid>/fd/3 and its memory (the driver is
+    non-dumpable), and it prints a report on stdout and stderr. None reaches the pipe (a line there that is not the
+    driver's would make it an "invalid report"): it is a wrong answer, as its stdout is."""
+    code = textwrap.dedent("""\
+        import json, os, sys
+        fake = json.dumps({"token": "0" * 32, "case": 0, "exit": 0, "limit": None, "stdout": "Mwo="}) + "\\n"
+        reached = []
+        for fd in range(3, 64):
+            try:
+                os.write(fd, fake.encode())
+                reached.append(fd)
+            except OSError:
+                pass
+        driver = os.getppid()
+        for name, flags in (("fd/3", os.O_WRONLY), ("mem", os.O_RDWR), ("environ", os.O_RDONLY)):
+            try:
+                fd = os.open(f"/proc/{driver}/{name}", flags)
+            except OSError:
+                continue
+            reached.append(name)
+            if name == "fd/3":
+                os.write(fd, fake.encode())
+            os.close(fd)
+        print(fake, end="")
+        sys.stderr.write(fake + f"reached {reached}\\n")
+        """)
+    result = run_sandboxed_io(code, SUM_CASES, **FAST)
+    assert (result.score, result.reason, result.cases) == (0.0, "case 0: wrong answer", ("wrong answer",))
+    assert "reached []" in result.stderr and result.stdout.startswith('{"token": "000')
+
+
+def test_the_expected_outputs_never_enter_the_sandbox():
+    """A program that searches whatever it can read for the expected outputs (its folder, its stdin, the command
+    lines, environments and open files of every process it can see) finds nothing to print: they stay with the
+    parent, which compares."""
+    secret = f"expected-{secrets.token_hex(8)}"
+    code = textwrap.dedent("""\
+        import os, re, sys
+        found = set(re.findall(rb"expected-[0-9a-f]{16}", sys.stdin.buffer.read()))
+        paths = [os.path.join(folder, name) for folder, _, names in os.walk(".") for name in names]
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            paths += [f"/proc/{pid}/cmdline", f"/proc/{pid}/environ"]
+            try:
+                paths += [f"/proc/{pid}/fd/{fd}" for fd in os.listdir(f"/proc/{pid}/fd")]
+            except OSError:
+                pass
+        for path in filter(os.path.isfile, paths):  # regular files (a pipe's reader would wait for its writer)
+            try:
+                with open(path, "rb") as handle:
+                    found.update(re.findall(rb"expected-[0-9a-f]{16}", handle.read(1 << 22)))
+            except OSError:
+                pass
+        print(b" ".join(sorted(found)).decode() or f"nothing in {len(paths)} places")
+        """)
+    result = run_sandboxed_io(code, {"inputs": ["expected-?\n"], "outputs": [secret]}, **FAST)
+    assert (result.score, result.reason) == (0.0, "case 0: wrong answer")
+    assert result.stdout.startswith("nothing in "), result.stdout
+
+
+def test_the_parent_takes_only_the_drivers_report_of_the_next_case():
+    """Behind the closed pipe, the parent's own check: a line without the call's token, for another case than the
+    next one, one case too many, or malformed is an "invalid report" (which `run_sandboxed_io` scores 0), never a
+    pass; a case's output over its cap fails it; the first failure stops the run when asked to."""
+    def line(token="t" * 32, case=0, stdout="Mwo=", **extra):  # "Mwo=": "3\n"
+        record = {"token": token, "case": case, "exit": 0, "limit": None, "stdout": stdout, **extra}
+        return (json.dumps(record) + "\n").encode()
+
+    def reports(cap=1 << 20, stop=True):
+        return sandbox_module._CaseReports("t" * 32, ["3\n", "15\n"], cap, 1e-6, stop)
+
+    good = reports()
+    assert good(line()[:9]) is None and good(line()[9:] + line(case=1, stdout="MTU=")) is None  # "15"
+    assert good.verdicts == ["passed", "passed"] and good(line(case=2)) == "invalid report"  # one case too many
+    for bad in (line(token="0" * 32), line(case=1), line(stdout="3"), b"{}\n", b"[1]\n", b"not json\n"):
+        assert reports()(bad) == "invalid report", bad
+    assert reports(stop=False)(line(stdout="NA==")) is None  # "4": a wrong answer, and the run goes on
+    assert reports()(line(stdout="NA==")) == "case failed"
+    over = reports(cap=1, stop=False)
+    assert over(line()) is None and over.verdicts == ["output limit exceeded"]
+
+
+def test_what_counts_as_stdin_stdout_cases():
+    assert parse_io_cases("assert f(1) == 1") is None and parse_io_cases(["assert True"]) is None
+    assert parse_io_cases("{1: 2}[1] == 2") is None  # Python that starts like a dict, not JSON
+    apps = '{"inputs": ["1 2\\n", ["3 4", "5"]], "outputs": ["3\\n", ["7", "5"]], "fn_name": null}'
+    assert parse_io_cases(apps) == IOCases(("1 2\n", "3 4\n5"), ("3\n", "7\n5"))  # a list of lines is one text
+
+
+@pytest.mark.parametrize(("cases", "says"), [
+    ({"inputs": ["1"], "outputs": ["1", "2"]}, "'inputs' has 1 items but 'outputs' has 2"),
+    ({"inputs": [], "outputs": []}, "need 'inputs', a non-empty list, got \\[\\]"),
+    ({"outputs": ["1"]}, "need 'inputs', a non-empty list, got None"),
+    ({"inputs": "1", "outputs": "1"}, "need 'inputs', a non-empty list, got '1'"),
+    ({"inputs": [1], "outputs": ["1"]}, "'inputs' item 0 must be a str \\(or a list of str, its lines\\), got int"),
+    ({"inputs": ["1"], "outputs": [["1", 2]]}, "'outputs' item 0 must be a str .*got list"),
+    ({"inputs": ["1"], "outputs": ["1"], "fn_name": "solve"}, "call-based problems \\(fn_name 'solve'\\) are not"),
+    ('{"inputs": ["1"], "output": ["1"]}', "take the keys .*got unknown \\['output'\\]"),
+])
+def test_bad_stdin_stdout_cases_are_a_clear_error(cases, says):
+    with pytest.raises(ValueError, match=f"stdin/stdout test cases.*{says}"):
+        parse_io_cases(cases)
+    with pytest.raises(ValueError, match=f"code_reward: the row's 'tests' as stdin/stdout test cases.*{says}"):
+        code_reward("p", "print(1)", tests=cases)
+
+
+def test_bad_stdin_stdout_arguments_are_rejected():
+    for kwargs, match in [({"case_timeout_s": 6.0}, "case_timeout_s must be None or a number > 0 and at most"),
+                          ({"case_timeout_s": 0}, "case_timeout_s"), ({"float_tolerance": -1e-6}, "float_tolerance"),
+                          ({"case_output_bytes": 0}, "case_output_bytes must be an int >= 1"),
+                          ({"case_output_bytes": 2}, "an expected output has 3 bytes, more than case_output_bytes")]:
+        with pytest.raises(ValueError, match=match):
+            run_sandboxed_io("print(3)", SUM_CASES, **{**FAST, **kwargs})
+        if "expected output" not in match:  # the reward checks its options when it is made
+            with pytest.raises(ValueError, match=match):
+                make_code_reward(**kwargs)
+    with pytest.raises(ValueError, match="cases must be a dict"):
+        run_sandboxed_io("print(3)", "assert True", **FAST)
+
+
 # ------------------------------------------------------------------------------------------------ the code reward
 
 
@@ -442,6 +626,14 @@ def test_code_reward_scores_completions_and_rejects_rows_without_tests():
                         ("assert square(3) == ", "not valid Python")):
         with pytest.raises(ValueError, match=says):
             code_reward("p", right, tests=tests)
+
+
+def test_code_reward_scores_stdin_stdout_cases():
+    apps_row = {"tests": json.dumps(SUM_CASES)}  # APPS's and TACO's `input_output` JSON text, as it is
+    right = f"Reads the count, then the numbers:\n```python\n{SUM}```"
+    assert code_reward("p", right, **apps_row) == 1.0 and code_reward("p", right, tests=SUM_CASES) == 1.0
+    assert code_reward("p", "```python\nprint(3)\n```", **apps_row) == 0.0  # right for case 0 only
+    assert make_code_reward(partial_credit=True)("p", "print(3)", **apps_row) == pytest.approx(1 / 3)
 
 
 def test_a_batch_deadline_that_looping_programs_could_use_up_is_said_before_the_run(monkeypatch):

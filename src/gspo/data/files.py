@@ -4,9 +4,11 @@ Whatever the source, the result is a list of plain dicts that each carry a `prom
 conversation, a list of messages `{"role": ..., "content": ...}` (also read from a `messages` field when there is no
 `prompt`) that `gspo.data.chat.render_prompts` later renders with the model's chat template. The fields that
 rewards and cold start read, when present, are checked too (`answer`: a non-empty string, numbers converted;
-`solution`: a non-empty string; `tests`: a non-empty string or list of strings). A bad row is reported by its 0-based
-index (and line number for JSON Lines) and by the field that is wrong, named as the source names it (the column that
-`fields` maps), so a broken dataset fails at load time rather than deep inside training.
+`solution`: a non-empty string; `tests`: a non-empty string or list of strings, or stdin/stdout cases
+`{"inputs": [...], "outputs": [...]}` as a dict or its JSON text, checked by `gspo.sandbox.parse_io_cases`). A bad
+row is reported by its 0-based index (and line number for JSON Lines) and by the field that is wrong, named as the
+source names it (the column that `fields` maps), so a broken dataset fails at load time rather than deep inside
+training.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import re
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
+
+from gspo.sandbox import parse_io_cases
 
 __all__ = ["ROLES", "check_messages", "load_rows"]
 
@@ -175,12 +179,18 @@ def _check_known_fields(row: dict[str, Any], where: str, fields: Mapping[str, st
         raise ValueError(f"{where} field {_named('solution', fields)} must be a non-empty string or a number, got "
                          f"{_shown(solution)}")
     tests = row.get("tests", "")
-    if "tests" in row and not (
+    if "tests" not in row:
+        return
+    try:
+        cases = parse_io_cases(tests)
+    except ValueError as e:
+        raise ValueError(f"{where} field {_named('tests', fields)} as {e}") from None
+    if cases is None and not (
         (isinstance(tests, str) and tests.strip())
         or (isinstance(tests, list) and tests and all(isinstance(t, str) for t in tests) and any(map(str.strip, tests)))
     ):
         raise ValueError(f"{where} field {_named('tests', fields)} must be a non-empty string or list of strings, "
-                         f"got {_shown(tests)}")
+                         f"or stdin/stdout cases {{'inputs': [...], 'outputs': [...]}}, got {_shown(tests)}")
 
 
 def _number_text(number: int | float) -> str:

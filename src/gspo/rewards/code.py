@@ -1,7 +1,12 @@
 """The `code` reward: run the program in a completion against the row's tests in the sandbox (`gspo.sandbox`).
 
+A row's `tests` are either a Python snippet (or a list of them, e.g. asserts) run after the program, or
+stdin/stdout cases, `{"inputs": [...], "outputs": [...]}` as a dict or its JSON text (APPS's and TACO's
+`input_output` column as it is; `gspo.sandbox.parse_io_cases`), each input fed to the program as its stdin and its
+stdout compared with the output (`gspo.sandbox.outputs_match`).
+
 Only the reward-specific parts live here: which program a completion holds (`extract_code`), what a row's `tests`
-must be, and the score. Running the program safely is `gspo.sandbox.run_sandboxed`'s job.
+must be, and the score. Running the program safely is `gspo.sandbox.run_sandboxed`'s (and `run_sandboxed_io`'s) job.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gspo.rewards.thinking import after_thinking
-from gspo.sandbox import check_limits, run_sandboxed
+from gspo.sandbox import IOCases, check_io_limits, check_limits, parse_io_cases, run_sandboxed, run_sandboxed_io
 
 __all__ = ["code_reward", "extract_code", "make_code_reward"]
 
@@ -38,8 +43,9 @@ def extract_code(completion: str) -> str:
 
 
 def _check_tests(tests: str | list[str]) -> None:
-    """Raise ValueError when a row's tests cannot judge a program: they are not Python (every program would fail
-    them), or hold no statement (blank strings, a comment: every program that runs would pass them)."""
+    """Raise ValueError when a row's Python tests cannot judge a program: they are not Python (every program would
+    fail them), or hold no statement (blank strings, a comment: every program that runs would pass them). Stdin/stdout
+    cases are checked by `gspo.sandbox.parse_io_cases` instead."""
     text = tests if isinstance(tests, str) else "\n".join(tests)
     try:
         body = ast.parse(text).body
@@ -51,36 +57,68 @@ def _check_tests(tests: str | list[str]) -> None:
                          f"{text[:80]!r}")
 
 
+def _row_cases(tests: Any) -> IOCases | None:
+    """The row's tests as stdin/stdout cases (None: a Python snippet); bad cases are a ValueError naming the row's
+    field and what is wrong."""
+    try:
+        return parse_io_cases(tests)
+    except ValueError as e:
+        raise ValueError(f"code_reward: the row's 'tests' as {e}") from None
+
+
 def make_code_reward(
     *, timeout_s: float = 5.0, cpu_s: float = 5.0, memory_mb: int = 512, max_procs: int = 32,
-    python: str | None = None, strict_equality: bool = True,
+    python: str | None = None, strict_equality: bool = True, case_timeout_s: float | None = None,
+    case_output_bytes: int = 1 << 20, float_tolerance: float = 1e-6, partial_credit: bool = False,
 ) -> Callable[..., float]:
     """A `code` reward with other sandbox limits, e.g. `my_rewards.py: slow_code = make_code_reward(timeout_s=20)`
-    named in the config as `my_rewards:slow_code`. Keep `timeout_s` below `rewards.timeout_s`. `strict_equality`:
-    the tests' `==` finds a value whose equality the program defines unequal to a plain value (the always-equal
-    object hack); false for tests that compare the program's own objects with plain values on purpose."""
+    named in the config as `my_rewards:slow_code`. `timeout_s` is one call's wall-clock limit, every stdin/stdout
+    case included; keep it below `rewards.timeout_s`. `strict_equality`: the tests' `==` finds a value whose
+    equality the program defines unequal to a plain value (the always-equal object hack); false for tests that
+    compare the program's own objects with plain values on purpose.
+
+    For stdin/stdout cases (see `gspo.sandbox.run_sandboxed_io`): `case_timeout_s` limits each case's run (default
+    and at most `timeout_s`: a row with many cases needs a `timeout_s` that covers them all, ~0.03 s of interpreter
+    start each plus the program's time), `cpu_s` applies to each case's run, `case_output_bytes` caps each case's
+    stdout, `float_tolerance` lets a decimal token differ that much (0: exact lines; `outputs_match`), and
+    `partial_credit` scores the fraction of cases passed instead of 1.0 only when all pass (the binary reward of the
+    GSPO paper). Python-snippet tests always score 1.0 or 0.0.
+    """
     check_limits(timeout_s, cpu_s, memory_mb, max_procs, 1)
+    check_io_limits(timeout_s, case_timeout_s, case_output_bytes, float_tolerance)
+    io_limits = {"timeout_s": timeout_s, "case_timeout_s": case_timeout_s, "cpu_s": cpu_s, "memory_mb": memory_mb,
+                 "max_procs": max_procs, "case_output_bytes": case_output_bytes, "float_tolerance": float_tolerance,
+                 "partial_credit": partial_credit, "python": python}
     warned: set[str] = set()
 
     @after_thinking  # a program drafted inside the reasoning is not the answer
     def code_reward(prompt: str, completion: str, **row: Any) -> float:
-        """1.0 if the completion's program (see `extract_code`) passes the row's `tests` in the sandbox, else 0.0.
+        """The completion's program (see `extract_code`) against the row's `tests` in the sandbox.
 
         `row["tests"]` is a Python snippet (or a list of snippets) run after the program, usually asserts on its
-        functions, e.g. `["assert add(2, 3) == 5", "assert add(-1, 1) == 0"]`. A row without usable tests is a data
-        error (ValueError), not a wrong completion. Isolation warnings are logged once each.
+        functions, e.g. `["assert add(2, 3) == 5", "assert add(-1, 1) == 0"]`: 1.0 if they run to their end, else
+        0.0. Or stdin/stdout cases, `{"inputs": ["1 2\\n"], "outputs": ["3\\n"]}` or its JSON text: 1.0 if the
+        program prints every case's output (trailing whitespace aside), else 0.0, or the fraction passed with
+        `partial_credit`. A row without usable tests is a data error (ValueError), not a wrong completion.
+        Isolation warnings are logged once each.
         """
         tests = row.get("tests")
-        if not (isinstance(tests, str) and tests.strip()) and not (
-            isinstance(tests, list) and tests and all(isinstance(t, str) for t in tests)
-        ):
-            raise ValueError(f"code_reward needs a row field 'tests' (a non-empty str or list of str), got {tests!r}")
-        _check_tests(tests)
+        cases = _row_cases(tests)
+        if cases is None:
+            if not (isinstance(tests, str) and tests.strip()) and not (
+                isinstance(tests, list) and tests and all(isinstance(t, str) for t in tests)
+            ):
+                raise ValueError("code_reward needs a row field 'tests' (a non-empty str or list of str, or "
+                                 f"stdin/stdout cases {{'inputs': [...], 'outputs': [...]}}), got {tests!r:.200}")
+            _check_tests(tests)
         code = extract_code(completion)
         if not code.strip():
             return 0.0
-        result = run_sandboxed(code, tests, timeout_s=timeout_s, cpu_s=cpu_s, memory_mb=memory_mb,
-                               max_procs=max_procs, python=python, strict_equality=strict_equality)
+        if cases is not None:
+            result = run_sandboxed_io(code, cases, **io_limits)
+        else:
+            result = run_sandboxed(code, tests, timeout_s=timeout_s, cpu_s=cpu_s, memory_mb=memory_mb,
+                                   max_procs=max_procs, python=python, strict_equality=strict_equality)
         for warning in result.warnings:
             if warning not in warned:
                 warned.add(warning)

@@ -48,6 +48,7 @@ This module imports only the standard library: the launcher runs it as a script 
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import ctypes
 import json
@@ -70,7 +71,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SandboxError", "SandboxResult", "check_limits", "run_sandboxed"]
+__all__ = ["IOCases", "SandboxError", "SandboxResult", "check_io_limits", "check_limits", "outputs_match",
+           "parse_io_cases", "run_sandboxed", "run_sandboxed_io"]
 
 _CLONE_NEWNS = 0x00020000
 _CLONE_NEWIPC = 0x08000000
@@ -217,6 +219,92 @@ def _main():
 _main()
 """
 
+# The entry point for stdin/stdout cases (`run_sandboxed_io`): a driver that reads the per-call token from stdin,
+# leaves stdin at EOF, makes itself non-dumpable and reads inputs.json (the cases' stdin texts; the expected outputs
+# never enter the sandbox), then runs `python -I -S -B solution.py` once per input, in that order: stdin a file
+# holding the input, stdout a pipe it reads up to CASE_OUTPUT_BYTES (+1, so that the parent sees an overflow),
+# stderr its own (the captured stderr), every other descriptor closed (close_fds: the program never holds the result
+# pipe, fd 3), its own process group (killed with whatever it started once the case ends), CASE_TIMEOUT_S of wall
+# clock. After each case it writes one JSON line to fd 3: the token, the case's index, its exit status (None when a
+# limit stopped it), the limit ("timeout", "output limit exceeded" or None) and its stdout in base64; the parent
+# compares. The programs run under the driver's uid, so the driver is made non-dumpable (prctl PR_SET_DUMPABLE 0):
+# they can then neither ptrace it nor open its /proc/<pid>/fd/3, mem or environ; at worst they can kill or stop it,
+# which loses the cases not yet reported. Kept compatible with Python >= 3.8.
+_IO_DRIVER = """\
+import base64
+import ctypes
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+CASE_TIMEOUT_S = 5.0
+CASE_OUTPUT_BYTES = 1048576
+_PR_SET_DUMPABLE = 4
+
+
+def _run_case(text):
+    with tempfile.TemporaryFile(dir=".") as stdin:
+        stdin.write(text.encode("utf-8"))
+        stdin.seek(0)
+        child = subprocess.Popen([sys.executable, "-I", "-S", "-B", "solution.py"], stdin=stdin,
+                                 stdout=subprocess.PIPE, close_fds=True, start_new_session=True)
+    deadline = time.monotonic() + CASE_TIMEOUT_S
+    out, limit = bytearray(), None
+    with selectors.DefaultSelector() as selector:
+        selector.register(child.stdout, selectors.EVENT_READ)
+        while limit is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                limit = "timeout"
+            elif selector.select(remaining):
+                chunk = os.read(child.stdout.fileno(), 65536)
+                if not chunk:
+                    break
+                out += chunk
+                if len(out) > CASE_OUTPUT_BYTES:
+                    limit = "output limit exceeded"
+    if limit is None:
+        try:
+            child.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            limit = "timeout"
+    try:
+        os.killpg(child.pid, signal.SIGKILL)  # the program, if a limit stopped it, and what it left in its group
+    except OSError:
+        pass
+    child.wait()
+    child.stdout.close()
+    return {"exit": None if limit else child.returncode, "limit": limit,
+            "stdout": base64.b64encode(bytes(out[:CASE_OUTPUT_BYTES + 1])).decode("ascii")}
+
+
+def _main():
+    token = sys.stdin.readline().strip()
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    zero = ctypes.c_ulong(0)
+    if ctypes.CDLL(None, use_errno=True).prctl(ctypes.c_int(_PR_SET_DUMPABLE), zero, zero, zero, zero) != 0:
+        sys.stderr.write("gspo sandbox: the driver could not make itself non-dumpable\\n")
+        sys.exit(1)
+    with open("inputs.json", encoding="utf-8") as handle:
+        inputs = json.load(handle)
+    for case, text in enumerate(inputs):
+        record = _run_case(text)
+        record.update(case=case, token=token)
+        line = (json.dumps(record) + "\\n").encode("ascii")
+        while line:
+            line = line[os.write(3, line):]
+
+
+_main()
+"""
+
 
 class SandboxError(RuntimeError):
     """The sandbox could not run the program (a setup problem, not the program's fault)."""
@@ -229,7 +317,8 @@ class SandboxResult:
     `score` 1.0 (the tests ran to their end) or 0.0; `reason` "passed" or why not; `stdout` / `stderr` as captured
     (at most `max_output_bytes` each, decoded with replacement); `exit_code` the program's exit status (negative:
     killed by that signal; None when the trainer killed it on timeout or output overflow); `isolation` the layers
-    that were applied; `warnings` the layers that could not be (never silently missing).
+    that were applied; `warnings` the layers that could not be (never silently missing); `cases` each stdin/stdout
+    case's verdict in order (`run_sandboxed_io`; empty for `run_sandboxed`).
     """
 
     score: float
@@ -239,6 +328,7 @@ class SandboxResult:
     exit_code: int | None
     isolation: tuple[str, ...]
     warnings: tuple[str, ...]
+    cases: tuple[str, ...] = ()
 
 
 # ------------------------------------------------------------------------------------------------------ the parent
@@ -288,6 +378,242 @@ def run_sandboxed(
     stdout, stderr = (run.data[name][:max_output_bytes].decode("utf-8", "replace") for name in ("stdout", "stderr"))
     reason = "passed" if passed else _failure_reason(run.stopped, run.exit_code, stderr)
     return SandboxResult(1.0 if passed else 0.0, reason, stdout, stderr, run.exit_code, run.isolation, run.warnings)
+
+
+@dataclass(frozen=True)
+class IOCases:
+    """Stdin/stdout test cases: the program, run once per input with that text as its stdin, must print the
+    matching output (see `outputs_match`). Built by `parse_io_cases`, which checks them."""
+
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+_IO_KEYS = ("inputs", "outputs", "fn_name")
+
+
+def parse_io_cases(tests: Any) -> IOCases | None:
+    """A row's `tests` as stdin/stdout cases, or None when they are not cases (a Python snippet or list of them).
+
+    Cases are a dict `{"inputs": [...], "outputs": [...]}` or the JSON text of one (APPS's and TACO's
+    `input_output` column as it is), which no Python test snippet is. Items are strings; an item that is a list of
+    strings is taken as lines joined by newlines (as APPS's own checker does). Raises ValueError naming what is
+    wrong: a missing or unknown key, a call-based problem (a non-empty `fn_name`: not supported, only programs that
+    read stdin and print), no cases, `inputs` and `outputs` of different lengths, or an item of another type.
+    """
+    if isinstance(tests, str):
+        if not tests.lstrip().startswith("{"):
+            return None
+        try:
+            tests = json.loads(tests)
+        except ValueError:
+            return None  # not JSON: Python (a dict display), which the tests' own check judges
+    if not isinstance(tests, dict):
+        return None
+    unknown = sorted(map(str, set(tests) - set(_IO_KEYS)))
+    if unknown:
+        raise ValueError(f"stdin/stdout test cases take the keys {list(_IO_KEYS)}, got unknown {unknown}")
+    if tests.get("fn_name"):
+        raise ValueError(f"stdin/stdout test cases: call-based problems (fn_name {tests['fn_name']!r}) are not "
+                         "supported, only programs that read stdin and print their answer")
+    columns = {}
+    for key in ("inputs", "outputs"):
+        items = tests.get(key)
+        if not isinstance(items, list) or not items:
+            raise ValueError(f"stdin/stdout test cases need '{key}', a non-empty list, got {items!r:.80}")
+        columns[key] = tuple(_case_text(item, key, i) for i, item in enumerate(items))
+    if len(columns["inputs"]) != len(columns["outputs"]):
+        raise ValueError(f"stdin/stdout test cases: 'inputs' has {len(columns['inputs'])} items but 'outputs' has "
+                         f"{len(columns['outputs'])}")
+    return IOCases(columns["inputs"], columns["outputs"])
+
+
+def _case_text(item: Any, key: str, index: int) -> str:
+    if isinstance(item, str):
+        return item
+    if isinstance(item, list) and all(isinstance(line, str) for line in item):
+        return "\n".join(item)
+    raise ValueError(f"stdin/stdout test cases: '{key}' item {index} must be a str (or a list of str, its lines), "
+                     f"got {type(item).__name__} {item!r:.60}")
+
+
+_DECIMAL = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+_WHITESPACE = re.compile(r"(\s+)")
+
+
+def _output_lines(text: str) -> list[str]:
+    lines = [line.rstrip() for line in text.replace("\r\n", "\n").replace("\r", "\n").split("\n")]
+    while lines and not lines[-1]:
+        lines.pop()
+    return lines
+
+
+def outputs_match(actual: str, expected: str, float_tolerance: float = 1e-6) -> bool:
+    """Whether a program's stdout matches a case's expected output, as the code datasets' checkers judge (APPS,
+    TACO, LiveCodeBench): line endings normalised (\\r\\n, \\r -> \\n), trailing whitespace of each line and trailing
+    blank lines ignored; leading whitespace and blank lines in between count. Failing that, with a `float_tolerance`
+    > 0, the lines are compared token by token (the whitespace between tokens still exactly): a token equal to the
+    expected one, or — when the expected token is a decimal with a point or an exponent ("0.333333", "1e-9") — a
+    number within `float_tolerance` of it, absolute or relative (Codeforces-style checkers' 1e-6 by default).
+    Integer tokens stay exact ("1000000" never matches "1000000.5"), and "nan" / "inf" never match by tolerance."""
+    got, want = _output_lines(actual), _output_lines(expected)
+    if got == want:
+        return True
+    if not float_tolerance or len(got) != len(want):
+        return False
+    for got_line, want_line in zip(got, want, strict=True):
+        got_tokens, want_tokens = _WHITESPACE.split(got_line), _WHITESPACE.split(want_line)  # with the whitespace
+        if len(got_tokens) != len(want_tokens):
+            return False
+        for have, need in zip(got_tokens, want_tokens, strict=True):
+            if have == need:
+                continue
+            if not (_DECIMAL.fullmatch(need) and any(c in need for c in ".eE") and _DECIMAL.fullmatch(have)):
+                return False
+            if not math.isclose(float(have), float(need), rel_tol=float_tolerance, abs_tol=float_tolerance):
+                return False
+    return True
+
+
+class _CaseReports:
+    """The parent's side of the driver's reports (the result pipe's JSON lines, `_IO_DRIVER`): checks each line
+    (the call's token, the next case's index), compares its stdout with the expected output and records the case's
+    verdict; asks `_collect` to stop the run at the first failing case when `stop_at_failure`, and at a malformed
+    report ("invalid report")."""
+
+    def __init__(self, token: str, expected: Sequence[str], case_output_bytes: int, float_tolerance: float,
+                 stop_at_failure: bool) -> None:
+        self.token, self.expected, self.tolerance = token, expected, float_tolerance
+        self.cap, self.stop_at_failure = case_output_bytes, stop_at_failure
+        self.limit = 4 * (case_output_bytes + 3) // 3 + 4096  # base64 of the capped output, and the rest of a line
+        self.buffer = bytearray()
+        self.verdicts: list[str] = []
+        self.last_stdout = b""  # the last reported case's output (a failing case's, when it stopped the run)
+
+    def __call__(self, chunk: bytes) -> str | None:
+        self.buffer += chunk
+        while (end := self.buffer.find(b"\n")) >= 0:
+            line = bytes(self.buffer[:end])
+            del self.buffer[: end + 1]
+            verdict = self._verdict(line)
+            if verdict is None:
+                return "invalid report"
+            self.verdicts.append(verdict)
+            if verdict != "passed" and self.stop_at_failure:
+                return "case failed"
+        return "invalid report" if len(self.buffer) > self.limit else None
+
+    def _verdict(self, line: bytes) -> str | None:
+        try:
+            record = json.loads(line)
+            stdout = base64.b64decode(record["stdout"], validate=True)
+        except (ValueError, TypeError, KeyError):
+            return None
+        index = len(self.verdicts)
+        if record.get("token") != self.token or record.get("case") != index or index >= len(self.expected):
+            return None
+        self.last_stdout = stdout
+        exit_code, limit = record.get("exit"), record.get("limit")
+        if limit is not None or len(stdout) > self.cap:
+            return str(limit or "output limit exceeded")
+        if not isinstance(exit_code, int) or exit_code != 0:
+            return _failure_reason(None, exit_code, "")
+        text = stdout.decode("utf-8", "replace")
+        return "passed" if outputs_match(text, self.expected[index], self.tolerance) else "wrong answer"
+
+
+def run_sandboxed_io(
+    code: str,
+    cases: IOCases | dict[str, Any] | str,
+    *,
+    timeout_s: float = 5.0,
+    case_timeout_s: float | None = None,
+    cpu_s: float = 5.0,
+    memory_mb: int = 512,
+    max_procs: int = 32,
+    max_output_bytes: int = 64 << 10,
+    case_output_bytes: int = 1 << 20,
+    float_tolerance: float = 1e-6,
+    partial_credit: bool = False,
+    python: str | None = None,
+    require_isolation: bool = False,
+) -> SandboxResult:
+    """Run `code` as a stdin/stdout program against `cases` in the sandbox: once per input, that text as its stdin,
+    its stdout compared with the expected output (`outputs_match`). The expected outputs never enter the sandbox:
+    a driver inside (`_IO_DRIVER`) runs the cases and reports each one's output to the parent, which compares.
+
+    `cases`: `IOCases` or what `parse_io_cases` accepts. Score: 1.0 if every case passes, else 0.0, and the run
+    stops at the first failing case; `partial_credit`: the fraction of cases passed, every case run (until
+    `timeout_s`). `SandboxResult.cases` holds each case's verdict in order ("passed", "wrong answer", "timeout",
+    "exit code 1", ...; cases not run are absent), `reason` is "passed" or the first failure ("case 2: wrong
+    answer"; a whole-call "timeout" when the cases did not all run in time; "invalid report", scoring 0, when the
+    result pipe held a line that is not the driver's report of the next case), `stdout` the last reported case's
+    output (the failing one's) and `stderr` every case's stderr.
+
+    `timeout_s`: wall-clock limit of the whole call (every case, interpreter starts included); `case_timeout_s`: of
+    each case's program (default `timeout_s`; at most `timeout_s`); `cpu_s`: CPU seconds of each case's program;
+    `memory_mb`: address space of each process; `max_procs`: processes at once, the driver included (so a case's
+    program may use `max_procs - 1`); `max_output_bytes`: the call's stderr (all cases), more stops it;
+    `case_output_bytes`: each case's stdout, more fails that case ("output limit exceeded"), and an expected output
+    longer than that is a ValueError (no program could pass it); `float_tolerance`: see `outputs_match` (0: exact
+    lines). `python` and `require_isolation` as in `run_sandboxed`. Bad cases or arguments raise ValueError.
+    """
+    check_limits(timeout_s, cpu_s, memory_mb, max_procs, max_output_bytes)
+    check_io_limits(timeout_s, case_timeout_s, case_output_bytes, float_tolerance)
+    case_timeout_s = timeout_s if case_timeout_s is None else case_timeout_s
+    if not sys.platform.startswith("linux"):
+        raise SandboxError(f"the sandbox needs Linux (namespaces, rlimits, prctl); this is {sys.platform}")
+    if not isinstance(code, str):
+        raise TypeError(f"run_sandboxed_io: code must be a str, got {type(code).__name__}")
+    parsed = cases if isinstance(cases, IOCases) else parse_io_cases(cases)
+    if parsed is None:
+        raise ValueError(f"run_sandboxed_io: cases must be a dict {{'inputs': [...], 'outputs': [...]}} or its JSON "
+                         f"text, got {cases!r:.80}")
+    longest = max(len(text.encode("utf-8")) for text in parsed.outputs)
+    if longest > case_output_bytes:
+        raise ValueError(f"run_sandboxed_io: an expected output has {longest} bytes, more than case_output_bytes "
+                         f"({case_output_bytes}): no program could pass; raise case_output_bytes")
+    token = secrets.token_hex(16)
+    driver = (_IO_DRIVER.replace("CASE_TIMEOUT_S = 5.0", f"CASE_TIMEOUT_S = {float(case_timeout_s)!r}")
+              .replace("CASE_OUTPUT_BYTES = 1048576", f"CASE_OUTPUT_BYTES = {int(case_output_bytes)}"))
+    files = {"main.py": driver, "solution.py": f"{code}\n", "inputs.json": json.dumps(list(parsed.inputs))}
+    reports = _CaseReports(token, parsed.outputs, case_output_bytes, float_tolerance, not partial_credit)
+    run = _call(files, token, timeout_s=timeout_s, cpu_s=cpu_s, memory_mb=memory_mb, max_procs=max_procs,
+                max_output=max_output_bytes, python=python, require_isolation=require_isolation, on_result=reports)
+    verdicts = tuple(reports.verdicts)
+    passed = verdicts.count("passed")
+    stderr = run.data["stderr"][:max_output_bytes].decode("utf-8", "replace")
+    failed = next((i for i, verdict in enumerate(verdicts) if verdict != "passed"), None)
+    if run.stopped == "invalid report":  # not the driver's line (or one too many): nothing of the run counts
+        reason, passed = run.stopped, 0
+    elif failed is not None:
+        reason = f"case {failed}: {verdicts[failed]}"
+    elif passed == len(parsed.inputs):
+        reason = "passed"
+    elif run.stopped is not None:  # a whole-call limit, or a malformed report
+        reason = run.stopped
+    else:  # the driver ended without reporting every case (the program killed it, say)
+        reason = _failure_reason(None, run.exit_code, stderr)
+        reason = "the driver ended before every case ran" if reason.startswith("exited before") else reason
+    score = passed / len(parsed.inputs) if partial_credit else float(reason == "passed")
+    stdout = reports.last_stdout[:max_output_bytes].decode("utf-8", "replace")
+    return SandboxResult(score, reason, stdout, stderr, run.exit_code, run.isolation, run.warnings, verdicts)
+
+
+def check_io_limits(
+    timeout_s: float, case_timeout_s: float | None, case_output_bytes: int, float_tolerance: float,
+) -> None:
+    """Raise ValueError unless these are options `run_sandboxed_io` accepts besides `check_limits`' (for callers
+    that validate them early): `case_timeout_s` None (= `timeout_s`) or in (0, `timeout_s`]."""
+    if case_timeout_s is not None and (isinstance(case_timeout_s, bool) or not isinstance(case_timeout_s, (int, float))
+            or not 0 < case_timeout_s <= timeout_s):
+        raise ValueError(f"run_sandboxed_io: case_timeout_s must be None or a number > 0 and at most timeout_s "
+                         f"({timeout_s}), got {case_timeout_s!r}")
+    if isinstance(case_output_bytes, bool) or not isinstance(case_output_bytes, int) or case_output_bytes < 1:
+        raise ValueError(f"run_sandboxed_io: case_output_bytes must be an int >= 1, got {case_output_bytes!r}")
+    if (isinstance(float_tolerance, bool) or not isinstance(float_tolerance, (int, float))
+            or not 0 <= float_tolerance < math.inf):
+        raise ValueError(f"run_sandboxed_io: float_tolerance must be a finite number >= 0, got {float_tolerance!r}")
 
 
 def check_limits(timeout_s: float, cpu_s: float, memory_mb: int, max_procs: int, max_output_bytes: int) -> None:
