@@ -78,7 +78,7 @@ def make_code_reward(
     compare the program's own objects with plain values on purpose.
 
     For stdin/stdout cases (see `gspo.sandbox.run_sandboxed_io`): `case_timeout_s` limits each case's run (default
-    and at most `timeout_s`: a row with many cases needs a `timeout_s` that covers them all, ~0.03 s of interpreter
+    and at most `timeout_s`: a row with many cases needs a `timeout_s` that covers them all, ~0.02 s of interpreter
     start each plus the program's time), `cpu_s` applies to each case's run, `case_output_bytes` caps each case's
     stdout, `float_tolerance` lets a decimal token differ that much (0: exact lines; `outputs_match`), and
     `partial_credit` scores the fraction of cases passed instead of 1.0 only when all pass (the binary reward of the

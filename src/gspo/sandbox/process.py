@@ -40,6 +40,14 @@ harness runs in the same process as the program, so a program that deliberately 
 still forge a pass: this guards against accidental and common hacks, not against an adversary that targets this
 harness.
 
+Stdin/stdout cases: `run_sandboxed_io(code, cases)` (APPS/TACO-style `{"inputs": [...], "outputs": [...]}`,
+checked by `parse_io_cases`) makes one such call in which the entry point is a driver (`_IO_DRIVER`) that runs the
+program once per input as a child process, with that input as its stdin, and reports each case's output with the
+token on the result pipe. Only the inputs are written into the sandbox: the trainer compares the outputs
+(`outputs_match`), so a program cannot pass a case whose output it does not print, whatever it reads or forges.
+The driver is non-dumpable and runs the program with every other descriptor closed, so the program cannot write to
+the result pipe either (a line there that is not the driver's report of the next case fails the completion).
+
 Not contained: the program can read world-readable files and use CPU, memory and its folder's disk space up to its
 limits.
 
