@@ -121,6 +121,42 @@ def test_an_object_that_equals_anything_does_not_pass_the_tests(returned):
     assert run_sandboxed(code, f"assert {expected} == add(2, 3)", **FAST).score == 0.0  # either side
 
 
+CONTAINS_ANYTHING = "class Holds:\n    def __contains__(self, item):\n        return True\n"
+
+
+@pytest.mark.parametrize(("returned", "tests"), [
+    ("Yes()", "assert add(2, 3) in (5, 6)"),  # the always-equal object found in a plain tuple
+    ("[Yes()]", "assert 5 in add(2, 3)"),  # a plain value found among the program's always-equal items
+    ("Holds()", "assert 5 in add(2, 3)"),  # a container that says it holds anything
+    ("Yes()", "assert not (add(2, 3) not in [5])"),
+])
+def test_membership_does_not_let_the_always_equal_hack_through(returned, tests):
+    """`in` compares with == (or asks the container): the same hacks as with == pass `assert add(2, 3) in (5, 6)`
+    unless the tests' `in` / `not in` are checked as their == is."""
+    code = f"{ALWAYS_EQUAL}{CONTAINS_ANYTHING}def add(a, b):\n    return {returned}\n"
+    hacked = run_sandboxed(code, tests, **FAST)
+    assert (hacked.score, hacked.reason) == (0.0, "tests failed"), hacked.stderr
+    assert "compared with a plain value: unequal" in hacked.stderr
+    assert run_sandboxed(code, tests, strict_equality=False, **FAST).score == 1.0
+
+
+def test_membership_of_plain_values_is_python_s():
+    """`in` / `not in` on built-in containers, strings, dict keys, ranges, generators, the standard library's
+    collections and a container the tests define behave as Python's."""
+    code = "from collections import Counter, deque\ndef f():\n    return [1, (2, 3)], 'abc', {'k': 1}, Counter('ab')\n"
+    tests = textwrap.dedent("""\
+        items, text, table, counts = f()
+        assert 1 in items and (2, 3) in items and 4 not in items and 1.0 in items
+        assert "bc" in text and "x" not in text and "k" in table and 1 not in table and "a" in counts
+        assert 5 in range(10) and 3 in (x for x in [3]) and 2 in deque([2])
+        class Evens:
+            def __contains__(self, n):
+                return n % 2 == 0
+        assert 4 in Evens() and 3 not in Evens()
+        """)
+    assert run_sandboxed(code, tests, **FAST).reason == "passed"
+
+
 def test_plain_values_and_the_standard_librarys_compare_as_python_does():
     """What strict equality leaves alone: built-in types and their subclasses, the standard library's numbers and
     collections against plain values (Fraction == 0.5, Counter == dict), the program's own objects against each

@@ -35,7 +35,9 @@ of which layers were applied. A layer that could not be applied is never claimed
 Reward hacking: `tests` only count as passed when the harness reaches its end and writes a per-call random token
 to a pipe the trainer reads, so `exit(0)` before the tests does not pass. The tests' `==` and `!=` count a value
 whose equality the program defines (a class of its own, unittest.mock.ANY) as unequal to a plain one, so returning an
-object whose `__eq__` always says True does not pass `assert f(2) == 4` either (`strict_equality`; `_HARNESS`). The
+object whose `__eq__` always says True does not pass `assert f(2) == 4` either, nor `assert f(2) in (4, 5)` (the
+tests' `in` / `not in` are checked alike, and a container whose membership the program defines counts as its own)
+(`strict_equality`; `_HARNESS`). Chained comparisons (`a == b == c`) are left to Python. The
 harness runs in the same process as the program, so a program that deliberately inspects the harness's frames can
 still forge a pass: this guards against accidental and common hacks, not against an adversary that targets this
 harness.
@@ -111,7 +113,9 @@ _FALLBACK_PYTHONS = ("/usr/local/bin/python3", "/usr/bin/python3")
 # the same namespace, and writes the token to the result pipe only if both returned. With STRICT_EQUALITY, every `==`
 # and `!=` of the tests goes through _compare (the tests' syntax tree rewritten): a side that holds a value whose
 # equality the program wrote (or that says yes to anything, as unittest.mock.ANY does) is unequal to a side that holds
-# none, so a program cannot pass `assert f(2) == 4` by returning an object whose __eq__ always says True. Built-in
+# none, so a program cannot pass `assert f(2) == 4` by returning an object whose __eq__ always says True; every `in`
+# and `not in` goes through _contains alike (a container whose __contains__ / __iter__ / __getitem__ the program wrote
+# counts as its own too: `assert 5 in f()` with f returning an object that holds anything fails). Built-in
 # types' own comparisons, the standard library's numbers and collections (Fraction, Counter, ...) and methods the
 # tests themselves define (by their code's file: an approx class) count as plain. Kept compatible with Python >= 3.8.
 _HARNESS = """\
@@ -124,7 +128,8 @@ STRICT_EQUALITY = True
 # the built-ins the checks use, taken before the program runs (it could replace them in the builtins module)
 _type, _getattr, _isinstance, _issubclass, _id, _write = type, getattr, isinstance, issubclass, id, sys.stderr.write
 _dict, _list, _set, _map, _any, _chain = dict, list, set, map, any, itertools.chain
-_SLOT = _type(object.__eq__)  # a built-in type's own comparison (int, str, list, dict, OrderedDict, Decimal, ...)
+# a built-in type's own methods (int, str, list, dict, OrderedDict, Decimal, ...): slot wrappers and C methods
+_C_METHODS = (_type(object.__eq__), _type(dict.__contains__))
 _PLAIN_MODULES = ("fractions", "decimal", "_pydecimal", "collections", "datetime", "_pydatetime", "ipaddress",
                   "pathlib", "uuid")
 _CONTAINERS = (_dict, _list, tuple, _set, frozenset)
@@ -132,7 +137,7 @@ _said, _plain_builtins = [], set()
 
 
 def _plain_method(method):
-    if _type(method) is _SLOT:
+    if _type(method) in _C_METHODS:
         return True
     code = _getattr(method, "__code__", None)
     if code is not None and code.co_filename == "tests.py":  # the tests' own helper, e.g. an approx class
@@ -179,26 +184,50 @@ def _own_equality(value):
     return None
 
 
+def _own_container(value):
+    cls = _type(value)
+    for name in ("__contains__", "__iter__", "__getitem__"):
+        method = _getattr(cls, name, None)
+        if method is not None and not _plain_method(method):
+            return cls
+    return None
+
+
+def _mixed(own, what):
+    if (own[0] is None) == (own[1] is None):
+        return False
+    if not _said:
+        _said.append(1)
+        cls = own[0] or own[1]
+        _write("gspo sandbox: a value of %s (its %s is not a built-in type's) compared with a plain value: "
+               "unequal\\n" % (_getattr(cls, "__qualname__", cls), what))
+    return True
+
+
 def _compare(left, right, equal):
-    own = _own_equality(left), _own_equality(right)
-    if (own[0] is None) != (own[1] is None):
-        if not _said:
-            _said.append(1)
-            cls = own[0] or own[1]
-            _write("gspo sandbox: a value of %s (its == is not a built-in type's) compared with a plain value: "
-                   "unequal\\n" % _getattr(cls, "__qualname__", cls))
+    if _mixed((_own_equality(left), _own_equality(right)), "=="):
         return not equal
     return left == right if equal else left != right
+
+
+def _contains(left, right, inside):
+    if _mixed((_own_equality(left), _own_equality(right) or _own_container(right)), "== or membership"):
+        return not inside
+    return left in right if inside else left not in right
+
+
+_REWRITES = {ast.Eq: ("__gspo_compare__", True), ast.NotEq: ("__gspo_compare__", False),
+             ast.In: ("__gspo_contains__", True), ast.NotIn: ("__gspo_contains__", False)}
 
 
 class _Equalities(ast.NodeTransformer):
     def visit_Compare(self, node):
         self.generic_visit(node)
-        if len(node.ops) != 1 or not _isinstance(node.ops[0], (ast.Eq, ast.NotEq)):
+        if len(node.ops) != 1 or _type(node.ops[0]) not in _REWRITES:
             return node
-        call = ast.Call(func=ast.Name(id="__gspo_compare__", ctx=ast.Load()),
-                        args=[node.left, node.comparators[0], ast.Constant(value=_isinstance(node.ops[0], ast.Eq))],
-                        keywords=[])
+        name, positive = _REWRITES[_type(node.ops[0])]
+        call = ast.Call(func=ast.Name(id=name, ctx=ast.Load()),
+                        args=[node.left, node.comparators[0], ast.Constant(value=positive)], keywords=[])
         return ast.copy_location(call, node)
 
 
@@ -214,9 +243,10 @@ def _main():
         tests = ast.parse(handle.read(), "tests.py")
     if STRICT_EQUALITY:
         tests = ast.fix_missing_locations(_Equalities().visit(tests))
-        namespace["__gspo_compare__"] = _compare
+        namespace.update(__gspo_compare__=_compare, __gspo_contains__=_contains)
     exec(compile(tests, "tests.py", "exec"), namespace)
-    if STRICT_EQUALITY and namespace.get("__gspo_compare__") is not _compare:
+    if STRICT_EQUALITY and (namespace.get("__gspo_compare__") is not _compare
+                            or namespace.get("__gspo_contains__") is not _contains):
         _write("gspo sandbox: the program replaced the tests' comparison\\n")
         sys.exit(1)
     sys.stdout.flush()
@@ -363,9 +393,9 @@ def run_sandboxed(
     once, itself included; `max_output_bytes`: per stream, more kills the program ("output limit exceeded").
     `python`: the interpreter for the program (default: this one, or a system python3 when this one is not usable
     by the unprivileged uid). `require_isolation`: raise SandboxError instead of running with a layer missing.
-    `strict_equality`: the tests' `==` and `!=` count a value whose equality the program defines as unequal to a
-    plain one (the always-equal object hack; `_HARNESS`); false: Python's own comparisons. Tests that are not valid
-    Python raise ValueError (no program could pass them).
+    `strict_equality`: the tests' `==`, `!=`, `in` and `not in` count a value whose equality (or membership) the
+    program defines as unequal to a plain one (the always-equal object hack; `_HARNESS`); false: Python's own
+    comparisons. Tests that are not valid Python raise ValueError (no program could pass them).
     """
     check_limits(timeout_s, cpu_s, memory_mb, max_procs, max_output_bytes)
     if not sys.platform.startswith("linux"):
