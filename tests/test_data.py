@@ -300,6 +300,12 @@ def test_load_rows_rejects_bad_arguments(tmp_path) -> None:
          "list, got \\[\\]"),
         ("tests", '{"inputs": ["1", "2"], "outputs": ["1"]}', "'tests' as stdin/stdout test cases: 'inputs' has 2 "
          "items but 'outputs' has 1"),
+        ("tests", {"inputs": ["1"], "outputs": [1], "fn_name": "f"}, "'tests' as call-based test cases: 'inputs' item "
+         "0 must be the list of the function's arguments \\(or its JSON text\\), got str '1'"),
+        ("tests", [{"input": "1", "output": "1", "testtype": "functional"}], "'tests' as LiveCodeBench test cases: "
+         "functional cases call a function the cases do not name; give the row an 'fn_name' field"),
+        ("tests", '[{"input": "1", "output": "1", "testtype": "stdin"}, "x"]', "'tests' as LiveCodeBench test cases: "
+         "item 1 must be a dict with the keys"),
     ],
 )
 def test_wrong_typed_known_fields_name_row_and_field(tmp_path, field: str, bad, reason: str) -> None:
@@ -318,6 +324,22 @@ def test_stdin_stdout_cases_load_as_they_are(tmp_path) -> None:
     src = _write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "add", "tests": json.dumps({"input": ["1"]})}])
     with pytest.raises(ValueError, match=r"row 0 \(line 1\) field 'tests' as stdin/stdout test cases take the keys "
                                          r".*got unknown \['input'\]"):
+        load_rows(src)
+
+
+def test_call_based_and_livecodebench_cases_load_as_they_are(tmp_path) -> None:
+    """APPS's call-based `input_output` (a `fn_name`) and LiveCodeBench's test cases (stdin ones; functional ones
+    with the function named by the row's `fn_name` or LiveCodeBench's `metadata` JSON) pass the load-time check
+    unchanged; functional ones whose function nothing names are refused at their row."""
+    functional = json.dumps([{"input": "[1, 2]\n3", "output": "6", "testtype": "functional"}])
+    rows = [{"prompt": "add", "tests": {"inputs": [[1, 2]], "outputs": [[3]], "fn_name": "add"}},
+            {"prompt": "add", "tests": [{"input": "1 2\n", "output": "3\n", "testtype": "stdin"}]},
+            {"prompt": "add", "tests": functional, "metadata": json.dumps({"func_name": "total"})},
+            {"prompt": "add", "tests": functional, "fn_name": "total"}]
+    assert load_rows(_write_jsonl(tmp_path / "d.jsonl", rows)) == rows
+    src = _write_jsonl(tmp_path / "bad.jsonl", [rows[2], {"prompt": "add", "tests": functional, "metadata": "{}"}])
+    with pytest.raises(ValueError, match=r"row 1 \(line 2\) field 'tests' as LiveCodeBench test cases: functional "
+                                         r"cases call a function the cases do not name"):
         load_rows(src)
 
 

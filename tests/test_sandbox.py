@@ -25,7 +25,16 @@ import pytest
 
 from gspo.rewards import REWARDS, RewardRunner
 from gspo.rewards.code import code_reward, extract_code, make_code_reward
-from gspo.sandbox import IOCases, SandboxError, outputs_match, parse_io_cases, run_sandboxed, run_sandboxed_io
+from gspo.sandbox import (
+    IOCases,
+    SandboxError,
+    outputs_match,
+    parse_io_cases,
+    row_fn_name,
+    run_sandboxed,
+    run_sandboxed_io,
+    values_match,
+)
 from gspo.sandbox import process as sandbox_module  # the implementation: its file is what the launcher runs
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox uses Linux namespaces and rlimits")
@@ -580,7 +589,7 @@ def test_the_parent_takes_only_the_drivers_report_of_the_next_case():
         return (json.dumps(record) + "\n").encode()
 
     def reports(cap=1 << 20, stop=True):
-        return sandbox_module._CaseReports("t" * 32, ["3\n", "15\n"], cap, 1e-6, stop)
+        return sandbox_module._CaseReports("t" * 32, IOCases(("", ""), ("3\n", "15\n")), cap, 1e-6, stop)
 
     good = reports()
     assert good(line()[:9]) is None and good(line()[9:] + line(case=1, stdout="MTU=")) is None  # "15"
@@ -607,7 +616,6 @@ def test_what_counts_as_stdin_stdout_cases():
     ({"inputs": "1", "outputs": "1"}, "need 'inputs', a non-empty list, got '1'"),
     ({"inputs": [1], "outputs": ["1"]}, "'inputs' item 0 must be a str \\(or a list of str, its lines\\), got int"),
     ({"inputs": ["1"], "outputs": [["1", 2]]}, "'outputs' item 0 must be a str .*got list"),
-    ({"inputs": ["1"], "outputs": ["1"], "fn_name": "solve"}, "call-based problems \\(fn_name 'solve'\\) are not"),
     ('{"inputs": ["1"], "output": ["1"]}', "take the keys .*got unknown \\['output'\\]"),
 ])
 def test_bad_stdin_stdout_cases_are_a_clear_error(cases, says):
@@ -629,6 +637,145 @@ def test_bad_stdin_stdout_arguments_are_rejected():
                 make_code_reward(**kwargs)
     with pytest.raises(ValueError, match="cases must be a dict"):
         run_sandboxed_io("print(3)", "assert True", **FAST)
+
+
+# ---------------------------------------------------------------------------------------- call-based test cases
+
+ADD_CASES = {"inputs": [[1, 2], [0.5, 0.25]], "outputs": [3, 0.75], "fn_name": "add"}
+TWO_SUM = textwrap.dedent("""\
+    class Solution:
+        def twoSum(self, nums, target):
+            seen = {}
+            for i, x in enumerate(nums):
+                if target - x in seen:
+                    return seen[target - x], i  # a tuple: its JSON is a list
+                seen[x] = i
+    """)
+# APPS's and TACO's layout: each input the argument list (here also as its JSON text), each output the return value
+# wrapped in a one-element list; LiveCodeBench's: one JSON argument per input line, the output the value itself
+TWO_SUM_APPS = {"inputs": [[[2, 7, 11, 15], 9], "[[3, 2, 4], 6]"], "outputs": [[[0, 1]], [[1, 2]]],
+                "fn_name": "twoSum"}
+TWO_SUM_LCB = [{"input": "[2,7,11,15]\n9", "output": "[0, 1]", "testtype": "functional"},
+               {"input": "[3,2,4]\n6\n", "output": "[1, 2]", "testtype": "functional"}]
+
+
+def test_a_call_based_function_passes_and_a_wrong_one_fails():
+    """A module-level function gets each input's arguments; its return value, as JSON, is compared in the trainer."""
+    right = run_sandboxed_io("def add(a, b):\n    return a + b\n", ADD_CASES, **FAST)
+    assert (right.score, right.reason, right.cases, right.stdout) == (1.0, "passed", ("passed", "passed"), "0.75\n")
+    assert_contained(right)
+    wrong = run_sandboxed_io("def add(a, b):\n    return 3\n", ADD_CASES, partial_credit=True, **FAST)
+    assert (wrong.score, wrong.cases) == (0.5, ("passed", "wrong answer"))
+    missing = run_sandboxed_io("def plus(a, b):\n    return a + b\n", ADD_CASES, **FAST)
+    assert missing.reason == "case 0: exit code 1" and "defines no function add" in missing.stderr
+
+
+def test_a_solution_class_method_passes_with_wrapped_or_plain_outputs():
+    """LeetCode-style `class Solution` (instantiated with no arguments): APPS's one-element list around the return
+    value is accepted, LiveCodeBench's plain value too (its cases name no function: the row's metadata does)."""
+    apps = run_sandboxed_io(TWO_SUM, TWO_SUM_APPS, **FAST)
+    assert (apps.score, apps.cases, apps.stdout) == (1.0, ("passed", "passed"), "[1, 2]\n")
+    lcb_row = {"tests": json.dumps(TWO_SUM_LCB), "metadata": json.dumps({"func_name": "twoSum"})}
+    assert code_reward("p", f"```python\n{TWO_SUM}```", **lcb_row) == 1.0
+    assert code_reward("p", TWO_SUM.replace("seen[target - x], i", "i, seen[target - x]"), **lcb_row) == 0.0
+
+
+def test_what_a_call_based_program_prints_is_never_its_result():
+    """The program's stdout is /dev/null: printing the expected result line and exiting before returning (or
+    returning a wrong value) does not pass, nor does printing it on stderr."""
+    for ending in ("raise SystemExit(0)", "return [9, 9]", "import os; os._exit(0)"):
+        code = f"import sys\nclass Solution:\n    def twoSum(self, nums, target):\n        print('[0, 1]')\n" \
+               f"        sys.stderr.write('[0, 1]\\n')\n        {ending}\n"
+        result = run_sandboxed_io(code, TWO_SUM_APPS, **FAST)
+        assert (result.score, result.reason) == (0.0, "case 0: wrong answer"), (ending, result)
+
+
+def test_a_return_value_that_is_not_json_fails_the_case():
+    result = run_sandboxed_io("def add(a, b):\n    return {a, b}\n", ADD_CASES, **FAST)
+    assert (result.score, result.reason) == (0.0, "case 0: exit code 1")
+    assert "the return value is not a JSON value: Object of type set" in result.stderr
+
+
+def test_the_expected_return_values_never_enter_the_sandbox():
+    """A function that searches its folder, the arguments and every visible process's command line and
+    environment for the expected value returns what it found: nothing."""
+    secret = f"expected-{secrets.token_hex(8)}"
+    code = textwrap.dedent("""\
+        import os, re
+        def find(text):
+            found = set(re.findall(r"expected-[0-9a-f]{16}", text))
+            paths = [os.path.join(folder, name) for folder, _, names in os.walk(".") for name in names]
+            for pid in filter(str.isdigit, os.listdir("/proc")):
+                paths += [f"/proc/{pid}/cmdline", f"/proc/{pid}/environ"]
+            for path in paths:
+                try:
+                    with open(path, "rb") as handle:
+                        found.update(re.findall(r"expected-[0-9a-f]{16}", handle.read().decode("latin-1")))
+                except OSError:
+                    pass
+            return sorted(found) or f"nothing in {len(paths)} places"
+        """)
+    result = run_sandboxed_io(code, {"inputs": [["expected-?"]], "outputs": [secret], "fn_name": "find"}, **FAST)
+    assert (result.score, result.reason) == (0.0, "case 0: wrong answer")
+    assert result.stdout.startswith('"nothing in '), result.stdout
+
+
+def test_return_values_match_as_json_values_with_a_float_tolerance():
+    assert values_match([1, 2.0, {"a": True}], [1, 2, {"a": 1}])  # Python's == on JSON values
+    assert values_match(0.3333333333, 1 / 3) and values_match([[1e-9]], [[0.0]])  # an expected float: within 1e-6
+    assert not values_match(0.3333333333, 1 / 3, float_tolerance=0) and not values_match(3.0000001, 3)  # int exact
+    assert not values_match([1, 2], [1, 2, 3]) and not values_match({"a": 1}, {"a": 1, "b": 2})
+    assert not values_match("1", 1) and not values_match([1], 1) and not values_match(math.nan, math.nan)
+    assert not values_match(10**400, 1.0)  # no float near it (and no OverflowError)
+    # one-element list wrapping: APPS's outputs accept the element, LiveCodeBench's do not
+    apps, lcb = parse_io_cases(TWO_SUM_APPS), parse_io_cases(TWO_SUM_LCB, "twoSum")
+    assert apps.passes(0, "[0, 1]\n") and apps.passes(0, "[[0, 1]]") and not apps.passes(0, "[[[0, 1]]]")
+    assert lcb.passes(0, "[0, 1]") and not lcb.passes(0, "[[0, 1]]")
+    assert not apps.passes(0, "[0, 1]\n[0, 1]\n") and not apps.passes(0, "") and not apps.passes(0, "[" * 100000)
+
+
+def test_what_counts_as_call_based_and_livecodebench_cases():
+    assert parse_io_cases(TWO_SUM_APPS) == IOCases(("[[2, 7, 11, 15], 9]", "[[3, 2, 4], 6]"), ([[0, 1]], [[1, 2]]),
+                                                   "twoSum", wrapped_outputs=True)
+    assert parse_io_cases(json.dumps(TWO_SUM_LCB), "twoSum") == IOCases(
+        ("[[2, 7, 11, 15], 9]", "[[3, 2, 4], 6]"), ([0, 1], [1, 2]), "twoSum")
+    stdin = [{"input": "1 2\n", "output": "3\n", "testtype": "stdin"}]
+    assert parse_io_cases(stdin) == parse_io_cases(json.dumps(stdin)) == IOCases(("1 2\n",), ("3\n",))
+    assert parse_io_cases('["assert f(1) == 1"]') is None  # a JSON list of snippets is Python tests, as before
+    assert row_fn_name({"fn_name": "f", "metadata": '{"func_name": "g"}'}) == "f"
+    assert row_fn_name({"metadata": '{"func_name": "g"}'}) == row_fn_name({"metadata": {"func_name": "g"}}) == "g"
+    assert row_fn_name({"metadata": "not json"}) is None and row_fn_name({}) is None
+
+
+FUNCTIONAL = {"input": "1", "output": "1", "testtype": "functional"}
+
+
+@pytest.mark.parametrize(("cases", "fn_name", "says"), [
+    ({"inputs": ["1"], "outputs": ["1"], "fn_name": "solve"}, None, "call-based test cases: 'inputs' item 0 must be "
+     "the list of the function's arguments \\(or its JSON text\\), got str '1'"),
+    ({"inputs": [[1]], "outputs": [{1, 2}], "fn_name": "solve"}, None, "call-based test cases: 'outputs' item 0 must "
+     "be a JSON value"),
+    ({"inputs": [[1]], "outputs": [1], "fn_name": "not a name"}, None, "call-based test cases: fn_name must be a "
+     "function's name \\(an identifier\\), got 'not a name'"),
+    ({"inputs": [[1]], "outputs": [], "fn_name": "f"}, None, "call-based test cases need 'outputs', a non-empty list"),
+    ([FUNCTIONAL], None, "LiveCodeBench test cases: functional cases call a function the cases do not name; give "
+     "the row an 'fn_name' field \\(or LiveCodeBench's 'metadata' with its 'func_name'\\)"),
+    ([FUNCTIONAL, {**FUNCTIONAL, "testtype": "stdin"}], "f", "LiveCodeBench test cases: 'testtype' must be 'stdin' "
+     "or 'functional', the same for every case, got \\['functional', 'stdin'\\]"),
+    ([{**FUNCTIONAL, "testtype": "call"}], "f", "'testtype' must be 'stdin' or 'functional'.*got \\['call'\\]"),
+    ([FUNCTIONAL, "assert f(1) == 1"], "f", "LiveCodeBench test cases: item 1 must be a dict with the keys "
+     "\\['input', 'output', 'testtype'\\], got str"),
+    ([{"input": "1", "output": "1"}], "f", "item 0 must be a dict with the keys .*, got \\['input', 'output'\\]"),
+    ([{**FUNCTIONAL, "output": 1}], "f", "LiveCodeBench test cases: item 0's 'output' must be a str, got int"),
+    ([{**FUNCTIONAL, "input": "[1,"}], "f", "LiveCodeBench test cases: item 0's input line 0 must be the JSON text of "
+     "a JSON value"),
+    ([{**FUNCTIONAL, "output": "yes"}], "f", "LiveCodeBench test cases: item 0's output must be the JSON text of a"),
+])
+def test_bad_call_based_and_livecodebench_cases_are_a_clear_error(cases, fn_name, says):
+    with pytest.raises(ValueError, match=says):
+        parse_io_cases(cases, fn_name)
+    with pytest.raises(ValueError, match=f"code_reward: the row's 'tests' as .*{says}"):
+        code_reward("p", "print(1)", tests=cases, fn_name=fn_name)
 
 
 # ------------------------------------------------------------------------------------------------ the code reward

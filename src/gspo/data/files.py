@@ -4,11 +4,12 @@ Whatever the source, the result is a list of plain dicts that each carry a `prom
 conversation, a list of messages `{"role": ..., "content": ...}` (also read from a `messages` field when there is no
 `prompt`) that `gspo.data.chat.render_prompts` later renders with the model's chat template. The fields that
 rewards and cold start read, when present, are checked too (`answer`: a non-empty string, numbers converted;
-`solution`: a non-empty string; `tests`: a non-empty string or list of strings, or stdin/stdout cases
-`{"inputs": [...], "outputs": [...]}` as a dict or its JSON text, checked by `gspo.sandbox.parse_io_cases`). A bad
-row is reported by its 0-based index (and line number for JSON Lines) and by the field that is wrong, named as the
-source names it (the column that `fields` maps), so a broken dataset fails at load time rather than deep inside
-training.
+`solution`: a non-empty string; `tests`: a non-empty string or list of strings, or stdin/stdout or call-based cases
+(APPS's `{"inputs": [...], "outputs": [...], "fn_name": ...}` or LiveCodeBench's list of `{"input", "output",
+"testtype"}`, as they are or as JSON text; functional ones with the row's `fn_name` or `metadata`), checked by
+`gspo.sandbox.parse_io_cases`). A bad row is reported by its 0-based index (and line number for JSON Lines) and by
+the field that is wrong, named as the source names it (the column that `fields` maps), so a broken dataset fails at
+load time rather than deep inside training.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections.abc import Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from gspo.sandbox import parse_io_cases
+from gspo.sandbox import parse_io_cases, row_fn_name
 
 __all__ = ["ROLES", "check_messages", "load_rows"]
 
@@ -182,7 +183,7 @@ def _check_known_fields(row: dict[str, Any], where: str, fields: Mapping[str, st
     if "tests" not in row:
         return
     try:
-        cases = parse_io_cases(tests)
+        cases = parse_io_cases(tests, row_fn_name(row))
     except ValueError as e:
         raise ValueError(f"{where} field {_named('tests', fields)} as {e}") from None
     if cases is None and not (

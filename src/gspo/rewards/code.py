@@ -1,9 +1,13 @@
 """The `code` reward: run the program in a completion against the row's tests in the sandbox (`gspo.sandbox`).
 
-A row's `tests` are either a Python snippet (or a list of them, e.g. asserts) run after the program, or
-stdin/stdout cases, `{"inputs": [...], "outputs": [...]}` as a dict or its JSON text (APPS's and TACO's
-`input_output` column as it is; `gspo.sandbox.parse_io_cases`), each input fed to the program as its stdin and its
-stdout compared with the output (`gspo.sandbox.outputs_match`).
+A row's `tests` are either a Python snippet (or a list of them, e.g. asserts) run after the program, or cases run
+one process each (`gspo.sandbox.parse_io_cases`), as a dict or list or its JSON text: APPS's and TACO's
+`input_output` column as it is, `{"inputs": [...], "outputs": [...]}`, or LiveCodeBench's test cases,
+`[{"input": ..., "output": ..., "testtype": "stdin" | "functional"}, ...]`. Stdin/stdout cases feed each input to
+the program as its stdin and compare its stdout with the output (`gspo.sandbox.outputs_match`); call-based ones
+(APPS's `fn_name`, LiveCodeBench's functional cases with the row's `fn_name` or `metadata`'s `func_name`:
+`gspo.sandbox.row_fn_name`) call that function with each input's arguments and compare the value it returns
+(`gspo.sandbox.values_match`).
 
 Only the reward-specific parts live here: which program a completion holds (`extract_code`), what a row's `tests`
 must be, and the score. Running the program safely is `gspo.sandbox.run_sandboxed`'s (and `run_sandboxed_io`'s) job.
@@ -18,7 +22,15 @@ from collections.abc import Callable
 from typing import Any
 
 from gspo.rewards.thinking import after_thinking
-from gspo.sandbox import IOCases, check_io_limits, check_limits, parse_io_cases, run_sandboxed, run_sandboxed_io
+from gspo.sandbox import (
+    IOCases,
+    check_io_limits,
+    check_limits,
+    parse_io_cases,
+    row_fn_name,
+    run_sandboxed,
+    run_sandboxed_io,
+)
 
 __all__ = ["code_reward", "extract_code", "make_code_reward"]
 
@@ -57,11 +69,11 @@ def _check_tests(tests: str | list[str]) -> None:
                          f"{text[:80]!r}")
 
 
-def _row_cases(tests: Any) -> IOCases | None:
-    """The row's tests as stdin/stdout cases (None: a Python snippet); bad cases are a ValueError naming the row's
-    field and what is wrong."""
+def _row_cases(row: dict[str, Any]) -> IOCases | None:
+    """The row's tests as stdin/stdout or call-based cases (None: a Python snippet); bad cases are a ValueError
+    naming the row's field and what is wrong."""
     try:
-        return parse_io_cases(tests)
+        return parse_io_cases(row.get("tests"), row_fn_name(row))
     except ValueError as e:
         raise ValueError(f"code_reward: the row's 'tests' as {e}") from None
 
@@ -77,10 +89,11 @@ def make_code_reward(
     equality the program defines unequal to a plain value (the always-equal object hack); false for tests that
     compare the program's own objects with plain values on purpose.
 
-    For stdin/stdout cases (see `gspo.sandbox.run_sandboxed_io`): `case_timeout_s` limits each case's run (default
-    and at most `timeout_s`: a row with many cases needs a `timeout_s` that covers them all, ~0.02 s of interpreter
-    start each plus the program's time), `cpu_s` applies to each case's run, `case_output_bytes` caps each case's
-    stdout, `float_tolerance` lets a decimal token differ that much (0: exact lines; `outputs_match`), and
+    For stdin/stdout and call-based cases (see `gspo.sandbox.run_sandboxed_io`): `case_timeout_s` limits each case's
+    run (default and at most `timeout_s`: a row with many cases needs a `timeout_s` that covers them all, ~0.02 s of
+    interpreter start each plus the program's time), `cpu_s` applies to each case's run, `case_output_bytes` caps
+    each case's stdout (call-based: its return value's JSON), `float_tolerance` lets a decimal token (call-based: an
+    expected float) differ that much (0: exact; `outputs_match`, `values_match`), and
     `partial_credit` scores the fraction of cases passed instead of 1.0 only when all pass (the binary reward of the
     GSPO paper). Python-snippet tests always score 1.0 or 0.0.
     """
@@ -99,11 +112,12 @@ def make_code_reward(
         functions, e.g. `["assert add(2, 3) == 5", "assert add(-1, 1) == 0"]`: 1.0 if they run to their end, else
         0.0. Or stdin/stdout cases, `{"inputs": ["1 2\\n"], "outputs": ["3\\n"]}` or its JSON text: 1.0 if the
         program prints every case's output (trailing whitespace aside), else 0.0, or the fraction passed with
-        `partial_credit`. A row without usable tests is a data error (ValueError), not a wrong completion.
-        Isolation warnings are logged once each.
+        `partial_credit`; or call-based cases (`{..., "fn_name": "add"}`, or LiveCodeBench's functional cases and
+        the row's `fn_name`), scored alike on the function's return values. A row without usable tests is a data
+        error (ValueError), not a wrong completion. Isolation warnings are logged once each.
         """
         tests = row.get("tests")
-        cases = _row_cases(tests)
+        cases = _row_cases(row)
         if cases is None:
             if not (isinstance(tests, str) and tests.strip()) and not (
                 isinstance(tests, list) and tests and all(isinstance(t, str) for t in tests)

@@ -50,6 +50,14 @@ token on the result pipe. Only the inputs are written into the sandbox: the trai
 The driver is non-dumpable and runs the program with every other descriptor closed, so the program cannot write to
 the result pipe either (a line there that is not the driver's report of the next case fails the completion).
 
+Call-based cases (APPS's and TACO's rows with a `fn_name`, LiveCodeBench's functional cases; `parse_io_cases`) go
+the same way, except that each case's child runs a caller stub (`_CALLER`) instead of the program itself: it reads
+the case's arguments (JSON) on stdin, runs solution.py, calls the function (a method of `class Solution`, else a
+module-level function) and writes the JSON of its return value where the driver reads the case's stdout, after
+pointing the program's own stdout at /dev/null, so nothing the program prints can be taken for its result. The
+trainer decodes that JSON and compares plain values (`values_match`): the expected return values never enter the
+sandbox either, and no object of the program's takes part in the comparison (no always-equal hack).
+
 Not contained: the program can read world-readable files and use CPU, memory and its folder's disk space up to its
 limits.
 
@@ -76,13 +84,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 __all__ = ["IOCases", "SandboxError", "SandboxResult", "check_io_limits", "check_limits", "outputs_match",
-           "parse_io_cases", "run_sandboxed", "run_sandboxed_io"]
+           "parse_io_cases", "row_fn_name", "run_sandboxed", "run_sandboxed_io", "values_match"]
 
 _CLONE_NEWNS = 0x00020000
 _CLONE_NEWIPC = 0x08000000
@@ -259,15 +267,16 @@ _main()
 
 # The entry point for stdin/stdout cases (`run_sandboxed_io`): a driver that reads the per-call token from stdin,
 # leaves stdin at EOF, makes itself non-dumpable and reads inputs.json (the cases' stdin texts; the expected outputs
-# never enter the sandbox), then runs `python -I -S -B solution.py` once per input, in that order: stdin a file
-# holding the input, stdout a pipe it reads up to CASE_OUTPUT_BYTES (+1, so that the parent sees an overflow),
-# stderr its own (the captured stderr), every other descriptor closed (close_fds: the program never holds the result
-# pipe, fd 3), its own process group (killed with whatever it started once the case ends), CASE_TIMEOUT_S of wall
-# clock. After each case it writes one JSON line to fd 3: the token, the case's index, its exit status (None when a
-# limit stopped it), the limit ("timeout", "output limit exceeded" or None) and its stdout in base64; the parent
-# compares. The programs run under the driver's uid, so the driver is made non-dumpable (prctl PR_SET_DUMPABLE 0):
-# they can then neither ptrace it nor open its /proc/<pid>/fd/3, mem or environ; at worst they can kill or stop it,
-# which loses the cases not yet reported. Kept compatible with Python >= 3.8.
+# never enter the sandbox), then runs `python -I -S -B PROGRAM` (solution.py; for call-based cases the caller stub,
+# `_CALLER`) once per input, in that order: stdin a file holding the input (call-based: the arguments' JSON), stdout
+# a pipe it reads up to CASE_OUTPUT_BYTES (+1, so that the parent sees an overflow), stderr its own (the captured
+# stderr), every other descriptor closed (close_fds: the program never holds the result pipe, fd 3), its own process
+# group (killed with whatever it started once the case ends), CASE_TIMEOUT_S of wall clock. After each case it
+# writes one JSON line to fd 3: the token, the case's index, its exit status (None when a limit stopped it), the
+# limit ("timeout", "output limit exceeded" or None) and its stdout in base64; the parent compares. The programs
+# run under the driver's uid, so the driver is made non-dumpable (prctl PR_SET_DUMPABLE 0): they can then neither
+# ptrace it nor open its /proc/<pid>/fd/3, mem or environ; at worst they can kill or stop it, which loses the cases
+# not yet reported. Kept compatible with Python >= 3.8.
 _IO_DRIVER = """\
 import base64
 import ctypes
@@ -282,6 +291,7 @@ import time
 
 CASE_TIMEOUT_S = 5.0
 CASE_OUTPUT_BYTES = 1048576
+PROGRAM = "solution.py"
 _PR_SET_DUMPABLE = 4
 
 
@@ -289,7 +299,7 @@ def _run_case(text):
     with tempfile.TemporaryFile(dir=".") as stdin:
         stdin.write(text.encode("utf-8"))
         stdin.seek(0)
-        child = subprocess.Popen([sys.executable, "-I", "-S", "-B", "solution.py"], stdin=stdin,
+        child = subprocess.Popen([sys.executable, "-I", "-S", "-B", PROGRAM], stdin=stdin,
                                  stdout=subprocess.PIPE, close_fds=True, start_new_session=True)
     deadline = time.monotonic() + CASE_TIMEOUT_S
     out, limit = bytearray(), None
@@ -338,6 +348,59 @@ def _main():
         line = (json.dumps(record) + "\\n").encode("ascii")
         while line:
             line = line[os.write(3, line):]
+
+
+_main()
+"""
+
+# The program a call-based case's child runs instead of solution.py (`_IO_DRIVER`'s PROGRAM): it reads the case's
+# arguments (a JSON list) from stdin, points stdin and stdout (fd 0 and 1) at /dev/null, keeping a private duplicate
+# of the stdout pipe (not inheritable), runs solution.py with __name__ "solution", calls FN_NAME (a method of
+# `Solution()` when solution.py defines that class with it, LeetCode-style; else a module-level function) with those
+# arguments, and writes the JSON of its return value (tuples as lists) to the kept duplicate, one line, then exits 0.
+# Whatever the program prints goes to /dev/null (as the datasets' checkers discard it), so no line it prints can be
+# taken for the result; a return value that json cannot write (a set, an object) fails the case (exit 1, stderr
+# says why). The program runs in this process and could find the duplicate and write there itself, but that gains
+# nothing: what reaches the driver must be the JSON of the expected value, which never enters the sandbox (the
+# parent compares, `IOCases.passes`), so it has to compute the answer, as returning it would; a stray write makes
+# the report not one JSON value, a wrong answer. Kept compatible with Python >= 3.8.
+_CALLER = """\
+import json
+import os
+import sys
+
+FN_NAME = "f"
+
+
+def _main():
+    arguments = json.loads(sys.stdin.read())
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    result = os.dup(1)
+    os.dup2(null, 1)
+    os.close(null)
+    namespace = {"__name__": "solution", "__builtins__": __builtins__}
+    with open("solution.py", encoding="utf-8") as handle:
+        exec(compile(handle.read(), "solution.py", "exec"), namespace)
+    owner = namespace.get("Solution")
+    if isinstance(owner, type) and hasattr(owner, FN_NAME):
+        function = getattr(owner(), FN_NAME)
+    else:
+        function = namespace.get(FN_NAME)
+    if not callable(function):
+        sys.stderr.write("gspo sandbox: solution.py defines no function %s (nor a method of class Solution)\\n"
+                         % FN_NAME)
+        sys.exit(1)
+    value = function(*arguments)
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError) as e:
+        sys.stderr.write("gspo sandbox: the return value is not a JSON value: %s\\n" % e)
+        sys.exit(1)
+    sys.stdout.flush()
+    line = (text + "\\n").encode("ascii")
+    while line:
+        line = line[os.write(result, line):]
 
 
 _main()
@@ -420,50 +483,138 @@ def run_sandboxed(
 
 @dataclass(frozen=True)
 class IOCases:
-    """Stdin/stdout test cases: the program, run once per input with that text as its stdin, must print the
-    matching output (see `outputs_match`). Built by `parse_io_cases`, which checks them."""
+    """Test cases run one child process each (`run_sandboxed_io`). Built by `parse_io_cases`, which checks them.
+
+    Stdin/stdout cases (`fn_name` None): each input is the text the program reads as its stdin, each output the text
+    it must print (`outputs_match`). Call-based cases (`fn_name` the function's name): each input is the JSON text
+    of the list of arguments, which the caller stub (`_CALLER`) reads, and each output the expected return value, a
+    JSON value compared in the parent with the one returned (`values_match`); `wrapped_outputs`: an expected
+    one-element list also accepts its element (APPS and TACO store many return values wrapped so, and their checker
+    accepts either; LiveCodeBench's outputs are the values themselves)."""
 
     inputs: tuple[str, ...]
-    outputs: tuple[str, ...]
+    outputs: tuple[Any, ...]
+    fn_name: str | None = None
+    wrapped_outputs: bool = False
+
+    def passes(self, index: int, stdout: str, float_tolerance: float = 1e-6) -> bool:
+        """Whether case `index`'s stdout (for a call-based case: the caller stub's JSON line) is a pass."""
+        expected = self.outputs[index]
+        if self.fn_name is None:
+            return outputs_match(stdout, expected, float_tolerance)
+        try:
+            value = json.loads(stdout)
+            if values_match(value, expected, float_tolerance):
+                return True
+            return (self.wrapped_outputs and isinstance(expected, list) and len(expected) == 1
+                    and values_match(value, expected[0], float_tolerance))
+        except (ValueError, RecursionError):  # not one JSON value (a stray write), too deep, digits past the limit
+            return False
 
 
 _IO_KEYS = ("inputs", "outputs", "fn_name")
+_LIVECODEBENCH_KEYS = ("input", "output", "testtype")
 
 
-def parse_io_cases(tests: Any) -> IOCases | None:
-    """A row's `tests` as stdin/stdout cases, or None when they are not cases (a Python snippet or list of them).
+def parse_io_cases(tests: Any, fn_name: Any = None) -> IOCases | None:
+    """A row's `tests` as test cases run per case, or None when they are not such cases (a Python snippet or a list
+    of them). Raises ValueError naming what is wrong with cases that cannot judge a program.
 
-    Cases are a dict `{"inputs": [...], "outputs": [...]}` or the JSON text of one (APPS's and TACO's
-    `input_output` column as it is), which no Python test snippet is. Items are strings; an item that is a list of
-    strings is taken as lines joined by newlines (as APPS's own checker does). Raises ValueError naming what is
-    wrong: a missing or unknown key, a call-based problem (a non-empty `fn_name`: not supported, only programs that
-    read stdin and print), no cases, `inputs` and `outputs` of different lengths, or an item of another type.
+    Two layouts, each as it is or as its JSON text (which no Python test snippet is):
+
+    * APPS's and TACO's `input_output`: `{"inputs": [...], "outputs": [...], "fn_name": ...}`. Without a `fn_name`
+      (absent, null or ""), stdin/stdout cases: items are strings, or lists of strings taken as lines joined by
+      newlines (as APPS's own checker does). With one, call-based cases: each input is the list of the function's
+      positional arguments (or the JSON text of that list, as some copies store it), each output its expected
+      return value, a JSON value; an expected one-element list also accepts its element (`IOCases.wrapped_outputs`).
+    * LiveCodeBench's test cases (`public_test_cases`; decode `private_test_cases` first): a list of
+      `{"input": str, "output": str, "testtype": "stdin" | "functional"}`, one testtype for all. Stdin ones are
+      stdin/stdout cases; functional ones call `fn_name`, which the cases do not hold (LiveCodeBench keeps it in the
+      row's `metadata`; see `row_fn_name`), with the arguments in their input, one JSON value per line, and expect
+      the JSON value of their output. `fn_name` is only read for these.
+
+    Refused, by name: unknown keys, no cases, `inputs` and `outputs` of different lengths, items of another type,
+    call-based arguments that are not a list, outputs that are not JSON values, a `fn_name` that is not an
+    identifier, LiveCodeBench cases with other keys, another or mixed testtypes, or functional ones without
+    `fn_name`.
     """
     if isinstance(tests, str):
-        if not tests.lstrip().startswith("{"):
+        if not tests.lstrip().startswith(("{", "[")):
             return None
         try:
             tests = json.loads(tests)
         except ValueError:
-            return None  # not JSON: Python (a dict display), which the tests' own check judges
+            return None  # not JSON: Python (a dict or list display), which the tests' own check judges
+    if isinstance(tests, list) and any(isinstance(case, dict) for case in tests):
+        return _livecodebench_cases(tests, fn_name)
     if not isinstance(tests, dict):
         return None
+    kind = "call-based test cases" if tests.get("fn_name") else "stdin/stdout test cases"
     unknown = sorted(map(str, set(tests) - set(_IO_KEYS)))
     if unknown:
-        raise ValueError(f"stdin/stdout test cases take the keys {list(_IO_KEYS)}, got unknown {unknown}")
-    if tests.get("fn_name"):
-        raise ValueError(f"stdin/stdout test cases: call-based problems (fn_name {tests['fn_name']!r}) are not "
-                         "supported, only programs that read stdin and print their answer")
-    columns = {}
+        raise ValueError(f"{kind} take the keys {list(_IO_KEYS)}, got unknown {unknown}")
     for key in ("inputs", "outputs"):
         items = tests.get(key)
         if not isinstance(items, list) or not items:
-            raise ValueError(f"stdin/stdout test cases need '{key}', a non-empty list, got {items!r:.80}")
-        columns[key] = tuple(_case_text(item, key, i) for i, item in enumerate(items))
-    if len(columns["inputs"]) != len(columns["outputs"]):
-        raise ValueError(f"stdin/stdout test cases: 'inputs' has {len(columns['inputs'])} items but 'outputs' has "
-                         f"{len(columns['outputs'])}")
-    return IOCases(columns["inputs"], columns["outputs"])
+            raise ValueError(f"{kind} need '{key}', a non-empty list, got {items!r:.80}")
+    inputs, outputs = tests["inputs"], tests["outputs"]
+    if len(inputs) != len(outputs):
+        raise ValueError(f"{kind}: 'inputs' has {len(inputs)} items but 'outputs' has {len(outputs)}")
+    if not tests.get("fn_name"):
+        return IOCases(tuple(_case_text(item, "inputs", i) for i, item in enumerate(inputs)),
+                       tuple(_case_text(item, "outputs", i) for i, item in enumerate(outputs)))
+    name = _function_name(tests["fn_name"], kind)
+    arguments = tuple(_arguments_text(item, i) for i, item in enumerate(inputs))
+    values = tuple(_json_value(item, f"{kind}: 'outputs' item {i}") for i, item in enumerate(outputs))
+    return IOCases(arguments, values, name, wrapped_outputs=True)
+
+
+def row_fn_name(row: Mapping[str, Any]) -> Any:
+    """The function a row's LiveCodeBench functional cases call (their cases do not name it): the row's `fn_name`
+    field, else `func_name` in its `metadata` (a dict, or its JSON text as LiveCodeBench stores it), else None.
+    Returned as found; `parse_io_cases` checks it when it is used."""
+    if row.get("fn_name") is not None:
+        return row["fn_name"]
+    metadata = row.get("metadata")
+    if isinstance(metadata, str):
+        try:
+            metadata = json.loads(metadata)
+        except ValueError:
+            return None
+    return metadata.get("func_name") if isinstance(metadata, dict) else None
+
+
+def _livecodebench_cases(tests: list[Any], fn_name: Any) -> IOCases:
+    kind = "LiveCodeBench test cases"
+    for i, case in enumerate(tests):
+        if not isinstance(case, dict) or sorted(map(str, case)) != sorted(_LIVECODEBENCH_KEYS):
+            shown = sorted(map(str, case)) if isinstance(case, dict) else f"{type(case).__name__} {case!r:.60}"
+            raise ValueError(f"{kind}: item {i} must be a dict with the keys {list(_LIVECODEBENCH_KEYS)}, got {shown}")
+        for key in ("input", "output"):
+            if not isinstance(case[key], str):
+                raise ValueError(f"{kind}: item {i}'s '{key}' must be a str, got {type(case[key]).__name__}")
+    testtypes = sorted({str(case["testtype"]) for case in tests})
+    if testtypes not in (["stdin"], ["functional"]):
+        raise ValueError(f"{kind}: 'testtype' must be 'stdin' or 'functional', the same for every case, got "
+                         f"{testtypes}")
+    inputs, outputs = tuple(case["input"] for case in tests), tuple(case["output"] for case in tests)
+    if testtypes == ["stdin"]:
+        return IOCases(inputs, outputs)
+    if fn_name is None or fn_name == "":
+        raise ValueError(f"{kind}: functional cases call a function the cases do not name; give the row an "
+                         "'fn_name' field (or LiveCodeBench's 'metadata' with its 'func_name')")
+    name = _function_name(fn_name, kind)
+    arguments = tuple(_json_text([_json_value(line, f"{kind}: item {i}'s input line {n}", decode=True)
+                                  for n, line in enumerate(text.split("\n")) if line.strip()], f"{kind}: item {i}")
+                      for i, text in enumerate(inputs))
+    values = tuple(_json_value(text, f"{kind}: item {i}'s output", decode=True) for i, text in enumerate(outputs))
+    return IOCases(arguments, values, name)
+
+
+def _function_name(name: Any, kind: str) -> str:
+    if not (isinstance(name, str) and name.isidentifier()):
+        raise ValueError(f"{kind}: fn_name must be a function's name (an identifier), got {name!r:.60}")
+    return name
 
 
 def _case_text(item: Any, key: str, index: int) -> str:
@@ -473,6 +624,35 @@ def _case_text(item: Any, key: str, index: int) -> str:
         return "\n".join(item)
     raise ValueError(f"stdin/stdout test cases: '{key}' item {index} must be a str (or a list of str, its lines), "
                      f"got {type(item).__name__} {item!r:.60}")
+
+
+def _arguments_text(item: Any, index: int) -> str:
+    """A call-based input (the argument list, or its JSON text) as the JSON text the caller stub reads."""
+    arguments = item
+    if isinstance(item, str):
+        with contextlib.suppress(ValueError):
+            arguments = json.loads(item)
+    if not isinstance(arguments, list):
+        raise ValueError(f"call-based test cases: 'inputs' item {index} must be the list of the function's "
+                         f"arguments (or its JSON text), got {type(item).__name__} {item!r:.60}")
+    return _json_text(arguments, f"call-based test cases: 'inputs' item {index}")
+
+
+def _json_text(value: Any, where: str) -> str:
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where} must be a JSON value ({e})") from None
+
+
+def _json_value(value: Any, where: str, decode: bool = False) -> Any:
+    """`value` as the JSON value the parent compares with (tuples as lists, keys as strings), or decoded from its
+    JSON text when `decode`."""
+    try:
+        return json.loads(value if decode else json.dumps(value))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where} must be {'the JSON text of ' if decode else ''}a JSON value, got "
+                         f"{value!r:.60} ({e})") from None
 
 
 _DECIMAL = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
@@ -513,15 +693,36 @@ def outputs_match(actual: str, expected: str, float_tolerance: float = 1e-6) -> 
     return True
 
 
+def values_match(actual: Any, expected: Any, float_tolerance: float = 1e-6) -> bool:
+    """Whether a call-based case's return value (decoded from its JSON) is the expected one: JSON values compared as
+    Python's `==` compares them (as APPS's and LiveCodeBench's checkers do: 2 == 2.0, True == 1, "1" != 1), except
+    that an expected float also accepts a number within `float_tolerance` of it, absolute or relative (0: exact),
+    also inside lists and dicts, which are compared item by item. nan never matches. Both sides are plain JSON
+    values, decoded in the trainer, so no object of the program's takes part in the comparison."""
+    if isinstance(expected, float) and isinstance(actual, (int, float)):
+        try:
+            return actual == expected or (float_tolerance > 0 and math.isclose(
+                actual, expected, rel_tol=float_tolerance, abs_tol=float_tolerance))
+        except OverflowError:  # an int too large for a float: no float is near it
+            return False
+    if isinstance(expected, list):
+        return (isinstance(actual, list) and len(actual) == len(expected)
+                and all(values_match(a, e, float_tolerance) for a, e in zip(actual, expected, strict=True)))
+    if isinstance(expected, dict):
+        return (isinstance(actual, dict) and actual.keys() == expected.keys()
+                and all(values_match(actual[key], value, float_tolerance) for key, value in expected.items()))
+    return actual == expected
+
+
 class _CaseReports:
     """The parent's side of the driver's reports (the result pipe's JSON lines, `_IO_DRIVER`): checks each line
-    (the call's token, the next case's index), compares its stdout with the expected output and records the case's
-    verdict; asks `_collect` to stop the run at the first failing case when `stop_at_failure`, and at a malformed
-    report ("invalid report")."""
+    (the call's token, the next case's index), compares its stdout with the expected output (`IOCases.passes`) and
+    records the case's verdict; asks `_collect` to stop the run at the first failing case when `stop_at_failure`,
+    and at a malformed report ("invalid report")."""
 
-    def __init__(self, token: str, expected: Sequence[str], case_output_bytes: int, float_tolerance: float,
+    def __init__(self, token: str, cases: IOCases, case_output_bytes: int, float_tolerance: float,
                  stop_at_failure: bool) -> None:
-        self.token, self.expected, self.tolerance = token, expected, float_tolerance
+        self.token, self.cases, self.tolerance = token, cases, float_tolerance
         self.cap, self.stop_at_failure = case_output_bytes, stop_at_failure
         self.limit = 4 * (case_output_bytes + 3) // 3 + 4096  # base64 of the capped output, and the rest of a line
         self.buffer = bytearray()
@@ -548,7 +749,7 @@ class _CaseReports:
         except (ValueError, TypeError, KeyError):
             return None
         index = len(self.verdicts)
-        if record.get("token") != self.token or record.get("case") != index or index >= len(self.expected):
+        if record.get("token") != self.token or record.get("case") != index or index >= len(self.cases.outputs):
             return None
         self.last_stdout = stdout
         exit_code, limit = record.get("exit"), record.get("limit")
@@ -557,13 +758,14 @@ class _CaseReports:
         if not isinstance(exit_code, int) or exit_code != 0:
             return _failure_reason(None, exit_code, "")
         text = stdout.decode("utf-8", "replace")
-        return "passed" if outputs_match(text, self.expected[index], self.tolerance) else "wrong answer"
+        return "passed" if self.cases.passes(index, text, self.tolerance) else "wrong answer"
 
 
 def run_sandboxed_io(
     code: str,
-    cases: IOCases | dict[str, Any] | str,
+    cases: IOCases | dict[str, Any] | list[Any] | str,
     *,
+    fn_name: str | None = None,
     timeout_s: float = 5.0,
     case_timeout_s: float | None = None,
     cpu_s: float = 5.0,
@@ -576,17 +778,21 @@ def run_sandboxed_io(
     python: str | None = None,
     require_isolation: bool = False,
 ) -> SandboxResult:
-    """Run `code` as a stdin/stdout program against `cases` in the sandbox: once per input, that text as its stdin,
-    its stdout compared with the expected output (`outputs_match`). The expected outputs never enter the sandbox:
-    a driver inside (`_IO_DRIVER`) runs the cases and reports each one's output to the parent, which compares.
+    """Run `code` against `cases` in the sandbox, one child process per case: a stdin/stdout program with that
+    case's input as its stdin, its stdout compared with the expected output (`outputs_match`); or, for call-based
+    cases, the caller stub (`_CALLER`) calling the program's function `fn_name` with the case's arguments, the JSON
+    of its return value compared with the expected value (`values_match`). The expected outputs never enter the
+    sandbox: a driver inside (`_IO_DRIVER`) runs the cases and reports each one's output to the parent, which
+    compares.
 
-    `cases`: `IOCases` or what `parse_io_cases` accepts. Score: 1.0 if every case passes, else 0.0, and the run
+    `cases`: `IOCases` or what `parse_io_cases` accepts (`fn_name`: the function LiveCodeBench functional cases
+    call, `parse_io_cases`' argument; see `row_fn_name`). Score: 1.0 if every case passes, else 0.0, and the run
     stops at the first failing case; `partial_credit`: the fraction of cases passed, every case run (until
     `timeout_s`). `SandboxResult.cases` holds each case's verdict in order ("passed", "wrong answer", "timeout",
     "exit code 1", ...; cases not run are absent), `reason` is "passed" or the first failure ("case 2: wrong
     answer"; a whole-call "timeout" when the cases did not all run in time; "invalid report", scoring 0, when the
     result pipe held a line that is not the driver's report of the next case), `stdout` the last reported case's
-    output (the failing one's) and `stderr` every case's stderr.
+    output (the failing one's; call-based: the JSON of its return value) and `stderr` every case's stderr.
 
     `timeout_s`: wall-clock limit of the whole call (every case, interpreter starts included); `case_timeout_s`: of
     each case's program (default `timeout_s`; at most `timeout_s`); `cpu_s`: CPU seconds of each case's program;
@@ -603,11 +809,11 @@ def run_sandboxed_io(
         raise SandboxError(f"the sandbox needs Linux (namespaces, rlimits, prctl); this is {sys.platform}")
     if not isinstance(code, str):
         raise TypeError(f"run_sandboxed_io: code must be a str, got {type(code).__name__}")
-    parsed = cases if isinstance(cases, IOCases) else parse_io_cases(cases)
+    parsed = cases if isinstance(cases, IOCases) else parse_io_cases(cases, fn_name)
     if parsed is None:
-        raise ValueError(f"run_sandboxed_io: cases must be a dict {{'inputs': [...], 'outputs': [...]}} or its JSON "
-                         f"text, got {cases!r:.80}")
-    longest = max(len(text.encode("utf-8")) for text in parsed.outputs)
+        raise ValueError(f"run_sandboxed_io: cases must be a dict {{'inputs': [...], 'outputs': [...]}}, a list of "
+                         f"LiveCodeBench cases, or the JSON text of either, got {cases!r:.80}")
+    longest = max(map(_shortest_output_bytes, parsed.outputs, [parsed] * len(parsed.outputs)))
     if longest > case_output_bytes:
         raise ValueError(f"run_sandboxed_io: an expected output has {longest} bytes, more than case_output_bytes "
                          f"({case_output_bytes}): no program could pass; raise case_output_bytes")
@@ -615,7 +821,12 @@ def run_sandboxed_io(
     driver = (_IO_DRIVER.replace("CASE_TIMEOUT_S = 5.0", f"CASE_TIMEOUT_S = {float(case_timeout_s)!r}")
               .replace("CASE_OUTPUT_BYTES = 1048576", f"CASE_OUTPUT_BYTES = {int(case_output_bytes)}"))
     files = {"main.py": driver, "solution.py": f"{code}\n", "inputs.json": json.dumps(list(parsed.inputs))}
-    reports = _CaseReports(token, parsed.outputs, case_output_bytes, float_tolerance, not partial_credit)
+    if parsed.fn_name is not None:
+        if not parsed.fn_name.isidentifier():
+            raise ValueError(f"run_sandboxed_io: fn_name must be an identifier, got {parsed.fn_name!r:.60}")
+        files["main.py"] = driver.replace('PROGRAM = "solution.py"', 'PROGRAM = "caller.py"')
+        files["caller.py"] = _CALLER.replace('FN_NAME = "f"', f"FN_NAME = {parsed.fn_name!r}")
+    reports = _CaseReports(token, parsed, case_output_bytes, float_tolerance, not partial_credit)
     run = _call(files, token, timeout_s=timeout_s, cpu_s=cpu_s, memory_mb=memory_mb, max_procs=max_procs,
                 max_output=max_output_bytes, python=python, require_isolation=require_isolation, on_result=reports)
     verdicts = tuple(reports.verdicts)
@@ -636,6 +847,16 @@ def run_sandboxed_io(
     score = passed / len(parsed.inputs) if partial_credit else float(reason == "passed")
     stdout = reports.last_stdout[:max_output_bytes].decode("utf-8", "replace")
     return SandboxResult(score, reason, stdout, stderr, run.exit_code, run.isolation, run.warnings, verdicts)
+
+
+def _shortest_output_bytes(expected: Any, cases: IOCases) -> int:
+    """The fewest stdout bytes that pass against `expected`: its text, or the JSON of the value (of its element,
+    when a wrapped one-element list also accepts that)."""
+    if cases.fn_name is None:
+        return len(expected.encode("utf-8"))
+    if cases.wrapped_outputs and isinstance(expected, list) and len(expected) == 1:
+        expected = expected[0]
+    return len(json.dumps(expected)) + 1
 
 
 def check_io_limits(
