@@ -805,10 +805,21 @@ def test_code_reward_scores_completions_and_rejects_rows_without_tests():
         with pytest.raises(ValueError, match="tests"):
             code_reward("p", right, tests=tests)
     # tests that judge nothing (every program that runs passed them) or cannot run (every program failed them)
-    for tests, says in (([""], "hold no statement"), (["  ", ""], "hold no statement"), (["# TODO"], "no statement"),
-                        ("assert square(3) == ", "not valid Python")):
+    for tests, says in (([""], "hold nothing that can fail"), (["  ", ""], "nothing that can fail"),
+                        (["# TODO"], "nothing that can fail"), (['"assert square(3) == 0"'], "nothing that can fail"),
+                        ('"""docstring"""\n42', "nothing that can fail"), ("assert square(3) == ", "not valid Python")):
         with pytest.raises(ValueError, match=says):
             code_reward("p", right, tests=tests)
+
+
+@pytest.mark.parametrize("form", [json.dumps, repr])
+def test_tests_stored_as_the_text_of_a_list_are_that_list(form):
+    """MBPP's `test_list` kept as text (JSON, or Python's repr in a CSV): run as written it was one list display that
+    no program could fail, so every program scored 1.0. It is now the list of tests it spells."""
+    tests = form(["assert square(3) == 9", "assert square(-2) == 4"])
+    right = "```python\ndef square(x):\n    return x * x\n```"
+    assert code_reward("p", right, tests=tests) == 1.0
+    assert code_reward("p", "```python\ndef square(x):\n    return 2 * x\n```", tests=tests) == 0.0
 
 
 def test_code_reward_scores_stdin_stdout_cases():

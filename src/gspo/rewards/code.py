@@ -54,19 +54,40 @@ def extract_code(completion: str) -> str:
     return ""
 
 
-def _check_tests(tests: str | list[str]) -> None:
-    """Raise ValueError when a row's Python tests cannot judge a program: they are not Python (every program would
-    fail them), or hold no statement (blank strings, a comment: every program that runs would pass them). Stdin/stdout
-    cases are checked by `gspo.sandbox.parse_io_cases` instead."""
+def _python_tests(tests: str | list[str]) -> str | list[str]:
+    """A row's Python tests as the sandbox runs them. A string that is only a list of strings (the JSON or Python
+    text of one, as a CSV or a dataset's string column stores MBPP-style `test_list`) is that list: run as written,
+    the list display is one expression that no program can fail. Raise ValueError when the tests cannot judge a
+    program: they are not Python (every program would fail them), or hold nothing that can fail (no statement, a
+    comment, only literal values: every program that runs would pass them). Stdin/stdout and call-based cases are
+    checked by `gspo.sandbox.parse_io_cases` instead."""
     text = tests if isinstance(tests, str) else "\n".join(tests)
     try:
         body = ast.parse(text).body
     except SyntaxError as e:
         raise ValueError(f"code_reward: the row's tests are not valid Python ({e.msg}, line {e.lineno}): "
                          f"{text[:80]!r}") from None
-    if not body:
-        raise ValueError(f"code_reward: the row's tests hold no statement, so every program that runs would pass: "
-                         f"{text[:80]!r}")
+    literal = [_literal(statement) for statement in body]
+    if isinstance(tests, str) and len(body) == 1 and isinstance(literal[0], (list, tuple)) and literal[0] and all(
+            isinstance(t, str) for t in literal[0]):
+        return _python_tests(list(literal[0]))
+    if all(value is not _NOT_LITERAL for value in literal):
+        raise ValueError(f"code_reward: the row's tests hold nothing that can fail (no statement, or only literal "
+                         f"values), so every program that runs would pass: {text[:80]!r}")
+    return tests
+
+
+_NOT_LITERAL = object()
+
+
+def _literal(statement: ast.stmt) -> Any:
+    """The value of an expression statement made of literals only (a string, a list of strings); else _NOT_LITERAL."""
+    if not isinstance(statement, ast.Expr):
+        return _NOT_LITERAL
+    try:
+        return ast.literal_eval(statement.value)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return _NOT_LITERAL
 
 
 def _row_cases(row: dict[str, Any]) -> IOCases | None:
@@ -124,7 +145,7 @@ def make_code_reward(
             ):
                 raise ValueError("code_reward needs a row field 'tests' (a non-empty str or list of str, or "
                                  f"stdin/stdout cases {{'inputs': [...], 'outputs': [...]}}), got {tests!r:.200}")
-            _check_tests(tests)
+            tests = _python_tests(tests)
         code = extract_code(completion)
         if not code.strip():
             return 0.0
