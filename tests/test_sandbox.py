@@ -35,6 +35,7 @@ from gspo.sandbox import (
     run_sandboxed_io,
     values_match,
 )
+from gspo.sandbox import cases as sandbox_cases
 from gspo.sandbox import process as sandbox_module  # the implementation: its file is what the launcher runs
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox uses Linux namespaces and rlimits")
@@ -589,7 +590,7 @@ def test_the_parent_takes_only_the_drivers_report_of_the_next_case():
         return (json.dumps(record) + "\n").encode()
 
     def reports(cap=1 << 20, stop=True):
-        return sandbox_module._CaseReports("t" * 32, IOCases(("", ""), ("3\n", "15\n")), cap, 1e-6, stop)
+        return sandbox_cases._CaseReports("t" * 32, IOCases(("", ""), ("3\n", "15\n")), cap, 1e-6, stop)
 
     good = reports()
     assert good(line()[:9]) is None and good(line()[9:] + line(case=1, stdout="MTU=")) is None  # "15"

@@ -4,22 +4,21 @@ whether its tests ran to their end; `run_sandboxed_io(code, cases)` runs it once
 case and compares its output (or return value) outside the sandbox. See `gspo.sandbox.process` for how the program
 is contained. The `code` reward (`gspo.rewards.code`) is built on them.
 
-The implementation is one standard-library-only module (`gspo.sandbox.process`), which the launcher runs as a script.
+The implementation is standard-library only: `gspo.sandbox.process` contains the program (the launcher runs that
+module as a script) and holds the scripts that run inside; `gspo.sandbox.cases` reads the test-case formats, judges
+outputs and runs a program against cases.
 """
 
-from gspo.sandbox.process import (
+from gspo.sandbox.cases import (
     IOCases,
-    SandboxError,
-    SandboxResult,
     check_io_limits,
-    check_limits,
     outputs_match,
     parse_io_cases,
     row_fn_name,
-    run_sandboxed,
     run_sandboxed_io,
     values_match,
 )
+from gspo.sandbox.process import SandboxError, SandboxResult, check_limits, run_sandboxed
 
 __all__ = ["IOCases", "SandboxError", "SandboxResult", "check_io_limits", "check_limits", "outputs_match",
            "parse_io_cases", "row_fn_name", "run_sandboxed", "run_sandboxed_io", "values_match"]
