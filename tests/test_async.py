@@ -178,14 +178,15 @@ def kill_own_worker_on_marked_prompts(prompt: str, completion: str, **row) -> fl
 def test_a_batch_that_kills_its_worker_twice_is_counted_lost_and_the_run_goes_on(tmp_path, monkeypatch):
     """Batch 2 kills whichever worker scores it: it is tried once more, then counted as lost (not retried for good:
     the run would only stop at the restart limit), and the run trains the other batches."""
-    cfg = async_cfg(tmp_path, "rewards.functions={kill_own_worker_on_marked_prompts: 1.0}", "rewards.check=false")
+    cfg = async_cfg(tmp_path, "rewards.functions={kill_own_worker_on_marked_prompts: 1.0}", "rewards.check=false",
+                    "trainer.steps=3")
     monkeypatch.setitem(REWARDS, "kill_own_worker_on_marked_prompts", kill_own_worker_on_marked_prompts)
     rows, _ = step_prompts(2, prepare(cfg).train_rows, cfg.rollout.prompts_per_step, cfg.trainer.seed)
     monkeypatch.setenv("GSPO_TEST_FATAL_PROMPTS", json.dumps([r["prompt"] for r in rows]))
     summary = train(cfg)
     assert summary["status"] == "completed"
     records = read_metrics(tmp_path / "metrics.jsonl")
-    assert [int(r["rollout_batch_index"]) for r in records] == [0, 1, 3, 4, 5]
+    assert [int(r["rollout_batch_index"]) for r in records] == [0, 1, 3]
     last = records[-1]
     assert (last["rollout_worker_restarts"], last["rollout_retried_batches"], last["rollout_lost_batches"]) == (2, 1, 1)
     assert not multiprocessing.active_children()
