@@ -152,13 +152,20 @@ def test_membership_does_not_let_the_always_equal_hack_through(returned, tests):
 
 def test_membership_of_plain_values_is_python_s():
     """`in` / `not in` on built-in containers, strings, dict keys, ranges, generators, the standard library's
-    collections and a container the tests define behave as Python's."""
-    code = "from collections import Counter, deque\ndef f():\n    return [1, (2, 3)], 'abc', {'k': 1}, Counter('ab')\n"
+    collections (their collections.abc mixins too: ChainMap's == was refused before), an Enum class, os.environ, a
+    WeakSet and a container the tests define behave as Python's."""
+    code = ("import enum, os, weakref\nfrom collections import ChainMap, Counter, UserList, deque\n"
+            "def f():\n    return [1, (2, 3)], 'abc', {'k': 1}, Counter('ab')\n")
     tests = textwrap.dedent("""\
         items, text, table, counts = f()
         assert 1 in items and (2, 3) in items and 4 not in items and 1.0 in items
         assert "bc" in text and "x" not in text and "k" in table and 1 not in table and "a" in counts
-        assert 5 in range(10) and 3 in (x for x in [3]) and 2 in deque([2])
+        assert 5 in range(10) and 3 in (x for x in [3]) and 2 in deque([2]) and 1 in {1: 2}.keys()
+        assert 1 in UserList([1]) and 1 in ChainMap({1: 2}) and "HOME" in os.environ and ChainMap({1: 2}) == {1: 2}
+        class Color(enum.Enum):
+            RED = 1
+        pair = f
+        assert Color.RED in Color and pair in weakref.WeakSet([pair])
         class Evens:
             def __contains__(self, n):
                 return n % 2 == 0

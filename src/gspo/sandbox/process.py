@@ -137,8 +137,11 @@ _type, _getattr, _isinstance, _issubclass, _id, _write = type, getattr, isinstan
 _dict, _list, _set, _map, _any, _chain = dict, list, set, map, any, itertools.chain
 # a built-in type's own methods (int, str, list, dict, OrderedDict, Decimal, ...): slot wrappers and C methods
 _C_METHODS = (_type(object.__eq__), _type(dict.__contains__))
-_PLAIN_MODULES = ("fractions", "decimal", "_pydecimal", "collections", "datetime", "_pydatetime", "ipaddress",
-                  "pathlib", "uuid")
+# the standard library's modules whose types' methods are plain too (not unittest.mock: ANY equals anything), the
+# collections' mixins included (ChainMap's == and UserList's iteration are collections.abc's), an Enum class's
+# membership, os.environ, WeakSet
+_PLAIN_MODULES = ("fractions", "decimal", "_pydecimal", "collections", "collections.abc", "_collections_abc",
+                  "datetime", "_pydatetime", "ipaddress", "pathlib", "uuid", "enum", "os", "_weakrefset", "weakref")
 _CONTAINERS = (_dict, _list, tuple, _set, frozenset)
 _said, _plain_builtins = [], set()
 
