@@ -159,6 +159,36 @@ def test_resets_run_in_the_step_pool_under_the_step_timeout(policy):
                                                                  1, [1, 2])
 
 
+class FlakyResets:
+    """Resets fail on the rows that say so (a service that did not answer), every one of them with `all`."""
+
+    def reset(self, row):
+        if row.get("down"):
+            raise ConnectionError("environment service unavailable")
+        return row["prompt"]
+
+    def step(self, action):
+        return Step(done=True, reward=1.0)
+
+
+def test_a_failed_reset_ends_only_its_own_episodes_under_on_failure_mask(policy, caplog):
+    """A reset that failed stopped the whole run, even when the environment's service missed one call in a
+    thousand. With isolate_resets (env.on_failure=mask) its episodes end before they start: no tokens, counted as
+    environment failures (their loss mask is empty, so they leave the loss and their groups' baselines), told once;
+    the others play. A batch whose every reset fails is still the error (a broken environment, not a flaky one)."""
+    rows = [{"prompt": "1=", "down": True}, {"prompt": "2="}]
+    with caplog.at_level(logging.WARNING, logger="gspo.agent.episodes"):
+        traj = runner(policy, FlakyResets, isolate_resets=True).run(rows, 2, [1, 2])
+    assert column(traj, "env_failures") == [1.0, 1.0, 0.0, 0.0]
+    assert traj.loss_mask.sum(-1).tolist()[:2] == [0, 0] and all(n > 0 for n in traj.loss_mask.sum(-1).tolist()[2:])
+    assert traj.token_rewards.sum(-1).tolist() == [0.0, 0.0, 1.0, 1.0] and traj.completions[:2] == ["", ""]
+    assert caplog.text.count("reset failed on row 0 (ConnectionError") == 1
+    with pytest.raises(ValueError, match=r"reset failed on row 0 \(ConnectionError.*every other reset of the batch"):
+        runner(policy, FlakyResets, isolate_resets=True).run([rows[0], rows[0]], 2, [1, 2])
+    with pytest.raises(ValueError, match=r"reset failed on row 0 \(ConnectionError: environment service \w+\)$"):
+        runner(policy, FlakyResets).run(rows, 2, [1, 2])  # env.on_failure=train: there is nothing to train
+
+
 class Notes:
     """Answers every reply with the row's `note` as its observation, never ending the episode."""
 
@@ -305,9 +335,18 @@ from gspo.agent import Step
 
 
 class Flaky:
-    '''Fails the step of about a third of the episodes (by the reply's checksum: within groups, not whole groups).'''
+    '''Fails the step of about a third of the episodes (by the reply's checksum: within groups, not whole groups),
+    and with fail_resets every 7th reset.'''
+
+    resets = 0
+
+    def __init__(self, fail_resets=False):
+        self.fail_resets = fail_resets
 
     def reset(self, row):
+        Flaky.resets += 1
+        if self.fail_resets and Flaky.resets % 7 == 0:
+            raise ConnectionError("sandbox service unavailable")
         return row["prompt"]
 
     def step(self, action):
@@ -322,7 +361,8 @@ def test_episodes_the_environment_failed_leave_the_loss_and_their_groups_baselin
     """An episode ended by an environment failure was scored and trained as the policy's own doing (a broken service
     taught the policy to avoid what it was doing). With env.on_failure=mask (the default) it has no trained token and
     advantage 0, and the other episodes of its group get the advantages of the group without it; `train` keeps the
-    old behaviour."""
+    old behaviour. Under mask a reset that fails is such a failure too (every 7th here); under train it stops the
+    run, so the train run's resets do not fail."""
     from conftest import assert_left_out_of_groups, varied_reward
     from gspo.rewards import REWARDS
     from gspo.tracking import read_metrics
@@ -330,13 +370,16 @@ def test_episodes_the_environment_failed_leave_the_loss_and_their_groups_baselin
     monkeypatch.setitem(REWARDS, "varied", varied_reward)
     module = tmp_path / "flaky_envs.py"
     module.write_text(FLAKY)
+    options = "{fail_resets: true}" if on_failure == "mask" else "{}"
     cfg = load_config(DEMO, tiny_overrides(tmp_path / "run", f"env.name={module}:Flaky", f"env.on_failure={on_failure}",
+                                           f"env.options={options}",
                                            "data.chat=always", "env.max_tokens=48", "rollout.max_new_tokens=8",
                                            "rewards.functions={varied: 1.0}", "rewards.check=false", "trainer.steps=2",
                                            "trainer.eval_every=0", "log.rollouts=16", "rollout.group_size=4"))
     assert train(cfg)["status"] == "completed"
     records = read_metrics(tmp_path / "run" / "rollouts.jsonl")
     assert_left_out_of_groups(records, "env_failure", on_failure == "mask", steps=2, groups=4)
+    assert any(r["tokens"] == 0 for r in records) == (on_failure == "mask")  # a failed reset: an episode of no tokens
     metrics = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert all(r["episode_env_failures"] > 0 for r in metrics)
     assert ("env_failed_masked" in metrics[0]) == (on_failure == "mask")

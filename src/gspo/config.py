@@ -495,8 +495,10 @@ class EnvConfig(_Section):
     tool_error_reward: float = Field(0.0, allow_inf_nan=False)  # per call that raised, timed out or returned non-text
     turn_credit: bool = True  # per-token (reward-to-go) advantages for objectives that take them; False: Eq. 6's Â_i
     # An episode its environment failed (a step that raised, timed out or returned no usable Step; an observation the
-    # chat template cannot render): `mask` leaves it out of the loss and out of its group's baseline (the policy is
-    # not blamed for the environment's fault; counted in env_failed_masked); `train` scores and trains it as it ended.
+    # chat template cannot render; a reset that failed: an episode of no tokens, unless every reset of the batch
+    # failed): `mask` leaves it out of the loss and out of its group's baseline (the policy is not blamed for the
+    # environment's fault; counted in env_failed_masked); `train` scores and trains it as it ended (a failed reset
+    # stops the run there).
     on_failure: Literal["mask", "train"] = "mask"
 
     @model_validator(mode="after")

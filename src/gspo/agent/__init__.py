@@ -86,5 +86,6 @@ def make_episode_runner(cfg: Config, engine, tokenizer, make_env: Callable[[], E
     e = cfg.env
     return EpisodeRunner(engine, tokenizer, make_env,
                          EpisodeLimits(max_turns=e.max_turns, max_tokens=e.max_tokens,
-                                       step_timeout_s=e.step_timeout_s, workers=e.workers),
+                                       step_timeout_s=e.step_timeout_s, workers=e.workers,
+                                       isolate_resets=e.on_failure == "mask"),
                          run_chat_format(cfg, tokenizer, getattr(engine, "eos_ids", None)))

@@ -153,6 +153,9 @@ class EpisodeLimits:
     max_tokens: int = 256  # response tokens per episode, policy and observation
     step_timeout_s: float | None = 60.0  # one environment step or reset (they run `workers` at a time)
     workers: int = 4  # environment steps (and resets) run at once
+    # a reset that fails ends only its own episode (no tokens; counted in env_failures) instead of the run, unless
+    # every reset of the batch fails (`env.on_failure: mask`, whose episodes leave the loss)
+    isolate_resets: bool = False
 
 
 @dataclass
@@ -208,10 +211,16 @@ class EpisodeRunner:
             params: SamplingParams | None = None) -> Trajectory:
         params = params or self.engine.params
         episodes = []
-        for g, j, env, prompt in self._reset(rows, group_size):
+        for g, j, env, prompt, problem in self._reset(rows, group_size):
             ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
             self._check_fits(ids, g, rows[g])
             episodes.append(_Episode(env, ids, derive_seed(seeds[g], "episode", j)))
+            if problem is not None:  # isolated (`isolate_resets`): an episode of no tokens, its env failed
+                episodes[-1].stop("env_failures", truncated=False)
+                if "reset" not in self._failures_told:
+                    self._failures_told.add("reset")
+                    log.warning("%s; its episodes end before they start, counted in episode_env_failures (further "
+                                "failed resets are counted, not logged)", problem)
         lim = self.limits
         for turn in range(lim.max_turns):
             active = [e for e in episodes if not e.done]
@@ -226,27 +235,37 @@ class EpisodeRunner:
                         "episode_env_failures; the reasons are logged once each)", len(episodes))
         return self._layout(episodes, group_size)
 
-    def _reset(self, rows: list[dict], group_size: int) -> list[tuple[int, int, Environment, str]]:
-        """A fresh environment per episode and its reset prompt, as (row g, episode j, env, prompt). The resets run
-        in the steps' pool (`workers` at a time, each given `step_timeout_s`, as `_env_turn`'s steps): a reset that
-        waits on a service does not hold the others up, nor the run forever. A reset that raises, hangs or returns
-        no prompt string is a ValueError naming the row: without a prompt there is no episode to count."""
+    def _reset(self, rows: list[dict], group_size: int) -> list[tuple[int, int, Environment, str, str | None]]:
+        """A fresh environment per episode and its reset prompt, as (row g, episode j, env, prompt, problem). The
+        resets run in the steps' pool (`workers` at a time, each given `step_timeout_s`, as `_env_turn`'s steps): a
+        reset that waits on a service does not hold the others up, nor the run forever. A reset that raises, hangs
+        or returns no prompt string is a ValueError naming the row (without a prompt there is no episode), unless
+        `isolate_resets`: then its episode gets the row's own prompt and the problem (None for the others), and
+        only a batch whose every reset failed is the ValueError (a broken environment, not a flaky one)."""
         envs = [(g, j, self.make_env()) for g in range(len(rows)) for j in range(group_size)]
         rounds = max(1, math.ceil(len(envs) / self.limits.workers))
         # an environment that edits its row edits a copy
         outcomes = self.pool.map([(env.reset, (copy.deepcopy(rows[g]),), {}) for g, _, env in envs], rounds=rounds)
-        for (g, _, _), outcome in zip(envs, outcomes, strict=True):
-            if outcome.timed_out:
-                raise ValueError(f"the environment's reset on row {g} took longer than env.step_timeout_s="
-                                 f"{self.limits.step_timeout_s:g} s (resets run env.workers={self.limits.workers} "
-                                 "at a time)")
-            if outcome.error is not None:
-                exc = outcome.error
-                raise ValueError(f"the environment's reset failed on row {g} ({type(exc).__name__}: {exc})") from exc
-            if not isinstance(outcome.value, str) or not outcome.value:
-                raise ValueError(f"the environment's reset returned {outcome.value!r} for row {g}, not a prompt "
-                                 "string")
-        return [(g, j, env, o.value) for (g, j, env), o in zip(envs, outcomes, strict=True)]
+        problems = [self._reset_problem(g, outcome) for (g, _, _), outcome in zip(envs, outcomes, strict=True)]
+        first = next((p for p in problems if p is not None), None)
+        if first is not None and (not self.limits.isolate_resets or all(p is not None for p in problems)):
+            error = next(o.error for o, p in zip(outcomes, problems, strict=True) if p is first)
+            every = " (and every other reset of the batch failed)" if self.limits.isolate_resets else ""
+            raise ValueError(first + every) from error
+        return [(g, j, env, str(rows[g].get("prompt", "")) if p else o.value, p)
+                for (g, j, env), o, p in zip(envs, outcomes, problems, strict=True)]
+
+    def _reset_problem(self, g: int, outcome) -> str | None:
+        """Why a reset's outcome gives no episode (it timed out, raised or returned no prompt string); None when it
+        gives one."""
+        if outcome.timed_out:
+            return (f"the environment's reset on row {g} took longer than env.step_timeout_s="
+                    f"{self.limits.step_timeout_s:g} s (resets run env.workers={self.limits.workers} at a time)")
+        if outcome.error is not None:
+            return f"the environment's reset failed on row {g} ({type(outcome.error).__name__}: {outcome.error})"
+        if not isinstance(outcome.value, str) or not outcome.value:
+            return f"the environment's reset returned {outcome.value!r} for row {g}, not a prompt string"
+        return None
 
     def _check_fits(self, ids: list[int], g: int, row: dict) -> None:
         """Raise ValueError, naming the row and what to change, if a reset prompt of `ids` and the episode's token
