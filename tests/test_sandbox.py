@@ -813,11 +813,54 @@ def test_code_reward_scores_completions_and_rejects_rows_without_tests():
         with pytest.raises(ValueError, match="tests"):
             code_reward("p", right, tests=tests)
     # tests that judge nothing (every program that runs passed them) or cannot run (every program failed them)
-    for tests, says in (([""], "hold nothing that can fail"), (["  ", ""], "nothing that can fail"),
+    for tests, says in (([""], "run nothing that can fail"), (["  ", ""], "nothing that can fail"),
                         (["# TODO"], "nothing that can fail"), (['"assert square(3) == 0"'], "nothing that can fail"),
-                        ('"""docstring"""\n42', "nothing that can fail"), ("assert square(3) == ", "not valid Python")):
+                        ('"""docstring"""\n42', "nothing that can fail"), ("assert square(3) == ", "not valid Python"),
+                        ("import math\nLIMIT = 3\ndef helper(x):\n    assert square(x) == x * x", "nothing that can"),
+                        ("def check(candidate):\n    assert candidate(3) == 9", "give the row an 'entry_point'")):
         with pytest.raises(ValueError, match=says):
             code_reward("p", right, tests=tests)
+
+
+HUMANEVAL_TESTS = 'METADATA = {"author": "x"}\n\n\ndef check(candidate):\n    assert candidate(3) == 9\n'
+PYTEST_TESTS = "from solution import square\n\ndef test_square():\n    assert square(3) == 9\n"
+UNITTEST_TESTS = textwrap.dedent("""\
+    import unittest
+    from solution import *
+    class TestSquare(unittest.TestCase):
+        def test_values(self):
+            self.assertEqual(square(3), 9)
+            self.assertIn(square(2), [4, 5])
+    if __name__ == "__main__":
+        unittest.main()
+    """)
+
+
+@pytest.mark.parametrize(("tests", "row"), [
+    (HUMANEVAL_TESTS, {"entry_point": "square"}),  # HumanEval's `test` column: its harness calls check(entry_point)
+    (PYTEST_TESTS, {}),  # KodCode's: `from solution import ...` and test functions that pytest would call
+    (UNITTEST_TESTS, {}),  # unittest cases behind a main guard, or unittest.main() bare (it found no tests)
+    (UNITTEST_TESTS.replace('if __name__ == "__main__":\n    ', ""), {}),
+])
+def test_the_code_datasets_test_layouts_judge_the_program(tests, row):
+    """HumanEval's check(candidate) nothing called, pytest-style test functions nothing called, and unittest cases
+    behind `if __name__ == "__main__":` passed every program, wrong ones included; `from solution import ...` failed
+    every one, and a bare unittest.main() ran no test and exited. Each now runs and judges the program, and the
+    always-equal object fails the unittest assertions as it fails the tests' ==."""
+    right = "```python\ndef square(x):\n    return x * x\n```"
+    assert code_reward("p", right, tests=tests, **row) == 1.0
+    assert code_reward("p", "```python\ndef square(x):\n    return 2 * x\n```", tests=tests, **row) == 0.0
+    hack = f"```python\n{ALWAYS_EQUAL}    __hash__ = object.__hash__\ndef square(x):\n    return Yes()\n```"
+    assert code_reward("p", hack, tests=tests, **row) == 0.0
+
+
+def test_a_program_that_replaces_exec_or_compile_does_not_skip_the_tests():
+    """`builtins.exec = lambda *a, **k: None` in the program made the harness's exec of the tests a no-op: every
+    test passed. The harness takes exec and compile before the program runs, and compiles the tests first."""
+    for patch in ("builtins.exec = lambda *a, **k: None",
+                  "real = builtins.compile\nbuiltins.compile = lambda s, f, m, *a, **k: real('pass', f, m, *a, **k)"):
+        code = f"import builtins\n{patch}\ndef add(a, b):\n    return 0\n"
+        assert run_sandboxed(code, "assert add(2, 3) == 5", **FAST).reason == "tests failed", patch
 
 
 @pytest.mark.parametrize("form", [json.dumps, repr])

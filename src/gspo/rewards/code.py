@@ -54,13 +54,16 @@ def extract_code(completion: str) -> str:
     return ""
 
 
-def _python_tests(tests: str | list[str]) -> str | list[str]:
+def _python_tests(tests: str | list[str], entry_point: Any = None) -> str | list[str]:
     """A row's Python tests as the sandbox runs them. A string that is only a list of strings (the JSON or Python
     text of one, as a CSV or a dataset's string column stores MBPP-style `test_list`) is that list: run as written,
-    the list display is one expression that no program can fail. Raise ValueError when the tests cannot judge a
-    program: they are not Python (every program would fail them), or hold nothing that can fail (no statement, a
-    comment, only literal values: every program that runs would pass them). Stdin/stdout and call-based cases are
-    checked by `gspo.sandbox.parse_io_cases` instead."""
+    the list display is one expression that no program can fail. HumanEval's layout, a `check(candidate)` function
+    that nothing calls (its harness appends `check(entry_point)`), gets that call from the row's `entry_point`.
+    Raise ValueError when the tests cannot judge a program: they are not Python (every program would fail them), or
+    run nothing that can fail (no statement, a comment, only literal values, only definitions and imports: every
+    program that runs would pass them). The sandbox also runs pytest-style `test_*()` functions and unittest cases
+    that the tests define (`gspo.sandbox.process._HARNESS`), so those count as run. Stdin/stdout and call-based cases
+    are checked by `gspo.sandbox.parse_io_cases` instead."""
     text = tests if isinstance(tests, str) else "\n".join(tests)
     try:
         body = ast.parse(text).body
@@ -70,11 +73,32 @@ def _python_tests(tests: str | list[str]) -> str | list[str]:
     literal = [_literal(statement) for statement in body]
     if isinstance(tests, str) and len(body) == 1 and isinstance(literal[0], (list, tuple)) and literal[0] and all(
             isinstance(t, str) for t in literal[0]):
-        return _python_tests(list(literal[0]))
-    if all(value is not _NOT_LITERAL for value in literal):
-        raise ValueError(f"code_reward: the row's tests hold nothing that can fail (no statement, or only literal "
-                         f"values), so every program that runs would pass: {text[:80]!r}")
-    return tests
+        return _python_tests(list(literal[0]), entry_point)
+    if any(_runs(statement) for statement in body):
+        return tests
+    if any(isinstance(s, ast.FunctionDef) and s.name == "check" and len(s.args.args) == 1 for s in body):
+        if not (isinstance(entry_point, str) and entry_point.isidentifier()):
+            raise ValueError(f"code_reward: the row's tests define check(candidate) but never call it (HumanEval's "
+                             f"layout, whose harness calls check(entry_point)): give the row an 'entry_point' field, "
+                             f"the name of the function to check, got {entry_point!r:.60}")
+        return f"{text}\n\ncheck({entry_point})\n"
+    raise ValueError(f"code_reward: the row's tests run nothing that can fail (no statement, only literal values, or "
+                     f"only definitions and imports), so every program that runs would pass: {text[:80]!r}")
+
+
+def _runs(statement: ast.stmt) -> bool:
+    """Whether a top-level statement of the tests runs something that can fail: anything but a definition, an import,
+    a literal value or an assignment of one; a pytest-style `test_*()` function or a unittest case, which the sandbox
+    runs, counts as run."""
+    if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return statement.name.startswith("test") and not statement.args.args
+    if isinstance(statement, ast.ClassDef):
+        return any("TestCase" in ast.unparse(base) for base in statement.bases)
+    if isinstance(statement, (ast.Import, ast.ImportFrom, ast.Pass)):
+        return False
+    if isinstance(statement, (ast.Assign, ast.AnnAssign)):
+        return statement.value is None or _literal(ast.Expr(statement.value)) is _NOT_LITERAL
+    return _literal(statement) is _NOT_LITERAL
 
 
 _NOT_LITERAL = object()
@@ -145,7 +169,7 @@ def make_code_reward(
             ):
                 raise ValueError("code_reward needs a row field 'tests' (a non-empty str or list of str, or "
                                  f"stdin/stdout cases {{'inputs': [...], 'outputs': [...]}}), got {tests!r:.200}")
-            tests = _python_tests(tests)
+            tests = _python_tests(tests, row.get("entry_point"))
         code = extract_code(completion)
         if not code.strip():
             return 0.0

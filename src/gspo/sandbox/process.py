@@ -37,7 +37,10 @@ to a pipe the trainer reads, so `exit(0)` before the tests does not pass. The te
 whose equality the program defines (a class of its own, unittest.mock.ANY) as unequal to a plain one, so returning an
 object whose `__eq__` always says True does not pass `assert f(2) == 4` either, nor `assert f(2) in (4, 5)` (the
 tests' `in` / `not in` are checked alike, and a container whose membership the program defines counts as its own)
-(`strict_equality`; `_HARNESS`). Chained comparisons (`a == b == c`) are left to Python. The
+(`strict_equality`; `_HARNESS`; unittest's assertEqual / assertIn alike). Chained comparisons (`a == b == c`) are
+left to Python. The tests run as a test file does: as `__main__`, with `from solution import f` importable, their
+pytest-style `test*()` functions and unittest cases run by the harness (neither ran, so every program passed them),
+and exec / compile taken before the program runs (a program that replaced `builtins.exec` passed every test). The
 harness runs in the same process as the program, so a program that deliberately inspects the harness's frames can
 still forge a pass: this guards against accidental and common hacks, not against an adversary that targets this
 harness.
@@ -115,16 +118,22 @@ _RESULT_FD = 3  # where the harness finds the result pipe
 _SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
 _FALLBACK_PYTHONS = ("/usr/local/bin/python3", "/usr/bin/python3")
 
-# The program's entry point. It reads the per-call token from stdin, leaves stdin at EOF, runs solution.py (the code)
-# with __name__ "solution" (so an `if __name__ == "__main__":` block waiting for input does not run), then tests.py in
-# the same namespace, and writes the token to the result pipe only if both returned. With STRICT_EQUALITY, every `==`
+# The program's entry point. It reads the per-call token from stdin, leaves stdin at EOF, compiles tests.py and
+# solution.py (before the program runs, with exec and compile taken then: a program that replaced builtins.exec made
+# every test pass), runs solution.py (the code) as module "solution" (importable: `from solution import f`; with
+# __name__ "solution", so an `if __name__ == "__main__":` block waiting for input does not run), then tests.py in the
+# same namespace as __main__ (a test file run as a script: its main guard runs), then the pytest-style `test*()`
+# functions tests.py defines and, when it uses unittest, its TestCase classes (unittest.main() is left to the
+# harness), and writes the token to the result pipe only if all of them returned. With STRICT_EQUALITY, every `==`
 # and `!=` of the tests goes through _compare (the tests' syntax tree rewritten): a side that holds a value whose
 # equality the program wrote (or that says yes to anything, as unittest.mock.ANY does) is unequal to a side that holds
 # none, so a program cannot pass `assert f(2) == 4` by returning an object whose __eq__ always says True; every `in`
 # and `not in` goes through _contains alike (a container whose __contains__ / __iter__ / __getitem__ the program wrote
 # counts as its own too: `assert 5 in f()` with f returning an object that holds anything fails). Built-in
 # types' own comparisons, the standard library's numbers and collections (Fraction, Counter, ...) and methods the
-# tests themselves define (by their code's file: an approx class) count as plain. Kept compatible with Python >= 3.8.
+# tests themselves define (by their code's file: an approx class) count as plain; unittest's assertEqual,
+# assertNotEqual, assertIn and assertNotIn check alike (as taken before the program ran). Kept compatible with
+# Python >= 3.8.
 _HARNESS = """\
 import ast
 import itertools
@@ -134,6 +143,7 @@ import sys
 STRICT_EQUALITY = True
 # the built-ins the checks use, taken before the program runs (it could replace them in the builtins module)
 _type, _getattr, _isinstance, _issubclass, _id, _write = type, getattr, isinstance, issubclass, id, sys.stderr.write
+_exec, _compile, _setattr = exec, compile, setattr  # `builtins.exec = lambda *a: None` made every test pass
 _dict, _list, _set, _map, _any, _chain = dict, list, set, map, any, itertools.chain
 # a built-in type's own methods (int, str, list, dict, OrderedDict, Decimal, ...): slot wrappers and C methods
 _C_METHODS = (_type(object.__eq__), _type(dict.__contains__))
@@ -241,20 +251,92 @@ class _Equalities(ast.NodeTransformer):
         return ast.copy_location(call, node)
 
 
+def _strict_unittest(unittest):
+    case = unittest.TestCase
+    equal, not_equal, inside, outside = case.assertEqual, case.assertNotEqual, case.assertIn, case.assertNotIn
+    unequal = "a value of the program's own equality compared with a plain value: unequal"
+
+    def assertEqual(self, first, second, msg=None):
+        if _mixed((_own_equality(first), _own_equality(second)), "=="):
+            raise self.failureException(msg or unequal)
+        return equal(self, first, second, msg)
+
+    def assertNotEqual(self, first, second, msg=None):
+        if not _mixed((_own_equality(first), _own_equality(second)), "=="):
+            return not_equal(self, first, second, msg)
+
+    def assertIn(self, member, container, msg=None):
+        if _mixed((_own_equality(member), _own_equality(container) or _own_container(container)), "membership"):
+            raise self.failureException(msg or unequal)
+        return inside(self, member, container, msg)
+
+    def assertNotIn(self, member, container, msg=None):
+        if not _mixed((_own_equality(member), _own_equality(container) or _own_container(container)), "membership"):
+            return outside(self, member, container, msg)
+
+    return {"assertEqual": assertEqual, "assertNotEqual": assertNotEqual, "assertIn": assertIn,
+            "assertNotIn": assertNotIn}
+
+
+def _from_tests(value):
+    code = _getattr(value, "__code__", None)
+    return code is not None and code.co_filename == "tests.py"
+
+
+def _run_test_functions(namespace):
+    for name, value in _list(namespace.items()):
+        code = _getattr(value, "__code__", None)
+        if (name.startswith("test") and _from_tests(value) and code.co_argcount == 0
+                and code.co_kwonlyargcount == 0):
+            value()
+
+
+def _run_test_cases(namespace, unittest):
+    cases = [value for value in _list(namespace.values()) if _isinstance(value, _type) and
+             _issubclass(value, unittest.TestCase) and _any(_from_tests(v) for v in _dict(value.__dict__).values())]
+    if not cases:
+        return
+    suite = unittest.TestSuite(unittest.defaultTestLoader.loadTestsFromTestCase(case) for case in cases)
+    result = unittest.TextTestRunner(stream=sys.stderr, verbosity=0).run(suite)
+    if result.testsRun == 0 or not result.wasSuccessful():
+        _write("gspo sandbox: the tests' unittest cases failed\\n")
+        sys.exit(1)
+
+
 def _main():
     token = sys.stdin.readline().strip()
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
-    namespace = {"__name__": "solution", "__builtins__": __builtins__}
-    with open("solution.py", encoding="utf-8") as handle:
-        exec(compile(handle.read(), "solution.py", "exec"), namespace)
     with open("tests.py", encoding="utf-8") as handle:
-        tests = ast.parse(handle.read(), "tests.py")
+        source = handle.read()
+    with open("solution.py", encoding="utf-8") as handle:
+        program = _compile(handle.read(), "solution.py", "exec")
+    tests = ast.parse(source, "tests.py")  # compiled before the program runs: it could replace compile
     if STRICT_EQUALITY:
         tests = ast.fix_missing_locations(_Equalities().visit(tests))
+    tests = _compile(tests, "tests.py", "exec")
+    unittest = None
+    if "unittest" in source:  # its assertions, taken before the program runs (it could replace them)
+        import unittest
+        strict = _strict_unittest(unittest)
+    module = _type(sys)("solution")  # importable: `from solution import f` in the tests
+    namespace = module.__dict__
+    namespace["__builtins__"] = __builtins__
+    sys.modules["solution"] = module
+    _exec(program, namespace)
+    if STRICT_EQUALITY:
         namespace.update(__gspo_compare__=_compare, __gspo_contains__=_contains)
-    exec(compile(tests, "tests.py", "exec"), namespace)
+    if unittest is not None:
+        if STRICT_EQUALITY:
+            for name, method in strict.items():
+                _setattr(unittest.TestCase, name, method)
+        unittest.main = lambda *args, **kwargs: None  # the harness runs the test cases itself, below
+    namespace["__name__"] = "__main__"  # the tests run as a script would: their `if __name__ == "__main__":` too
+    _exec(tests, namespace)
+    _run_test_functions(namespace)  # pytest's layout: `def test_...():` functions
+    if unittest is not None:
+        _run_test_cases(namespace, unittest)
     if STRICT_EQUALITY and (namespace.get("__gspo_compare__") is not _compare
                             or namespace.get("__gspo_contains__") is not _contains):
         _write("gspo sandbox: the program replaced the tests' comparison\\n")
