@@ -4,6 +4,7 @@ processes under the trainer (staleness bound, back-pressure, a killed worker, re
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing
 import os
 import signal
@@ -150,7 +151,7 @@ def test_async_dynamic_sampling_on_a_constant_reward_stops_with_the_sync_error(t
     assert not multiprocessing.active_children()
 
 
-def test_a_killed_worker_is_restarted_and_generates_its_batch_again(tmp_path):
+def test_a_killed_worker_is_restarted_and_generates_its_batch_again(tmp_path, caplog):
     """The batch a killed worker held (generating, waiting for weights, or blocked sending it) is generated again by
     its replacement, so every batch of prompts is trained, in order (one worker); it used to be lost."""
     def kill_worker(done: int, metrics: dict) -> None:
@@ -158,8 +159,10 @@ def test_a_killed_worker_is_restarted_and_generates_its_batch_again(tmp_path):
             (worker,) = multiprocessing.active_children()
             os.kill(worker.pid, signal.SIGKILL)
 
-    summary = train(async_cfg(tmp_path, "trainer.steps=6"), callbacks=[kill_worker])
+    with caplog.at_level(logging.WARNING, logger="gspo.rollout.workers"):
+        summary = train(async_cfg(tmp_path, "trainer.steps=6"), callbacks=[kill_worker])
     assert summary["status"] == "completed"
+    assert "rollout worker 0 died (killed by SIGKILL: out of memory, or kill -9); restarted" in caplog.text
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert [int(r["rollout_batch_index"]) for r in records] == [0, 1, 2, 3, 4, 5]
     last = records[-1]

@@ -40,6 +40,7 @@ import contextlib
 import logging
 import os
 import pickle
+import signal
 import tempfile
 import time
 import traceback
@@ -316,6 +317,17 @@ def registered_rewards(cfg) -> dict:
     return registered
 
 
+def _exit_reason(code: int | None) -> str:
+    """A dead worker's exit code in words: a signal by name (SIGKILL is what the out-of-memory killer sends)."""
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            return f"killed by signal {-code}"
+        return f"killed by {name}" + (": out of memory, or kill -9" if name == "SIGKILL" else "")
+    return f"exit code {code}"
+
+
 class AsyncRollouts:
     """The learner's side of asynchronous rollouts: the worker processes, their pipes, the shared weights."""
 
@@ -422,12 +434,12 @@ class AsyncRollouts:
             self.retried.add(held)
             self.counts["retried_batches"] += 1
             retry = held
-        log.warning("rollout worker %d died (exit code %s); restarted%s", w, process.exitcode,
+        log.warning("rollout worker %d died (%s); restarted%s", w, _exit_reason(process.exitcode),
                     f", generating batch {retry} again" if retry != IDLE else "")
         self.counts["worker_restarts"] += 1
         if self.counts["worker_restarts"] > 10 * len(self.workers):
-            raise WorkerError(f"rollout workers died {self.counts['worker_restarts']} times (last exit code "
-                              f"{process.exitcode}); giving up")
+            raise WorkerError(f"rollout workers died {self.counts['worker_restarts']} times (the last one "
+                              f"{_exit_reason(process.exitcode)}); giving up")
         self._start(w, retry)
 
     def ahead(self) -> int:
