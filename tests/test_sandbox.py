@@ -854,6 +854,17 @@ def test_the_code_datasets_test_layouts_judge_the_program(tests, row):
     assert code_reward("p", hack, tests=tests, **row) == 0.0
 
 
+def test_a_humaneval_completion_is_the_body_of_the_prompts_function():
+    """HumanEval's prompt is a function's signature and docstring, and a base model's completion (or the row's
+    canonical solution) its body: the program is the prompt followed by the completion when the completion alone
+    does not define the entry point. A completion that defines it is the program by itself, as before."""
+    row = {"tests": HUMANEVAL_TESTS, "entry_point": "square"}
+    prompt = 'def square(x):\n    """The square of x."""\n'
+    assert code_reward(prompt, "    return x * x\n", **row) == 1.0
+    assert code_reward(prompt, "    return 2 * x\n", **row) == 0.0
+    assert code_reward(prompt, "```python\ndef square(x):\n    return x ** 2\n```", **row) == 1.0
+    with pytest.raises(ValueError, match="give the row an 'entry_point' field"):
+        code_reward(prompt, "    return x * x\n", tests=HUMANEVAL_TESTS)
 def test_a_program_that_replaces_exec_or_compile_does_not_skip_the_tests():
     """`builtins.exec = lambda *a, **k: None` in the program made the harness's exec of the tests a no-op: every
     test passed. The harness takes exec and compile before the program runs, and compiles the tests first."""

@@ -114,6 +114,25 @@ def _literal(statement: ast.stmt) -> Any:
         return _NOT_LITERAL
 
 
+def _program(prompt: str, completion: str, entry_point: Any) -> str:
+    """The program a completion holds (`extract_code`), or, when the row names an `entry_point` that it does not
+    define but the prompt followed by the completion does, that text: HumanEval's layout, whose prompt is the
+    function's signature and docstring and whose completion (a base model's, or the canonical solution) its body."""
+    code = extract_code(completion)
+    if isinstance(entry_point, str) and not _defines(code, entry_point) and _defines(prompt + completion, entry_point):
+        return prompt + completion
+    return code
+
+
+def _defines(source: str, name: str) -> bool:
+    """Whether Python `source` parses and defines a top-level function or class `name`."""
+    try:
+        body = ast.parse(source).body
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return False
+    return any(isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and s.name == name for s in body)
+
+
 def _row_cases(row: dict[str, Any]) -> IOCases | None:
     """The row's tests as stdin/stdout or call-based cases (None: a Python snippet); bad cases are a ValueError
     naming the row's field and what is wrong."""
@@ -170,7 +189,7 @@ def make_code_reward(
                 raise ValueError("code_reward needs a row field 'tests' (a non-empty str or list of str, or "
                                  f"stdin/stdout cases {{'inputs': [...], 'outputs': [...]}}), got {tests!r:.200}")
             tests = _python_tests(tests, row.get("entry_point"))
-        code = extract_code(completion)
+        code = _program(prompt, completion, row.get("entry_point"))
         if not code.strip():
             return 0.0
         if cases is not None:
