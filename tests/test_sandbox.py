@@ -839,6 +839,7 @@ UNITTEST_TESTS = textwrap.dedent("""\
 @pytest.mark.parametrize(("tests", "row"), [
     (HUMANEVAL_TESTS, {"entry_point": "square"}),  # HumanEval's `test` column: its harness calls check(entry_point)
     (PYTEST_TESTS, {}),  # KodCode's: `from solution import ...` and test functions that pytest would call
+    ("import asyncio\nasync def test_square():\n    await asyncio.sleep(0)\n    assert square(3) == 9\n", {}),
     (UNITTEST_TESTS, {}),  # unittest cases behind a main guard, or unittest.main() bare (it found no tests)
     (UNITTEST_TESTS.replace('if __name__ == "__main__":\n    ', ""), {}),
 ])

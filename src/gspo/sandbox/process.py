@@ -288,7 +288,10 @@ def _run_test_functions(namespace):
         code = _getattr(value, "__code__", None)
         if (name.startswith("test") and _from_tests(value) and code.co_argcount == 0
                 and code.co_kwonlyargcount == 0):
-            value()
+            result = value()
+            if _type(result).__name__ == "coroutine":  # `async def test_...():`, as pytest-asyncio runs it
+                import asyncio
+                asyncio.run(result)
 
 
 def _run_test_cases(namespace, unittest):
