@@ -376,7 +376,8 @@ def test_episodes_the_environment_failed_leave_the_loss_and_their_groups_baselin
                                            "data.chat=always", "env.max_tokens=48", "rollout.max_new_tokens=8",
                                            "rewards.functions={varied: 1.0}", "rewards.check=false", "trainer.steps=2",
                                            "trainer.eval_every=0", "log.rollouts=16", "rollout.group_size=4"))
-    assert train(cfg)["status"] == "completed"
+    summary = train(cfg)
+    assert summary["status"] == "completed" and summary["skipped_updates"] == 0  # episodes of no tokens: finite loss
     records = read_metrics(tmp_path / "run" / "rollouts.jsonl")
     assert_left_out_of_groups(records, "env_failure", on_failure == "mask", steps=2, groups=4)
     assert any(r["tokens"] == 0 for r in records) == (on_failure == "mask")  # a failed reset: an episode of no tokens
