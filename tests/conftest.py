@@ -102,6 +102,21 @@ def assert_left_out_of_groups(records: list[dict], flag: str, masked: bool, step
     assert checked
 
 
+def assert_reward_metrics_counted(records: list[dict], metrics: list[dict], flag: str, masked: bool) -> None:
+    """The step metrics `reward_mean`, `accuracy` and `zero_variance_groups` of a run whose `log.rollouts` recorded
+    every completion are over the completions that count: without those flagged `flag` when `masked` (a failed
+    judge's or environment's 0 is no score), with them otherwise. Some step must have a flagged completion."""
+    assert any(r[flag] for r in records)
+    for m in metrics:
+        counted = [r for r in records if r["step"] == m["step"] and not (masked and r[flag])]
+        assert m["reward_mean"] == pytest.approx(sum(r["reward"] for r in counted) / len(counted), abs=1e-6)
+        assert m["accuracy"] == pytest.approx(sum(r["solved"] for r in counted) / len(counted), abs=1e-6)
+        groups = {r["group"] for r in records if r["step"] == m["step"]}
+        flat = [len({round(r["reward"], 6) for r in counted if r["group"] == g}) <= 1
+                or sum(r["group"] == g for r in counted) < 2 for g in groups]
+        assert m["zero_variance_groups"] == pytest.approx(sum(flat) / len(groups))
+
+
 def constant_reward(prompt: str, completion: str, **row) -> float:
     """The same for every completion: no group carries a signal (dynamic sampling's error case)."""
     return 0.5
@@ -111,9 +126,10 @@ def boom_reward(prompt: str, completion: str, **row) -> float:
     raise RuntimeError("boom")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def test_rewards():
-    """Register `varied` and `boom` in the reward registry for the tests that name them in a config."""
+    """Register `varied` and `boom` in the reward registry for the tests that name them in a config (for their module
+    alone: the other modules see the registry as they expect, whatever the order they run in)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(REWARDS, "varied", varied_reward)
         mp.setitem(REWARDS, "boom", boom_reward)

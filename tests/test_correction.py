@@ -31,8 +31,7 @@ from gspo.trainer import learn_settings, train
 
 @pytest.fixture(autouse=True)
 def varied(monkeypatch):
-    """The `varied` reward for this module's trainer runs, registered per test (the session-wide `test_rewards`
-    fixture would leak it into test_rewards' registry checks)."""
+    """The `varied` reward for this module's trainer runs, registered per test."""
     monkeypatch.setitem(REWARDS, "varied", varied_reward)
 
 

@@ -363,7 +363,7 @@ def test_episodes_the_environment_failed_leave_the_loss_and_their_groups_baselin
     advantage 0, and the other episodes of its group get the advantages of the group without it; `train` keeps the
     old behaviour. Under mask a reset that fails is such a failure too (every 7th here); under train it stops the
     run, so the train run's resets do not fail."""
-    from conftest import assert_left_out_of_groups, varied_reward
+    from conftest import assert_left_out_of_groups, assert_reward_metrics_counted, varied_reward
     from gspo.rewards import REWARDS
     from gspo.tracking import read_metrics
 
@@ -383,4 +383,5 @@ def test_episodes_the_environment_failed_leave_the_loss_and_their_groups_baselin
     assert any(r["tokens"] == 0 for r in records) == (on_failure == "mask")  # a failed reset: an episode of no tokens
     metrics = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert all(r["episode_env_failures"] > 0 for r in metrics)
+    assert_reward_metrics_counted(records, metrics, "env_failure", on_failure == "mask")
     assert ("env_failed_masked" in metrics[0]) == (on_failure == "mask")

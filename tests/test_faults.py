@@ -29,8 +29,7 @@ from gspo.trainer import TrainingError, train
 
 @pytest.fixture(autouse=True)
 def varied(monkeypatch):
-    """Register the `varied` reward for each test only (the session-wide `test_rewards` fixture would leak it into
-    the registry seen by later test modules)."""
+    """Register the `varied` reward for each test only."""
     monkeypatch.setitem(REWARDS, "varied", varied_reward)
 
 

@@ -549,7 +549,7 @@ def test_dynamic_sampling_keeps_the_first_informative_groups_whole_with_their_re
     assert kept.stats["dynamic_rounds"] == len(calls)
     assert kept.stats["dynamic_sampled_prompts"] == len(sampled) and kept.stats["dynamic_filled_groups"] == 0
     assert kept.stats["solved"] == len(sampled)  # the rounds' counts are summed
-    assert len(every) == len(sampled) * g
+    assert len(every.rewards) == len(sampled) * g and every.counted.all() and every.solved is None
     informative_in_order = [i for i in sampled if i % 5 == 0][:p]
     heads = kept.traj.prompt_ids[::g, 0].tolist()
     assert heads == informative_in_order  # the first P informative groups, in the order they were sampled

@@ -35,7 +35,7 @@ TINY = ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_t
 def study(tmp_path_factory, device):
     out = tmp_path_factory.mktemp("study")
     opts = StudyOptions(out=out, seeds=2, steps=1, threads=1, overrides=[*TINY, f"trainer.device={device}"])
-    with pytest.MonkeyPatch.context() as mp:  # module-scoped, unlike conftest's session-wide `test_rewards`
+    with pytest.MonkeyPatch.context() as mp:  # module-scoped, like conftest's `test_rewards`
         mp.setitem(REWARDS, "varied", varied_reward)
         yield opts, run_study(opts)
 

@@ -363,7 +363,7 @@ def test_completions_a_reward_failed_on_leave_the_loss_and_their_groups_baseline
     groups' means down); under `mask` such a completion has no trained token and advantage 0, and the others of its
     group get the advantages of the group without it. Either way each failure is counted and marked in
     rollouts.jsonl."""
-    from conftest import assert_left_out_of_groups, flaky_reward
+    from conftest import assert_left_out_of_groups, assert_reward_metrics_counted, flaky_reward
     from gspo.rewards import REWARDS
     from gspo.tracking import read_metrics
 
@@ -376,6 +376,12 @@ def test_completions_a_reward_failed_on_leave_the_loss_and_their_groups_baseline
     assert_left_out_of_groups(records, "reward_failed", on_error == "mask", steps=2, groups=4)
     metrics = read_metrics(tmp_path / "metrics.jsonl")
     assert all(r["reward_failures"] > 0 for r in metrics)
+    assert_reward_metrics_counted(records, metrics, "reward_failed", on_error == "mask")
+    # the function's own mean, too: over the rows it scored, a masked failure's 0 no score
+    assert [r["reward/flaky"] for r in metrics] == pytest.approx([
+        sum(x["reward"] for x in records if x["step"] == r["step"] and not (on_error == "mask" and x["reward_failed"]))
+        / sum(x["step"] == r["step"] and not (on_error == "mask" and x["reward_failed"]) for x in records)
+        for r in metrics], abs=1e-6)
     if on_error == "mask":
         assert [r["reward_failed_masked"] for r in metrics] == [r["reward_failures"] / 16 for r in metrics]
     else:

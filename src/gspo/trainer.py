@@ -35,13 +35,14 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 import torch
 import yaml
 from torch import nn
 
-from gspo.advantages import group_advantages, turn_advantages, zero_variance_groups
+from gspo.advantages import group_advantages, turn_advantages
 from gspo.agent import (
     EpisodeRunner,
     build_env,
@@ -89,7 +90,7 @@ from gspo.parallel.state import FullModelView, full_state, load_state, save_stat
 from gspo.rewards import RewardRunner, counted_completions, drop_unscored, score_trajectory
 from gspo.rewards.checks import reward_checks, split_warnings
 from gspo.rollout import RolloutEngine, check_hf_engine, make_engine, policy_weights, unwrap_model
-from gspo.rollout.dynamic import NoSignal, Scored, keep_informative
+from gspo.rollout.dynamic import NoSignal, Sampled, Scored, keep_informative
 from gspo.rollout.workers import (
     ROLLOUT_COUNTS,
     AsyncRollouts,
@@ -177,11 +178,14 @@ class Collected:
     advantages: torch.Tensor  # [N] Â_i of Eq. 6, or [N, T] per-token advantages (multi-turn, token-level objectives)
     reward_stats: dict[str, float]  # per-function means (`reward/...`), failure counts, `solved`
     seconds: float  # sampling and scoring time of this process (the rollout phase)
-    sampled_rewards: torch.Tensor | None = None  # [M] every completion sampled this step (dynamic sampling: M ≥ N)
+    # every completion sampled this step (dynamic sampling: more than N), what its reward metrics describe; None: the
+    # N rows, every one counted
+    sampled: Sampled | None = None
 
     def __post_init__(self) -> None:
-        if self.sampled_rewards is None:
-            self.sampled_rewards = self.rewards
+        if self.sampled is None:
+            self.sampled = Sampled(self.rewards, torch.ones_like(self.rewards, dtype=torch.bool),
+                                   self.traj.extras.get("solved"))
 
 
 def learn_settings(cfg: Config) -> LearnSettings:
@@ -260,14 +264,16 @@ def _collect_sync(step: int, train_rows: list[dict], ctx: RLStep) -> Collected:
     cfg, ro = ctx.cfg, ctx.cfg.rollout
     rows, seeds = step_prompts(step, train_rows, ro.prompts_per_step, cfg.trainer.seed)
     scored = _sample(rows, seeds, ctx)
-    every = scored.rewards
+    counted = partial(counted_completions, cfg)
     if ro.dynamic_sampling:
         scored, every = keep_informative(step, train_rows, scored, lambda r, s: _sample(r, s, ctx), ro,
                                          cfg.trainer.seed, pad_id=ctx.engine.pad_id, world_size=ctx.group.world_size,
-                                         counted=lambda traj: counted_completions(cfg, traj))
+                                         counted=counted)
+    else:
+        every = Sampled.of([scored], counted)
     ctx.engine.release()  # after the last refill round: e.g. an own-copy engine frees its copy until the sync
     return Collected(scored.traj, scored.rewards, torch.zeros_like(scored.rewards), scored.stats, scored.seconds,
-                     sampled_rewards=every)
+                     sampled=every)
 
 
 def _sample(rows: list[dict], seeds: list[int], ctx: RLStep) -> Scored:
@@ -304,8 +310,8 @@ def _collect_async(step: int, ctx: RLStep) -> Collected:
              "rollout_worker_seconds": batch.seconds,
              "rollout_ahead": float(ctx.rollouts.ahead()),
              **{f"rollout_{k}": float(v) for k, v in ctx.rollouts.counts.items()}}
-    every = rewards if batch.sampled_rewards is None else batch.sampled_rewards.to(ctx.group.device)
-    return Collected(traj, rewards, torch.zeros_like(rewards), stats, waited, sampled_rewards=every)
+    every = batch.sampled.to(ctx.group.device)
+    return Collected(traj, rewards, torch.zeros_like(rewards), stats, waited, sampled=every)
 
 
 def minibatches(step: int, n: int, ctx: RLStep, device: torch.device) -> list[list[torch.Tensor]]:
@@ -440,17 +446,19 @@ def rl_step(step: int, model: nn.Module, optimizer, scheduler, train_rows: list[
     by_verdict = {} if solved is None else {  # reasoning RL: do solved replies grow or shrink? (no mean over nothing)
         f"response_length_{name}": float(lengths[rows].mean())
         for name, rows in (("solved", solved.bool()), ("unsolved", ~solved.bool())) if rows.any()}
-    sampled = batch.sampled_rewards  # every completion of the step (before dynamic sampling's filter)
+    sampled = batch.sampled  # every completion of the step (before dynamic sampling's filter)
+    stats.pop("solved", None)  # a count over every completion: `accuracy` is over those that count
+    reward_metrics = sampled.metrics(ctx.cfg.rollout.group_size)
     return {
-        "reward_mean": float(sampled.mean()),
-        "reward_std": float(sampled.std()),
-        "accuracy": stats.pop("solved") / len(sampled),  # solved as rewards.accuracy_reward says
+        "reward_mean": reward_metrics.pop("reward_mean"),
+        "reward_std": reward_metrics.pop("reward_std"),
+        "accuracy": reward_metrics.pop("accuracy", math.nan),  # solved as rewards.accuracy_reward says
         "response_length": float(lengths.mean()),
         **by_verdict,
         "truncation_rate": float(traj.truncated.float().mean()),
-        **({"unfinished_thinking_rate": stats.pop("unfinished_thinking") / len(sampled)}
+        **({"unfinished_thinking_rate": stats.pop("unfinished_thinking") / len(sampled.rewards)}
            if "unfinished_thinking" in stats else {}),  # reasoning that never ended: no answer to reward
-        "zero_variance_groups": float(zero_variance_groups(sampled, ctx.cfg.rollout.group_size).float().mean()),
+        **reward_metrics,  # zero_variance_groups
         **learned,
         # completion tokens trained on per second of the whole step (dynamic sampling: the kept groups' tokens, over
         # the time of every round: what the step yields for training, not the engine's generation rate; the loss

@@ -631,11 +631,13 @@ class RewardRunner:
                 totals[i] += weight * value
             values[name] = torch.tensor([scored.get(i, (0.0, False))[0] for i in range(n)], dtype=torch.float32)
             failed[name] = torch.tensor([scored.get(i, (0.0, False))[1] for i in range(n)], dtype=torch.bool)
-            # the mean over the rows it scores (0 without any); with routes, how many (`reward_rows/`): merging
-            # batches or processes weights each mean by its rows (`reward_mean_rows`)
-            stats[f"reward/{name}"] = sum(v for v, _ in scored.values()) / len(mine) if mine else 0.0
-            if self.routes is not None:
-                stats[f"reward_rows/{name}"] = float(len(mine))
+            # the mean over the rows it scores (0 without any), but for those whose call failed under on_error=mask
+            # (they leave the loss: their 0 is no score); with routes or such failures, how many (`reward_rows/`):
+            # merging batches or processes weights each mean by its rows (`reward_mean_rows`)
+            kept = [v for v, failure in scored.values() if not (failure and self.on_error == "mask")]
+            stats[f"reward/{name}"] = sum(kept) / len(kept) if kept else 0.0
+            if self.routes is not None or len(kept) < len(mine):
+                stats[f"reward_rows/{name}"] = float(len(kept))
         stats["reward_failures"] = float(sum(int(f.sum()) for f in failed.values()))
         stats["reward_timeouts"] = float(sum(self.timeouts.values()) - timeouts_before)
         if answers is not None:

@@ -11,7 +11,7 @@ sizes, so a resumed run samples what an uninterrupted one would.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -40,10 +40,51 @@ class Scored:
     seconds: float
 
 
+@dataclass
+class Sampled:
+    """Every completion sampled for a step (all of dynamic sampling's rounds), as the step's reward metrics describe
+    it (`reward_mean`, `accuracy`, `zero_variance_groups`: what was sampled, not only what was kept), over the
+    completions that count: one a reward call failed on under `rewards.on_error: mask`, or whose environment failed
+    under `env.on_failure: mask`, has no score (its 0 would pull the mean down)."""
+
+    rewards: torch.Tensor  # [M]
+    counted: torch.Tensor  # [M] bool (`gspo.rewards.counted_completions`)
+    solved: torch.Tensor | None  # [M] bool, rewards.accuracy_reward's verdicts (`traj.extras["solved"]`); None without
+
+    @classmethod
+    def of(cls, parts: Sequence[Scored], counted: Callable[[Trajectory], torch.Tensor | None] | None = None
+           ) -> Sampled:
+        """The completions of `parts` (rounds in order); `counted(traj)` as `keep_informative` takes it."""
+        rewards = torch.cat([part.rewards for part in parts])
+        masks = [None if counted is None else counted(part.traj) for part in parts]
+        ok = torch.cat([torch.ones(len(part.rewards), dtype=torch.bool) if m is None else m.cpu()
+                        for part, m in zip(parts, masks, strict=True)]).to(rewards.device)
+        verdicts = [part.traj.extras.get("solved") for part in parts]
+        solved = None if any(v is None for v in verdicts) else torch.cat([v.bool().cpu() for v in verdicts])
+        return cls(rewards, ok, None if solved is None else solved.to(rewards.device))
+
+    def to(self, device: torch.device | str) -> Sampled:
+        return Sampled(self.rewards.to(device), self.counted.to(device),
+                       None if self.solved is None else self.solved.to(device))
+
+    def metrics(self, group_size: int) -> dict[str, float]:
+        """`reward_mean`, `reward_std`, `accuracy` (solved as rewards.accuracy_reward says) and
+        `zero_variance_groups` (the fraction of groups without reward variance among their counted members) over
+        the counted completions (NaN for a mean over none)."""
+        values = self.rewards[self.counted]
+        out = {"reward_mean": float(values.mean()) if len(values) else math.nan,
+               "reward_std": float(values.std()) if len(values) > 1 else math.nan}
+        if self.solved is not None:
+            out["accuracy"] = float(self.solved[self.counted].float().mean()) if len(values) else math.nan
+        out["zero_variance_groups"] = float(zero_variance_groups(self.rewards, group_size,
+                                                                 valid=self.counted).float().mean())
+        return out
+
+
 def keep_informative(step: int, train_rows: list[dict], first: Scored,
                      sample: Callable[[list[dict], list[int]], Scored], ro: RolloutConfig, seed: int, *, pad_id: int,
                      world_size: int = 1, counted: Callable[[Trajectory], torch.Tensor | None] | None = None,
-                     ) -> tuple[Scored, torch.Tensor]:
+                     ) -> tuple[Scored, Sampled]:
     """While fewer than P (`ro.prompts_per_step`) of the groups sampled so far have varied rewards, `sample` another
     round (as many prompts as the informative rate so far says are needed, at most 4P, a multiple of `world_size` so
     that every process gets whole groups), up to `ro.dynamic_max_rounds` rounds in all; then keep the first P
@@ -53,8 +94,9 @@ def keep_informative(step: int, train_rows: list[dict], first: Scored,
     taken for an informative one.
 
     Returns the kept batch (its stats: the rounds' counts summed, per-function means weighted by completions, and
-    `dynamic_rounds` / `dynamic_sampled_prompts` / `dynamic_filled_groups`) and every sampled reward (the step's
-    reward metrics describe what was sampled, not what was kept). Raises NoSignal when no group was informative."""
+    `dynamic_rounds` / `dynamic_sampled_prompts` / `dynamic_filled_groups`) and every sampled completion (`Sampled`:
+    the step's reward metrics describe what was sampled, not what was kept). Raises NoSignal when no group was
+    informative."""
     p, g = ro.prompts_per_step, ro.group_size
     own = prompt_indices(step, p, len(train_rows), seed)  # the first round's rows: refills draw from the others
     parts = [first]
@@ -80,10 +122,10 @@ def keep_informative(step: int, train_rows: list[dict], first: Scored,
             "rollout.dynamic_sampling=false")
     flags = torch.cat(informative).cpu()
     chosen = torch.cat([flags.nonzero().flatten(), (~flags).nonzero().flatten()])[:p]  # informative first, in order
-    every = torch.cat([part.rewards for part in parts])
-    rows = (chosen[:, None] * g + torch.arange(g)).flatten().to(every.device)
+    every = Sampled.of(parts, counted)
+    rows = (chosen[:, None] * g + torch.arange(g)).flatten().to(every.rewards.device)
     stats = merge_reward_stats([(part.stats, len(part.rewards)) for part in parts])  # row-weighted means
     stats.update(dynamic_rounds=float(len(parts)), dynamic_sampled_prompts=float(sampled),
                  dynamic_filled_groups=float(max(p - kept, 0)))
     traj = concat([part.traj for part in parts], pad_id=pad_id).take(rows)
-    return Scored(traj, every[rows], stats, sum(part.seconds for part in parts)), every
+    return Scored(traj, every.rewards[rows], stats, sum(part.seconds for part in parts)), every

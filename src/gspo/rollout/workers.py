@@ -46,13 +46,14 @@ import time
 import traceback
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from multiprocessing.connection import wait
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
-from gspo.rollout.dynamic import NoSignal
+from gspo.rollout.dynamic import NoSignal, Sampled
 from gspo.rollout.weights import unwrap_model
 from gspo.trajectory import NO_VERSION, Trajectory
 
@@ -87,7 +88,7 @@ class WorkerBatch:
     stats: dict[str, float]
     seconds: float  # the worker's generation + scoring time
     failures: dict[str, dict[str, int]]  # reward failures / timeouts counted while scoring this batch
-    sampled_rewards: torch.Tensor | None = None  # every completion sampled for it (dynamic sampling: more than kept)
+    sampled: Sampled  # every completion sampled for it (dynamic sampling: more than kept), for the reward metrics
 
 
 def token_staleness(traj: Trajectory, version: int) -> torch.Tensor:
@@ -225,16 +226,17 @@ def _worker_main(worker: int, model_config, tokenizer, cfg, train_rows: list[dic
             rows, seeds = step_prompts(i, train_rows, ro.prompts_per_step, cfg.trainer.seed)  # as sync step i
             before = rewards.state_dict()
             scored = sample(rows, seeds)
-            every = scored.rewards
+            counted = partial(counted_completions, cfg)
             if ro.dynamic_sampling:  # as the sync collect of step i: refill rounds until P informative groups
                 scored, every = keep_informative(i, train_rows, scored, sample, ro, cfg.trainer.seed,
-                                                 pad_id=engine.pad_id,
-                                                 counted=lambda traj: counted_completions(cfg, traj))
+                                                 pad_id=engine.pad_id, counted=counted)
+            else:
+                every = Sampled.of([scored], counted)
             after = rewards.state_dict()
             failures = {kind: {name: n - before[kind][name] for name, n in counts.items()}
                         for kind, counts in after.items()}
             batch = WorkerBatch(i, scored.traj, scored.rewards, scored.stats, time.perf_counter() - t0, failures,
-                                sampled_rewards=every)
+                                every)
             # plain pickle bytes: tensors sent through torch's shared-memory reductions live in the sender's file
             # descriptors, which a worker killed right after sending takes with it
             channel.send_bytes(pickle.dumps(batch))  # killed before it returns: the batch is lost
