@@ -380,6 +380,35 @@ def test_a_process_group_started_before_gspo_must_reduce_the_runs_tensors(backen
                "tensors" in done.stdout and "'cpu:gloo,cuda:nccl'" in done.stdout
 
 
+LIBRARY_GROUPS = """
+import torch.distributed as dist
+from gspo.parallel import on_shutdown, shutdown
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+own = dist.new_group([0])  # a library's group on the default one, which it destroys itself (vLLM's TP group)
+seen = []
+
+def teardown():  # as vLLM's: its own groups, then the default one
+    seen.append(dist.is_initialized())
+    dist.destroy_process_group(own)
+    dist.destroy_process_group()
+
+on_shutdown(teardown)
+on_shutdown(teardown)
+shutdown()
+print(seen, dist.is_initialized())
+"""
+
+
+def test_shutdown_lets_a_library_destroy_its_own_groups_first():
+    """vLLM's engine builds groups of its own on the default process group and destroys them at exit; destroyed under
+    it by `shutdown`, its teardown printed a traceback after every successful `gspo train` on rollout.engine=vllm. A
+    teardown registered with `on_shutdown` runs once, with the group still alive, and may destroy the default group
+    itself. In a child process: a process group belongs to its process."""
+    done = subprocess.run([sys.executable, "-c", LIBRARY_GROUPS], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[True] False"
+
+
 # ------------------------------------------------------------------------------------------------ pure pieces
 
 

@@ -135,6 +135,8 @@ def gspo_train(cwd: Path, out: Path, overrides: list[str], timeout: int = 1200) 
     done = subprocess.run([sys.executable, "-m", "gspo", "train", str(DEMO), *overrides], env=env, cwd=cwd,
                           capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-6000:]
+    # nothing fails on the way out either (vLLM's teardown at exit, of process groups destroyed under it, did)
+    assert "Traceback" not in done.stderr, done.stderr[-6000:]
     return read_metrics(out / "metrics.jsonl")
 
 

@@ -39,7 +39,7 @@ from gspo.config import ConfigError
 from gspo.rewards import mean_reward_stats, weighted_reward_stats
 from gspo.trajectory import Trajectory
 
-__all__ = ["ProcessGroup", "init_distributed", "resolve_device", "shutdown"]
+__all__ = ["ProcessGroup", "init_distributed", "on_shutdown", "resolve_device", "shutdown"]
 
 log = logging.getLogger(__name__)
 
@@ -118,19 +118,37 @@ def init_distributed(parallel: str = "ddp", device: str = "auto") -> ProcessGrou
     return ProcessGroup(rank=rank, world_size=world, local_rank=local_rank, parallel=parallel, device=target)
 
 
+_TEARDOWNS: list[Callable[[], None]] = []
+
+
+def on_shutdown(teardown: Callable[[], None]) -> None:
+    """Have `shutdown` call `teardown` (once, however often it is registered) after its barrier and before it destroys
+    the process group: for a library that built process groups of its own on the default one and holds them until
+    the interpreter exits (vLLM's in-process engine), to destroy them first. `destroy_process_group()` destroys every
+    group, and the library's own teardown at exit then fails on the groups it still holds ("ValueError: Invalid
+    process group specified", a traceback after a successful run)."""
+    if teardown not in _TEARDOWNS:
+        _TEARDOWNS.append(teardown)
+
+
 def shutdown() -> None:
-    """Tear the process group down (at the end of `gspo train` under torchrun, after success).
+    """Tear the process group down (at the end of `gspo train` under torchrun, after success; in one process, the
+    group vLLM started for its engine).
 
     First the run's dead wrapped models are collected (their DDP reducer / FSDP mesh hold the process group, in
     reference cycles that only the garbage collector frees) and every process passes a barrier (no collective left in
-    flight); then the group is destroyed while Python still runs. Otherwise the group lives on until the interpreter
-    shuts down, and a gloo thread that releases a finished collective's tensors then cannot take the GIL: the process
-    aborts ("terminate called without an active exception", SIGABRT) after a successful run (3 of 77 runs of the
-    2-process FSDP checkpoint test's workers before, 0 of 70 after)."""
+    flight); then the libraries registered with `on_shutdown` tear their own groups down, and the group is destroyed
+    while Python still runs. Otherwise the group lives on until the interpreter shuts down, and a gloo thread that
+    releases a finished collective's tensors then cannot take the GIL: the process aborts ("terminate called without
+    an active exception", SIGABRT) after a successful run (3 of 77 runs of the 2-process FSDP checkpoint test's
+    workers before, 0 of 70 after)."""
     if dist.is_available() and dist.is_initialized():
         gc.collect()
         dist.barrier()
-        dist.destroy_process_group()
+        while _TEARDOWNS:
+            _TEARDOWNS.pop(0)()
+        if dist.is_initialized():  # a library's teardown may have destroyed the default group as well (vLLM's does)
+            dist.destroy_process_group()
 
 
 @dataclass

