@@ -922,3 +922,322 @@ def test_code_is_a_registered_reward_that_runs_concurrently_in_the_runner():
     rewards, stats = runner(["p"] * 4, completions, [row] * 4)
     assert rewards.tolist() == [1.0, 0.0, 0.0, 1.0]  # in call order, whatever order the workers finished in
     assert stats["reward_failures"] == 0.0  # a wrong program is a score of 0, not a failure
+
+
+KODCODE_TESTS = textwrap.dedent('''\
+    from solution import mean, parse, greet, Stack
+    import pytest
+
+    @pytest.mark.parametrize("xs, expected", [([1, 2, 3], 2.0), ([0.1, 0.2], 0.15), pytest.param([4], 4.0, id="one")])
+    def test_mean(xs, expected):
+        assert mean(xs) == pytest.approx(expected)
+
+    def test_mean_of_nothing():
+        with pytest.raises(ValueError, match="empty"):
+            mean([])
+
+    @pytest.fixture
+    def stack():
+        s = Stack()
+        s.push(1)
+        yield s
+        s.items.clear()
+
+    def test_stack(stack):
+        assert stack.pop() == 1
+
+    def test_greet(capsys):
+        greet("Bob")
+        assert capsys.readouterr().out == "Hello, Bob\\n"
+
+    class TestParse:
+        def test_int(self):
+            assert parse("3") == 3
+
+        @pytest.mark.parametrize("text", ["x", ""])
+        def test_bad(self, text):
+            with pytest.raises(ValueError):
+                parse(text)
+
+    if __name__ == "__main__":
+        pytest.main([__file__])
+    ''')
+KODCODE_RIGHT = textwrap.dedent('''\
+    def mean(xs):
+        if not xs:
+            raise ValueError("empty list")
+        return sum(xs) / len(xs)
+
+    def parse(text):
+        return int(text)
+
+    def greet(name):
+        print(f"Hello, {name}")
+
+    class Stack:
+        def __init__(self):
+            self.items = []
+
+        def push(self, x):
+            self.items.append(x)
+
+        def pop(self):
+            return self.items.pop()
+    ''')
+
+
+def test_pytest_style_tests_judge_the_program_with_the_sandboxs_pytest():
+    """KodCode's layout: `import pytest`, parametrize, raises with match, approx, a fixture, capsys and a test class.
+    pytest cannot be imported in the sandbox (no site-packages), so every program failed these tests, the correct one
+    too: the sandbox's own pytest runs them now, with pytest's semantics. Each wrong program fails one of them."""
+    assert code_reward("p", f"```python\n{KODCODE_RIGHT}```", tests=KODCODE_TESTS) == 1.0
+    for fix in ("def mean(xs):\n    return sum(xs) / max(len(xs), 1)\n",  # no ValueError for []
+                "def mean(xs):\n    return round(sum(xs) / len(xs), 1)\n",  # 0.2, not 0.15
+                "def parse(text):\n    return 3\n",  # a test class's method fails
+                "def greet(name):\n    print('Hello', name)\n",  # prints something else
+                "class Stack:\n    def push(self, x):\n        pass\n    def pop(self):\n        return 2\n"):
+        assert code_reward("p", f"```python\n{KODCODE_RIGHT}\n{fix}```", tests=KODCODE_TESTS) == 0.0, fix
+
+
+def test_the_sandboxs_pytest_covers_what_code_datasets_use():
+    """Fixtures (yield teardown, fixtures of fixtures, params, scopes, autouse, a class's own), parametrize (stacked,
+    one name not unpacked, param marks, indirect), skip / skipif / xfail, monkeypatch, tmp_path, request, approx on
+    containers and its tolerances, raises' call form, warns, setup_method, unittest.mock.patch decorators, async tests,
+    a test* helper the tests call and a class with __init__ (neither collected): all pass for a correct program."""
+    tests = textwrap.dedent('''\
+        import os
+        import warnings
+        import pytest
+        from unittest.mock import patch
+        from solution import add, div, helper
+
+        LOG = []
+
+        @pytest.fixture
+        def base():
+            LOG.append("up")
+            yield 10
+            LOG.append("down")
+
+        @pytest.fixture
+        def doubled(base):
+            return base * 2
+
+        @pytest.fixture(params=[1, 2])
+        def n(request):
+            return request.param
+
+        @pytest.fixture
+        def hundreds(request):
+            return request.param * 100
+
+        @pytest.fixture(scope="module")
+        def shared():
+            return []
+
+        @pytest.fixture(autouse=True)
+        def counted():
+            LOG.append("test")
+
+        def test_fixtures(doubled, base):
+            assert (doubled, base) == (20, 10)
+
+        def test_teardown_ran():
+            assert LOG[:4] == ["test", "up", "down", "test"]
+
+        def test_params(n, shared):
+            shared.append(n)
+            assert add(n, 0) == n
+
+        def test_module_scope(shared):
+            assert shared == [1, 2]
+
+        @pytest.mark.parametrize("hundreds", [1, 2], indirect=True)
+        def test_indirect(hundreds):
+            assert hundreds in (100, 200)
+
+        @pytest.mark.parametrize("a", [1, 2])
+        @pytest.mark.parametrize(("b", "c"), [(10, 11), pytest.param(20, 0, marks=pytest.mark.xfail(strict=True))])
+        def test_stacked(a, b, c):
+            assert add(1, b) == c
+
+        @pytest.mark.parametrize("pair", [(1, 2)])
+        def test_one_name(pair):
+            assert pair == (1, 2)
+
+        @pytest.mark.skip(reason="never")
+        def test_skipped():
+            assert False
+
+        @pytest.mark.skipif("sys.platform == 'linux'")
+        def test_skipif():
+            assert False
+
+        @pytest.mark.xfail(raises=ZeroDivisionError)
+        def test_xfail():
+            div(1, 0)
+
+        def test_imperative_skip():
+            pytest.skip("later")
+            assert False
+
+        def test_approx():
+            assert [add(0.1, 0.2), 1] == pytest.approx([0.3, 1.0])
+            assert {"a": add(0.1, 0.2)} == pytest.approx({"a": 0.3})
+            assert add(100, 0) == pytest.approx(104, rel=0.05) and add(1, 0) != pytest.approx(1.5, abs=0.4)
+            assert float("nan") != pytest.approx(float("nan")) and "a" == pytest.approx("a")
+
+        def test_raises_and_warns():
+            info = pytest.raises(ZeroDivisionError, div, 1, 0)
+            assert info.type is ZeroDivisionError and info.match("zero")
+            with pytest.raises((TypeError, ValueError)) as info:
+                int("x")
+            assert "invalid" in str(info.value)
+            with pytest.warns(UserWarning, match="careful"):
+                warnings.warn("be careful")
+
+        def test_monkeypatch_and_tmp_path(monkeypatch, tmp_path):
+            monkeypatch.setenv("GSPO_X", "1")
+            monkeypatch.setattr("os.getpid", lambda: -1)
+            (tmp_path / "a.txt").write_text("hi")
+            assert os.environ["GSPO_X"] == "1" and os.getpid() == -1 and (tmp_path / "a.txt").read_text() == "hi"
+
+        def test_undone():
+            assert "GSPO_X" not in os.environ and os.getpid() != -1
+
+        def test_request(request):
+            assert request.node.name == "test_request"
+
+        @patch("solution.helper", return_value=42)
+        def test_mock_patch(mocked, base):
+            import solution
+            assert solution.helper() == 42 and base == 10
+
+        async def test_async():
+            assert add(1, 2) == 3
+
+        def test_helper(x):
+            assert x == 3
+
+        test_helper(add(1, 2))
+
+        class TestThings:
+            def setup_method(self, method):
+                self.ready = True
+
+            @pytest.fixture
+            def thing(self):
+                return "thing"
+
+            def test_setup_and_own_fixture(self, thing, base):
+                assert self.ready and thing == "thing" and base == 10
+
+            @staticmethod
+            def test_static():
+                assert add(2, 2) == 4
+
+        class TestWithInit:
+            def __init__(self):
+                pass
+
+            def test_never_collected(self):
+                assert False
+        ''')
+    code = "def add(a, b):\n    return a + b\n\ndef div(a, b):\n    return a / b\n\ndef helper():\n    return 1\n"
+    passed = run_sandboxed(code, tests, **FAST)
+    assert (passed.score, passed.reason) == (1.0, "passed"), passed.stderr
+    wrong = run_sandboxed(code.replace("a + b", "a + b + (a == 2)"), tests, **FAST)  # wrong for one stacked case
+    assert (wrong.score, wrong.reason) == (0.0, "tests failed")
+
+
+ALWAYS_EQUAL_KODCODE = ALWAYS_EQUAL + "    __hash__ = object.__hash__\n"
+
+
+@pytest.mark.parametrize("hack", [
+    # returns an object that equals anything: approx and the tests' == find it unequal
+    f"{ALWAYS_EQUAL_KODCODE}def mean(xs):\n    return Yes()\ndef parse(text):\n    return Yes()\n",
+    # a float whose arithmetic says it is within any tolerance
+    "class F(float):\n    def __sub__(self, other):\n        return 0.0\n    __rsub__ = __sub__\n"
+    "def mean(xs):\n    return F(99)\n",
+    # replaces pytest's raises and approx: the module is read-only, and its __dict__ is not where names come from
+    "import pytest, contextlib\npytest.raises = lambda *a, **k: contextlib.suppress(BaseException)\n",
+    "import pytest, contextlib\npytest.__dict__['raises'] = lambda *a, **k: contextlib.suppress(BaseException)\n"
+    "pytest.__dict__['approx'] = lambda x, **k: x + 0.01\n",
+    # the shim's internals: classes, functions' code, globals; put back as they were before each test
+    "import pytest\ntype(pytest.approx(1)).__eq__ = lambda s, o: True\ntype(pytest.raises(ValueError)).__exit__ = "
+    "lambda *a: True\n",
+    "import pytest\npytest.raises.__code__ = (lambda *a, **k: __import__('contextlib').suppress(BaseException))"
+    ".__code__\ntype(pytest.approx(1)).__eq__.__code__ = (lambda s, o: True).__code__\n",
+    "import pytest\npytest.raises.__globals__['RaisesContext'].__exit__ = lambda *a: True\n"
+    "pytest.raises.__globals__['_approx_equal'] = lambda *a: True\n",
+    # hands the tests a pytest of its own: through sys.modules, or __import__
+    "import sys, types, contextlib\nfake = types.ModuleType('pytest')\nfake.raises = lambda *a, **k: "
+    "contextlib.suppress(BaseException)\nfake.approx = lambda x, **k: x + 0.01\nsys.modules['pytest'] = fake\n",
+    "import builtins, types, contextlib\nreal = builtins.__import__\nfake = types.ModuleType('pytest')\n"
+    "fake.raises = lambda *a, **k: contextlib.suppress(BaseException)\nfake.approx = lambda x, **k: x + 0.01\n"
+    "builtins.__import__ = lambda n, *a, **k: fake if n == 'pytest' else real(n, *a, **k)\n",
+    # skips the tests it would fail, or raises the skip exception itself
+    "import pytest\ndef mean(xs):\n    pytest.skip('no')\n",
+    "import pytest\nSkipped = pytest.skip.__globals__['Skipped']\ndef mean(xs):\n    raise Skipped('no')\n",
+    # patches while a test runs, before the test's next raises()
+    "import pytest, contextlib\ndef parse(text):\n    pytest.__dict__['raises'] = lambda *a, **k: "
+    "contextlib.suppress(BaseException)\n    type(pytest.raises(ValueError)).__exit__ = lambda *a: True\n"
+    "    return 3\n",
+])
+def test_a_program_cannot_pass_pytest_style_tests_by_hacking_the_sandboxs_pytest(hack):
+    """Each program is wrong where it hacks (mean without its ValueError for [], or parse("x") without one) and
+    tries to pass anyway. The runner takes what it needs before the program runs and puts the module back."""
+    wrong = KODCODE_RIGHT.replace('        raise ValueError("empty list")\n', "        return 0.0\n").replace(
+        "    return int(text)\n", "    return int(text) if text.isdigit() else 3\n")
+    assert code_reward("p", f"```python\n{wrong}\n{hack}```", tests=KODCODE_TESTS) == 0.0
+    assert code_reward("p", f"```python\n{KODCODE_RIGHT}```", tests=KODCODE_TESTS) == 1.0
+
+
+def test_pytest_style_tests_that_no_program_can_pass_or_fail_are_refused():
+    """A fixture that nobody defines (conftest.py's, pytest plugins'), or a pytest feature the sandbox lacks, failed
+    every program: the row is refused naming it (and the harness, should one slip through, says it is the tests').
+    Tests that are all skipped (or xfail) judge nothing, like tests that run nothing."""
+    right = f"```python\n{KODCODE_RIGHT}```"
+    for tests, says in (
+        ("from solution import mean\n\ndef test_mean(db):\n    assert mean([1]) == 1\n",
+         "fixture 'db' in test_mean, which neither the tests define nor the sandbox's pytest provides"),
+        ("import pytest\n\n@pytest.fixture\ndef rows(db):\n    return [1]\n\nclass TestMean:\n"
+         "    def test_mean(self, rows):\n        assert rows\n", "fixture 'db' in rows"),
+        ("import pytest\n\ndef test_log(caplog):\n    assert not caplog.records\n", "fixture 'caplog'"),
+        ("import pytest\n\ndef test_f(tmpdir):\n    assert pytest.register_assert_rewrite\n", "pytest.register_"),
+        ("from pytest import MonkeyPatch, Pytester\n\ndef test_f():\n    assert True\n", "pytest.Pytester"),
+        ("import pytest\n\n@pytest.mark.skip\ndef test_f():\n    assert False\n", "nothing that can fail"),
+        ("import pytest\n\n@pytest.mark.xfail(reason='todo')\ndef test_f():\n    assert False\n", "nothing that can"),
+        ("import pytest\n\n@pytest.mark.skip(reason='todo')\nclass TestF:\n    def test_f(self):\n"
+         "        assert False\n", "nothing that can fail"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            code_reward("p", right, tests=tests)
+    # what the static check cannot see (a computed parametrize), the harness reports as the tests' error
+    tests = "import pytest\n\n@pytest.mark.parametrize('a' + 'b', [1])\ndef test_f(ab, db):\n    assert ab\n"
+    assert code_reward("p", right, tests=tests) == 0.0
+    result = run_sandboxed("", tests, **FAST)
+    assert result.reason.startswith("tests error: test_f asks for fixture 'db', which neither the tests define"), (
+        result.reason)
+    # parameters with defaults, a helper called with arguments and a parametrized test are fine
+    for tests in ("from solution import mean\n\ndef test_mean(x=2):\n    assert mean([x]) == x\n",
+                  "from solution import mean\n\ndef test_of(xs):\n    assert mean(xs) == 2\n\ntest_of([1, 3])\n",
+                  "import pytest\n\n@pytest.mark.parametrize('xs', [[2]])\ndef test_m(xs):\n"
+                  "    assert mean(xs) == 2\n"):
+        assert code_reward("p", right, tests=tests) == 1.0, tests
+
+
+def test_the_sandboxs_pytest_is_python_3_8_and_has_the_names_the_reward_checks():
+    """The shim runs under the sandbox's interpreter (Python >= 3.8); `gspo.rewards.code` checks tests against
+    `NAMES` and `FIXTURES`, which must be what the module in the sandbox has."""
+    import ast
+
+    from gspo.sandbox import PYTEST_FIXTURES, PYTEST_NAMES
+
+    source = Path(sandbox_module.__file__).with_name("pytest_shim.py").read_text()
+    ast.parse(source, feature_version=(3, 8))
+    listed = run_sandboxed("", f"import pytest\nassert sorted(n for n in dir(pytest) if not n.startswith('_')) == "
+                               f"{sorted(PYTEST_NAMES)!r}\n", **FAST)
+    assert listed.score == 1.0, listed.stderr
+    fixtures = "\n".join(f"def test_{name}({name}):\n    assert {name} is not None\n" for name in PYTEST_FIXTURES)
+    assert run_sandboxed("", fixtures, **FAST).score == 1.0

@@ -23,6 +23,8 @@ from typing import Any
 
 from gspo.rewards.thinking import after_thinking
 from gspo.sandbox import (
+    PYTEST_FIXTURES,
+    PYTEST_NAMES,
     IOCases,
     check_io_limits,
     check_limits,
@@ -61,9 +63,12 @@ def _python_tests(tests: str | list[str], entry_point: Any = None) -> str | list
     that nothing calls (its harness appends `check(entry_point)`), gets that call from the row's `entry_point`.
     Raise ValueError when the tests cannot judge a program: they are not Python (every program would fail them), or
     run nothing that can fail (no statement, a comment, only literal values, only definitions and imports: every
-    program that runs would pass them). The sandbox also runs pytest-style `test_*()` functions and unittest cases
-    that the tests define (`gspo.sandbox.process._HARNESS`), so those count as run. Stdin/stdout and call-based cases
-    are checked by `gspo.sandbox.parse_io_cases` instead."""
+    program that runs would pass them). The sandbox also runs pytest-style tests (`test_*` functions, `Test*` classes,
+    with the sandbox's pytest: `gspo.sandbox.pytest_shim`) and unittest cases that the tests define, so those count as
+    run, except those marked skip (or xfail, which no program fails); pytest-style tests that ask for a fixture that
+    neither they nor the sandbox's pytest define, or use a `pytest.<name>` it lacks, are refused too (every program
+    would fail them: `_pytest_problem`). Stdin/stdout and call-based cases are checked by
+    `gspo.sandbox.parse_io_cases` instead."""
     text = tests if isinstance(tests, str) else "\n".join(tests)
     try:
         body = ast.parse(text).body
@@ -74,7 +79,11 @@ def _python_tests(tests: str | list[str], entry_point: Any = None) -> str | list
     if isinstance(tests, str) and len(body) == 1 and isinstance(literal[0], (list, tuple)) and literal[0] and all(
             isinstance(t, str) for t in literal[0]):
         return _python_tests(list(literal[0]), entry_point)
-    if any(_runs(statement) for statement in body):
+    problem = _pytest_problem(body)
+    if problem is not None:
+        raise ValueError(f"code_reward: the row's tests {problem}, so every program would fail them: {text[:80]!r}")
+    called = _called(body)
+    if any(_runs(statement, called) for statement in body):
         return tests
     if any(isinstance(s, ast.FunctionDef) and s.name == "check" and len(s.args.args) == 1 for s in body):
         if not (isinstance(entry_point, str) and entry_point.isidentifier()):
@@ -82,23 +91,159 @@ def _python_tests(tests: str | list[str], entry_point: Any = None) -> str | list
                              f"layout, whose harness calls check(entry_point)): give the row an 'entry_point' field, "
                              f"the name of the function to check, got {entry_point!r:.60}")
         return f"{text}\n\ncheck({entry_point})\n"
-    raise ValueError(f"code_reward: the row's tests run nothing that can fail (no statement, only literal values, or "
-                     f"only definitions and imports), so every program that runs would pass: {text[:80]!r}")
+    raise ValueError(f"code_reward: the row's tests run nothing that can fail (no statement, only literal values, "
+                     f"only definitions and imports, or only skipped tests), so every program that runs would pass: "
+                     f"{text[:80]!r}")
 
 
-def _runs(statement: ast.stmt) -> bool:
+def _runs(statement: ast.stmt, called: set[str]) -> bool:
     """Whether a top-level statement of the tests runs something that can fail: anything but a definition, an import,
-    a literal value or an assignment of one; a pytest-style `test_*()` function or a unittest case, which the sandbox
-    runs, counts as run."""
+    a literal value or an assignment of one; a pytest-style test (a `test*` function, not a helper that the tests
+    call with arguments, or a `Test*` class with such methods) or a unittest case, which the sandbox runs, counts as
+    run, unless it is marked skip or xfail."""
     if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        return statement.name.startswith("test") and not statement.args.args
+        return _is_test(statement, called)
     if isinstance(statement, ast.ClassDef):
-        return any("TestCase" in ast.unparse(base) for base in statement.bases)
+        if _not_judging(statement):
+            return False
+        if any("TestCase" in ast.unparse(base) for base in statement.bases):
+            return True
+        methods = [s for s in statement.body if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        return statement.name.startswith("Test") and all(m.name != "__init__" for m in methods) and any(
+            _is_test(m, set()) for m in methods)
     if isinstance(statement, (ast.Import, ast.ImportFrom, ast.Pass)):
         return False
     if isinstance(statement, (ast.Assign, ast.AnnAssign)):
         return statement.value is None or _literal(ast.Expr(statement.value)) is _NOT_LITERAL
     return _literal(statement) is _NOT_LITERAL
+
+
+def _is_test(function: ast.FunctionDef | ast.AsyncFunctionDef, called: set[str]) -> bool:
+    """Whether a function is one the sandbox runs as a test (`test*`, not a helper the tests call with arguments) and
+    that can fail (not marked skip or xfail)."""
+    takes = function.args.args[len(function.args.defaults):] or function.args.kwonlyargs
+    return (function.name.startswith("test") and not (takes and function.name in called)
+            and not _not_judging(function))
+
+
+def _not_judging(definition: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) -> bool:
+    """Marked so that no program can fail it: skip (pytest's or unittest's), or a non-strict xfail."""
+    for decorator in definition.decorator_list:
+        name = ast.unparse(decorator.func if isinstance(decorator, ast.Call) else decorator)
+        strict = isinstance(decorator, ast.Call) and any(
+            k.arg == "strict" and isinstance(k.value, ast.Constant) and k.value.value for k in decorator.keywords)
+        if name.endswith("mark.skip") or name in ("unittest.skip", "skip") or (name.endswith("mark.xfail")
+                                                                              and not strict):
+            return True
+    return False
+
+
+def _called(body: list[ast.stmt]) -> set[str]:
+    """The names the tests call (`name(...)`): a `test*` function called with arguments is a helper, not a test."""
+    return {node.func.id for statement in body for node in ast.walk(statement)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
+
+
+def _pytest_problem(body: list[ast.stmt]) -> str | None:
+    """What in the tests the sandbox's pytest cannot run, in words ("ask for fixture 'db' in test_f, which ..."), or
+    None: a `pytest.<name>` (or `from pytest import <name>`) it does not provide, or a fixture that a test asks for
+    (a parameter without a default, not given by a literal parametrize) that neither the tests define (as module or
+    class fixtures) nor it provides (`FIXTURES`). A test whose parameters it cannot read for sure (a parametrize with
+    computed names, another decorator such as unittest.mock's patch) is not checked."""
+    aliases = {a.asname or a.name for s in body for node in ast.walk(s) if isinstance(node, ast.Import)
+               for a in node.names if a.name == "pytest"}
+    for statement in body:
+        for node in ast.walk(statement):
+            if isinstance(node, ast.ImportFrom) and node.module == "pytest":
+                missing = [a.name for a in node.names if a.name not in PYTEST_NAMES and a.name != "*"]
+            elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                  and not node.attr.startswith("__")):
+                missing = [node.attr] if node.attr not in PYTEST_NAMES else []
+            else:
+                continue
+            if missing:
+                return (f"use pytest.{missing[0]}, which the sandbox's pytest does not provide (it has "
+                        f"{', '.join(PYTEST_NAMES)})")
+    module_fixtures = _fixtures(body, False)
+    called = _called(body)
+    for statement in body:
+        if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef)) and _is_test(statement, called):
+            problem = _missing_fixture(statement, module_fixtures, False, [])
+        elif isinstance(statement, ast.ClassDef) and statement.name.startswith("Test"):
+            fixtures = {**module_fixtures, **_fixtures(statement.body, True)}
+            problem = next((p for m in statement.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))
+                            and _is_test(m, set()) and (p := _missing_fixture(m, fixtures, True,
+                                                                              statement.decorator_list))), None)
+        else:
+            continue
+        if problem is not None:
+            return problem
+    return None
+
+
+def _fixtures(body: list[ast.stmt], methods: bool) -> dict[str, tuple[ast.FunctionDef | ast.AsyncFunctionDef, bool]]:
+    """The fixtures that statements define, by name (`@pytest.fixture`, `@fixture(name=...)`), each with `methods`
+    (whether they are a class's)."""
+    found = {}
+    for statement in body:
+        if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for decorator in statement.decorator_list:
+                call = decorator if isinstance(decorator, ast.Call) else None
+                if ast.unparse(call.func if call else decorator).split(".")[-1] in ("fixture", "yield_fixture"):
+                    names = [k.value.value for k in (call.keywords if call else []) if k.arg == "name"
+                             and isinstance(k.value, ast.Constant) and isinstance(k.value.value, str)]
+                    found[names[0] if names else statement.name] = (statement, methods)
+    return found
+
+
+def _missing_fixture(function: ast.FunctionDef | ast.AsyncFunctionDef, fixtures: dict[str, Any], method: bool,
+                     class_decorators: list[ast.expr]) -> str | None:
+    """The first fixture the test (and the fixtures it asks for) needs that nobody defines, in words; None."""
+    given: set[str] = set()
+    used: list[str] = []
+    for decorator in [*class_decorators, *function.decorator_list]:
+        name = ast.unparse(decorator.func if isinstance(decorator, ast.Call) else decorator)
+        if name.endswith("mark.usefixtures") and isinstance(decorator, ast.Call):
+            if not all(isinstance(a, ast.Constant) and isinstance(a.value, str) for a in decorator.args):
+                return None
+            used += [a.value for a in decorator.args]
+        elif name.endswith("mark.parametrize") and isinstance(decorator, ast.Call):
+            names = decorator.args[0] if decorator.args else next(
+                (k.value for k in decorator.keywords if k.arg == "argnames"), None)
+            try:
+                value = ast.literal_eval(names) if names is not None else None
+            except ValueError:
+                return None
+            if isinstance(value, str):
+                given |= {n.strip() for n in value.split(",") if n.strip()}
+            elif isinstance(value, (list, tuple)) and all(isinstance(n, str) for n in value):
+                given |= set(value)
+            else:
+                return None
+        elif "mark." not in name:  # another decorator (unittest.mock.patch, a wrapper): its signature is its own
+            return None
+    wanted = [(n, function.name) for n in [*used, *_required(function, method)] if n not in given]
+    seen: set[str] = set()
+    while wanted:
+        name, asker = wanted.pop()
+        if name in seen or name in PYTEST_FIXTURES:
+            continue
+        seen.add(name)
+        if name not in fixtures:
+            return (f"ask for fixture {name!r} in {asker}, which neither the tests define nor the sandbox's pytest "
+                    f"provides (it has {', '.join(PYTEST_FIXTURES)})")
+        wanted += [(n, name) for n in _required(*fixtures[name])]
+    return None
+
+
+def _required(function: ast.FunctionDef | ast.AsyncFunctionDef, method: bool) -> list[str]:
+    """A function's parameters without a default (`self` aside for a method)."""
+    arguments = function.args
+    positional = [*arguments.posonlyargs, *arguments.args]
+    names = [a.arg for a in positional[: len(positional) - len(arguments.defaults)]]
+    names += [a.arg for a, default in zip(arguments.kwonlyargs, arguments.kw_defaults, strict=True) if default is None]
+    is_static = any(ast.unparse(d) == "staticmethod" for d in function.decorator_list)
+    return names[1:] if method and not is_static else names
 
 
 _NOT_LITERAL = object()

@@ -5,8 +5,9 @@ case and compares its output (or return value) outside the sandbox. See `gspo.sa
 is contained. The `code` reward (`gspo.rewards.code`) is built on them.
 
 The implementation is standard-library only: `gspo.sandbox.process` contains the program (the launcher runs that
-module as a script) and holds the scripts that run inside; `gspo.sandbox.cases` reads the test-case formats, judges
-outputs and runs a program against cases.
+module as a script) and holds the scripts that run inside; `gspo.sandbox.pytest_shim` is the `pytest` those scripts
+provide to tests that use it; `gspo.sandbox.cases` reads the test-case formats, judges outputs and runs a program
+against cases.
 """
 
 from gspo.sandbox.cases import (
@@ -19,6 +20,9 @@ from gspo.sandbox.cases import (
     values_match,
 )
 from gspo.sandbox.process import SandboxError, SandboxResult, check_limits, run_sandboxed
+from gspo.sandbox.pytest_shim import FIXTURES as PYTEST_FIXTURES
+from gspo.sandbox.pytest_shim import NAMES as PYTEST_NAMES
 
-__all__ = ["IOCases", "SandboxError", "SandboxResult", "check_io_limits", "check_limits", "outputs_match",
-           "parse_io_cases", "row_fn_name", "run_sandboxed", "run_sandboxed_io", "values_match"]
+__all__ = ["PYTEST_FIXTURES", "PYTEST_NAMES", "IOCases", "SandboxError", "SandboxResult", "check_io_limits",
+           "check_limits", "outputs_match", "parse_io_cases", "row_fn_name", "run_sandboxed", "run_sandboxed_io",
+           "values_match"]

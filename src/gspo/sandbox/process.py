@@ -32,18 +32,20 @@ PID namespace take care of anything that left the group), caps the captured outp
 of which layers were applied. A layer that could not be applied is never claimed: it is named in
 `SandboxResult.warnings` (and `require_isolation=True` turns that into an error).
 
-Reward hacking: `tests` only count as passed when the harness reaches its end and writes a per-call random token
-to a pipe the trainer reads, so `exit(0)` before the tests does not pass. The tests' `==` and `!=` count a value
-whose equality the program defines (a class of its own, unittest.mock.ANY) as unequal to a plain one, so returning an
-object whose `__eq__` always says True does not pass `assert f(2) == 4` either, nor `assert f(2) in (4, 5)` (the
-tests' `in` / `not in` are checked alike, and a container whose membership the program defines counts as its own)
-(`strict_equality`; `_HARNESS`; unittest's assertEqual / assertIn alike). Chained comparisons (`a == b == c`) are
-left to Python. The tests run as a test file does: as `__main__`, with `from solution import f` importable, their
-pytest-style `test*()` functions and unittest cases run by the harness (neither ran, so every program passed them),
-and exec / compile taken before the program runs (a program that replaced `builtins.exec` passed every test). The
-harness runs in the same process as the program, so a program that deliberately inspects the harness's frames can
-still forge a pass: this guards against accidental and common hacks, not against an adversary that targets this
-harness.
+Reward hacking: `tests` only count as passed when the harness reaches its end and writes a per-call random token to a
+pipe the trainer reads, so `exit(0)` before the tests does not pass. The tests' `==` and `!=` count a value whose
+equality the program defines (a class of its own, unittest.mock.ANY) as unequal to a plain one, so returning an object
+whose `__eq__` always says True does not pass `assert f(2) == 4` either, nor `assert f(2) in (4, 5)` (the tests' `in` /
+`not in` are checked alike, and a container whose membership the program defines counts as its own) (`strict_equality`;
+`_HARNESS`; unittest's assertEqual / assertIn alike). Chained comparisons (`a == b == c`) are left to Python. The tests
+run as a test file does: as `__main__`, with `from solution import f` importable, their pytest-style tests (`test*`
+functions, `Test*` classes) and unittest cases run by the harness (neither ran, so every program passed them), and exec
+/ compile taken before the program runs (a program that replaced `builtins.exec` passed every test). Tests that import
+pytest get the sandbox's own (`gspo.sandbox.pytest_shim`: raises, approx, parametrize and the other marks, fixtures
+with capsys, monkeypatch, tmp_path and request; pytest itself cannot be imported, so every program failed them), which a
+program cannot replace or patch to pass. The harness runs in the same process as the program, so a program that
+deliberately inspects the harness's frames can still forge a pass: this guards against accidental and common hacks, not
+against an adversary that targets this harness.
 
 Stdin/stdout cases: `gspo.sandbox.cases.run_sandboxed_io(code, cases)` (APPS/TACO-style `{"inputs": [...], "outputs":
 [...]}`, checked by `parse_io_cases`; what is judged there runs in the trainer) makes one such call in which the entry
@@ -72,7 +74,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import json
+import marshal
 import math
 import os
 import pwd
@@ -122,20 +126,25 @@ _FALLBACK_PYTHONS = ("/usr/local/bin/python3", "/usr/bin/python3")
 # solution.py (before the program runs, with exec and compile taken then: a program that replaced builtins.exec made
 # every test pass), runs solution.py (the code) as module "solution" (importable: `from solution import f`; with
 # __name__ "solution", so an `if __name__ == "__main__":` block waiting for input does not run), then tests.py in the
-# same namespace as __main__ (a test file run as a script: its main guard runs), then the pytest-style `test*()`
-# functions tests.py defines and, when it uses unittest, its TestCase classes (unittest.main() is left to the
-# harness), and writes the token to the result pipe only if all of them returned. With STRICT_EQUALITY, every `==`
-# and `!=` of the tests goes through _compare (the tests' syntax tree rewritten): a side that holds a value whose
-# equality the program wrote (or that says yes to anything, as unittest.mock.ANY does) is unequal to a side that holds
-# none, so a program cannot pass `assert f(2) == 4` by returning an object whose __eq__ always says True; every `in`
-# and `not in` goes through _contains alike (a container whose __contains__ / __iter__ / __getitem__ the program wrote
-# counts as its own too: `assert 5 in f()` with f returning an object that holds anything fails). Built-in
-# types' own comparisons, the standard library's numbers and collections (Fraction, Counter, ...) and methods the
-# tests themselves define (by their code's file: an approx class) count as plain; unittest's assertEqual,
-# assertNotEqual, assertIn and assertNotIn check alike (as taken before the program ran). Kept compatible with
-# Python >= 3.8.
+# same namespace as __main__ (a test file run as a script: its main guard runs), then the pytest-style tests tests.py
+# defines (`test*` functions, with fixtures and parametrize, and `Test*` classes: pytest_shim.py's runner, loaded with
+# the module `pytest` before the program runs when the tests or the program mention pytest or the tests define such
+# tests) and, when it uses unittest, its TestCase classes (unittest.main() and pytest.main() are left to the harness),
+# and writes the token to the result pipe only if all of them returned (the runner's tests error, a fixture that nobody
+# defines, exits 2 with "gspo sandbox: tests error: ..."). builtins.__import__ is put back after the program ran (a
+# program's own could hand the tests a pytest or unittest of its own), and sys.exit taken before. With STRICT_EQUALITY,
+# every `==` and `!=` of the tests goes through _compare (the tests' syntax tree rewritten): a side that holds a value
+# whose equality the program wrote (or that says yes to anything, as unittest.mock.ANY does) is unequal to a side that
+# holds none, so a program cannot pass `assert f(2) == 4` by returning an object whose __eq__ always says True; every
+# `in` and `not in` goes through _contains alike (a container whose __contains__ / __iter__ / __getitem__ the program
+# wrote counts as its own too: `assert 5 in f()` with f returning an object that holds anything fails). Built-in types'
+# own comparisons, the standard library's numbers and collections (Fraction, Counter, ...), methods the tests themselves
+# define (by their code's file: an approx class) and the sandbox pytest's approx (_plain_ids, by identity) count as
+# plain; unittest's assertEqual, assertNotEqual, assertIn and assertNotIn check alike (as taken before the program ran).
+# Kept compatible with Python >= 3.8.
 _HARNESS = """\
 import ast
+import builtins
 import itertools
 import os
 import sys
@@ -144,6 +153,7 @@ STRICT_EQUALITY = True
 # the built-ins the checks use, taken before the program runs (it could replace them in the builtins module)
 _type, _getattr, _isinstance, _issubclass, _id, _write = type, getattr, isinstance, issubclass, id, sys.stderr.write
 _exec, _compile, _setattr = exec, compile, setattr  # `builtins.exec = lambda *a: None` made every test pass
+_exit, _import = sys.exit, builtins.__import__  # `sys.exit = print` let failed unittest cases pass
 _dict, _list, _set, _map, _any, _chain = dict, list, set, map, any, itertools.chain
 # a built-in type's own methods (int, str, list, dict, OrderedDict, Decimal, ...): slot wrappers and C methods
 _C_METHODS = (_type(object.__eq__), _type(dict.__contains__))
@@ -153,11 +163,11 @@ _C_METHODS = (_type(object.__eq__), _type(dict.__contains__))
 _PLAIN_MODULES = ("fractions", "decimal", "_pydecimal", "collections", "collections.abc", "_collections_abc",
                   "datetime", "_pydatetime", "ipaddress", "pathlib", "uuid", "enum", "os", "_weakrefset", "weakref")
 _CONTAINERS = (_dict, _list, tuple, _set, frozenset)
-_said, _plain_builtins = [], set()
+_said, _plain_builtins, _plain_ids = [], set(), set()  # _plain_ids: the sandbox pytest's approx methods
 
 
 def _plain_method(method):
-    if _type(method) in _C_METHODS:
+    if _type(method) in _C_METHODS or _id(method) in _plain_ids:
         return True
     code = _getattr(method, "__code__", None)
     if code is not None and code.co_filename == "tests.py":  # the tests' own helper, e.g. an approx class
@@ -283,15 +293,26 @@ def _from_tests(value):
     return code is not None and code.co_filename == "tests.py"
 
 
-def _run_test_functions(namespace):
-    for name, value in _list(namespace.items()):
-        code = _getattr(value, "__code__", None)
-        if (name.startswith("test") and _from_tests(value) and code.co_argcount == 0
-                and code.co_kwonlyargcount == 0):
-            result = value()
-            if _type(result).__name__ == "coroutine":  # `async def test_...():`, as pytest-asyncio runs it
-                import asyncio
-                asyncio.run(result)
+# The sandbox's pytest (pytest_shim.py) installed (its runner), and the names the tests call, when the tests or the
+# program mention pytest or the tests define `test*` functions or `Test*` classes; else (None, None).
+def _pytest(tests, source, program):
+    if "pytest" not in source and "pytest" not in program and not _any(
+            _isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and s.name.lower().startswith("test")
+            for s in tests.body):
+        return None, None
+    called = _set(n.func.id for n in ast.walk(tests) if _isinstance(n, ast.Call) and _isinstance(n.func, ast.Name))
+    with open("pytest_shim.pyc", "rb") as handle:  # compiled by the trainer: compiling it here took ~15 ms
+        compiled = handle.read()
+    magic = _getattr(sys.modules.get("_frozen_importlib_external"), "MAGIC_NUMBER", None)
+    if magic is not None and compiled[:len(magic)] == magic:
+        import marshal
+        code = marshal.loads(compiled[len(magic):])
+    else:  # another Python version than the trainer's
+        with open("pytest_shim.py", encoding="utf-8") as handle:
+            code = _compile(handle.read(), "pytest_shim.py", "exec")
+    shim = {"__name__": "gspo_pytest", "__builtins__": builtins}
+    _exec(code, shim)
+    return shim["install"](_compare, _plain_method, _plain_ids, source), called
 
 
 def _run_test_cases(namespace, unittest):
@@ -303,7 +324,7 @@ def _run_test_cases(namespace, unittest):
     result = unittest.TextTestRunner(stream=sys.stderr, verbosity=0).run(suite)
     if result.testsRun == 0 or not result.wasSuccessful():
         _write("gspo sandbox: the tests' unittest cases failed\\n")
-        sys.exit(1)
+        _exit(1)
 
 
 def _main():
@@ -314,8 +335,10 @@ def _main():
     with open("tests.py", encoding="utf-8") as handle:
         source = handle.read()
     with open("solution.py", encoding="utf-8") as handle:
-        program = _compile(handle.read(), "solution.py", "exec")
+        program_source = handle.read()
+    program = _compile(program_source, "solution.py", "exec")
     tests = ast.parse(source, "tests.py")  # compiled before the program runs: it could replace compile
+    runner, called = _pytest(tests, source, program_source)
     if STRICT_EQUALITY:
         tests = ast.fix_missing_locations(_Equalities().visit(tests))
     tests = _compile(tests, "tests.py", "exec")
@@ -328,6 +351,9 @@ def _main():
     namespace["__builtins__"] = __builtins__
     sys.modules["solution"] = module
     _exec(program, namespace)
+    builtins.__import__ = _import  # a program's __import__ could hand the tests a pytest or unittest of its own
+    if runner is not None:
+        runner.restore()
     if STRICT_EQUALITY:
         namespace.update(__gspo_compare__=_compare, __gspo_contains__=_contains)
     if unittest is not None:
@@ -336,14 +362,16 @@ def _main():
                 _setattr(unittest.TestCase, name, method)
         unittest.main = lambda *args, **kwargs: None  # the harness runs the test cases itself, below
     namespace["__name__"] = "__main__"  # the tests run as a script would: their `if __name__ == "__main__":` too
+    namespace["__file__"] = os.path.abspath("tests.py")  # `pytest.main([__file__])` under that guard
     _exec(tests, namespace)
-    _run_test_functions(namespace)  # pytest's layout: `def test_...():` functions
+    if runner is not None:  # pytest's layout: `def test_...():` functions, `class Test...:`
+        runner.run(namespace, called, unittest.TestCase if unittest is not None else None)
     if unittest is not None:
         _run_test_cases(namespace, unittest)
     if STRICT_EQUALITY and (namespace.get("__gspo_compare__") is not _compare
                             or namespace.get("__gspo_contains__") is not _contains):
         _write("gspo sandbox: the program replaced the tests' comparison\\n")
-        sys.exit(1)
+        _exit(1)
     sys.stdout.flush()
     sys.stderr.flush()
     os.write(3, token.encode() + b"\\n")
@@ -560,12 +588,26 @@ def run_sandboxed(
     token = secrets.token_hex(16)
     harness = _HARNESS.replace("STRICT_EQUALITY = True", f"STRICT_EQUALITY = {bool(strict_equality)}")
     files = {"main.py": harness, "solution.py": f"{code}\n", "tests.py": f"{tests_source}\n"}
+    if "pytest" in code or "test" in tests_source.lower():  # what the harness may load it for (`_pytest` there)
+        files.update(_pytest_shim())
     run = _call(files, token, timeout_s=timeout_s, cpu_s=cpu_s, memory_mb=memory_mb, max_procs=max_procs,
                 max_output=max_output_bytes, python=python, require_isolation=require_isolation)
     passed = run.stopped is None and run.exit_code == 0 and token.encode() in run.data["result"].split(b"\n")
     stdout, stderr = (run.data[name][:max_output_bytes].decode("utf-8", "replace") for name in ("stdout", "stderr"))
     reason = "passed" if passed else _failure_reason(run.stopped, run.exit_code, stderr)
     return SandboxResult(1.0 if passed else 0.0, reason, stdout, stderr, run.exit_code, run.isolation, run.warnings)
+
+
+@functools.cache
+def _pytest_shim() -> dict[str, str | bytes]:
+    """The sandbox's pytest (`gspo.sandbox.pytest_shim`), which the harness runs when the tests use pytest: its source
+    and its code compiled by this interpreter (marshal, after the magic number), which the harness loads instead when
+    it runs the same Python version."""
+    import importlib.util
+
+    source = Path(__file__).with_name("pytest_shim.py").read_text(encoding="utf-8")
+    code = compile(source, "pytest_shim.py", "exec", dont_inherit=True)
+    return {"pytest_shim.py": source, "pytest_shim.pyc": importlib.util.MAGIC_NUMBER + marshal.dumps(code)}
 
 
 def check_limits(timeout_s: float, cpu_s: float, memory_mb: int, max_procs: int, max_output_bytes: int) -> None:
@@ -652,7 +694,7 @@ class _Run:
 
 
 def _call(
-    files: dict[str, str], token: str, *, timeout_s: float, cpu_s: float, memory_mb: int, max_procs: int,
+    files: dict[str, str | bytes], token: str, *, timeout_s: float, cpu_s: float, memory_mb: int, max_procs: int,
     max_output: int, python: str | None, require_isolation: bool,
     on_result: Callable[[bytes], str | None] | None = None,
 ) -> _Run:
@@ -664,7 +706,10 @@ def _call(
         workdir = Path(tempfile.mkdtemp(prefix="gspo-sandbox-"))
         try:
             for name, text in files.items():
-                (workdir / name).write_text(text, encoding="utf-8")
+                if isinstance(text, bytes):
+                    (workdir / name).write_bytes(text)
+                else:
+                    (workdir / name).write_text(text, encoding="utf-8")
             if drop_to is not None:
                 os.chown(workdir, *drop_to)
             spec = {
@@ -834,6 +879,8 @@ def _failure_reason(stopped: str | None, exit_code: int | None, stderr: str) -> 
     if exit_code < 0:
         return "cpu time limit" if -exit_code == signal.SIGXCPU else f"killed by signal {-exit_code}"
     last = next((line.strip() for line in reversed(stderr.splitlines()) if line.strip()), "")
+    if exit_code == 2 and last.startswith("gspo sandbox: tests error: "):  # the pytest runner's: a fixture missing
+        return last.removeprefix("gspo sandbox: ")
     if last.startswith("MemoryError") or "Cannot allocate memory" in last:
         return "memory"
     if last.startswith("AssertionError"):
