@@ -875,6 +875,46 @@ def test_a_program_that_replaces_exec_or_compile_does_not_skip_the_tests():
         assert run_sandboxed(code, "assert add(2, 3) == 5", **FAST).reason == "tests failed", patch
 
 
+UNITTEST_CASES = """import unittest
+from solution import f, Solution
+
+class T(unittest.TestCase):
+    def setUp(self):
+        self.s = Solution()
+
+    def test_f(self):
+        self.assertEqual(f(2), 4)
+
+    def test_g(self):
+        self.assertEqual(self.s.g(3), 9)
+
+if __name__ == "__main__":
+    unittest.main()
+"""
+
+
+@pytest.mark.parametrize("program", [
+    "def f(x):\n    raise unittest.SkipTest('')\n"
+    "class Solution:\n    def g(self, x):\n        raise unittest.SkipTest('')\n",
+    "def f(x):\n    return 0\nclass Solution:\n    def __init__(self):\n        raise unittest.SkipTest('')\n",
+    "import unittest.case\nunittest.case.SkipTest = AssertionError\ndef f(x):\n    return 0\n"
+    "class Solution:\n    def g(self, x):\n        return 0\n",
+], ids=["raised-in-the-function", "raised-in-the-setUp's-Solution()", "every-failure-a-skip"])
+def test_a_program_cannot_pass_unittest_cases_by_skipping_them(program):
+    """A unittest case skipped counts as passed: a program that raised unittest.SkipTest (from the function, or from
+    the Solution() every setUp makes), or made SkipTest stand for AssertionError, passed every test. A skip counts only
+    when the tests raise it (a `raise` in their code, or their own self.skipTest); SkipTest is put back after the
+    program ran."""
+    wrong = run_sandboxed(f"import unittest\n{program}", UNITTEST_CASES, **FAST)
+    assert wrong.score == 0.0 and "unittest cases failed" in wrong.stderr, wrong
+    right = "def f(x):\n    return x * x\nclass Solution:\n    def g(self, x):\n        return x * x\n"
+    assert run_sandboxed(right, UNITTEST_CASES, **FAST).score == 1.0
+    skipping = UNITTEST_CASES.replace("    def test_g(self):", "    @unittest.skip('later')\n    def test_h(self):\n"
+                                      "        pass\n\n    def test_i(self):\n        self.skipTest('not here')\n\n"
+                                      "    def test_g(self):")
+    assert run_sandboxed(right, skipping, **FAST).score == 1.0  # the tests' own skips are skips
+
+
 @pytest.mark.parametrize("form", [json.dumps, repr])
 def test_tests_stored_as_the_text_of_a_list_are_that_list(form):
     """MBPP's `test_list` kept as text (JSON, or Python's repr in a CSV): run as written it was one list display that

@@ -40,12 +40,13 @@ whose `__eq__` always says True does not pass `assert f(2) == 4` either, nor `as
 `_HARNESS`; unittest's assertEqual / assertIn alike). Chained comparisons (`a == b == c`) are left to Python. The tests
 run as a test file does: as `__main__`, with `from solution import f` importable, their pytest-style tests (`test*`
 functions, `Test*` classes) and unittest cases run by the harness (neither ran, so every program passed them), and exec
-/ compile taken before the program runs (a program that replaced `builtins.exec` passed every test). Tests that import
-pytest get the sandbox's own (`gspo.sandbox.pytest_shim`: raises, approx, parametrize and the other marks, fixtures
-with capsys, monkeypatch, tmp_path and request; pytest itself cannot be imported, so every program failed them), which a
-program cannot replace or patch to pass. The harness runs in the same process as the program, so a program that
-deliberately inspects the harness's frames can still forge a pass: this guards against accidental and common hacks, not
-against an adversary that targets this harness.
+/ compile taken before the program runs (a program that replaced `builtins.exec` passed every test); a unittest case
+counts as skipped only when the tests skip it (a program that raised `unittest.SkipTest` passed every case). Tests that
+import pytest get the sandbox's own (`gspo.sandbox.pytest_shim`: raises, approx, parametrize and the other marks,
+fixtures with capsys, monkeypatch, tmp_path and request; pytest itself cannot be imported, so every program failed
+them), which a program cannot replace or patch to pass. The harness runs in the same process as the program, so a
+program that deliberately inspects the harness's frames can still forge a pass: this guards against accidental and
+common hacks, not against an adversary that targets this harness.
 
 Stdin/stdout cases: `gspo.sandbox.cases.run_sandboxed_io(code, cases)` (APPS/TACO-style `{"inputs": [...], "outputs":
 [...]}`, checked by `parse_io_cases`; what is judged there runs in the trainer) makes one such call in which the entry
@@ -154,7 +155,7 @@ STRICT_EQUALITY = True
 _type, _getattr, _isinstance, _issubclass, _id, _write = type, getattr, isinstance, issubclass, id, sys.stderr.write
 _exec, _compile, _setattr = exec, compile, setattr  # `builtins.exec = lambda *a: None` made every test pass
 _exit, _import = sys.exit, builtins.__import__  # `sys.exit = print` let failed unittest cases pass
-_dict, _list, _set, _map, _any, _chain = dict, list, set, map, any, itertools.chain
+_dict, _list, _set, _map, _any, _chain, _len = dict, list, set, map, any, itertools.chain, len
 # a built-in type's own methods (int, str, list, dict, OrderedDict, Decimal, ...): slot wrappers and C methods
 _C_METHODS = (_type(object.__eq__), _type(dict.__contains__))
 # the standard library's modules whose types' methods are plain too (not unittest.mock: ANY equals anything), the
@@ -315,11 +316,51 @@ def _pytest(tests, source, program):
     return shim["install"](_compare, _plain_method, _plain_ids, source), called
 
 
-def _run_test_cases(namespace, unittest):
+def _skipped_by_tests(error):
+    # whether a SkipTest was raised by the tests' own code: a `raise` in tests.py, or unittest's skipTest() called
+    # there; one raised in the program (`raise unittest.SkipTest` in f, or in the Solution() a setUp makes) made every
+    # test that reached it pass
+    frames, tb = [], error.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code)
+        tb = tb.tb_next
+    last = frames[-1] if frames else None
+    return last is not None and (last.co_filename == "tests.py" or (
+        last.co_name == "skipTest" and _len(frames) > 1 and frames[-2].co_filename == "tests.py"))
+
+
+def _no_program_skips(function, skip_test):
+    if function.__code__.co_flags & 0x80:  # CO_COROUTINE: an IsolatedAsyncioTestCase's async test
+        async def guarded(*args, **kwargs):
+            try:
+                return await function(*args, **kwargs)
+            except skip_test as error:
+                if not _skipped_by_tests(error):
+                    raise AssertionError("the program raised unittest.SkipTest: a test it skips is not passed")
+                raise
+    else:
+        def guarded(*args, **kwargs):
+            try:
+                return function(*args, **kwargs)
+            except skip_test as error:
+                if not _skipped_by_tests(error):
+                    raise AssertionError("the program raised unittest.SkipTest: a test it skips is not passed")
+                raise
+    guarded.__name__, guarded.__qualname__, guarded.__doc__ = function.__name__, function.__qualname__, function.__doc__
+    return guarded
+
+
+def _run_test_cases(namespace, unittest, skip_test):
     cases = [value for value in _list(namespace.values()) if _isinstance(value, _type) and
              _issubclass(value, unittest.TestCase) and _any(_from_tests(v) for v in _dict(value.__dict__).values())]
     if not cases:
         return
+    for case in cases:  # its tests, setUp and helpers (class and static methods too): the program's skips fail
+        for name, value in _list(_dict(case.__dict__).items()):
+            inner = _getattr(value, "__func__", value)
+            if _from_tests(inner):
+                guarded = _no_program_skips(inner, skip_test)
+                _setattr(case, name, guarded if inner is value else _type(value)(guarded))
     suite = unittest.TestSuite(unittest.defaultTestLoader.loadTestsFromTestCase(case) for case in cases)
     result = unittest.TextTestRunner(stream=sys.stderr, verbosity=0).run(suite)
     if result.testsRun == 0 or not result.wasSuccessful():
@@ -343,9 +384,9 @@ def _main():
         tests = ast.fix_missing_locations(_Equalities().visit(tests))
     tests = _compile(tests, "tests.py", "exec")
     unittest = None
-    if "unittest" in source:  # its assertions, taken before the program runs (it could replace them)
+    if "unittest" in source:  # its assertions and SkipTest, taken before the program runs (it could replace them)
         import unittest
-        strict = _strict_unittest(unittest)
+        strict, skip_test = _strict_unittest(unittest), unittest.SkipTest
     module = _type(sys)("solution")  # importable: `from solution import f` in the tests
     namespace = module.__dict__
     namespace["__builtins__"] = __builtins__
@@ -361,13 +402,15 @@ def _main():
             for name, method in strict.items():
                 _setattr(unittest.TestCase, name, method)
         unittest.main = lambda *args, **kwargs: None  # the harness runs the test cases itself, below
+        # `unittest.case.SkipTest = AssertionError` in the program made every failed assertion a skip
+        unittest.SkipTest = sys.modules["unittest.case"].SkipTest = skip_test
     namespace["__name__"] = "__main__"  # the tests run as a script would: their `if __name__ == "__main__":` too
     namespace["__file__"] = os.path.abspath("tests.py")  # `pytest.main([__file__])` under that guard
     _exec(tests, namespace)
     if runner is not None:  # pytest's layout: `def test_...():` functions, `class Test...:`
         runner.run(namespace, called, unittest.TestCase if unittest is not None else None)
     if unittest is not None:
-        _run_test_cases(namespace, unittest)
+        _run_test_cases(namespace, unittest, skip_test)
     if STRICT_EQUALITY and (namespace.get("__gspo_compare__") is not _compare
                             or namespace.get("__gspo_contains__") is not _contains):
         _write("gspo sandbox: the program replaced the tests' comparison\\n")
