@@ -195,6 +195,33 @@ def test_a_batch_that_kills_its_worker_twice_is_counted_lost_and_the_run_goes_on
     assert not multiprocessing.active_children()
 
 
+def test_a_resume_loses_a_pending_batch_that_already_killed_a_worker_at_its_next_death(tmp_path, monkeypatch):
+    """A checkpoint keeps which of the batches in flight a worker already died generating (`rollout_retried`), so a
+    resumed run counts such a batch as lost at its next death, as the run that saved it would have (it used to forget,
+    and try the batch twice more); the other batches go on."""
+    cfg = async_cfg(tmp_path, "rewards.functions={kill_own_worker_on_marked_prompts: 1.0}", "rewards.check=false")
+    monkeypatch.setitem(REWARDS, "kill_own_worker_on_marked_prompts", kill_own_worker_on_marked_prompts)
+    setup = prepare(cfg)
+    rows, _ = step_prompts(1, setup.train_rows, cfg.rollout.prompts_per_step, cfg.trainer.seed)
+    monkeypatch.setenv("GSPO_TEST_FATAL_PROMPTS", json.dumps([r["prompt"] for r in rows]))
+    rollouts = AsyncRollouts(cfg, setup.model, setup.tokenizer, setup.train_rows, policy_weights(setup.model), 2,
+                             start_index=3, pending=[1], retried=[1])
+    try:
+        assert rollouts.state_dict()["rollout_retried"] == [1]
+        taken = []
+        for version in (2, 3):
+            item, _ = rollouts.next(version)
+            taken.append(item.index)
+            rollouts.publish(policy_weights(setup.model), version + 1)
+        assert taken == [3, 4]
+        assert (rollouts.counts["worker_restarts"], rollouts.counts["retried_batches"],
+                rollouts.counts["lost_batches"]) == (1, 0, 1)
+        assert rollouts.state_dict()["rollout_pending"] == rollouts.state_dict()["rollout_retried"] == []
+    finally:
+        rollouts.close()
+    assert not multiprocessing.active_children()
+
+
 @pytest.mark.timeout(300)
 def test_batches_lost_beyond_the_staleness_bound_do_not_stall_the_workers(tmp_path):
     """Each lost batch index used up a version of the bound for good: with max_staleness=0 the first worker death left

@@ -983,16 +983,17 @@ class _Run:
         if cfg.rollout.mode != "async":
             return None
         index, pending = state.get("rollout_index", start), state.get("rollout_pending", [])
+        retried = state.get("rollout_retried", [])  # of the pending ones: a second death loses them
         counts = {k: state[k] for k in ROLLOUT_COUNTS if k in state}
         weights = policy_weights(self.model)  # under FSDP gathered by every process
         inner = None  # torchrun: rank 0 runs the workers and hands every process each batch
         if group.is_main:
             inner = AsyncRollouts(cfg, self.model, self.tokenizer, self.setup.train_rows, weights, start,
                                   start_index=index, device=str(group.device), counts=counts, out=str(self.out),
-                                  pending=pending)
+                                  pending=pending, retried=retried)
         else:
             drain(weights)
-        return SharedRollouts(group, inner, index, counts, pending) if group.enabled else inner
+        return SharedRollouts(group, inner, index, counts, pending, retried) if group.enabled else inner
 
     def publish_model(self, name: str) -> None:
         """The policy as a model folder OUT/`name` (written aside, then swapped in): a transformers model, or with

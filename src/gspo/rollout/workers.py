@@ -31,7 +31,8 @@ met, e.g. an environment's reset that failed), which the learner raises as it is
 (the worker's traceback logged at debug level). On resume, batch indices continue after the highest one trained, and the
 batches in flight at the checkpoint are generated again: a checkpoint keeps the indices below that one which were
 claimed but had not arrived (`rollout_pending`; with several workers a later batch can arrive and be trained first), and
-workers claim those before any new index, so a crash skips no prompts.
+workers claim those before any new index, so a crash skips no prompts; one of them that a worker already died generating
+(`rollout_retried`) is lost at its next death, as it would have been without the crash.
 """
 
 from __future__ import annotations
@@ -261,10 +262,10 @@ class SharedRollouts:
     weights for a publish) and mirror the counts that checkpoints keep."""
 
     def __init__(self, group, inner: AsyncRollouts | None, start_index: int, counts: dict[str, int],
-                 pending: Sequence[int] = ()) -> None:
+                 pending: Sequence[int] = (), retried: Sequence[int] = ()) -> None:
         self.group, self.inner = group, inner
         self.next_index, self.counts, self._ahead = start_index, {**dict.fromkeys(ROLLOUT_COUNTS, 0), **counts}, 0
-        self.pending = list(pending)
+        self.pending, self.retried = list(pending), list(retried)
 
     def next(self, version: int) -> tuple[WorkerBatch, float]:
         """Rank 0's next batch (`AsyncRollouts.next`) on every process; the wait is rank 0's."""
@@ -273,13 +274,13 @@ class SharedRollouts:
             try:
                 item, waited = self.inner.next(version)
                 payload = (item, waited, self.inner.ahead(), dict(self.inner.counts), self.inner.next_index,
-                           self.inner.pending())
+                           self.inner.pending(), sorted(self.inner.retried))
             except (NoSignal, WorkerError, ValueError) as e:
                 payload = e  # every process raises it, none waits for a batch that never comes
         payload = self.group.broadcast_object(payload)
         if isinstance(payload, Exception):
             raise payload
-        item, waited, self._ahead, self.counts, self.next_index, self.pending = payload
+        item, waited, self._ahead, self.counts, self.next_index, self.pending, self.retried = payload
         return item, waited
 
     def publish(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
@@ -295,7 +296,8 @@ class SharedRollouts:
     def state_dict(self) -> dict[str, Any]:
         """As `AsyncRollouts.state_dict`, as of the last batch taken (a batch arriving later settles nothing that the
         checkpoint after this step keeps: it is trained after it)."""
-        return {"rollout_index": self.next_index, "rollout_pending": self.pending, **self.counts}
+        return {"rollout_index": self.next_index, "rollout_pending": self.pending,
+                "rollout_retried": [i for i in self.retried if i in self.pending], **self.counts}
 
     def close(self) -> None:
         if self.inner is not None:
@@ -335,7 +337,7 @@ class AsyncRollouts:
 
     def __init__(self, cfg, model: torch.nn.Module, tokenizer, train_rows: list[dict], weights, version: int,
                  start_index: int = 0, device: str = "cpu", counts: dict[str, int] | None = None,
-                 out: str = ".", pending: Sequence[int] = ()) -> None:
+                 out: str = ".", pending: Sequence[int] = (), retried: Sequence[int] = ()) -> None:
         from gspo.rollout import prepare_worker_source
 
         ro = cfg.rollout
@@ -361,7 +363,8 @@ class AsyncRollouts:
         self.floor = min([*pending, start_index])
         self.settled = set(range(self.floor, start_index)) - set(pending)
         self.counts = {**dict.fromkeys(ROLLOUT_COUNTS, 0), **(counts or {})}
-        self.retried: set[int] = set()  # indices a worker died generating once (a second death loses them)
+        # indices a worker died generating once (a second death loses them; a resume's pending ones among them too)
+        self.retried: set[int] = set(retried)
         self.workers: list = [None] * ro.workers
         self.readers: list = [None] * ro.workers
         for w in range(ro.workers):
@@ -462,8 +465,11 @@ class AsyncRollouts:
             self.floor += 1
 
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint keeps: where the batch indices continue, the ones in flight below it, and the counts."""
-        return {"rollout_index": self.next_index, "rollout_pending": self.pending(), **self.counts}
+        """What a checkpoint keeps: where the batch indices continue, the ones in flight below it (and which of those
+        a worker already died generating), and the counts."""
+        pending = self.pending()
+        return {"rollout_index": self.next_index, "rollout_pending": pending,
+                "rollout_retried": sorted(self.retried.intersection(pending)), **self.counts}
 
     def close(self) -> None:
         """Stop the workers (they may be blocked sending, or waiting for weights)."""
