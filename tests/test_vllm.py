@@ -305,6 +305,45 @@ def test_trainer_runs_on_the_vllm_engine(tmp_path):
     assert (out / "vllm_init" / "config.json").is_file()  # the preset, saved for vLLM to start from
 
 
+TWO_TURNS = '''
+from gspo.agent import Step
+
+
+class TwoTurns:
+    """Every episode has two policy turns: the first reply gets a tool observation back, the second ends it."""
+
+    def reset(self, row):
+        self.turns = 0
+        return row["prompt"]
+
+    def step(self, action):
+        self.turns += 1
+        if self.turns == 1:
+            return Step(observation=[{"role": "tool", "content": "7"}], reward=0.1)
+        return Step(done=True)
+'''
+
+
+def test_trainer_runs_multi_turn_episodes_on_the_vllm_engine(tmp_path):
+    """`gspo train` with a two-turn environment sampling with vLLM: each later turn's prompt (the transcript so far,
+    the environment's observation in it) is vLLM's to continue, and at every step the trainer's recomputed π_old still
+    equals vLLM's logprobs of the policy's tokens of every turn."""
+    (tmp_path / "turns_envs.py").write_text(TWO_TURNS)
+    out = tmp_path / "run"
+    overrides = tiny_overrides(out, "cold_start=null", "trainer.steps=3", "rollout.engine=vllm",
+                               "rollout.vllm.enforce_eager=true", "rollout.vllm.max_model_len=128",
+                               "data.max_prompt_tokens=32", "data.chat=always", "rollout.max_new_tokens=8",
+                               f"env.name={tmp_path / 'turns_envs.py'}:TwoTurns", "env.max_tokens=48",
+                               "rewards.functions={conftest.varied_reward: 1.0}", "rewards.check=false")
+    records = gspo_train(tmp_path, out, overrides, timeout=900)
+    report("multi-turn trainer on vllm (tiny-moe)", rollout_logprob_diff=[r["rollout_logprob_diff"] for r in records],
+           episode_turns=[r["episode_turns"] for r in records])
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["episode_turns"] > 1 for r in records)  # second turns were played
+    assert all(r["rollout_logprob_diff"] < 1e-5 for r in records)
+    assert all(r["grad_norm"] > 0 for r in records)
+
+
 # ---------------------------------------------------------------------------------------------------- server
 
 
