@@ -255,7 +255,8 @@ def test_the_program_sees_a_clean_environment_and_closed_stdin(monkeypatch):
     result = run_sandboxed(code, "", **FAST)
     assert result.reason == "passed", result.stderr
     assert "hunter2" not in result.stdout + result.stderr
-    assert "['HOME', 'LANG', 'PATH', 'TMPDIR']" in result.stdout
+    assert ("['HOME', 'LANG', 'MKL_NUM_THREADS', 'OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS', 'PATH', 'TMPDIR']"
+            in result.stdout)
     assert "stdin ''" in result.stdout
 
 
@@ -1281,3 +1282,159 @@ def test_the_sandboxs_pytest_is_python_3_8_and_has_the_names_the_reward_checks()
     assert listed.score == 1.0, listed.stderr
     fixtures = "\n".join(f"def test_{name}({name}):\n    assert {name} is not None\n" for name in PYTEST_FIXTURES)
     assert run_sandboxed("", fixtures, **FAST).score == 1.0
+
+
+# ------------------------------------------------------------------------------- packages beyond the standard library
+
+NUMPY_ROW = {"tests": "import numpy as np\n\nassert np.array_equal(running(np.array([1, 2, 3])), np.array([1, 3, 6]))\n"
+                      "assert running(np.arange(4)).dtype.kind == 'i'\n"}
+NUMPY_RIGHT = "```python\nimport numpy as np\n\ndef running(xs):\n    return np.cumsum(xs)\n```"
+NUMPY_WRONG = "```python\nimport numpy as np\n\ndef running(xs):\n    return np.array(xs)\n```"
+
+
+def test_packages_let_the_program_and_the_tests_import_the_trainers_modules():
+    """A row whose tests import numpy (BigCodeBench's `import numpy as np`) failed every program: the sandbox runs
+    `python -I -S`, the standard library only. With packages=("numpy",) numpy's folder is on the program's path."""
+    pytest.importorskip("numpy")
+    with_numpy = make_code_reward(**FAST, packages=("numpy",))
+    assert with_numpy("p", NUMPY_RIGHT, **NUMPY_ROW) == 1.0
+    assert with_numpy("p", NUMPY_WRONG, **NUMPY_ROW) == 0.0
+    assert make_code_reward(**FAST)("p", NUMPY_RIGHT, **NUMPY_ROW) == 0.0  # without: the right program fails
+    plain = run_sandboxed(extract_code(NUMPY_RIGHT), NUMPY_ROW["tests"], **FAST)
+    assert plain.reason == "exit code 1" and "ModuleNotFoundError: No module named 'numpy'" in plain.stderr
+    result = run_sandboxed(extract_code(NUMPY_RIGHT), NUMPY_ROW["tests"], packages=["numpy"], **FAST)
+    assert result.reason == "passed", result.stderr
+    assert_contained(result)
+    # the numeric libraries start one thread each (a thread per core failed under RLIMIT_AS / RLIMIT_NPROC)
+    threads = run_sandboxed("import os\nimport numpy\nprint(len(os.listdir('/proc/self/task')))\n", "",
+                            packages=("numpy",), **FAST)
+    assert (threads.reason, threads.stdout) == ("passed", "1\n"), threads.stderr
+
+
+def test_packages_reach_stdin_stdout_and_call_based_cases():
+    """Each case's program runs in a child interpreter of its own (and a call-based one under the caller stub): it
+    gets the packages' folders too, and runs as the script it is (__main__, its __file__ and argv)."""
+    pytest.importorskip("numpy")
+    code = ("import sys\nimport numpy as np\n\nn = int(input())\nprint(int(np.array(input().split(), dtype=int).sum()))"
+            "\nassert __name__ == '__main__' and __file__ == sys.argv[0] == 'solution.py', (__file__, sys.argv)\n"
+            "assert 'sys' in globals() and 'np' in globals() and 'BOOT' not in globals()\n")
+    result = run_sandboxed_io(code, SUM_CASES, packages=("numpy",), **FAST)
+    assert (result.reason, result.cases) == ("passed", ("passed",) * 3), result.stderr
+    assert run_sandboxed_io(code, SUM_CASES, **FAST).reason == "case 0: exit code 1"  # ModuleNotFoundError
+    function = "import numpy as np\n\ndef add(a, b):\n    return np.add(a, b).item()\n"
+    assert run_sandboxed_io(function, ADD_CASES, packages=("numpy",), **FAST).reason == "passed"
+    right = f"```python\n{code}```"
+    assert make_code_reward(**FAST, packages=("numpy",))("p", right, tests=json.dumps(SUM_CASES)) == 1.0
+
+
+@pytest.mark.parametrize(("packages", "says"), [
+    (("nonexistent_mod",), "no module 'nonexistent_mod' is installed in the trainer's environment"),
+    (("os",), "'os' is in the standard library"),
+    (("numpy.linalg",), "'numpy.linalg' is not a top-level module name \\(give 'numpy'\\)"),
+    (("",), "'' is not a top-level module name"),
+])
+def test_packages_that_are_not_installed_top_level_modules_are_refused_when_the_reward_is_made(packages, says):
+    with pytest.raises(ValueError, match=says):
+        make_code_reward(packages=packages)
+    with pytest.raises(ValueError, match=says):
+        run_sandboxed("pass", "assert True", packages=packages, **FAST)
+    with pytest.raises(TypeError, match="a list of top-level module names"):
+        make_code_reward(packages="numpy")  # a str is not a list of names
+
+
+@pytest.mark.skipif(not ROOT, reason="as root the program runs as an unprivileged uid")
+def test_a_package_in_a_folder_closed_to_the_sandboxs_uid_is_refused(monkeypatch):
+    """A venv under /root (0700) holds packages that the unprivileged uid cannot read: every program would fail."""
+    folder = Path(tempfile.mkdtemp(prefix="gspo-test-packages-"))
+    try:
+        (folder / "gspo_test_helper.py").write_text("def double(x):\n    return 2 * x\n")
+        monkeypatch.syspath_prepend(str(folder))
+        folder.chmod(0o700)
+        with pytest.raises(ValueError, match=r"in a folder that the sandboxed program cannot read: .*chmod o\+rx"):
+            make_code_reward(packages=("gspo_test_helper",))
+        folder.chmod(0o755)
+        (folder / "gspo_test_helper.py").chmod(0o644)
+        reward = make_code_reward(**FAST, packages=("gspo_test_helper",))
+        tests = "from gspo_test_helper import double\nassert quadruple(3) == double(double(3))\n"
+        assert reward("p", "from gspo_test_helper import double\n\ndef quadruple(x):\n    return double(double(x))\n",
+                      tests=tests) == 1.0
+    finally:
+        shutil.rmtree(folder)
+
+
+def test_extension_modules_another_python_cannot_load_are_refused(monkeypatch):
+    """The sandbox's interpreter (python=..., or the fallback python3 as root) of another Python version cannot load
+    numpy's extension modules built for this one: every program importing numpy failed with an ImportError."""
+    pytest.importorskip("numpy")
+    suffixes = sandbox_module._extension_suffixes  # what an interpreter says it loads
+    assert ".abi3.so" in suffixes(sys.executable)
+    assert suffixes("/nonexistent/python3") is None  # unchecked: the sandbox call says why it cannot start
+    monkeypatch.setattr(sandbox_module, "_extension_suffixes", lambda python: (".cpython-399-x86_64-linux-gnu.so",
+                                                                               ".abi3.so", ".so"))
+    sandbox_module._package_dirs.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=r"'numpy' has extension modules built for this Python .* which the "
+                                             r"sandbox's interpreter /other/python3 cannot load"):
+            make_code_reward(packages=("numpy",), python="/other/python3")
+        make_code_reward(packages=("numpy",), python=sys.executable)  # this interpreter: nothing to check
+        monkeypatch.undo()
+        others = [p for v in range(8, 15) if v != sys.version_info[1] and (p := shutil.which(f"python3.{v}"))
+                  and suffixes(p) is not None]
+        for other in others[:1]:  # a real interpreter of another version, where this machine has one
+            with pytest.raises(ValueError, match="'numpy' has extension modules built for this Python"):
+                make_code_reward(packages=("numpy",), python=other)
+    finally:
+        sandbox_module._package_dirs.cache_clear()
+
+
+def test_numpys_arrays_do_not_let_the_always_equal_hack_through():
+    """With numpy importable, an array of the program's objects (dtype object: its == asks theirs) or an ndarray
+    subclass of the program's (numpy's == hands back one, whose truth it decides) equals anything; the tests' == and
+    unittest's assertEqual find them unequal to a plain value. numpy's own values compare as numpy does."""
+    pytest.importorskip("numpy")
+    subclass = "class Truthy(np.ndarray):\n    def __bool__(self):\n        return True\n"
+    for returned in ("np.array([Yes()], dtype=object)", "np.array(Yes(), dtype=object)", "[np.array([Yes()], "
+                     "dtype=object)]", "np.zeros(1).view(Truthy)"):
+        code = f"import numpy as np\n{ALWAYS_EQUAL}{subclass}def add(a, b):\n    return {returned}\n"
+        for tests in ("assert add(2, 3) == 5", "assert 5 in [add(2, 3)]",
+                      "import unittest\n\nclass T(unittest.TestCase):\n    def test(self):\n"
+                      "        self.assertEqual(add(2, 3), 5)\n"):
+            hacked = run_sandboxed(code, tests.replace("5", "[5]") if returned.startswith("[") else tests,
+                                   packages=("numpy",), **FAST)
+            assert hacked.score == 0.0, (returned, tests)
+    honest = ("import numpy as np\ndef add(a, b):\n    return np.int64(a + b)\n"
+              "def pair(a, b):\n    return np.array(['x', a + b], dtype=object)\n")
+    tests = ("import numpy as np\nassert add(2, 3) == 5\nassert 5 in [add(2, 3)]\nassert (pair(2, 3) == "
+             "np.array(['x', 5], dtype=object)).all()\nassert pair(1, 1).tolist() == ['x', 2]\n")
+    assert run_sandboxed(honest, tests, packages=("numpy",), **FAST).reason == "passed"
+
+
+def test_a_missing_module_that_is_installed_here_gets_a_hint(caplog):
+    """The start-of-run reward check scores the rows' own solutions: with a module they need left out of packages,
+    the reward says which and how to add it, once; a module that is not installed here gets no hint."""
+    pytest.importorskip("numpy")
+    reward = make_code_reward(**FAST)
+    with caplog.at_level("WARNING", logger="gspo.rewards.code"):
+        assert reward("p", NUMPY_RIGHT, **NUMPY_ROW) == 0.0
+        assert reward("p", NUMPY_RIGHT, **NUMPY_ROW) == 0.0
+        assert reward("p", "import not_a_module_here\n", **NUMPY_ROW) == 0.0
+    hints = [r.getMessage() for r in caplog.records if "ModuleNotFoundError" in r.getMessage()]
+    assert len(hints) == 1 and "make_code_reward(packages=('numpy', ...))" in hints[0], hints
+
+
+def test_the_scripts_that_run_in_the_sandbox_are_python_3_8():
+    import ast
+
+    for name in ("_HARNESS", "_IO_DRIVER", "_CALLER"):
+        ast.parse(getattr(sandbox_module, name), feature_version=(3, 8))
+    # the driver's bootstrap of a case's program with packages, as the driver builds it
+    driver = ast.parse(sandbox_module._IO_DRIVER)
+    names = {"PROGRAM", "PACKAGE_PATH", "BOOT"}
+    assignments = [s for s in driver.body if isinstance(s, ast.Assign) and s.targets[0].id in names]
+    scope = {}
+    exec(compile(ast.Module(assignments, []), "driver", "exec"), scope)
+    assert scope["PACKAGE_PATH"] == []
+    scope["PACKAGE_PATH"] = ["/x"]
+    exec(compile(ast.Module(assignments[-1:], []), "driver", "exec"), scope)
+    ast.parse(scope["BOOT"], feature_version=(3, 8))
+    assert "sys.path.extend(['/x'])" in scope["BOOT"]

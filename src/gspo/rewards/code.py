@@ -16,9 +16,11 @@ must be, and the score. Running the program safely is `gspo.sandbox.run_sandboxe
 from __future__ import annotations
 
 import ast
+import importlib.util
 import logging
 import re
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from gspo.rewards.thinking import after_thinking
@@ -28,6 +30,7 @@ from gspo.sandbox import (
     IOCases,
     check_io_limits,
     check_limits,
+    package_dirs,
     parse_io_cases,
     row_fn_name,
     run_sandboxed,
@@ -287,16 +290,53 @@ def _row_cases(row: dict[str, Any]) -> IOCases | None:
         raise ValueError(f"code_reward: the row's 'tests' as {e}") from None
 
 
+_MISSING_MODULE = re.compile(r"ModuleNotFoundError: No module named '([A-Za-z_]\w*)")
+
+
+def _missing_module_hint(stderr: str, packages: tuple[str, ...], seen: set[str]) -> str | None:
+    """A hint for a program that failed with ModuleNotFoundError for a top-level module that is installed in the
+    trainer's environment, is not in the standard library and not in `packages` (the rows' tests or solutions may
+    need it: `packages`); None when there is none, and for a module already in `seen` (which this adds to). A
+    module that is not installed here (a policy's guess) gets no hint."""
+    for name in dict.fromkeys(_MISSING_MODULE.findall(stderr)):
+        if name in seen or name in packages or name in sys.stdlib_module_names:
+            continue
+        seen.add(name)
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        if spec is not None and spec.origin is not None:  # not a namespace package (a folder that happens to be here)
+            return (f"a program failed with ModuleNotFoundError: No module named {name!r}; the sandbox's programs "
+                    "import only the standard library and the reward's `packages`. If the rows' tests or solutions "
+                    f"need it, use make_code_reward(packages=({name!r}, ...)) (installed here: {spec.origin})")
+    return None
+
+
 def make_code_reward(
     *, timeout_s: float = 5.0, cpu_s: float = 5.0, memory_mb: int = 512, max_procs: int = 32,
     python: str | None = None, strict_equality: bool = True, case_timeout_s: float | None = None,
     case_output_bytes: int = 1 << 20, float_tolerance: float = 1e-6, partial_credit: bool = False,
+    packages: Sequence[str] = (),
 ) -> Callable[..., float]:
     """A `code` reward with other sandbox limits, e.g. `my_rewards.py: slow_code = make_code_reward(timeout_s=20)`
     named in the config as `my_rewards:slow_code`. `timeout_s` is one call's wall-clock limit, every stdin/stdout
     case included; keep it below `rewards.timeout_s`. `strict_equality`: the tests' `==` finds a value whose
     equality the program defines unequal to a plain value (the always-equal object hack); false for tests that
     compare the program's own objects with plain values on purpose.
+
+    `packages`: top-level modules of the trainer's environment that the programs and the rows' tests may import
+    besides the standard library, for datasets whose tests or solutions use them (BigCodeBench: `import numpy as np`,
+    pandas, ...): `my_rewards.py: bcb_code = make_code_reward(packages=("numpy", "pandas"), timeout_s=20)`. Without
+    them such a row fails every program (ModuleNotFoundError; the reward logs a hint naming the module when it is
+    installed here). The folders that hold them (e.g. the venv's site-packages) go on the program's sys.path after the
+    standard library, and every module in a folder comes with it: importability is not what contains the program
+    (`gspo.sandbox.package_dirs`). Checked here, before any call: a name that is not installed, is in the standard
+    library or is not top-level ("numpy.linalg") is a ValueError, as is a folder the sandbox's unprivileged uid cannot
+    read or extension modules the sandbox's interpreter cannot load (another Python version; `python`). Importing
+    them costs every call, and every stdin/stdout case, its import time (2 CPU cores: numpy ~0.1 s, pandas ~0.5 s);
+    `memory_mb` (512 MB of address space) holds numpy (~100 MB) and pandas with pyarrow (~330 MB); heavier stacks
+    need more.
 
     For stdin/stdout and call-based cases (see `gspo.sandbox.run_sandboxed_io`): `case_timeout_s` limits each case's
     run (default and at most `timeout_s`: a row with many cases needs a `timeout_s` that covers them all, ~0.02 s of
@@ -308,10 +348,13 @@ def make_code_reward(
     """
     check_limits(timeout_s, cpu_s, memory_mb, max_procs, 1)
     check_io_limits(timeout_s, case_timeout_s, case_output_bytes, float_tolerance)
+    package_dirs(packages, python)  # a bad name is a configuration error now, not a failure at the first call
+    packages = tuple(packages)
     io_limits = {"timeout_s": timeout_s, "case_timeout_s": case_timeout_s, "cpu_s": cpu_s, "memory_mb": memory_mb,
                  "max_procs": max_procs, "case_output_bytes": case_output_bytes, "float_tolerance": float_tolerance,
-                 "partial_credit": partial_credit, "python": python}
+                 "partial_credit": partial_credit, "python": python, "packages": packages}
     warned: set[str] = set()
+    missing: set[str] = set()  # modules the programs could not import, looked up once each (`_missing_module_hint`)
 
     @after_thinking  # a program drafted inside the reasoning is not the answer
     def code_reward(prompt: str, completion: str, **row: Any) -> float:
@@ -341,11 +384,16 @@ def make_code_reward(
             result = run_sandboxed_io(code, cases, **io_limits)
         else:
             result = run_sandboxed(code, tests, timeout_s=timeout_s, cpu_s=cpu_s, memory_mb=memory_mb,
-                                   max_procs=max_procs, python=python, strict_equality=strict_equality)
+                                   max_procs=max_procs, python=python, strict_equality=strict_equality,
+                                   packages=packages)
         for warning in result.warnings:
             if warning not in warned:
                 warned.add(warning)
                 logger.warning("code reward sandbox: %s", warning)
+        if result.score < 1.0 and "ModuleNotFoundError" in result.stderr:
+            hint = _missing_module_hint(result.stderr, packages, missing)
+            if hint is not None:
+                logger.warning("code reward: %s", hint)
         return result.score
 
     code_reward.call_timeout_s = timeout_s  # the longest one call runs (RewardRunner.deadline_warning)

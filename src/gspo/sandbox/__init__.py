@@ -19,10 +19,10 @@ from gspo.sandbox.cases import (
     run_sandboxed_io,
     values_match,
 )
-from gspo.sandbox.process import SandboxError, SandboxResult, check_limits, run_sandboxed
+from gspo.sandbox.process import SandboxError, SandboxResult, check_limits, package_dirs, run_sandboxed
 from gspo.sandbox.pytest_shim import FIXTURES as PYTEST_FIXTURES
 from gspo.sandbox.pytest_shim import NAMES as PYTEST_NAMES
 
 __all__ = ["PYTEST_FIXTURES", "PYTEST_NAMES", "IOCases", "SandboxError", "SandboxResult", "check_io_limits",
-           "check_limits", "outputs_match", "parse_io_cases", "row_fn_name", "run_sandboxed", "run_sandboxed_io",
-           "values_match"]
+           "check_limits", "outputs_match", "package_dirs", "parse_io_cases", "row_fn_name", "run_sandboxed",
+           "run_sandboxed_io", "values_match"]

@@ -14,7 +14,7 @@ import math
 import re
 import secrets
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +26,7 @@ from gspo.sandbox.process import (
     _call,
     _failure_reason,
     check_limits,
+    package_dirs,
 )
 
 __all__ = ["IOCases", "check_io_limits", "outputs_match", "parse_io_cases", "row_fn_name", "run_sandboxed_io",
@@ -328,6 +329,7 @@ def run_sandboxed_io(
     partial_credit: bool = False,
     python: str | None = None,
     require_isolation: bool = False,
+    packages: Sequence[str] = (),
 ) -> SandboxResult:
     """Run `code` against `cases` in the sandbox, one child process per case: a stdin/stdout program with that
     case's input as its stdin, its stdout compared with the expected output (`outputs_match`); or, for call-based
@@ -351,10 +353,13 @@ def run_sandboxed_io(
     program may use `max_procs - 1`); `max_output_bytes`: the call's stderr (all cases), more stops it;
     `case_output_bytes`: each case's stdout, more fails that case ("output limit exceeded"), and an expected output
     longer than that is a ValueError (no program could pass it); `float_tolerance`: see `outputs_match` (0: exact
-    lines). `python` and `require_isolation` as in `run_sandboxed`. Bad cases or arguments raise ValueError.
+    lines). `python`, `require_isolation` and `packages` as in `run_sandboxed` (each case's program, and the caller
+    stub, gets the packages' folders on its sys.path; importing numpy costs each case ~0.1 s). Bad cases or arguments
+    raise ValueError.
     """
     check_limits(timeout_s, cpu_s, memory_mb, max_procs, max_output_bytes)
     check_io_limits(timeout_s, case_timeout_s, case_output_bytes, float_tolerance)
+    path = package_dirs(packages, python)
     case_timeout_s = timeout_s if case_timeout_s is None else case_timeout_s
     if not sys.platform.startswith("linux"):
         raise SandboxError(f"the sandbox needs Linux (namespaces, rlimits, prctl); this is {sys.platform}")
@@ -370,7 +375,8 @@ def run_sandboxed_io(
                          f"({case_output_bytes}): no program could pass; raise case_output_bytes")
     token = secrets.token_hex(16)
     driver = (_IO_DRIVER.replace("CASE_TIMEOUT_S = 5.0", f"CASE_TIMEOUT_S = {float(case_timeout_s)!r}")
-              .replace("CASE_OUTPUT_BYTES = 1048576", f"CASE_OUTPUT_BYTES = {int(case_output_bytes)}"))
+              .replace("CASE_OUTPUT_BYTES = 1048576", f"CASE_OUTPUT_BYTES = {int(case_output_bytes)}")
+              .replace("PACKAGE_PATH = []", f"PACKAGE_PATH = {list(path)!r}"))
     files = {"main.py": driver, "solution.py": f"{code}\n", "inputs.json": json.dumps(list(parsed.inputs))}
     if parsed.fn_name is not None:
         if not parsed.fn_name.isidentifier():

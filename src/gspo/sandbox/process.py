@@ -22,10 +22,12 @@ trainer's interpreter in isolated mode, in a new session), which
   and a parent-death signal, forks the program and reaps every process until the program exits; when it exits in
   turn, the kernel kills whatever the program left behind in the namespace, however it daemonised;
 * the program `exec`s `python -I -S -B main.py` (isolated mode, no site-packages: only the standard library is
-  importable and no PYTHON* variable is honoured) in the private temporary folder (created per call, removed
-  afterwards) with a clean environment (PATH, LANG, and HOME and TMPDIR in that folder; nothing inherited) and stdin
-  at EOF. In the new network namespace there is no interface but a downed loopback: no connection goes anywhere,
-  not even to the trainer's machine.
+  importable, plus the folders of the call's `packages`, which the harness puts on sys.path after it, and no PYTHON*
+  variable is honoured) in the private temporary folder (created per call, removed afterwards) with a clean
+  environment (PATH, LANG, HOME and TMPDIR in that folder, and OPENBLAS_NUM_THREADS, OMP_NUM_THREADS and
+  MKL_NUM_THREADS 1, so that numpy's thread pools fit the limits; nothing inherited) and stdin at EOF. In the new
+  network namespace there is no interface but a downed loopback: no connection goes anywhere, not even to the
+  trainer's machine.
 
 The trainer enforces the wall-clock limit itself (killing the whole process group; the parent-death signals and the
 PID namespace take care of anything that left the group), caps the captured output, and reads the launcher's report
@@ -65,6 +67,13 @@ pointing the program's own stdout at /dev/null, so nothing the program prints ca
 trainer decodes that JSON and compares plain values (`values_match`): the expected return values never enter the
 sandbox either, and no object of the program's takes part in the comparison (no always-equal hack).
 
+Third-party packages: `run_sandboxed(..., packages=("numpy", "pandas"))` lets the program and the tests import
+those modules of the trainer's environment (BigCodeBench's rows import numpy, pandas, ...): the folders that hold
+them (`package_dirs`, checked before any call) go on sys.path, in the harness and in every case's child interpreter.
+That widens what is importable, not what is reachable: the filesystem is readable (read-only) anyway. With numpy
+importable, its arrays of the program's objects and the program's ndarray subclasses count as the program's own
+equality too (`_HARNESS`).
+
 Not contained: the program can read world-readable files and use CPU, memory and its folder's disk space up to its
 limits.
 
@@ -97,7 +106,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SandboxError", "SandboxResult", "check_limits", "run_sandboxed"]
+__all__ = ["SandboxError", "SandboxResult", "check_limits", "package_dirs", "run_sandboxed"]
 
 _CLONE_NEWNS = 0x00020000
 _CLONE_NEWIPC = 0x08000000
@@ -122,6 +131,10 @@ _MAX_REPORT_BYTES = 64 << 10  # what is kept of the launcher's report and the re
 _RESULT_FD = 3  # where the harness finds the result pipe
 _SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
 _FALLBACK_PYTHONS = ("/usr/local/bin/python3", "/usr/bin/python3")
+# In the program's environment: the numeric libraries' thread pools (numpy's OpenBLAS, MKL, OpenMP, which pyarrow's
+# pool follows too) start one thread, not one per CPU. Each thread's stack and buffers count against RLIMIT_AS and each
+# thread against RLIMIT_NPROC: on a machine with many cores `import numpy` failed under the sandbox's limits.
+_ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 # The program's entry point. It reads the per-call token from stdin, leaves stdin at EOF, compiles tests.py and
 # solution.py (before the program runs, with exec and compile taken then: a program that replaced builtins.exec made
@@ -142,6 +155,9 @@ _FALLBACK_PYTHONS = ("/usr/local/bin/python3", "/usr/bin/python3")
 # own comparisons, the standard library's numbers and collections (Fraction, Counter, ...), methods the tests themselves
 # define (by their code's file: an approx class) and the sandbox pytest's approx (_plain_ids, by identity) count as
 # plain; unittest's assertEqual, assertNotEqual, assertIn and assertNotIn check alike (as taken before the program ran).
+# numpy's types are plain but for its arrays of objects (dtype object: their items are looked at, as a list's) and
+# classes that subclass a numpy type without being numpy's (their == results are the program's). PACKAGE_PATH: the
+# folders of the call's packages (`package_dirs`), appended to sys.path before anything of the program runs.
 # Kept compatible with Python >= 3.8.
 _HARNESS = """\
 import ast
@@ -151,6 +167,8 @@ import os
 import sys
 
 STRICT_EQUALITY = True
+PACKAGE_PATH = []  # the folders of the packages the program may import (`run_sandboxed`'s packages), after the stdlib
+sys.path.extend(PACKAGE_PATH)
 # the built-ins the checks use, taken before the program runs (it could replace them in the builtins module)
 _type, _getattr, _isinstance, _issubclass, _id, _write = type, getattr, isinstance, issubclass, id, sys.stderr.write
 _exec, _compile, _setattr = exec, compile, setattr  # `builtins.exec = lambda *a: None` made every test pass
@@ -176,15 +194,34 @@ def _plain_method(method):
     return _getattr(method, "__module__", None) in _PLAIN_MODULES
 
 
+def _from_numpy(cls):
+    module = _getattr(cls, "__module__", None)
+    return _isinstance(module, str) and (module == "numpy" or module.startswith("numpy."))
+
+
 def _own_type(cls):
     if cls in _plain_builtins:
         return None
     for name in ("__eq__", "__ne__"):
         if not _plain_method(_getattr(cls, name, None)):
             return cls
+    # a subclass of a numpy type that numpy did not write (an ndarray with its own __bool__ or __array_ufunc__):
+    # numpy's == hands back an array of that class, whose truth the program decides
+    if not _from_numpy(cls) and _any(_from_numpy(base) for base in _getattr(cls, "__mro__", ())[1:]):
+        return cls
     if _getattr(cls, "__module__", None) == "builtins":  # a C type: its methods cannot change later
         _plain_builtins.add(cls)
     return None
+
+
+def _object_array(value):
+    # a numpy array of Python objects (dtype object): its == calls its items' own ==, so they are looked at as a
+    # list's are (a program with packages=("numpy",) could return np.array([Yes()], dtype=object))
+    return _from_numpy(_type(value)) and _getattr(_getattr(value, "dtype", None), "kind", None) == "O"
+
+
+def _nested(value):
+    return _isinstance(value, _CONTAINERS) or _object_array(value)
 
 
 def _items(item, base):
@@ -200,6 +237,17 @@ def _own_equality(value):
         own = _own_type(_type(item))
         if own is not None:
             return own
+        if _object_array(item):
+            if _id(item) not in seen:
+                seen.add(_id(item))
+                items = _list(item.flat)
+                budget -= _len(items)
+                for kind in _set(_map(_type, items)):
+                    own = _own_type(kind)
+                    if own is not None:
+                        return own
+                stack.extend(x for x in items if _nested(x))
+            continue
         for base in _CONTAINERS:
             if _isinstance(item, base) and _id(item) not in seen:
                 seen.add(_id(item))
@@ -209,8 +257,8 @@ def _own_equality(value):
                     own = _own_type(kind)
                     if own is not None:
                         return own
-                if _any(_issubclass(kind, _CONTAINERS) for kind in kinds):
-                    stack.extend(x for x in _items(item, base) if _isinstance(x, _CONTAINERS))
+                if _any(_issubclass(kind, _CONTAINERS) or _from_numpy(kind) for kind in kinds):
+                    stack.extend(x for x in _items(item, base) if _nested(x))
                 break
     return None
 
@@ -423,18 +471,19 @@ def _main():
 _main()
 """
 
-# The entry point for stdin/stdout cases (`run_sandboxed_io`): a driver that reads the per-call token from stdin,
-# leaves stdin at EOF, makes itself non-dumpable and reads inputs.json (the cases' stdin texts; the expected outputs
-# never enter the sandbox), then runs `python -I -S -B PROGRAM` (solution.py; for call-based cases the caller stub,
-# `_CALLER`) once per input, in that order: stdin a file holding the input (call-based: the arguments' JSON), stdout
-# a pipe it reads up to CASE_OUTPUT_BYTES (+1, so that the parent sees an overflow), stderr its own (the captured
-# stderr), every other descriptor closed (close_fds: the program never holds the result pipe, fd 3), its own process
-# group (killed with whatever it started once the case ends), CASE_TIMEOUT_S of wall clock. After each case it
-# writes one JSON line to fd 3: the token, the case's index, its exit status (None when a limit stopped it), the
-# limit ("timeout", "output limit exceeded" or None) and its stdout in base64; the parent compares. The programs
-# run under the driver's uid, so the driver is made non-dumpable (prctl PR_SET_DUMPABLE 0): they can then neither
-# ptrace it nor open its /proc/<pid>/fd/3, mem or environ; at worst they can kill or stop it, which loses the cases
-# not yet reported. Kept compatible with Python >= 3.8.
+# The entry point for stdin/stdout cases (`run_sandboxed_io`): a driver that reads the per-call token from stdin, leaves
+# stdin at EOF, makes itself non-dumpable and reads inputs.json (the cases' stdin texts; the expected outputs never
+# enter the sandbox), then runs `python -I -S -B PROGRAM` (solution.py; for call-based cases the caller stub, `_CALLER`;
+# with PACKAGE_PATH, `python -I -S -B -c BOOT PROGRAM`, which puts the packages' folders on its sys.path and runs
+# PROGRAM as that would) once per input, in that order: stdin a file holding the input (call-based: the arguments'
+# JSON), stdout a pipe it reads up to CASE_OUTPUT_BYTES (+1, so that the parent sees an overflow), stderr its own (the
+# captured stderr), every other descriptor closed (close_fds: the program never holds the result pipe, fd 3), its own
+# process group (killed with whatever it started once the case ends), CASE_TIMEOUT_S of wall clock. After each case it
+# writes one JSON line to fd 3: the token, the case's index, its exit status (None when a limit stopped it), the limit
+# ("timeout", "output limit exceeded" or None) and its stdout in base64; the parent compares. The programs run under the
+# driver's uid, so the driver is made non-dumpable (prctl PR_SET_DUMPABLE 0): they can then neither ptrace it nor open
+# its /proc/<pid>/fd/3, mem or environ; at worst they can kill or stop it, which loses the cases not yet reported. Kept
+# compatible with Python >= 3.8.
 _IO_DRIVER = """\
 import base64
 import ctypes
@@ -450,15 +499,21 @@ import time
 CASE_TIMEOUT_S = 5.0
 CASE_OUTPUT_BYTES = 1048576
 PROGRAM = "solution.py"
+PACKAGE_PATH = []
 _PR_SET_DUMPABLE = 4
+# with PACKAGE_PATH, a case's program runs as `python -c BOOT PROGRAM`: BOOT puts those folders on its sys.path
+# (after the stdlib) and runs PROGRAM as the script would run, as __main__ with its __file__ and argv
+BOOT = ("import sys; sys.path.extend(%r); sys.argv[:] = [%r]; del sys; __file__ = %r; "
+        "exec(compile(open(__file__, 'rb').read(), __file__, 'exec'))" % (PACKAGE_PATH, PROGRAM, PROGRAM))
+COMMAND = [sys.executable, "-I", "-S", "-B"] + (["-c", BOOT] if PACKAGE_PATH else []) + [PROGRAM]
 
 
 def _run_case(text):
     with tempfile.TemporaryFile(dir=".") as stdin:
         stdin.write(text.encode("utf-8"))
         stdin.seek(0)
-        child = subprocess.Popen([sys.executable, "-I", "-S", "-B", PROGRAM], stdin=stdin,
-                                 stdout=subprocess.PIPE, close_fds=True, start_new_session=True)
+        child = subprocess.Popen(COMMAND, stdin=stdin, stdout=subprocess.PIPE, close_fds=True,
+                                 start_new_session=True)
     deadline = time.monotonic() + CASE_TIMEOUT_S
     out, limit = bytearray(), None
     with selectors.DefaultSelector() as selector:
@@ -605,6 +660,7 @@ def run_sandboxed(
     python: str | None = None,
     require_isolation: bool = False,
     strict_equality: bool = True,
+    packages: Sequence[str] = (),
 ) -> SandboxResult:
     """Run `code` then `tests` in a sandbox (see the module docstring); score 1.0 if the tests ran to their end.
 
@@ -616,9 +672,13 @@ def run_sandboxed(
     by the unprivileged uid). `require_isolation`: raise SandboxError instead of running with a layer missing.
     `strict_equality`: the tests' `==`, `!=`, `in` and `not in` count a value whose equality (or membership) the
     program defines as unequal to a plain one (the always-equal object hack; `_HARNESS`); false: Python's own
-    comparisons. Tests that are not valid Python raise ValueError (no program could pass them).
+    comparisons. `packages`: top-level modules of the trainer's environment that the program and the tests may
+    import besides the standard library, e.g. ("numpy", "pandas") (`package_dirs`: their folders go on the program's
+    sys.path; a name that is not installed, a stdlib module or not a top-level name is a ValueError). Tests that are
+    not valid Python raise ValueError (no program could pass them).
     """
     check_limits(timeout_s, cpu_s, memory_mb, max_procs, max_output_bytes)
+    path = package_dirs(packages, python)
     if not sys.platform.startswith("linux"):
         raise SandboxError(f"the sandbox needs Linux (namespaces, rlimits, prctl); this is {sys.platform}")
     if not isinstance(code, str):
@@ -629,7 +689,8 @@ def run_sandboxed(
     except SyntaxError as e:  # the row's fault, not the program's: no program could pass them
         raise ValueError(f"run_sandboxed: the tests are not valid Python ({e.msg}, line {e.lineno})") from None
     token = secrets.token_hex(16)
-    harness = _HARNESS.replace("STRICT_EQUALITY = True", f"STRICT_EQUALITY = {bool(strict_equality)}")
+    harness = (_HARNESS.replace("STRICT_EQUALITY = True", f"STRICT_EQUALITY = {bool(strict_equality)}")
+               .replace("PACKAGE_PATH = []", f"PACKAGE_PATH = {list(path)!r}"))
     files = {"main.py": harness, "solution.py": f"{code}\n", "tests.py": f"{tests_source}\n"}
     if "pytest" in code or "test" in tests_source.lower():  # what the harness may load it for (`_pytest` there)
         files.update(_pytest_shim())
@@ -662,6 +723,119 @@ def check_limits(timeout_s: float, cpu_s: float, memory_mb: int, max_procs: int,
                              ("max_output_bytes", max_output_bytes, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"run_sandboxed: {name} must be an int >= {low}, got {value!r}")
+
+
+def package_dirs(packages: Sequence[str], python: str | None = None) -> tuple[str, ...]:
+    """The folders that `run_sandboxed(packages=...)` puts on the program's sys.path (after the standard library) so
+    that it can import `packages`, top-level modules installed in the trainer's environment: each one's folder as
+    this interpreter finds it (`importlib.util.find_spec`), e.g. the virtual environment's site-packages. A folder
+    brings every module in it, not only those named (which is also how a package's dependencies installed next to it,
+    pandas' numpy, come along; one installed elsewhere must be named too): the sandbox contains the program by its
+    namespaces, limits and read-only filesystem, not by what it may import (it can read the filesystem, site-packages
+    included, anyway). No .pth file of those folders is processed (the program runs without `site`).
+
+    Checked once per `packages` and interpreter (cached), before any program runs: ValueError for a name that is not
+    a top-level module name ("numpy.linalg"), is in the standard library ("os"), or is not installed here; for a
+    folder that the program cannot read (the trainer is root and the program runs as an unprivileged uid: the folder
+    and those above it must be readable by all users); and for extension modules that the sandbox's interpreter
+    (`python`, or the fallback python3 that `run_sandboxed` uses as root when this one is in a closed folder) cannot
+    load because it is another Python version than this one (numpy built for 3.11 under a 3.12: every program that
+    imports it would fail with an ImportError). Pure-Python packages are not checked against that interpreter."""
+    if isinstance(packages, str) or not isinstance(packages, Sequence) or not all(isinstance(p, str) for p in packages):
+        raise TypeError(f"packages must be a list of top-level module names, e.g. ['numpy'], got {packages!r:.80}")
+    if not packages:
+        return ()
+    return _package_dirs(tuple(packages), python, os.geteuid() == 0)
+
+
+@functools.lru_cache(maxsize=64)
+def _package_dirs(packages: tuple[str, ...], python: str | None, root: bool) -> tuple[str, ...]:
+    import importlib.util
+
+    folders: dict[str, None] = {}
+    places: dict[str, list[str]] = {}  # name: where its files are (a package's folder, a module's file)
+    for name in packages:
+        if not name.isidentifier():
+            top = name.split(".")[0]
+            hint = f" (give {top!r})" if "." in name and top.isidentifier() else ""
+            raise ValueError(f"packages: {name!r} is not a top-level module name{hint}")
+        if name in sys.stdlib_module_names or name in sys.builtin_module_names:
+            raise ValueError(f"packages: {name!r} is in the standard library, which the program can import anyway")
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is not None and spec.submodule_search_locations:  # a package (a namespace package may have several)
+            places[name] = [os.path.abspath(folder) for folder in spec.submodule_search_locations]
+        elif spec is not None and spec.has_location and spec.origin:
+            places[name] = [os.path.abspath(spec.origin)]
+        else:
+            raise ValueError(f"packages: no module {name!r} is installed in the trainer's environment "
+                             f"({sys.executable})")
+        for place in places[name]:
+            folders.setdefault(os.path.dirname(place), None)
+    if root:  # the program runs as an unprivileged uid, with no groups: only the "other" permission bits count
+        for name, paths in places.items():
+            closed = next((p for p in [*folders, *paths] if not _readable_by_others(p)), None)
+            if closed is not None:
+                raise ValueError(f"packages: {name!r} is in a folder that the sandboxed program cannot read: "
+                                 f"{closed} (the trainer runs as root and the program as an unprivileged uid; that "
+                                 "folder and every folder above it must be readable by all users, chmod o+rx)")
+    interpreter = python or _default_python(root)
+    if os.path.realpath(interpreter) != os.path.realpath(sys.executable):
+        loads = _extension_suffixes(interpreter)
+        for name, paths in places.items():
+            built = _foreign_extension(paths, loads) if loads is not None else None
+            if built is not None:
+                raise ValueError(
+                    f"packages: {name!r} has extension modules built for this Python ({sys.version.split()[0]}: "
+                    f"{os.path.basename(built)}), which the sandbox's interpreter {interpreter} cannot load (it "
+                    f"loads {loads[0]}): every program that imports {name!r} would fail. Run the programs with an "
+                    "interpreter of this Python version (python=...; as root, one that all users can run) or "
+                    "install the packages for that one")
+    return tuple(folders)
+
+
+def _readable_by_others(path: str) -> bool:
+    """Whether a user with no relation to the owners can read `path` (a folder: list and enter it): it is o+r
+    (o+rx for a folder) and every folder above it o+x."""
+    target = Path(path)
+    try:
+        mode = target.stat().st_mode
+        need = stat.S_IROTH | (stat.S_IXOTH if stat.S_ISDIR(mode) else 0)
+        return mode & need == need and all(parent.stat().st_mode & stat.S_IXOTH for parent in target.parents)
+    except OSError:
+        return False
+
+
+@functools.cache
+def _extension_suffixes(interpreter: str) -> tuple[str, ...] | None:
+    """The file suffixes of the extension modules that `interpreter` loads ('.cpython-311-x86_64-linux-gnu.so',
+    '.abi3.so', '.so'), or None when it cannot be run (the sandbox call then says so)."""
+    probe = "import importlib.machinery as m; print('\\n'.join(m.EXTENSION_SUFFIXES))"
+    try:
+        done = subprocess.run([interpreter, "-I", "-S", "-B", "-c", probe], capture_output=True, text=True,
+                              timeout=60, env={"PATH": _SAFE_PATH, "LANG": "C.UTF-8"})
+    except (OSError, subprocess.SubprocessError):
+        return None
+    suffixes = tuple(done.stdout.split())
+    return suffixes if done.returncode == 0 and suffixes else None
+
+
+def _foreign_extension(paths: Sequence[str], loads: Sequence[str]) -> str | None:
+    """The first extension module under `paths` (a package's folders, or a module's file) that this interpreter
+    loads but an interpreter that loads `loads` (`_extension_suffixes`) does not; None."""
+    import importlib.machinery
+
+    ours = importlib.machinery.EXTENSION_SUFFIXES  # most specific first, as the import system tries them
+    for place in paths:
+        files = ([place] if os.path.isfile(place) else
+                 (os.path.join(folder, f) for folder, _, names in os.walk(place) for f in names))
+        for file in files:
+            suffix = next((s for s in ours if file.endswith(s)), None)
+            if suffix is not None and suffix not in loads:
+                return file
+    return None
 
 
 def _tests_source(tests: str | Sequence[str]) -> str:
@@ -762,7 +936,8 @@ def _call(
                 "cpu_s": math.ceil(cpu_s),
                 "memory_bytes": int(memory_mb) << 20,
                 "max_procs": int(max_procs),
-                "env": {"PATH": _SAFE_PATH, "LANG": "C.UTF-8", "HOME": str(workdir), "TMPDIR": str(workdir)},
+                "env": {"PATH": _SAFE_PATH, "LANG": "C.UTF-8", "HOME": str(workdir), "TMPDIR": str(workdir),
+                        **_ONE_THREAD},
             }
             return _run(spec, token, timeout_s, max_output, require_isolation, on_result)
         finally:
