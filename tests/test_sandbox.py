@@ -1309,6 +1309,8 @@ def test_packages_let_the_program_and_the_tests_import_the_trainers_modules():
     threads = run_sandboxed("import os\nimport numpy\nprint(len(os.listdir('/proc/self/task')))\n", "",
                             packages=("numpy",), **FAST)
     assert (threads.reason, threads.stdout) == ("passed", "1\n"), threads.stderr
+    hog = run_sandboxed("import numpy as np\nblock = np.ones(1 << 30)\n", "", packages=("numpy",), **FAST)
+    assert (hog.score, hog.reason) == (0.0, "memory"), hog.stderr  # numpy's _ArrayMemoryError
 
 
 def test_packages_reach_stdin_stdout_and_call_based_cases():

@@ -334,9 +334,10 @@ def make_code_reward(
     (`gspo.sandbox.package_dirs`). Checked here, before any call: a name that is not installed, is in the standard
     library or is not top-level ("numpy.linalg") is a ValueError, as is a folder the sandbox's unprivileged uid cannot
     read or extension modules the sandbox's interpreter cannot load (another Python version; `python`). Importing
-    them costs every call, and every stdin/stdout case, its import time (2 CPU cores: numpy ~0.1 s, pandas ~0.5 s);
-    `memory_mb` (512 MB of address space) holds numpy (~100 MB) and pandas with pyarrow (~330 MB); heavier stacks
-    need more.
+    them costs every call, and every stdin/stdout case, its import time (2 CPU cores: numpy ~0.1 s, pandas ~0.5 s).
+    The default `memory_mb=512` (address space) holds numpy (~100 MB at import) and pandas with pyarrow (~330 MB at
+    import, modest DataFrames included; below ~320 MB pandas rows fail with "memory"); raise it for rows that build
+    large arrays.
 
     For stdin/stdout and call-based cases (see `gspo.sandbox.run_sandboxed_io`): `case_timeout_s` limits each case's
     run (default and at most `timeout_s`: a row with many cases needs a `timeout_s` that covers them all, ~0.02 s of

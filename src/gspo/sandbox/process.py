@@ -1099,7 +1099,9 @@ def _failure_reason(stopped: str | None, exit_code: int | None, stderr: str) -> 
     last = next((line.strip() for line in reversed(stderr.splitlines()) if line.strip()), "")
     if exit_code == 2 and last.startswith("gspo sandbox: tests error: "):  # the pytest runner's: a fixture missing
         return last.removeprefix("gspo sandbox: ")
-    if last.startswith("MemoryError") or "Cannot allocate memory" in last:
+    exception = last.split(":", 1)[0]  # numpy's `numpy._core._exceptions._ArrayMemoryError: Unable to allocate ...`
+    if (exception.endswith("MemoryError") and " " not in exception) or "Cannot allocate memory" in last or (
+            "failed to map segment from shared object" in last):  # an extension module that did not fit
         return "memory"
     if last.startswith("AssertionError"):
         return "tests failed"
