@@ -255,8 +255,8 @@ def test_the_program_sees_a_clean_environment_and_closed_stdin(monkeypatch):
     result = run_sandboxed(code, "", **FAST)
     assert result.reason == "passed", result.stderr
     assert "hunter2" not in result.stdout + result.stderr
-    assert ("['HOME', 'LANG', 'MKL_NUM_THREADS', 'OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS', 'PATH', 'TMPDIR']"
-            in result.stdout)
+    assert ("['HOME', 'LANG', 'MKL_NUM_THREADS', 'OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS', 'PATH', 'PYTHONHASHSEED', "
+            "'TMPDIR']" in result.stdout)
     assert "stdin ''" in result.stdout
 
 
@@ -1440,3 +1440,35 @@ def test_the_scripts_that_run_in_the_sandbox_are_python_3_8():
     exec(compile(ast.Module(assignments[-1:], []), "driver", "exec"), scope)
     ast.parse(scope["BOOT"], feature_version=(3, 8))
     assert "sys.path.extend(['/x'])" in scope["BOOT"]
+
+
+HASH_PROBE = ("import sys\n"
+              "sys.stderr.write('probe %r %r\\n' % (hash('gspo'), list({'apple', 'pear', 'fig', 'kiwi', 'plum'})))\n")
+
+
+def test_a_program_hashes_strings_alike_in_every_call():
+    """Each call's program ran under a random hash seed of its own, so the order it iterated a set of strings in
+    changed from call to call, and with it the reward of a program whose tests compare `list(set(a + b))` with a list
+    (a KodCode row: 2 of 12 calls of one program passed). The sandbox's interpreter now hashes with one seed in every
+    call (PYTHONHASHSEED), in the tests' harness and in the stdin/stdout cases alike."""
+    def probe(result) -> str:
+        assert result.score == 1.0, result
+        (line,) = [x for x in result.stderr.splitlines() if x.startswith("probe ")]
+        return line
+
+    seen = {probe(run_sandboxed(HASH_PROBE, "pass", **FAST)) for _ in range(3)}
+    seen |= {probe(run_sandboxed_io(HASH_PROBE + "print(3)\n", {"inputs": [""], "outputs": ["3"]}, **FAST))
+             for _ in range(2)}
+    assert len(seen) == 1, seen
+
+
+def test_the_call_folder_is_not_on_the_programs_sys_path():
+    """The interpreter no longer runs in isolated mode (which ignores PYTHONHASHSEED): the entry points take the call's
+    folder off sys.path themselves, so a module the program writes there is not what the tests (or a later case's
+    program) import."""
+    code = "with open('shadow_mod.py', 'w') as f:\n    f.write('x = 1')\n"
+    tests = ("try:\n    import shadow_mod\nexcept ModuleNotFoundError:\n    pass\n"
+             "else:\n    raise AssertionError('the call folder is on sys.path')\n")
+    assert run_sandboxed(code, tests, **FAST).score == 1.0
+    io = code + "import os, sys\nprint(any(p in ('', os.getcwd()) for p in sys.path))\n"
+    assert run_sandboxed_io(io, {"inputs": ["", ""], "outputs": ["False", "False"]}, **FAST).score == 1.0

@@ -21,11 +21,13 @@ trainer's interpreter in isolated mode, in a new session), which
   from starting); without root the user namespace's own process count plays that part. It sets no-new-privileges
   and a parent-death signal, forks the program and reaps every process until the program exits; when it exits in
   turn, the kernel kills whatever the program left behind in the namespace, however it daemonised;
-* the program `exec`s `python -I -S -B main.py` (isolated mode, no site-packages: only the standard library is
-  importable, plus the folders of the call's `packages`, which the harness puts on sys.path after it, and no PYTHON*
-  variable is honoured) in the private temporary folder (created per call, removed afterwards) with a clean
-  environment (PATH, LANG, HOME and TMPDIR in that folder, and OPENBLAS_NUM_THREADS, OMP_NUM_THREADS and
-  MKL_NUM_THREADS 1, so that numpy's thread pools fit the limits; nothing inherited) and stdin at EOF. In the new
+* the program `exec`s `python -s -S -B main.py` (no site-packages: only the standard library is importable, plus
+  the folders of the call's `packages`, which the harness puts on sys.path after it; the harness takes the call's
+  folder off sys.path, as isolated mode would) in the private temporary folder (created per call, removed afterwards)
+  with a clean environment (PATH, LANG, HOME and TMPDIR in that folder, OPENBLAS_NUM_THREADS, OMP_NUM_THREADS and
+  MKL_NUM_THREADS 1, so that numpy's thread pools fit the limits, and PYTHONHASHSEED 0, so that a program iterates a
+  set of strings in the same order in every call and its reward does not change from call to call; nothing
+  inherited) and stdin at EOF. In the new
   network namespace there is no interface but a downed loopback: no connection goes anywhere, not even to the
   trainer's machine.
 
@@ -135,6 +137,13 @@ _FALLBACK_PYTHONS = ("/usr/local/bin/python3", "/usr/bin/python3")
 # pool follows too) start one thread, not one per CPU. Each thread's stack and buffers count against RLIMIT_AS and each
 # thread against RLIMIT_NPROC: on a machine with many cores `import numpy` failed under the sandbox's limits.
 _ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# The program's str / bytes hashes, so the order it iterates a set (or prints one) in: one seed for every call, so that
+# a reward is a function of the program and its tests. With a random seed per call, `list(set(a + b))` compared with a
+# list passed or failed by chance (a KodCode test, 2 of 12 calls of one program).
+_HASH_SEED = "0"
+# How the sandbox's interpreter runs the entry point: not -I (isolated mode ignores PYTHONHASHSEED, as every PYTHON*
+# variable; the environment is the sandbox's own anyway), so the entry points take their folder off sys.path themselves
+_FLAGS = ("-s", "-S", "-B")
 
 # The program's entry point. It reads the per-call token from stdin, leaves stdin at EOF, compiles tests.py and
 # solution.py (before the program runs, with exec and compile taken then: a program that replaced builtins.exec made
@@ -160,6 +169,11 @@ _ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THR
 # folders of the call's packages (`package_dirs`), appended to sys.path before anything of the program runs.
 # Kept compatible with Python >= 3.8.
 _HARNESS = """\
+import sys
+
+if not sys.flags.isolated:  # run as `python -s -S -B main.py` (_FLAGS): not the call's folder on sys.path, as -I did
+    del sys.path[0]
+
 import ast
 import builtins
 import itertools
@@ -473,18 +487,23 @@ _main()
 
 # The entry point for stdin/stdout cases (`run_sandboxed_io`): a driver that reads the per-call token from stdin, leaves
 # stdin at EOF, makes itself non-dumpable and reads inputs.json (the cases' stdin texts; the expected outputs never
-# enter the sandbox), then runs `python -I -S -B PROGRAM` (solution.py; for call-based cases the caller stub, `_CALLER`;
-# with PACKAGE_PATH, `python -I -S -B -c BOOT PROGRAM`, which puts the packages' folders on its sys.path and runs
-# PROGRAM as that would) once per input, in that order: stdin a file holding the input (call-based: the arguments'
-# JSON), stdout a pipe it reads up to CASE_OUTPUT_BYTES (+1, so that the parent sees an overflow), stderr its own (the
-# captured stderr), every other descriptor closed (close_fds: the program never holds the result pipe, fd 3), its own
-# process group (killed with whatever it started once the case ends), CASE_TIMEOUT_S of wall clock. After each case it
-# writes one JSON line to fd 3: the token, the case's index, its exit status (None when a limit stopped it), the limit
-# ("timeout", "output limit exceeded" or None) and its stdout in base64; the parent compares. The programs run under the
-# driver's uid, so the driver is made non-dumpable (prctl PR_SET_DUMPABLE 0): they can then neither ptrace it nor open
-# its /proc/<pid>/fd/3, mem or environ; at worst they can kill or stop it, which loses the cases not yet reported. Kept
-# compatible with Python >= 3.8.
+# enter the sandbox), then runs PROGRAM (solution.py; for call-based cases the caller stub, `_CALLER`) as `python -s -S
+# -B -c BOOT PROGRAM`, which takes the working folder off its sys.path, puts the packages' folders there and runs
+# PROGRAM as `python PROGRAM` would, once per input, in that order: stdin a file holding the input (call-based: the
+# arguments' JSON), stdout a pipe it reads up to CASE_OUTPUT_BYTES (+1, so that the parent sees an overflow), stderr its
+# own (the captured stderr), every other descriptor closed (close_fds: the program never holds the result pipe, fd 3),
+# its own process group (killed with whatever it started once the case ends), CASE_TIMEOUT_S of wall clock. After each
+# case it writes one JSON line to fd 3: the token, the case's index, its exit status (None when a limit stopped it), the
+# limit ("timeout", "output limit exceeded" or None) and its stdout in base64; the parent compares. The programs run
+# under the driver's uid, so the driver is made non-dumpable (prctl PR_SET_DUMPABLE 0): they can then neither ptrace it
+# nor open its /proc/<pid>/fd/3, mem or environ; at worst they can kill or stop it, which loses the cases not yet
+# reported. Kept compatible with Python >= 3.8.
 _IO_DRIVER = """\
+import sys
+
+if not sys.flags.isolated:  # as the harness: not the call's folder on sys.path
+    del sys.path[0]
+
 import base64
 import ctypes
 import json
@@ -501,11 +520,12 @@ CASE_OUTPUT_BYTES = 1048576
 PROGRAM = "solution.py"
 PACKAGE_PATH = []
 _PR_SET_DUMPABLE = 4
-# with PACKAGE_PATH, a case's program runs as `python -c BOOT PROGRAM`: BOOT puts those folders on its sys.path
-# (after the stdlib) and runs PROGRAM as the script would run, as __main__ with its __file__ and argv
-BOOT = ("import sys; sys.path.extend(%r); sys.argv[:] = [%r]; del sys; __file__ = %r; "
+# a case's program runs as `python -s -S -B -c BOOT PROGRAM`: BOOT takes the working folder off its sys.path (as -I
+# did), puts the PACKAGE_PATH folders there (after the stdlib) and runs PROGRAM as the script would run, as __main__
+# with its __file__ and argv
+BOOT = ("import sys; del sys.path[0]; sys.path.extend(%r); sys.argv[:] = [%r]; del sys; __file__ = %r; "
         "exec(compile(open(__file__, 'rb').read(), __file__, 'exec'))" % (PACKAGE_PATH, PROGRAM, PROGRAM))
-COMMAND = [sys.executable, "-I", "-S", "-B"] + (["-c", BOOT] if PACKAGE_PATH else []) + [PROGRAM]
+COMMAND = [sys.executable, "-s", "-S", "-B", "-c", BOOT, PROGRAM]
 
 
 def _run_case(text):
@@ -937,7 +957,7 @@ def _call(
                 "memory_bytes": int(memory_mb) << 20,
                 "max_procs": int(max_procs),
                 "env": {"PATH": _SAFE_PATH, "LANG": "C.UTF-8", "HOME": str(workdir), "TMPDIR": str(workdir),
-                        **_ONE_THREAD},
+                        **_ONE_THREAD, "PYTHONHASHSEED": _HASH_SEED},
             }
             return _run(spec, token, timeout_s, max_output, require_isolation, on_result)
         finally:
@@ -1278,7 +1298,7 @@ def _init_process(spec: dict[str, Any], result_fd: int, limit_procs: bool, repor
             os.dup2(result_fd, _RESULT_FD)  # inheritable: the harness writes its token here
             os.chdir(spec["workdir"])
             python = spec["python"]
-            os.execve(python, [python, "-I", "-S", "-B", "main.py"], spec["env"])
+            os.execve(python, [python, *_FLAGS, "main.py"], spec["env"])
 
         _child(report, run_program)
     os.close(result_fd)
