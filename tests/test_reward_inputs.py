@@ -386,3 +386,36 @@ def test_completions_a_reward_failed_on_leave_the_loss_and_their_groups_baseline
         assert [r["reward_failed_masked"] for r in metrics] == [r["reward_failures"] / 16 for r in metrics]
     else:
         assert "reward_failed_masked" not in metrics[0]
+
+
+# ------------------------------------------------------------------------- rewards.code: the code reward's options
+
+
+NUMPY_TESTS = "import numpy as np\nfrom solution import norm\nassert np.isclose(norm(np.array([3.0, 4.0])), 5.0)\n"
+NUMPY_PROGRAM = "```python\nimport numpy as np\ndef norm(v):\n    return float(np.sqrt((v * v).sum()))\n```"
+
+
+def test_the_code_rewards_options_are_set_in_the_config():
+    """`make_code_reward`'s options (the sandbox's limits, partial credit, the third-party modules a program may import)
+    reached a run only through a module of the user's own (`my_rewards:slow_code`): `rewards.code` now sets them for
+    the built-in `code` reward, checked when the runner is built, so a YAML config trains on numpy rows."""
+    cfg = load_config(DEMO, ["rewards.functions={code: 1.0}", "rewards.code.timeout_s=20",
+                             "rewards.code.packages=[numpy]"])
+    runner = RewardRunner.from_config(cfg.rewards, on_error="fail")
+    assert runner.functions[0].call_timeout_s == 20  # the deadline warning reads it
+    assert runner(["p"], [NUMPY_PROGRAM], [{"tests": NUMPY_TESTS}])[0].tolist() == [1.0]
+    plain = RewardRunner.from_config(load_config(DEMO, ["rewards.functions={code: 1.0}"]).rewards, on_error="zero")
+    assert plain(["p"], [NUMPY_PROGRAM], [{"tests": NUMPY_TESTS}])[0].tolist() == [0.0]  # numpy is not importable there
+    with pytest.raises(ValueError, match=r"rewards\.code: .*nonexistent_module"):
+        RewardRunner.from_config(load_config(DEMO, ["rewards.functions={code: 1.0}",
+                                                    "rewards.code.packages=[nonexistent_module]"]).rewards)
+
+
+@pytest.mark.parametrize("override, match", [
+    ("rewards.code.timeout_s=20", r"rewards\.code sets \['timeout_s'\].*does not use"),  # without `code`: no effect
+    ("rewards.code.timeout=20", r"timeout"),  # a key it does not have
+    ("rewards.code.memory_mb=0", r"memory_mb"),
+])
+def test_code_reward_options_that_would_do_nothing_or_are_wrong_are_refused(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(DEMO, [override])

@@ -227,6 +227,32 @@ class RewardModelConfig(_Section):
     trust_remote_code: bool = False
 
 
+class CodeRewardConfig(_Section):
+    """How the built-in `code` reward in `rewards.functions` runs: `gspo.rewards.code.make_code_reward`'s options (the
+    sandbox's limits per call, what a passed case pays, the third-party modules the program and its tests may
+    import); the defaults are the plain `code` reward's. Checked when the run starts, before any model is built."""
+
+    timeout_s: float = Field(5.0, gt=0, allow_inf_nan=False)  # one call's wall clock, every stdin/stdout case included
+    cpu_s: float = Field(5.0, gt=0, allow_inf_nan=False)  # CPU seconds (per stdin/stdout case)
+    memory_mb: int = Field(512, ge=1)  # address space
+    max_procs: int = Field(32, ge=1)
+    case_timeout_s: float | None = Field(None, gt=0, allow_inf_nan=False)  # None: timeout_s
+    case_output_bytes: int = Field(1 << 20, ge=1)
+    float_tolerance: float = Field(1e-6, ge=0, allow_inf_nan=False)
+    partial_credit: bool = False  # the fraction of stdin/stdout cases passed instead of all-or-nothing
+    strict_equality: bool = True  # the always-equal object hack refused (gspo.sandbox.process._HARNESS)
+    # top-level modules of the trainer's environment the program and tests may import, e.g. [numpy, pandas]
+    packages: list[str] = Field(default_factory=list)
+    python: str | None = None  # the sandbox's interpreter (None: the trainer's, else a system python3)
+
+    def options(self) -> dict[str, Any]:
+        """The keyword arguments of `make_code_reward` set here (those left at their defaults omitted)."""
+        out = self.model_dump(exclude_defaults=True)
+        if "packages" in out:
+            out["packages"] = tuple(out["packages"])
+        return out
+
+
 class RewardConfig(_Section):
     """Reward functions by registry name or import path, with weights; what to do when one fails.
 
@@ -258,6 +284,7 @@ class RewardConfig(_Section):
     overlong_buffer: int | None = Field(None, ge=1)
     overlong_penalty: float = Field(1.0, gt=0, allow_inf_nan=False)
     reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig)  # options of `model:PATH` rewards
+    code: CodeRewardConfig = Field(default_factory=CodeRewardConfig)  # options of the built-in `code` reward
     # A reasoning model's thinking block [open, close]: the built-in verifiers and reward models judge the text after
     # it, and a completion whose reasoning never ended has no answer (gspo.rewards.thinking); null: whole completions.
     think_tags: list[str] | None = Field(default_factory=lambda: ["<think>", "</think>"])
@@ -282,6 +309,10 @@ class RewardConfig(_Section):
             raise ValueError(f"rewards.overlong_penalty={self.overlong_penalty:g} is the size of the overlong penalty, "
                              "which is off without rewards.overlong_buffer (the tokens before the budget where it "
                              "ramps up): set overlong_buffer, or leave overlong_penalty out")
+        if self.code.options() and "code" not in self.functions:
+            raise ValueError(f"rewards.code sets {sorted(self.code.options())} for the built-in `code` reward, which "
+                             f"rewards.functions {list(self.functions)} does not use: add code there, or leave "
+                             "rewards.code out")
         if (self.route_by is None) != (self.routes is None):
             raise ValueError("rewards.route_by (a row field) and rewards.routes (its values → reward functions) go "
                              "together: set both or neither")

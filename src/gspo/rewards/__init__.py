@@ -43,7 +43,7 @@ from gspo.rewards.builtin import (
     parse_arithmetic,
     with_answer,
 )
-from gspo.rewards.code import code_reward
+from gspo.rewards.code import code_reward, make_code_reward
 from gspo.rewards.deadline import DeadlinePool, Outcome
 from gspo.rewards.model import RewardModel, reward_model_options
 from gspo.rewards.shaping import add_overlong_penalty
@@ -133,16 +133,23 @@ def is_batched(fn: RewardFn) -> bool:
     return getattr(fn, "batched", False) is True
 
 
-def resolve_reward(spec: str, model_options: Mapping[str, Any] | None = None) -> RewardFn:
+def resolve_reward(spec: str, model_options: Mapping[str, Any] | None = None,
+                   code_options: Mapping[str, Any] | None = None) -> RewardFn:
     """The reward function named by `spec`: a `REWARDS` name, `"package.module:function"`,
     `"package.module.function"` (a `:` path may name a nested attribute, e.g. `"pkg.mod:Class.method"`), or
     `"model:PATH"`, a reward model loaded from a folder or hub id with `RewardModel(PATH, **model_options)`.
+    `"code"` with `code_options` (a config's `rewards.code`) is `make_code_reward(**code_options)`.
 
     Raises ValueError naming the spec: an unknown name (listing the registry), an import that fails (with the
     import error), a missing attribute, an object that is not callable, or a folder that is not a reward model.
     """
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"reward spec must be a non-empty string, got {spec!r}")
+    if spec == "code" and code_options:
+        try:
+            return make_code_reward(**code_options)
+        except ValueError as exc:  # a limit or package the sandbox refuses: named as the config's key
+            raise ValueError(f"rewards.code: {exc}") from exc
     if spec in REWARDS:
         return REWARDS[spec]
     if spec.startswith(MODEL_PREFIX):
@@ -337,7 +344,8 @@ class RewardRunner:
     A batched function (`batched`) is one call per batch whose values are then judged row by row; a reward model
     (`model:PATH`, built with `model_options`, see `RewardModel`) is one too, run in the calling thread before the
     deadline starts. `model_options` are `RewardModel`'s keyword arguments (`reward_model_options` makes them from
-    the config's `rewards.reward_model` section).
+    the config's `rewards.reward_model` section); `code_options` `make_code_reward`'s, for `"code"` (the config's
+    `rewards.code`: `CodeRewardConfig.options`).
 
     `routes` (`Routes`; None: every function scores every row): which functions score which rows of mixed data.
 
@@ -360,6 +368,7 @@ class RewardRunner:
         model_options: Mapping[str, Any] | None = None,
         think_tags: Sequence[str] | None = THINK_TAGS,
         routes: Routes | None = None,
+        code_options: Mapping[str, Any] | None = None,
     ) -> None:
         if on_error not in ("fail", "zero", "mask"):
             raise ValueError(f"RewardRunner: on_error must be 'fail', 'zero' or 'mask', got {on_error!r}")
@@ -382,7 +391,7 @@ class RewardRunner:
             if callable(spec):
                 name, fn = getattr(spec, "__name__", repr(spec)), spec
             else:
-                name, fn = spec, resolve_reward(spec, model_options)
+                name, fn = spec, resolve_reward(spec, model_options, code_options)
             if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight):
                 raise ValueError(f"RewardRunner: weight of reward {name!r} must be a finite number, got {weight!r}")
             if name in self.names:
@@ -454,7 +463,8 @@ class RewardRunner:
         routes = None if settings.route_by is None else Routes(settings.route_by, settings.routes)
         return cls(settings.functions, on_error=on_error or settings.on_error, timeout_s=settings.timeout_s,
                    workers=settings.workers, think_tags=settings.think_tags, routes=routes,
-                   model_options=reward_model_options(settings.reward_model.model_dump(), device))
+                   model_options=reward_model_options(settings.reward_model.model_dump(), device),
+                   code_options=settings.code.options())
 
     def applies(self, rows: Sequence[Mapping[str, Any]], where: str = "row") -> dict[str, list[bool]]:
         """For each function, which of `rows` it scores (all of them without `routes`)."""
