@@ -419,3 +419,46 @@ def test_the_code_rewards_options_are_set_in_the_config():
 def test_code_reward_options_that_would_do_nothing_or_are_wrong_are_refused(override, match):
     with pytest.raises(ConfigError, match=match):
         load_config(DEMO, [override])
+
+
+def _code_rows(path, bad: int) -> None:
+    good = [{"prompt": f"Write f{i}(x) returning x + {i}.", "tests": f"assert f{i}(1) == {1 + i}"} for i in range(4)]
+    broken = [{"prompt": "Write g(x).", "tests": "```python\nassert g(1) == 2\n```"},  # a Markdown fence: not Python
+              {"prompt": "Write h(x).", "tests": "def helper():\n    return 1\n"}][:bad]  # runs nothing that can fail
+    path.write_text("".join(json.dumps(r) + "\n" for r in good + broken))
+
+
+def test_rows_the_code_reward_can_never_judge_are_left_out_before_the_run_and_counted(tmp_path, caplog):
+    """A code row whose tests are not Python (a stray Markdown fence) or run nothing that can fail made every call on
+    it fail: under on_error=fail the run stopped the first time the row was drawn, hours in; under zero / mask it was
+    trained on as a 0 or masked step after step. Such rows are now left out when the run starts, counted (summary.json
+    `unscorable_rows`, `--check`'s warnings) with the first one's reason in the log."""
+    from gspo.preflight import check, warnings
+    from gspo.trainer import prepare
+
+    data = tmp_path / "code.jsonl"
+    _code_rows(data, bad=2)
+    cfg = load_config(DEMO, tiny_overrides(tmp_path / "run", "cold_start=null", "data.task=null",
+                                           f"data.path={data}", "data.eval_split=null",
+                                           "rewards.functions={code: 1.0}", "rewards.accuracy_reward=code"))
+    with caplog.at_level("WARNING", logger="gspo.rewards"):
+        setup = prepare(cfg, create_out=False)
+    assert [r["prompt"][:8] for r in setup.train_rows] == [f"Write f{i}" for i in range(4)]
+    assert setup.unscorable_rows == {"train": 2, "eval": 0}
+    assert "left out 2 of 6 training rows" in caplog.text and "not valid Python" in caplog.text
+    assert any("2 training rows are left out" in w for w in warnings(check(cfg)))
+    _code_rows(data, bad=0)
+    assert prepare(cfg, create_out=False).unscorable_rows == {"train": 0, "eval": 0}
+    data.write_text(json.dumps({"prompt": "Write g(x).", "tests": "def helper():\n    pass\n"}) + "\n")
+    with pytest.raises(ValueError, match="no training row can be judged by the rewards"):
+        prepare(cfg, create_out=False)
+
+
+def test_gspo_eval_leaves_out_the_rows_the_code_reward_can_never_judge(tmp_path, capsys):
+    """`gspo eval` evaluates the rows a run would: one the rewards can never judge is left out and counted with the
+    other rows it skips, instead of being scored unsolved with a reward failure."""
+    data = tmp_path / "code.jsonl"
+    _code_rows(data, bad=2)
+    code = main(["eval", "tiny-moe", "--data", str(data), "--reward", "code", "--max-new-tokens", "2"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["rows"] == 4 and out["skipped_prompts"] == 2

@@ -14,8 +14,12 @@ import sys
 import time
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gspo.config import Config, ConfigError, accuracy_means, load_config
+
+if TYPE_CHECKING:
+    from gspo.rewards import RewardRunner
 
 
 def demo_config_path() -> Path:
@@ -448,7 +452,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         model, tokenizer = load_model(name, dtype=dtype)
         rows = render_chat(data, data_cfg, tokenizer, tools=tools).heldout
         if kept is None:  # decided with the evaluated model's tokenizer; a --baseline gets the same rows
-            kept = _rows_the_run_keeps(cfg, model, tokenizer, rows, new_tokens)
+            kept = _rows_the_run_keeps(cfg, model, tokenizer, rows, new_tokens, rewards)
         rows = [rows[i] for i in kept]
         if unknown is None:  # text the tokenizer maps to <unk>: the model never saw it (warned, as a run warns)
             unknown = unknown_character_rows(tokenizer, rows, "held-out")
@@ -567,12 +571,14 @@ def _check_eval_paths(args: argparse.Namespace, cfg: Config | None) -> None:
         raise ConfigError(f"--rows-out {args.rows_out}: its folder {out.parent} is not writable")
 
 
-def _rows_the_run_keeps(cfg: Config | None, model, tokenizer, rows: list[dict], new_tokens: int) -> list[int]:
+def _rows_the_run_keeps(cfg: Config | None, model, tokenizer, rows: list[dict], new_tokens: int,
+                        rewards: RewardRunner) -> list[int]:
     """The indices of the held-out `rows` a run of `cfg` evaluates: those whose prompt fits its prompt-token limit
     (`data.max_prompt_tokens`, and what the model's positions leave after `new_tokens`, or a multi-turn episode's
-    `env.max_tokens`), as `gspo.trainer.prepare` keeps them, so that `gspo eval RUN` scores the run's rows. Without
-    a config (--data, --task): those that fit the model's positions with `new_tokens` after them (one longer prompt
-    used to refuse the whole evaluation); the others are left out, warned about and counted (`skipped_prompts`)."""
+    `env.max_tokens`) and that the `rewards` can judge (`RewardRunner.drop_unscorable`), as `gspo.trainer.prepare`
+    keeps them, so that `gspo eval RUN` scores the run's rows. Without a config (--data, --task): those that fit the
+    model's positions with `new_tokens` after them (one longer prompt used to refuse the whole evaluation) and that
+    the rewards can judge; the others are left out, warned about and counted (`skipped_prompts`)."""
     from gspo.schedule import drop_long_prompts, prompt_token_limit
 
     if cfg is None:
@@ -585,8 +591,9 @@ def _rows_the_run_keeps(cfg: Config | None, model, tokenizer, rows: list[dict], 
                        "the completion: shorten the prompts or lower --max-new-tokens")
     else:
         limit = prompt_token_limit(cfg, model, cfg.env.max_tokens if cfg.env else new_tokens)
-    short = {id(row) for row in drop_long_prompts(rows, tokenizer, limit, "held-out")[0]}
-    return [i for i, row in enumerate(rows) if id(row) in short]
+    judged = rewards.drop_unscorable(drop_long_prompts(rows, tokenizer, limit, "held-out")[0], "held-out")[0]
+    kept = {id(row) for row in judged}
+    return [i for i, row in enumerate(rows) if id(row) in kept]
 
 
 def _eval_run_folders(args: argparse.Namespace) -> None:

@@ -185,11 +185,11 @@ def check(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[st
         "train": {**setup.train_source, "prompt_tokens": train_lengths,
                   "solution_tokens": lengths(setup.train_rows, "solution", steps["new_tokens_per_completion"]),
                   "prompt_limit": setup.prompt_limits[0], "skipped_long": setup.skipped_prompts["train"],
-                  "unknown_characters": setup.unknown["train"]},
+                  "unscorable": setup.unscorable_rows["train"], "unknown_characters": setup.unknown["train"]},
         "heldout": {**setup.heldout_source, "prompt_tokens": lengths(setup.eval_rows),
                     "solution_tokens": lengths(setup.eval_rows, "solution", setup.eval_tokens),
                     "prompt_limit": setup.prompt_limits[1], "skipped_long": setup.skipped_prompts["eval"],
-                    "unknown_characters": setup.unknown["eval"],
+                    "unscorable": setup.unscorable_rows["eval"], "unknown_characters": setup.unknown["eval"],
                     "groups": dict(Counter(setup.eval_group)) if setup.eval_group is not None else None,
                     "ci95_half_width": (high - low) / 2 if heldout_n else None,
                     "shared_passages": shared_passages(setup.train_rows, setup.eval_rows)},
@@ -338,6 +338,9 @@ def warnings(report: dict[str, Any]) -> list[str]:
         if report[split].get("skipped_long"):
             found.append(f"{report[split]['skipped_long']} {name} prompts are longer than "
                          f"{report[split]['prompt_limit']} tokens and are left out")
+        if report[split].get("unscorable"):
+            found.append(f"{report[split]['unscorable']} {name} rows are left out: the rewards can never judge them "
+                         "(the log names the first and why, e.g. code tests that are not Python)")
         if report[split].get("unknown_characters"):
             found.append(f"{report[split]['unknown_characters']} {name} rows have characters the tokenizer cannot "
                          "encode")

@@ -621,6 +621,7 @@ class Setup:
     eval_tokens: int  # new tokens per held-out completion
     prompt_limits: tuple[int | None, int | None]  # the longest training / held-out prompt kept, in tokens
     skipped_prompts: dict[str, int]  # rows dropped for a prompt over that limit
+    unscorable_rows: dict[str, int]  # rows dropped because the rewards can never judge them (`drop_unscorable`)
     unknown: dict[str, int]  # rows with characters the tokenizer cannot encode
     checkpoint: Path | None  # the checkpoint a resume continues from (None: a start)
     reward_deadline: str | None  # `RewardRunner.deadline_warning` of one process's batch
@@ -669,10 +670,13 @@ def prepare(cfg: Config, resume: bool = False, overwrite: bool = False, create_o
     eval_tokens = cfg.trainer.eval_max_new_tokens or ro.max_new_tokens
     train_limit = prompt_token_limit(cfg, model, cfg.env.max_tokens if cfg.env else ro.max_new_tokens)
     train_rows, skipped_train = drop_long_prompts(data.train, tokenizer, train_limit, "training")
-    eval_rows, skipped_eval, eval_limit = [], 0, None
+    # rows no program or answer could be judged on (the code reward's tests that are not Python, ...): left out, counted
+    train_rows, unscorable_train = rewards.drop_unscorable(train_rows, "training")
+    eval_rows, skipped_eval, eval_limit, unscorable_eval = [], 0, None, 0
     if data.heldout:
         eval_limit = prompt_token_limit(cfg, model, cfg.env.max_tokens if cfg.env else eval_tokens)
         eval_rows, skipped_eval = drop_long_prompts(data.heldout, tokenizer, eval_limit, "held-out")
+        eval_rows, unscorable_eval = rewards.drop_unscorable(eval_rows, "held-out")
     heldout_source = {**data.heldout_source, "rows": len(eval_rows)} if eval_rows else {"kind": "none"}
     if "sets" in heldout_source:  # several data.eval_path files: each one's rows as evaluated, too
         evaluated = Counter(r[EVAL_SET] for r in eval_rows)
@@ -702,6 +706,7 @@ def prepare(cfg: Config, resume: bool = False, overwrite: bool = False, create_o
                  eval_rows=eval_rows, train_source=train_source, heldout_source=heldout_source, eval_group=eval_group,
                  eval_tokens=eval_tokens, prompt_limits=(train_limit[0], eval_limit[0] if eval_limit else None),
                  skipped_prompts={"train": skipped_train, "eval": skipped_eval}, unknown=unknown,
+                 unscorable_rows={"train": unscorable_train, "eval": unscorable_eval},
                  checkpoint=checkpoint, reward_deadline=deadline, wall0=wall0)
 
 
@@ -1285,6 +1290,7 @@ class _Run:
             "skipped_updates": _skipped_updates(out),
             **({"overflow_updates": _skipped_updates(out, "overflow_updates")} if self.scaler is not None else {}),
             "skipped_prompts": setup.skipped_prompts,
+            "unscorable_rows": setup.unscorable_rows,
             "guard": None if self.guard is None else {"rollbacks": self.rollbacks, "lr_scale": self.lr_scale},
             "unknown_character_rows": setup.unknown,
             "reward_check": reward_check,

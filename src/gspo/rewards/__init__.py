@@ -585,6 +585,34 @@ class RewardRunner:
                 raise ValueError(f"{where} {unjudged} (route {route!r}) is scored by none of the accuracy rewards "
                                  f"{names}: name its verifier in rewards.accuracy_reward (a list for mixed data)")
 
+    def drop_unscorable(self, rows: list[dict], split: str) -> tuple[list[dict], int]:
+        """`rows` without those that a function which scores them can never judge (its `check_row(row)` raises
+        ValueError: the code reward's tests that are not Python, run nothing that can fail, ...), and how many were
+        left out (a warning counts them and gives the first one's reason). Every call on such a row would fail and,
+        under on_error=fail, stop the run when the row is first drawn. Raises ValueError when none is left."""
+        applies = self.applies(rows, f"{split} row")
+        checks = [(name, fn.check_row) for name, fn in zip(self.names, self.functions, strict=True)
+                  if callable(getattr(fn, "check_row", None))]
+        if not checks or not rows:
+            return rows, 0
+        kept, first = [], None
+        for i, row in enumerate(rows):
+            try:
+                for name, check in checks:
+                    if applies[name][i]:
+                        check(row)
+            except ValueError as e:
+                first = first or f"{split} row {i}, reward {name!r}: {e}"
+                continue
+            kept.append(row)
+        left_out = len(rows) - len(kept)
+        if not kept:
+            raise ValueError(f"no {split} row can be judged by the rewards (the first: {first})")
+        if left_out:
+            logger.warning("left out %d of %d %s rows that the rewards can never judge (the first: %s)", left_out,
+                           len(rows), split, first)
+        return kept, left_out
+
     def _final_answers(self, prompts: Sequence[str], completions: Sequence[str]) -> tuple[list[str] | None, int]:
         """(what the `after_thinking` functions judge: each completion's `final_answer`, "" where its reasoning never
         ended; how many never ended), or (None, 0) when no function is marked or `think_tags` is None."""

@@ -369,15 +369,7 @@ def make_code_reward(
         the row's `fn_name`), scored alike on the function's return values. A row without usable tests is a data
         error (ValueError), not a wrong completion. Isolation warnings are logged once each.
         """
-        tests = row.get("tests")
-        cases = _row_cases(row)
-        if cases is None:
-            if not (isinstance(tests, str) and tests.strip()) and not (
-                isinstance(tests, list) and tests and all(isinstance(t, str) for t in tests)
-            ):
-                raise ValueError("code_reward needs a row field 'tests' (a non-empty str or list of str, or "
-                                 f"stdin/stdout cases {{'inputs': [...], 'outputs': [...]}}), got {tests!r:.200}")
-            tests = _python_tests(tests, row.get("entry_point"))
+        cases, tests = row_tests(row)
         code = _program(prompt, completion, row.get("entry_point"))
         if not code.strip():
             return 0.0
@@ -398,7 +390,25 @@ def make_code_reward(
         return result.score
 
     code_reward.call_timeout_s = timeout_s  # the longest one call runs (RewardRunner.deadline_warning)
+    code_reward.check_row = row_tests  # a row no program can pass or fail is left out before any compute
     return code_reward
+
+
+def row_tests(row: dict[str, Any]) -> tuple[IOCases | None, str | list[str] | None]:
+    """A row's tests as the code reward runs them: (stdin/stdout or call-based cases, None) or (None, the Python
+    tests, `_python_tests`). Raises ValueError saying why no program could be judged by them: no `tests`, cases that
+    do not parse, tests that are not Python, run nothing that can fail, or need what the sandbox lacks. The reward
+    raises it on every call of such a row; `RewardRunner.drop_unscorable` leaves such rows out before a run starts."""
+    tests = row.get("tests")
+    cases = _row_cases(row)
+    if cases is not None:
+        return cases, None
+    if not (isinstance(tests, str) and tests.strip()) and not (
+        isinstance(tests, list) and tests and all(isinstance(t, str) for t in tests)
+    ):
+        raise ValueError("code_reward needs a row field 'tests' (a non-empty str or list of str, or "
+                         f"stdin/stdout cases {{'inputs': [...], 'outputs': [...]}}), got {tests!r:.200}")
+    return None, _python_tests(tests, row.get("entry_point"))
 
 
 code_reward = make_code_reward()
