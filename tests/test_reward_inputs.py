@@ -8,7 +8,9 @@ rewards.on_error=fail run before any compute, with the function and its first ex
 from __future__ import annotations
 
 import json
+import shutil
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -391,24 +393,34 @@ def test_completions_a_reward_failed_on_leave_the_loss_and_their_groups_baseline
 # ------------------------------------------------------------------------- rewards.code: the code reward's options
 
 
-NUMPY_TESTS = "import numpy as np\nfrom solution import norm\nassert np.isclose(norm(np.array([3.0, 4.0])), 5.0)\n"
-NUMPY_PROGRAM = "```python\nimport numpy as np\ndef norm(v):\n    return float(np.sqrt((v * v).sum()))\n```"
-
-
-def test_the_code_rewards_options_are_set_in_the_config():
+def test_the_code_rewards_options_are_set_in_the_config(monkeypatch):
     """`make_code_reward`'s options (the sandbox's limits, partial credit, the third-party modules a program may import)
     reached a run only through a module of the user's own (`my_rewards:slow_code`): `rewards.code` now sets them for
-    the built-in `code` reward, checked when the runner is built, so a YAML config trains on numpy rows."""
-    cfg = load_config(DEMO, ["rewards.functions={code: 1.0}", "rewards.code.timeout_s=20",
-                             "rewards.code.packages=[numpy]"])
-    runner = RewardRunner.from_config(cfg.rewards, on_error="fail")
-    assert runner.functions[0].call_timeout_s == 20  # the deadline warning reads it
-    assert runner(["p"], [NUMPY_PROGRAM], [{"tests": NUMPY_TESTS}])[0].tolist() == [1.0]
-    plain = RewardRunner.from_config(load_config(DEMO, ["rewards.functions={code: 1.0}"]).rewards, on_error="zero")
-    assert plain(["p"], [NUMPY_PROGRAM], [{"tests": NUMPY_TESTS}])[0].tolist() == [0.0]  # numpy is not importable there
-    with pytest.raises(ValueError, match=r"rewards\.code: .*nonexistent_module"):
-        RewardRunner.from_config(load_config(DEMO, ["rewards.functions={code: 1.0}",
-                                                    "rewards.code.packages=[nonexistent_module]"]).rewards)
+    the built-in `code` reward, checked when the runner is built, so a YAML config trains on rows that import a
+    module of the trainer's environment (here one of the test's own, in a folder every user can read)."""
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="gspo-test-cfg-packages-")  # not tmp_path: pytest's folders are closed (0700)
+    (Path(folder) / "gspo_cfg_helper.py").write_text("def double(x):\n    return 2 * x\n")
+    for path in (Path(folder), Path(folder) / "gspo_cfg_helper.py"):
+        path.chmod(0o755)
+    monkeypatch.syspath_prepend(folder)
+    try:
+        tests = "from gspo_cfg_helper import double\nassert quadruple(3) == double(double(3))\n"
+        program = "```python\nfrom gspo_cfg_helper import double\ndef quadruple(x):\n    return double(double(x))\n```"
+        cfg = load_config(DEMO, ["rewards.functions={code: 1.0}", "rewards.code.timeout_s=20",
+                                 "rewards.code.packages=[gspo_cfg_helper]"])
+        runner = RewardRunner.from_config(cfg.rewards, on_error="fail")
+        assert runner.functions[0].call_timeout_s == 20  # the deadline warning reads it
+        assert runner(["p"], [program], [{"tests": tests}])[0].tolist() == [1.0]
+        plain = RewardRunner.from_config(load_config(DEMO, ["rewards.functions={code: 1.0}"]).rewards,
+                                         on_error="zero")
+        assert plain(["p"], [program], [{"tests": tests}])[0].tolist() == [0.0]  # not importable there
+        with pytest.raises(ValueError, match=r"rewards\.code: .*nonexistent_module"):
+            RewardRunner.from_config(load_config(DEMO, ["rewards.functions={code: 1.0}",
+                                                        "rewards.code.packages=[nonexistent_module]"]).rewards)
+    finally:
+        shutil.rmtree(folder)
 
 
 @pytest.mark.parametrize("override, match", [

@@ -29,6 +29,7 @@ from gspo.sandbox import (
     IOCases,
     SandboxError,
     outputs_match,
+    package_dirs,
     parse_io_cases,
     row_fn_name,
     run_sandboxed,
@@ -1292,10 +1293,24 @@ NUMPY_RIGHT = "```python\nimport numpy as np\n\ndef running(xs):\n    return np.
 NUMPY_WRONG = "```python\nimport numpy as np\n\ndef running(xs):\n    return np.array(xs)\n```"
 
 
+def numpy_for_the_sandbox() -> None:
+    """Skip unless the sandbox's program can import this environment's numpy: as root the program runs as an
+    unprivileged uid, which cannot read a virtual environment inside a closed folder (a checkout under /root, or in a
+    mktemp folder: 0700), and `package_dirs` refuses such a folder
+    (`test_a_package_in_a_folder_closed_to_the_sandboxs_uid_is_refused` covers that refusal)."""
+    pytest.importorskip("numpy")
+    try:
+        package_dirs(("numpy",))
+    except ValueError as e:
+        if "cannot read" not in str(e):
+            raise
+        pytest.skip(f"the sandbox cannot read this environment's numpy: {e}")
+
+
 def test_packages_let_the_program_and_the_tests_import_the_trainers_modules():
     """A row whose tests import numpy (BigCodeBench's `import numpy as np`) failed every program: the sandbox runs
     `python -I -S`, the standard library only. With packages=("numpy",) numpy's folder is on the program's path."""
-    pytest.importorskip("numpy")
+    numpy_for_the_sandbox()
     with_numpy = make_code_reward(**FAST, packages=("numpy",))
     assert with_numpy("p", NUMPY_RIGHT, **NUMPY_ROW) == 1.0
     assert with_numpy("p", NUMPY_WRONG, **NUMPY_ROW) == 0.0
@@ -1316,7 +1331,7 @@ def test_packages_let_the_program_and_the_tests_import_the_trainers_modules():
 def test_packages_reach_stdin_stdout_and_call_based_cases():
     """Each case's program runs in a child interpreter of its own (and a call-based one under the caller stub): it
     gets the packages' folders too, and runs as the script it is (__main__, its __file__ and argv)."""
-    pytest.importorskip("numpy")
+    numpy_for_the_sandbox()
     code = ("import sys\nimport numpy as np\n\nn = int(input())\nprint(int(np.array(input().split(), dtype=int).sum()))"
             "\nassert __name__ == '__main__' and __file__ == sys.argv[0] == 'solution.py', (__file__, sys.argv)\n"
             "assert 'sys' in globals() and 'np' in globals() and 'BOOT' not in globals()\n")
@@ -1367,7 +1382,7 @@ def test_a_package_in_a_folder_closed_to_the_sandboxs_uid_is_refused(monkeypatch
 def test_extension_modules_another_python_cannot_load_are_refused(monkeypatch):
     """The sandbox's interpreter (python=..., or the fallback python3 as root) of another Python version cannot load
     numpy's extension modules built for this one: every program importing numpy failed with an ImportError."""
-    pytest.importorskip("numpy")
+    numpy_for_the_sandbox()
     suffixes = sandbox_module._extension_suffixes  # what an interpreter says it loads
     assert ".abi3.so" in suffixes(sys.executable)
     assert suffixes("/nonexistent/python3") is None  # unchecked: the sandbox call says why it cannot start
@@ -1393,7 +1408,7 @@ def test_numpys_arrays_do_not_let_the_always_equal_hack_through():
     """With numpy importable, an array of the program's objects (dtype object: its == asks theirs) or an ndarray
     subclass of the program's (numpy's == hands back one, whose truth it decides) equals anything; the tests' == and
     unittest's assertEqual find them unequal to a plain value. numpy's own values compare as numpy does."""
-    pytest.importorskip("numpy")
+    numpy_for_the_sandbox()
     subclass = "class Truthy(np.ndarray):\n    def __bool__(self):\n        return True\n"
     for returned in ("np.array([Yes()], dtype=object)", "np.array(Yes(), dtype=object)", "[np.array([Yes()], "
                      "dtype=object)]", "np.zeros(1).view(Truthy)"):
