@@ -74,18 +74,20 @@ def _python_tests(tests: str | list[str], entry_point: Any = None) -> str | list
     `gspo.sandbox.parse_io_cases` instead."""
     text = tests if isinstance(tests, str) else "\n".join(tests)
     try:
-        body = ast.parse(text).body
+        tree = ast.parse(text)
     except SyntaxError as e:
         raise ValueError(f"code_reward: the row's tests are not valid Python ({e.msg}, line {e.lineno}): "
                          f"{text[:80]!r}") from None
+    body = tree.body
     literal = [_literal(statement) for statement in body]
     if isinstance(tests, str) and len(body) == 1 and isinstance(literal[0], (list, tuple)) and literal[0] and all(
             isinstance(t, str) for t in literal[0]):
         return _python_tests(list(literal[0]), entry_point)
-    problem = _pytest_problem(body)
+    nodes = list(ast.walk(tree))  # walked once: a large test file took ~1 ms per walk, and this runs per call
+    called = _called(nodes)
+    problem = _pytest_problem(body, nodes, called)
     if problem is not None:
         raise ValueError(f"code_reward: the row's tests {problem}, so every program would fail them: {text[:80]!r}")
-    called = _called(body)
     if any(_runs(statement, called) for statement in body):
         return tests
     if any(isinstance(s, ast.FunctionDef) and s.name == "check" and len(s.args.args) == 1 for s in body):
@@ -141,34 +143,33 @@ def _not_judging(definition: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassD
     return False
 
 
-def _called(body: list[ast.stmt]) -> set[str]:
-    """The names the tests call (`name(...)`): a `test*` function called with arguments is a helper, not a test."""
-    return {node.func.id for statement in body for node in ast.walk(statement)
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
+def _called(nodes: list[ast.AST]) -> set[str]:
+    """The names the tests (all their `nodes`) call (`name(...)`): a `test*` function called with arguments is a
+    helper, not a test."""
+    return {node.func.id for node in nodes if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
 
 
-def _pytest_problem(body: list[ast.stmt]) -> str | None:
+def _pytest_problem(body: list[ast.stmt], nodes: list[ast.AST], called: set[str]) -> str | None:
     """What in the tests the sandbox's pytest cannot run, in words ("ask for fixture 'db' in test_f, which ..."), or
     None: a `pytest.<name>` (or `from pytest import <name>`) it does not provide, or a fixture that a test asks for
     (a parameter without a default, not given by a literal parametrize) that neither the tests define (as module or
     class fixtures) nor it provides (`FIXTURES`). A test whose parameters it cannot read for sure (a parametrize with
-    computed names, another decorator such as unittest.mock's patch) is not checked."""
-    aliases = {a.asname or a.name for s in body for node in ast.walk(s) if isinstance(node, ast.Import)
+    computed names, another decorator such as unittest.mock's patch) is not checked. `nodes`: every node of the
+    tests; `called`: `_called(nodes)`."""
+    aliases = {a.asname or a.name for node in nodes if isinstance(node, ast.Import)
                for a in node.names if a.name == "pytest"}
-    for statement in body:
-        for node in ast.walk(statement):
-            if isinstance(node, ast.ImportFrom) and node.module == "pytest":
-                missing = [a.name for a in node.names if a.name not in PYTEST_NAMES and a.name != "*"]
-            elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
-                  and not node.attr.startswith("__")):
-                missing = [node.attr] if node.attr not in PYTEST_NAMES else []
-            else:
-                continue
-            if missing:
-                return (f"use pytest.{missing[0]}, which the sandbox's pytest does not provide (it has "
-                        f"{', '.join(PYTEST_NAMES)})")
+    for node in nodes:
+        if isinstance(node, ast.ImportFrom) and node.module == "pytest":
+            missing = [a.name for a in node.names if a.name not in PYTEST_NAMES and a.name != "*"]
+        elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+              and not node.attr.startswith("__")):
+            missing = [node.attr] if node.attr not in PYTEST_NAMES else []
+        else:
+            continue
+        if missing:
+            return (f"use pytest.{missing[0]}, which the sandbox's pytest does not provide (it has "
+                    f"{', '.join(PYTEST_NAMES)})")
     module_fixtures = _fixtures(body, False)
-    called = _called(body)
     for statement in body:
         if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef)) and _is_test(statement, called):
             problem = _missing_fixture(statement, module_fixtures, False, [])

@@ -378,17 +378,17 @@ def _pytest(tests, source, program):
     return shim["install"](_compare, _plain_method, _plain_ids, source), called
 
 
-def _skipped_by_tests(error):
-    # whether a SkipTest was raised by the tests' own code: a `raise` in tests.py, or unittest's skipTest() called
-    # there; one raised in the program (`raise unittest.SkipTest` in f, or in the Solution() a setUp makes) made every
-    # test that reached it pass
+def _refuse_program_skip(error):
+    # a SkipTest counts only when the tests' own code raised it: a `raise` in tests.py, or unittest's skipTest()
+    # called there; one raised in the program (`raise unittest.SkipTest` in f, or in the Solution() a setUp makes)
+    # made every test that reached it pass
     frames, tb = [], error.__traceback__
     while tb is not None:
         frames.append(tb.tb_frame.f_code)
         tb = tb.tb_next
-    last = frames[-1] if frames else None
-    return last is not None and (last.co_filename == "tests.py" or (
-        last.co_name == "skipTest" and _len(frames) > 1 and frames[-2].co_filename == "tests.py"))
+    if not frames or not (frames[-1].co_filename == "tests.py" or (
+            frames[-1].co_name == "skipTest" and _len(frames) > 1 and frames[-2].co_filename == "tests.py")):
+        raise AssertionError("the program raised unittest.SkipTest: a test it skips is not passed")
 
 
 def _no_program_skips(function, skip_test):
@@ -397,16 +397,14 @@ def _no_program_skips(function, skip_test):
             try:
                 return await function(*args, **kwargs)
             except skip_test as error:
-                if not _skipped_by_tests(error):
-                    raise AssertionError("the program raised unittest.SkipTest: a test it skips is not passed")
+                _refuse_program_skip(error)
                 raise
     else:
         def guarded(*args, **kwargs):
             try:
                 return function(*args, **kwargs)
             except skip_test as error:
-                if not _skipped_by_tests(error):
-                    raise AssertionError("the program raised unittest.SkipTest: a test it skips is not passed")
+                _refuse_program_skip(error)
                 raise
     guarded.__name__, guarded.__qualname__, guarded.__doc__ = function.__name__, function.__qualname__, function.__doc__
     return guarded
