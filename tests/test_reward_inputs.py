@@ -468,9 +468,10 @@ def test_rows_the_code_reward_can_never_judge_are_left_out_before_the_run_and_co
 
 def test_gspo_eval_leaves_out_the_rows_the_code_reward_can_never_judge(tmp_path, capsys):
     """`gspo eval` evaluates the rows a run would: one the rewards can never judge is left out and counted with the
-    other rows it skips, instead of being scored unsolved with a reward failure."""
+    apart from the prompts it skips for length (`unscorable_rows`, not `skipped_prompts`), instead of being scored
+    unsolved with a reward failure."""
     data = tmp_path / "code.jsonl"
     _code_rows(data, bad=2)
     code = main(["eval", "tiny-moe", "--data", str(data), "--reward", "code", "--max-new-tokens", "2"])
     out = json.loads(capsys.readouterr().out)
-    assert code == 0 and out["rows"] == 4 and out["skipped_prompts"] == 2
+    assert code == 0 and out["rows"] == 4 and out["unscorable_rows"] == 2 and "skipped_prompts" not in out

@@ -441,6 +441,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     sampling["stop"] = cfg.rollout.stop if cfg is not None else []  # a run's completions end at its stop strings
     checked: dict | None = None
     kept: list[int] | None = None  # the rows evaluated: with --config, those its run evaluates (_rows_the_run_keeps)
+    unscorable = 0  # rows left out because the rewards can never judge them (the others left out are too long)
     unknown: int | None = None  # rows with text the model's tokenizer cannot encode
 
     def run(name: str) -> tuple[dict, list[float], dict[str, dict[str, int]], list[dict]]:
@@ -448,11 +449,11 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         [low, high] pair), each row's solved fraction, its own reward failures and timeouts per function
         ({"reward_failures": ..., "reward_timeouts": ...}), and with --rows-out each row's first completion with its
         rewards and verdict."""
-        nonlocal checked, kept, unknown
+        nonlocal checked, kept, unknown, unscorable
         model, tokenizer = load_model(name, dtype=dtype)
         rows = render_chat(data, data_cfg, tokenizer, tools=tools).heldout
         if kept is None:  # decided with the evaluated model's tokenizer; a --baseline gets the same rows
-            kept = _rows_the_run_keeps(cfg, model, tokenizer, rows, new_tokens, rewards)
+            kept, unscorable = _rows_the_run_keeps(cfg, model, tokenizer, rows, new_tokens, rewards)
         rows = [rows[i] for i in kept]
         if unknown is None:  # text the tokenizer maps to <unk>: the model never saw it (warned, as a run warns)
             unknown = unknown_character_rows(tokenizer, rows, "held-out")
@@ -481,7 +482,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     with contextlib.redirect_stdout(sys.stderr):  # a reward, environment or tool that prints: not into the JSON
         result, values, failures, shown = run(args.model)
-    skipped = len(data.heldout) - len(values)
+    skipped = len(data.heldout) - len(values) - unscorable  # prompts over the limit
     if groups is not None:
         groups = [groups[i] for i in kept]
     completions = len(values) * n
@@ -505,6 +506,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     by = {} if groups is None else {"by": _by_group(values, groups, base_values)}
     print(json.dumps({"model": args.model, "rows": len(values), "source": data.heldout_source,
                       **({"skipped_prompts": skipped} if skipped else {}),
+                      **({"unscorable_rows": unscorable} if unscorable else {}),
                       **({"unknown_character_rows": unknown} if unknown else {}), "decoding": how,
                       "samples_per_prompt": n, "temperature": temperature, "top_p": top_p,
                       **({"seed": seed} if n > 1 else {}), **result, **counts,
@@ -572,13 +574,14 @@ def _check_eval_paths(args: argparse.Namespace, cfg: Config | None) -> None:
 
 
 def _rows_the_run_keeps(cfg: Config | None, model, tokenizer, rows: list[dict], new_tokens: int,
-                        rewards: RewardRunner) -> list[int]:
+                        rewards: RewardRunner) -> tuple[list[int], int]:
     """The indices of the held-out `rows` a run of `cfg` evaluates: those whose prompt fits its prompt-token limit
     (`data.max_prompt_tokens`, and what the model's positions leave after `new_tokens`, or a multi-turn episode's
     `env.max_tokens`) and that the `rewards` can judge (`RewardRunner.drop_unscorable`), as `gspo.trainer.prepare`
     keeps them, so that `gspo eval RUN` scores the run's rows. Without a config (--data, --task): those that fit the
     model's positions with `new_tokens` after them (one longer prompt used to refuse the whole evaluation) and that
-    the rewards can judge; the others are left out, warned about and counted (`skipped_prompts`)."""
+    the rewards can judge; the others are left out, warned about and counted: the number of rows left out because the
+    rewards cannot judge them is returned with the indices (`unscorable_rows`; the rest are `skipped_prompts`)."""
     from gspo.schedule import drop_long_prompts, prompt_token_limit
 
     if cfg is None:
@@ -591,9 +594,9 @@ def _rows_the_run_keeps(cfg: Config | None, model, tokenizer, rows: list[dict], 
                        "the completion: shorten the prompts or lower --max-new-tokens")
     else:
         limit = prompt_token_limit(cfg, model, cfg.env.max_tokens if cfg.env else new_tokens)
-    judged = rewards.drop_unscorable(drop_long_prompts(rows, tokenizer, limit, "held-out")[0], "held-out")[0]
+    judged, unscorable = rewards.drop_unscorable(drop_long_prompts(rows, tokenizer, limit, "held-out")[0], "held-out")
     kept = {id(row) for row in judged}
-    return [i for i, row in enumerate(rows) if id(row) in kept]
+    return [i for i, row in enumerate(rows) if id(row) in kept], unscorable
 
 
 def _eval_run_folders(args: argparse.Namespace) -> None:
