@@ -250,3 +250,19 @@ def crash_after(step: int):
             raise SimulatedCrash(f"simulated crash after step {done}")
 
     return callback
+
+
+def numpy_for_the_sandbox() -> None:
+    """Skip unless the sandbox's program can import this environment's numpy: as root the program runs as an
+    unprivileged uid, which cannot read a virtual environment inside a closed folder (a checkout under /root, or in a
+    mktemp folder: 0700), and `package_dirs` refuses such a folder
+    (`test_a_package_in_a_folder_closed_to_the_sandboxs_uid_is_refused` covers that refusal)."""
+    from gspo.sandbox import package_dirs
+
+    pytest.importorskip("numpy")
+    try:
+        package_dirs(("numpy",))
+    except ValueError as e:
+        if "cannot read" not in str(e):
+            raise
+        pytest.skip(f"the sandbox cannot read this environment's numpy: {e}")

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from conftest import DEMO, tiny_overrides
+from conftest import DEMO, numpy_for_the_sandbox, tiny_overrides
 from gspo.agent import Tool, ToolCall, ToolEnv, build_env, calc, make_env_factory
-from gspo.agent.tools import TOOLS, parse_call, parse_hermes, python, resolve_tool
+from gspo.agent.tools import TOOLS, make_python_tool, parse_call, parse_hermes, python, resolve_tool
 from gspo.cli import main
 from gspo.config import ConfigError, config_to_dict, load_config
 from gspo.rewards.deadline import DeadlinePool
@@ -262,3 +262,23 @@ def test_the_python_tool_returns_what_the_program_printed_or_the_exceptions_last
     assert python("print(6 * 7)") == "42\n"
     failed = python("print('partial')\nraise ValueError('no such thing')")
     assert failed.startswith("error: ") and failed.endswith("ValueError: no such thing")
+
+
+def test_a_python_tool_of_ones_own_imports_its_packages_and_says_so_to_the_model(tmp_path):
+    """The built-in `python` tool runs the standard library only; `make_python_tool(packages=...)` in a user's module,
+    named in `env.tools`, lets the model's programs import the trainer's numpy, and its description (what the chat
+    template shows the model) says which packages it has. A package that is not installed, or a limit out of range,
+    is refused when the tool is made."""
+    numpy_for_the_sandbox()
+    (tmp_path / "my_tools.py").write_text("from gspo.agent.tools import make_python_tool\n"
+                                          "python = make_python_tool(packages=('numpy',), timeout_s=10)\n")
+    tool = resolve_tool(f"{tmp_path / 'my_tools.py'}:python")
+    assert tool.name == "python" and "the standard library and numpy" in tool.schema["function"]["description"]
+    assert "10 s" in tool.schema["function"]["description"]
+    assert tool.fn("import numpy as np\nprint(int(np.arange(5).sum()))") == "10\n"
+    assert python("import numpy").endswith("No module named 'numpy'")  # the built-in one: standard library only
+    assert "standard library only" in Tool.from_function(python).schema["function"]["description"]
+    with pytest.raises(ValueError, match="no module 'no_such_package' is installed"):
+        make_python_tool(packages=("no_such_package",))
+    with pytest.raises(ValueError, match="timeout_s"):
+        make_python_tool(timeout_s=0)

@@ -23,13 +23,13 @@ from pathlib import Path
 
 import pytest
 
+from conftest import numpy_for_the_sandbox
 from gspo.rewards import REWARDS, RewardRunner
 from gspo.rewards.code import code_reward, extract_code, make_code_reward
 from gspo.sandbox import (
     IOCases,
     SandboxError,
     outputs_match,
-    package_dirs,
     parse_io_cases,
     row_fn_name,
     run_sandboxed,
@@ -1291,20 +1291,6 @@ NUMPY_ROW = {"tests": "import numpy as np\n\nassert np.array_equal(running(np.ar
                       "assert running(np.arange(4)).dtype.kind == 'i'\n"}
 NUMPY_RIGHT = "```python\nimport numpy as np\n\ndef running(xs):\n    return np.cumsum(xs)\n```"
 NUMPY_WRONG = "```python\nimport numpy as np\n\ndef running(xs):\n    return np.array(xs)\n```"
-
-
-def numpy_for_the_sandbox() -> None:
-    """Skip unless the sandbox's program can import this environment's numpy: as root the program runs as an
-    unprivileged uid, which cannot read a virtual environment inside a closed folder (a checkout under /root, or in a
-    mktemp folder: 0700), and `package_dirs` refuses such a folder
-    (`test_a_package_in_a_folder_closed_to_the_sandboxs_uid_is_refused` covers that refusal)."""
-    pytest.importorskip("numpy")
-    try:
-        package_dirs(("numpy",))
-    except ValueError as e:
-        if "cannot read" not in str(e):
-            raise
-        pytest.skip(f"the sandbox cannot read this environment's numpy: {e}")
 
 
 def test_packages_let_the_program_and_the_tests_import_the_trainers_modules():

@@ -35,7 +35,7 @@ from typing import Any
 from gspo.rewards.deadline import DeadlinePool
 
 __all__ = ["PARSERS", "TOOLS", "ParsedCalls", "Tool", "ToolCall", "ToolResult", "calc", "call_format_problem",
-           "parse_call", "parse_hermes", "python", "resolve_tool", "run_calls"]
+           "make_python_tool", "parse_call", "parse_hermes", "python", "resolve_tool", "run_calls"]
 
 
 @dataclass(frozen=True)
@@ -292,20 +292,40 @@ def calc(expression: str) -> str:
     return str(_evaluate(tree.body))
 
 
-def python(code: str) -> str:
-    """Run a Python program in a sandbox (standard library only, no network, 5 s; it can read the machine's
-    world-readable files but write only in its own temporary folder) and return what it printed.
+def make_python_tool(packages: Sequence[str] = (), timeout_s: float = 5.0, memory_mb: int = 512,
+                     max_output_bytes: int = 16 << 10) -> Callable[[str], str]:
+    """The `python` tool with its own limits: `packages` are top-level modules of the trainer's environment the model's
+    programs may import besides the standard library (e.g. ("numpy", "sympy"); `gspo.sandbox.package_dirs`, a name that
+    is not installed is a ValueError now, not an error at the first call), `timeout_s` the wall-clock and CPU seconds
+    of a program, `memory_mb` its address space, `max_output_bytes` what it may print. Use it from your own module, as
+    `env.tools: ["my_tools.py:python"]` with `python = make_python_tool(packages=("numpy",))` in my_tools.py: the
+    model sees the same tool, named `python`, whose description names the packages."""
+    from gspo.sandbox import check_limits, package_dirs
 
-    Args:
-        code: the program; print the values you need
-    """
-    from gspo.sandbox import run_sandboxed
+    packages = tuple(packages)
+    check_limits(timeout_s, timeout_s, memory_mb, 32, max_output_bytes)
+    package_dirs(packages)
+    may_import = f"the standard library and {', '.join(packages)}" if packages else "standard library only"
 
-    result = run_sandboxed(code, timeout_s=5.0, cpu_s=5.0, memory_mb=512, max_output_bytes=16 << 10)
-    if result.reason == "passed":
-        return result.stdout
-    tail = result.stderr.strip().splitlines()[-1:] or [""]
-    return f"error: {result.reason}" + (f": {tail[0]}" if tail[0] else "")
+    def python(code: str) -> str:
+        from gspo.sandbox import run_sandboxed
+
+        result = run_sandboxed(code, timeout_s=timeout_s, cpu_s=timeout_s, memory_mb=memory_mb,
+                               max_output_bytes=max_output_bytes, packages=packages)
+        if result.reason == "passed":
+            return result.stdout
+        tail = result.stderr.strip().splitlines()[-1:] or [""]
+        return f"error: {result.reason}" + (f": {tail[0]}" if tail[0] else "")
+
+    # the schema the model is shown comes from this docstring (`Tool.from_function`)
+    python.__doc__ = (f"Run a Python program in a sandbox ({may_import}, no network, {timeout_s:g} s; it can read the "
+                      "machine's\n    world-readable files but write only in its own temporary folder) and return "
+                      "what it printed.\n\n    Args:\n        code: the program; print the values you need\n    ")
+    return python
+
+
+python = make_python_tool()
+"""The built-in `python` tool: the model's program in the sandbox, standard library only, 5 s, 512 MB."""
 
 
 TOOLS: dict[str, Callable[..., Any]] = {"calc": calc, "python": python}
