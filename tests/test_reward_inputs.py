@@ -390,6 +390,26 @@ def test_completions_a_reward_failed_on_leave_the_loss_and_their_groups_baseline
         assert "reward_failed_masked" not in metrics[0]
 
 
+def test_batches_scored_apart_under_mask_count_every_row_a_function_scored():
+    """Under `rewards.on_error: mask` a batch whose calls all succeeded has the same stats keys as one with a masked
+    failure: dynamic sampling's rounds merge `reward_rows/<name>` over every round (a round without a failure counted
+    none of its rows: 3 of 8 scored rows reported), and torchrun's processes sum the same keys in the same order."""
+    from gspo.rewards import merge_reward_stats
+
+    def picky(prompt: str, completion: str, **row) -> float:
+        if completion == "boom":
+            raise RuntimeError("judge down")
+        return float(completion == row["answer"])
+
+    runner = RewardRunner([(picky, 1.0)], on_error="mask")
+    failed = runner.score([r["prompt"] for r in ROWS[:4]], ["boom", "2", "3", "x"], ROWS[:4])
+    clean = runner.score([r["prompt"] for r in ROWS[4:]], ["5", "6", "x", "y"], ROWS[4:])
+    assert sorted(failed.stats) == sorted(clean.stats)
+    merged = merge_reward_stats([(failed.stats, 4), (clean.stats, 4)])
+    assert merged["reward_rows/picky"] == 7 and merged["reward_failures"] == 1
+    assert merged["reward/picky"] == pytest.approx(4 / 7)  # 2 of the 3 scored rows, then 2 of 4
+
+
 # ------------------------------------------------------------------------- rewards.code: the code reward's options
 
 

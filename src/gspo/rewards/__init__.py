@@ -670,11 +670,13 @@ class RewardRunner:
             values[name] = torch.tensor([scored.get(i, (0.0, False))[0] for i in range(n)], dtype=torch.float32)
             failed[name] = torch.tensor([scored.get(i, (0.0, False))[1] for i in range(n)], dtype=torch.bool)
             # the mean over the rows it scores (0 without any), but for those whose call failed under on_error=mask
-            # (they leave the loss: their 0 is no score); with routes or such failures, how many (`reward_rows/`):
-            # merging batches or processes weights each mean by its rows (`reward_mean_rows`)
+            # (they leave the loss: their 0 is no score); with routes or on_error=mask, how many (`reward_rows/`):
+            # merging batches or processes weights each mean by its rows (`reward_mean_rows`). Every batch of such a
+            # run has the key, failures or not: a merge sums it over every batch, and torchrun's processes sum the
+            # same keys in the same order (`ProcessGroup.gather_trajectories`)
             kept = [v for v, failure in scored.values() if not (failure and self.on_error == "mask")]
             stats[f"reward/{name}"] = sum(kept) / len(kept) if kept else 0.0
-            if self.routes is not None or len(kept) < len(mine):
+            if self.routes is not None or self.on_error == "mask":
                 stats[f"reward_rows/{name}"] = float(len(kept))
         stats["reward_failures"] = float(sum(int(f.sum()) for f in failed.values()))
         stats["reward_timeouts"] = float(sum(self.timeouts.values()) - timeouts_before)
@@ -686,8 +688,8 @@ class RewardRunner:
 
 def reward_mean_rows(stats: Mapping[str, float], key: str, rows: int) -> float:
     """How many rows the mean `stats[key]` (`reward/<name>`) of a batch of `rows` completions is over: the rows the
-    function scored (`reward_rows/<name>`, with routes), else all of them. Merging batches or processes weights each
-    mean by it."""
+    function scored (`reward_rows/<name>`, with routes or on_error=mask), else all of them. Merging batches or
+    processes weights each mean by it."""
     return stats.get(key.replace("reward/", "reward_rows/", 1), float(rows))
 
 
