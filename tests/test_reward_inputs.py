@@ -390,6 +390,42 @@ def test_completions_a_reward_failed_on_leave_the_loss_and_their_groups_baseline
         assert "reward_failed_masked" not in metrics[0]
 
 
+def short_fail(prompt: str, completion: str, **row) -> float:
+    """A judge that gives up on short answers (fails on completions of at most 3 characters), else `varied_reward`:
+    its failures are not spread evenly over the lengths."""
+    from conftest import varied_reward
+
+    if len(completion) <= 3:
+        raise TimeoutError("judge gave up")
+    return varied_reward(prompt, completion)
+
+
+def test_the_lengths_of_solved_and_unsolved_completions_leave_out_the_masked_failures(tmp_path, monkeypatch):
+    """`response_length_unsolved` is over the completions that count, as `accuracy` is: one whose judge failed under
+    `rewards.on_error: mask` has no verdict (it counted among the unsolved: 5.3 tokens where the unsolved that were
+    judged had 7.3, with a judge that fails on short answers)."""
+    from gspo.rewards import REWARDS
+    from gspo.tracking import read_metrics
+
+    monkeypatch.setitem(REWARDS, "short_fail", short_fail)
+    cfg = load_config(DEMO, tiny_overrides(tmp_path, "rewards.on_error=mask", "rewards.functions={short_fail: 1.0}",
+                                           "rewards.check=false", "trainer.steps=2", "trainer.eval_every=0",
+                                           "log.rollouts=16", "rollout.max_new_tokens=8", "rollout.stop=[a, e, i, o]"))
+    assert train(cfg)["status"] == "completed"
+    records, metrics = read_metrics(tmp_path / "rollouts.jsonl"), read_metrics(tmp_path / "metrics.jsonl")
+
+    def mean_tokens(step: int, solved: bool, counted_only: bool) -> float | None:
+        tokens = [r["tokens"] for r in records if r["step"] == step and r["solved"] == solved
+                  and not (counted_only and r["reward_failed"])]
+        return sum(tokens) / len(tokens) if tokens else None
+
+    assert any(mean_tokens(m["step"], False, True) != mean_tokens(m["step"], False, False) for m in metrics)
+    for m in metrics:
+        for name, solved in (("solved", True), ("unsolved", False)):
+            expected = mean_tokens(m["step"], solved, True)
+            assert m.get(f"response_length_{name}") == (None if expected is None else pytest.approx(expected))
+
+
 def test_batches_scored_apart_under_mask_count_every_row_a_function_scored():
     """Under `rewards.on_error: mask` a batch whose calls all succeeded has the same stats keys as one with a masked
     failure: dynamic sampling's rounds merge `reward_rows/<name>` over every round (a round without a failure counted

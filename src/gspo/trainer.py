@@ -121,8 +121,8 @@ from gspo.tracking import MetricsLogger, Progress, check_trackers, plot_curves, 
 from gspo.trajectory import Trajectory
 
 __all__ = ["Collected", "NoSignalError", "RLStep", "RunCollapsed", "RunInterrupted", "Setup", "TrainingError",
-           "check_rewards", "collect", "default_hooks", "learn_settings", "prepare", "rl_step", "rollout_records",
-           "sync", "train"]
+           "check_rewards", "collect", "default_hooks", "learn_settings", "lengths_by_verdict", "prepare", "rl_step",
+           "rollout_records", "sync", "train"]
 
 log = logging.getLogger(__name__)
 
@@ -407,6 +407,18 @@ def _update_memory_advice(cfg: Config, step: int, traj: Trajectory, world_size: 
             f"minibatch share, the longest {longest:,} tokens); {fix}, then continue with --resume")
 
 
+def lengths_by_verdict(lengths: torch.Tensor, solved: torch.Tensor,
+                       counted: torch.Tensor | None = None) -> dict[str, float]:
+    """`response_length_solved` / `_unsolved`: the mean completion length [N] of the solved and of the unsolved
+    completions (`solved` [N] bool; reasoning RL: do solved replies grow or shrink?), each over the completions that
+    count (`counted` [N] bool, `gspo.rewards.counted_completions`; None: all): one whose judge or environment failed
+    under a mask has no verdict, as `accuracy` leaves it out. No key for a mean over nothing."""
+    solved = solved.to(lengths.device).bool()
+    counted = torch.ones_like(solved) if counted is None else counted.to(lengths.device).bool()
+    return {f"response_length_{name}": float(lengths[rows].mean())
+            for name, rows in (("solved", solved & counted), ("unsolved", ~solved & counted)) if rows.any()}
+
+
 def rl_step(step: int, model: nn.Module, optimizer, scheduler, train_rows: list[dict], ctx: RLStep) -> dict[str, float]:
     """One step of the paper's loop, collect → learn → sync; returns its metrics."""
     t0 = time.perf_counter()
@@ -442,10 +454,7 @@ def rl_step(step: int, model: nn.Module, optimizer, scheduler, train_rows: list[
     lengths = traj.completion_mask.sum(-1).float()
     stats = {**drop_unscored(batch.reward_stats), **episode_metrics(traj)}
     solved = traj.extras.get("solved")
-    solved = None if solved is None else solved.to(lengths.device)
-    by_verdict = {} if solved is None else {  # reasoning RL: do solved replies grow or shrink? (no mean over nothing)
-        f"response_length_{name}": float(lengths[rows].mean())
-        for name, rows in (("solved", solved.bool()), ("unsolved", ~solved.bool())) if rows.any()}
+    by_verdict = {} if solved is None else lengths_by_verdict(lengths, solved, counted_completions(ctx.cfg, traj))
     sampled = batch.sampled  # every completion of the step (before dynamic sampling's filter)
     stats.pop("solved", None)  # a count over every completion: `accuracy` is over those that count
     reward_metrics = sampled.metrics(ctx.cfg.rollout.group_size)
