@@ -522,6 +522,30 @@ def test_rows_the_code_reward_can_never_judge_are_left_out_before_the_run_and_co
         prepare(cfg, create_out=False)
 
 
+def test_each_held_out_sets_unscorable_rows_are_counted_apart_from_its_long_prompts(tmp_path):
+    """With a list of data.eval_path files, summary.json's `heldout.sets` says of each file how many rows were left
+    out for a prompt over the token limit (`skipped_prompts`, as the run's own `skipped_prompts` counts) and how many
+    because the rewards can never judge them (`unscorable_rows`): the second counted among the first (a set with 2
+    unscorable rows and no long prompt said `skipped_prompts: 2`), so the sets' counts disagreed with the run's."""
+    from gspo.trainer import prepare
+
+    train_rows, first, second = tmp_path / "train.jsonl", tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    _code_rows(train_rows, bad=0)
+    broken = [{"prompt": "Write g(x).", "tests": "```python\nassert g(1) == 2\n```"},
+              {"prompt": "Write h(x).", "tests": "def helper():\n    return 1\n"}]
+    good = [{"prompt": f"Write k{i}(x) returning x - {i}.", "tests": f"assert k{i}(1) == {1 - i}"} for i in range(3)]
+    first.write_text("".join(json.dumps(r) + "\n" for r in good[:2] + broken))
+    second.write_text("".join(json.dumps(r) + "\n" for r in good[2:]))
+    cfg = load_config(DEMO, tiny_overrides(tmp_path / "run", "cold_start=null", "data.task=null",
+                                           f"data.path={train_rows}", f"data.eval_path=[{first}, {second}]",
+                                           "rewards.functions={code: 1.0}", "rewards.accuracy_reward=code"))
+    setup = prepare(cfg, create_out=False)
+    assert setup.unscorable_rows == {"train": 0, "eval": 2} and setup.skipped_prompts == {"train": 0, "eval": 0}
+    sets = setup.heldout_source["sets"]
+    assert [(sets[name]["rows"], sets[name]["skipped_prompts"], sets[name]["unscorable_rows"])
+            for name in ("first", "second")] == [(2, 0, 2), (1, 0, 0)]
+
+
 def test_gspo_eval_leaves_out_the_rows_the_code_reward_can_never_judge(tmp_path, capsys):
     """`gspo eval` evaluates the rows a run would: one the rewards can never judge is left out and counted with the
     apart from the prompts it skips for length (`unscorable_rows`, not `skipped_prompts`), instead of being scored

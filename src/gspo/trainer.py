@@ -681,16 +681,16 @@ def prepare(cfg: Config, resume: bool = False, overwrite: bool = False, create_o
     train_rows, skipped_train = drop_long_prompts(data.train, tokenizer, train_limit, "training")
     # rows no program or answer could be judged on (the code reward's tests that are not Python, ...): left out, counted
     train_rows, unscorable_train = rewards.drop_unscorable(train_rows, "training")
-    eval_rows, skipped_eval, eval_limit, unscorable_eval = [], 0, None, 0
+    eval_rows, fitting, skipped_eval, eval_limit, unscorable_eval = [], [], 0, None, 0
     if data.heldout:
         eval_limit = prompt_token_limit(cfg, model, cfg.env.max_tokens if cfg.env else eval_tokens)
-        eval_rows, skipped_eval = drop_long_prompts(data.heldout, tokenizer, eval_limit, "held-out")
-        eval_rows, unscorable_eval = rewards.drop_unscorable(eval_rows, "held-out")
+        fitting, skipped_eval = drop_long_prompts(data.heldout, tokenizer, eval_limit, "held-out")
+        eval_rows, unscorable_eval = rewards.drop_unscorable(fitting, "held-out")
     heldout_source = {**data.heldout_source, "rows": len(eval_rows)} if eval_rows else {"kind": "none"}
-    if "sets" in heldout_source:  # several data.eval_path files: each one's rows as evaluated, too
-        evaluated = Counter(r[EVAL_SET] for r in eval_rows)
-        heldout_source["sets"] = {name: {**rec, "rows": evaluated[name],
-                                         "skipped_prompts": rec["rows"] - evaluated[name]}
+    if "sets" in heldout_source:  # several data.eval_path files: each one's rows as evaluated, and those left out
+        fit, evaluated = Counter(r[EVAL_SET] for r in fitting), Counter(r[EVAL_SET] for r in eval_rows)
+        heldout_source["sets"] = {name: {**rec, "rows": evaluated[name], "skipped_prompts": rec["rows"] - fit[name],
+                                         "unscorable_rows": fit[name] - evaluated[name]}
                                   for name, rec in heldout_source["sets"].items()}
     train_source = {**data.train_source, "rows": len(train_rows)}
     # A data set's repeats (upsampling, or a file written twice) are said; an embedded task's draws repeat by design
