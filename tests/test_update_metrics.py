@@ -340,3 +340,34 @@ def test_rows_the_overlong_filter_drops_leave_the_normaliser(loss):
     scale = assert_sgd_on_the_loss_by_hand(delta, traj, mb, lambda lp, old: spec.loss(
         lp, old, advantages, keep.bool(), eps_low=spec.eps_low, eps_high=spec.eps_high, normaliser=normaliser)[0])
     assert scale > 1e-5
+
+
+def test_rows_out_of_the_loss_leave_the_kl_terms_normaliser_too():
+    """The KL-to-reference term, like the objective, averages over the rows in the loss: rows left out of the loss
+    mask though they have completion tokens (rollout.overlong_filter's truncated rows, a failed judge's under
+    rewards.on_error=mask) add no KL, so dividing by every row scaled β (and the logged `kl_ref`) by the fraction of
+    rows kept: here 5 of 8, kl_ref 0.0204 where the kept rows' mean is 0.0326. The update is the by-hand one of
+    GSPO + β·KL, both over the 5 kept rows, and `kl_ref` is their mean per-sequence KL."""
+    from gspo.logprobs import completion_logprobs
+    from gspo.objectives import kl_to_reference
+
+    spec, beta, mb = OBJECTIVES["gspo"], 0.5, torch.arange(8)
+    model, traj = tiny_ragged()
+    keep = traj.loss_mask.clone()
+    keep[torch.tensor([0, 3, 5])] = 0
+    traj = dataclasses.replace(traj, loss_mask=keep)
+    reference, _ = build_preset("tiny-dense", seed=2)
+    with torch.no_grad():
+        ref_lp, _ = completion_logprobs(reference.eval(), *traj.rows(mb))
+    delta, metrics = sgd_learn(model, traj, ADVANTAGES, [mb], LearnSettings(
+        objective=spec, eps_low=spec.eps_low, eps_high=spec.eps_high, kl_beta=beta, grad_clip=None),
+        ref_model=reference)
+
+    def loss_of(lp, old):
+        kl = kl_to_reference(lp, ref_lp, keep.bool(), normaliser=5.0)
+        loss_of.kl = float(kl)
+        return spec.loss(lp, old, ADVANTAGES, keep.bool(), eps_low=spec.eps_low, eps_high=spec.eps_high,
+                         normaliser=5.0)[0] + beta * kl
+
+    assert assert_sgd_on_the_loss_by_hand(delta, traj, mb, loss_of) > 1e-5
+    assert loss_of.kl > 1e-3 and metrics["kl_ref"] == pytest.approx(loss_of.kl, rel=1e-5)
