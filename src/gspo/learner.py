@@ -272,8 +272,10 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
     # leaves its tokens out). (With `reuse` old_done changes no mask: there is no correction.)
     counted = loss_mask.any(-1) | ~traj.completion_mask.bool().any(-1)
     # the rows the KL-to-reference term averages over, the same way but by the full mask (a regulariser: the
-    # correction's drops keep their KL; the rows out of the loss before the learner, e.g. filtered, add none)
+    # correction's drops keep their KL; the rows out of the loss before the learner, e.g. filtered, add none): every
+    # update's count read to the host at once (one device sync per step, not one per minibatch)
     kl_counted = mask.any(-1) | ~traj.completion_mask.bool().any(-1)
+    kl_rows = torch.stack([kl_counted[mb].sum() for mb in updates]).tolist() if updates else []
 
     grad_norms, rates, skipped, overflows, n = [], [], 0, 0, len(updates)
     step_metrics = _StepMetrics(n)
@@ -286,7 +288,7 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
         trim = not (old_layout if first_old else any(h.keeps_layout("update") for h in hooks))
         # normalised by the count over every process's share: N processes' averaged gradients = one process's
         count_mask = loss_mask[mb][counted[mb]]
-        count, rows = group.all_sum([s.objective.count(count_mask, s.max_new_tokens), float(kl_counted[mb].sum())])
+        count, rows = group.all_sum([s.objective.count(count_mask, s.max_new_tokens), float(kl_rows[k])])
         normaliser = process_normaliser(count, group.world_size)
         for j, r in enumerate(micros):
             with gradient_sync(model, j == len(micros) - 1):  # DDP: one all-reduce, after the last backward
