@@ -376,8 +376,23 @@ def test_episodes_the_environment_failed_leave_the_loss_and_their_groups_baselin
                                            "data.chat=always", "env.max_tokens=48", "rollout.max_new_tokens=8",
                                            "rewards.functions={varied: 1.0}", "rewards.check=false", "trainer.steps=2",
                                            "trainer.eval_every=0", "log.rollouts=16", "rollout.group_size=4"))
+    import gspo.trainer
+
+    learned, learn = [], gspo.trainer.learn
+
+    def spy(model, optimizer, scheduler, traj, *args, **kwargs):  # the learner's view of which rows left the loss
+        out = traj.extras.get("out_of_loss")
+        learned.append((None if out is None else out.cpu(), (~traj.completion_mask.bool().any(-1)).cpu()))
+        return learn(model, optimizer, scheduler, traj, *args, **kwargs)
+
+    monkeypatch.setattr(gspo.trainer, "learn", spy)
     summary = train(cfg)
     assert summary["status"] == "completed" and summary["skipped_updates"] == 0  # episodes of no tokens: finite loss
+    # under mask the learner is told the failed episodes, the failed resets' episodes of no tokens among them (they
+    # leave its normaliser: `test_a_row_of_no_tokens_the_batch_left_out_of_the_loss_leaves_the_normaliser`)
+    assert len(learned) == 2
+    for out, empty in learned:
+        assert (out is not None and bool(out[empty].all()) and empty.any()) if on_failure == "mask" else out is None
     records = read_metrics(tmp_path / "run" / "rollouts.jsonl")
     assert_left_out_of_groups(records, "env_failure", on_failure == "mask", steps=2, groups=4)
     assert any(r["tokens"] == 0 for r in records) == (on_failure == "mask")  # a failed reset: an episode of no tokens

@@ -371,3 +371,29 @@ def test_rows_out_of_the_loss_leave_the_kl_terms_normaliser_too():
 
     assert assert_sgd_on_the_loss_by_hand(delta, traj, mb, loss_of) > 1e-5
     assert loss_of.kl > 1e-3 and metrics["kl_ref"] == pytest.approx(loss_of.kl, rel=1e-5)
+
+
+def test_a_row_of_no_tokens_the_batch_left_out_of_the_loss_leaves_the_normaliser():
+    """An episode whose reset failed has no token; under env.on_failure=mask the batch leaves it out of the loss
+    (`traj.extras["out_of_loss"]`, set by `collect`), so it leaves the objective's row count too: GSPO over the 7
+    other rows divides by 7, not 8 (a failed reset scaled the step's update by 7/8). A row of no tokens the batch
+    keeps is a sample of zero, counted as before."""
+    spec, mb = OBJECTIVES["gspo"], torch.arange(8)
+    model, traj = tiny_ragged()
+    empty = traj.completion_mask.clone()
+    empty[2] = 0
+    traj = dataclasses.replace(traj, completion_mask=empty, loss_mask=empty.clone(),
+                               logprobs=traj.logprobs * empty)
+    settings = LearnSettings(objective=spec, eps_low=spec.eps_low, eps_high=spec.eps_high, grad_clip=None)
+    for left_out, rows in ((True, 7.0), (False, 8.0)):
+        model, _ = build_preset("tiny-dense", seed=1)
+        out = torch.zeros(8, dtype=torch.bool)
+        out[2] = left_out
+        delta, _ = sgd_learn(model, dataclasses.replace(traj, extras={"out_of_loss": out}), ADVANTAGES, [mb],
+                             settings)
+
+        def loss_of(lp, old, rows=rows):
+            return spec.loss(lp, old, ADVANTAGES, empty.bool(), eps_low=spec.eps_low, eps_high=spec.eps_high,
+                             normaliser=rows)[0]
+
+        assert assert_sgd_on_the_loss_by_hand(delta, traj, mb, loss_of) > 1e-5

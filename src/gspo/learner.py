@@ -267,14 +267,19 @@ def learn(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, traj: T
 
     if not reuse:
         old_done()
-    # the rows in the objective: those with a token in the loss, and those that never had one; a row dropped by the
-    # correction or by rollout.overlong_filter is out of the sample, not a sample of zero (as a token normaliser
-    # leaves its tokens out). (With `reuse` old_done changes no mask: there is no correction.)
-    counted = loss_mask.any(-1) | ~traj.completion_mask.bool().any(-1)
+    # the rows in the objective: those with a token in the loss, and those that never had one (a sample of zero) unless
+    # the batch left them out of the loss (`traj.extras["out_of_loss"]`: an episode whose reset failed, under
+    # env.on_failure=mask, has no token to mask); a row dropped by the correction or by rollout.overlong_filter is out
+    # of the sample, not a sample of zero (as a token normaliser leaves its tokens out). (With `reuse` old_done changes
+    # no mask: there is no correction.)
+    no_tokens = ~traj.completion_mask.bool().any(-1)
+    if (out_of_loss := traj.extras.get("out_of_loss")) is not None:
+        no_tokens &= ~out_of_loss.to(no_tokens.device)
+    counted = loss_mask.any(-1) | no_tokens
     # the rows the KL-to-reference term averages over, the same way but by the full mask (a regulariser: the
     # correction's drops keep their KL; the rows out of the loss before the learner, e.g. filtered, add none): every
     # update's count read to the host at once (one device sync per step, not one per minibatch)
-    kl_counted = mask.any(-1) | ~traj.completion_mask.bool().any(-1)
+    kl_counted = mask.any(-1) | no_tokens
     kl_rows = torch.stack([kl_counted[mb].sum() for mb in updates]).tolist() if updates else []
 
     grad_norms, rates, skipped, overflows, n = [], [], 0, 0, len(updates)

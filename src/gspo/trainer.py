@@ -246,7 +246,8 @@ def collect(step: int, train_rows: list[dict], ctx: RLStep) -> Collected:
     else:
         batch.advantages = group_advantages(batch.rewards, ro.group_size, scale=scale, valid=valid)
     if valid is not None:
-        batch.traj = traj = replace(traj, loss_mask=traj.loss_mask * valid[:, None].to(traj.loss_mask.device))
+        batch.traj = traj = replace(traj, loss_mask=traj.loss_mask * valid[:, None].to(traj.loss_mask.device),
+                                    extras={**traj.extras, "out_of_loss": ~valid})  # a row of no tokens, too
     if cfg.rewards.on_error == "mask":
         batch.reward_stats["reward_failed_masked"] = float(traj.extras["reward_failed"].float().mean())
     if cfg.env is not None and cfg.env.on_failure == "mask":

@@ -86,7 +86,8 @@ class Trajectory:
     versions: torch.Tensor | None = None  # [N, T] long: policy version that generated each token, NO_VERSION elsewhere
     token_rewards: torch.Tensor | None = None  # [N, T] float32 per-token rewards where an environment gives them
     # per-row data carried with the rows (tensors: first dim N): MoE routing for R3 ([N, S + T, layers, k]), the
-    # rewards' per-function values and verdicts (`gspo.rewards.score_trajectory`)
+    # rewards' per-function values and verdicts (`gspo.rewards.score_trajectory`), the rows a masked failure left out
+    # of the loss ("out_of_loss", [N] bool, `gspo.trainer.collect`: the learner's normaliser leaves them out)
     extras: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
