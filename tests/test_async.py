@@ -333,4 +333,31 @@ def test_the_batches_a_resume_generates_again_come_first_and_use_no_version_of_t
         assert rollouts.state_dict()["rollout_pending"] == []
     finally:
         rollouts.close()
+
+
+def test_the_reward_failures_of_a_batch_dropped_as_stale_are_counted(tmp_path):
+    """A batch dropped as stale was scored all the same, but its reward failures never reached the run's counts
+    (summary.json's reward_failures): the next batch taken carries them. Here every call fails (on_error=zero): batch
+    1, sampled under version 1, is dropped at version 3, so batch 2 carries 2 × 8 failures, not 8."""
+    from multiprocessing.connection import wait
+
+    (tmp_path / "rw.py").write_text("def down(prompt, completion, **row):\n    raise RuntimeError('judge down')\n")
+    cfg = async_cfg(tmp_path, "rollout.workers=1", "rollout.worker_threads=1", "rollout.max_staleness=0",
+                    f"rewards.functions={{{tmp_path / 'rw.py'}:down: 1.0}}", "rewards.on_error=zero",
+                    "rewards.check=false", "rewards.accuracy_reward=null")
+    setup = prepare(cfg)
+    completions = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    rollouts = AsyncRollouts(cfg, setup.model, setup.tokenizer, setup.train_rows, policy_weights(setup.model), 0)
+    try:
+        first, _ = rollouts.next(0)
+        rollouts.publish(policy_weights(setup.model), 1)
+        assert wait(rollouts.readers, timeout=120)  # batch 1, sampled under version 1, has arrived
+        rollouts.publish(policy_weights(setup.model), 3)
+        taken, _ = rollouts.next(3)
+        assert (first.index, taken.index, rollouts.counts["dropped_stale"]) == (0, 2, 1)
+        assert sum(first.failures["failures"].values()) == completions
+        assert sum(taken.failures["failures"].values()) == 2 * completions
+        assert rollouts.dropped_failures == {}
+    finally:
+        rollouts.close()
     assert not multiprocessing.active_children()

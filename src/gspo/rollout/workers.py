@@ -88,8 +88,17 @@ class WorkerBatch:
     rewards: torch.Tensor
     stats: dict[str, float]
     seconds: float  # the worker's generation + scoring time
-    failures: dict[str, dict[str, int]]  # reward failures / timeouts counted while scoring this batch
+    # reward failures / timeouts counted while scoring this batch (and, once taken, the batches dropped as stale before
+    # it: `AsyncRollouts.next`)
+    failures: dict[str, dict[str, int]]
     sampled: Sampled  # every completion sampled for it (dynamic sampling: more than kept), for the reward metrics
+
+
+def merge_failures(a: dict[str, dict[str, int]], b: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """Two batches' reward failure / timeout counts ({kind: {function: count}}) as one."""
+    kinds = {**a, **b}
+    return {kind: {name: a.get(kind, {}).get(name, 0) + b.get(kind, {}).get(name, 0)
+                   for name in {**a.get(kind, {}), **b.get(kind, {})}} for kind in kinds}
 
 
 def token_staleness(traj: Trajectory, version: int) -> torch.Tensor:
@@ -363,6 +372,9 @@ class AsyncRollouts:
         self.floor = min([*pending, start_index])
         self.settled = set(range(self.floor, start_index)) - set(pending)
         self.counts = {**dict.fromkeys(ROLLOUT_COUNTS, 0), **(counts or {})}
+        # the reward failures / timeouts of batches dropped as stale since the last batch taken: the next batch taken
+        # carries them, so that the run counts every call that failed (the dropped batch's rewards were computed too)
+        self.dropped_failures: dict[str, dict[str, int]] = {}
         # indices a worker died generating once (a second death loses them; a resume's pending ones among them too)
         self.retried: set[int] = set(retried)
         self.workers: list = [None] * ro.workers
@@ -417,8 +429,10 @@ class AsyncRollouts:
             if version - oldest > self.cfg.rollout.max_staleness:
                 self.counts["dropped_stale"] += 1
                 self.skipped.value += 1
+                self.dropped_failures = merge_failures(self.dropped_failures, item.failures)
                 continue
             self.next_index = max(self.next_index, item.index + 1)
+            item.failures, self.dropped_failures = merge_failures(item.failures, self.dropped_failures), {}
             return item, time.perf_counter() - t0
 
     def _restart(self, w: int) -> None:
