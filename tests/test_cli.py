@@ -110,12 +110,19 @@ def test_sft_writes_a_loadable_model_dir(sft_dir, capsys):
 
 @pytest.mark.parametrize("micro", [[], ["--micro-batch-tokens", "20"], ["--mixed-precision", "bfloat16"]],
                          ids=["one-forward", "micro-batches", "mixed-precision"])
-def test_sft_prints_its_loss(tmp_path, capsys, micro):
+def test_sft_prints_its_loss(tmp_path, capsys, monkeypatch, micro):
+    """`final_loss` is the mean of the last steps' losses, as a run's cold start reports it (it was the last step's
+    alone: one batch's loss under the same name)."""
+    import gspo.sft
+
+    run, losses = gspo.sft.sft, []
+    monkeypatch.setattr(gspo.sft, "sft", lambda *a, **k: losses.extend(run(*a, **k)) or losses)
     out = tmp_path / "m"
     assert main(["sft", "--out", str(out), "--steps", "2", "--batch-size", "4", "--size", "16",
                  "--model", "tiny-dense", *micro]) == 0
     result = last_json(capsys.readouterr().out)
     assert result["out"] == str(out) and math.isfinite(result["final_loss"]) and result["final_loss"] > 0
+    assert result["steps"] == len(losses) == 2 and result["final_loss"] == pytest.approx(sum(losses) / 2)
 
 
 def test_sft_warns_when_its_warm_up_outlasts_its_steps(tmp_path, capsys, caplog):

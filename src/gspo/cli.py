@@ -158,7 +158,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     from gspo.models import check_compile_support, load_model, save_model
     from gspo.parallel import resolve_device
     from gspo.runfolder import check_output_dir
-    from gspo.sft import rows_without_solution, sft
+    from gspo.sft import final_loss, rows_without_solution, sft
 
     if args.steps < 1 or args.batch_size < 1 or not 0 < args.lr < math.inf or args.warmup_steps < 0:
         raise ConfigError("sft: --steps and --batch-size must be >= 1, --lr a finite number > 0 and --warmup-steps "
@@ -195,7 +195,8 @@ def _cmd_sft(args: argparse.Namespace) -> int:
                  warmup_steps=args.warmup_steps, micro_batch_tokens=args.micro_batch_tokens,
                  mixed_precision=args.mixed_precision, compile=args.compile)
     save_model(model, tokenizer, args.out)
-    print(json.dumps({"out": args.out, "final_loss": losses[-1], "seconds": time.perf_counter() - t0}))
+    print(json.dumps({"out": args.out, "steps": len(losses), "final_loss": final_loss(losses),  # as a cold start's
+                      "seconds": time.perf_counter() - t0}))
     return 0
 
 

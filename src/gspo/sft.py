@@ -215,6 +215,13 @@ def sft(
     return losses
 
 
+def final_loss(losses: list[float], last: int = 20) -> float:
+    """What an SFT run reports as its final loss: the mean of its last `last` steps' finite losses (one batch's loss
+    is noisy, and a skipped step's is NaN); NaN when none is finite. `cold_start` and `gspo sft` report the same."""
+    recent = [loss for loss in losses[-last:] if math.isfinite(loss)]
+    return sum(recent) / len(recent) if recent else math.nan
+
+
 def cold_start(cfg: Config, out: Path, model: nn.Module, tokenizer, train_rows: list[dict],
                before: Callable[[nn.Module], dict] | None = None) -> dict:
     """The run's `cold_start` section: SFT `model` (in place) on the rows' solutions once and save it to
@@ -238,8 +245,7 @@ def cold_start(cfg: Config, out: Path, model: nn.Module, tokenizer, train_rows: 
                  warmup_steps=cs.warmup_steps, seed=derive_seed(cfg.trainer.seed, "sft"),
                  target_loss=cs.target_loss, progress=cfg.log.progress, mixed_precision=cfg.trainer.mixed_precision,
                  chat_format=chat_format, micro_batch_tokens=cs.micro_batch_tokens, compile=cfg.trainer.compile)
-    recent = [loss for loss in losses[-20:] if math.isfinite(loss)]  # a skipped step's loss may be NaN
-    info = {"steps": len(losses), "final_loss": sum(recent) / len(recent) if recent else math.nan,
+    info = {"steps": len(losses), "final_loss": final_loss(losses),
             "rows": len(train_rows) - too_long, "left_out_over_positions": too_long,
             **({"before": measured} if measured is not None else {})}
     log.info("cold-start SFT: %d steps, final loss %.3f", info["steps"], info["final_loss"])
