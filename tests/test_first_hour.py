@@ -544,6 +544,12 @@ def test_gspo_train_writes_curves_samples_and_progress_lines_to_a_log_file(tmp_p
 
     events = EventAccumulator(str(out / "tb"), size_guidance={"tensors": 0}).Reload()
     assert "heldout_samples/text_summary" in events.Tags()["tensors"]
+    # the held-out accuracy curve starts before RL (step 0, as in eval.jsonl); metrics.jsonl keeps RL steps only
+    evals = read_metrics(out / "eval.jsonl")
+    assert [e.step for e in events.Scalars("heldout_accuracy")] == [e["step"] for e in evals] == [0, 2, 4]
+    curve = [e.value for e in events.Scalars("heldout_accuracy")]
+    assert curve == pytest.approx([e["heldout_accuracy"] for e in evals])
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2, 3, 4]
 
 
 def test_held_out_accuracy_is_what_the_samples_say(tmp_path):

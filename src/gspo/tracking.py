@@ -149,7 +149,16 @@ class MetricsLogger:
         self._file.write(json.dumps({"step": step, **values}, allow_nan=False) + "\n")
         self._file.flush()
         os.fsync(self._file.fileno())
+        self._to_trackers(step, values)
 
+    def log_trackers(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Record `metrics` of `step` in the enabled trackers only, not in metrics.jsonl (one line per RL step): the
+        held-out evaluation before RL (step 0, in eval.jsonl), the start of the trackers' accuracy curves."""
+        if self._closed:
+            raise RuntimeError("MetricsLogger.log_trackers called after close()")
+        self._to_trackers(step, {str(key): _to_number(key, value) for key, value in metrics.items()})
+
+    def _to_trackers(self, step: int, values: Mapping[str, Number | None]) -> None:
         finite = {key: value for key, value in values.items() if value is not None}
         if self._tb is not None:
             for key, value in finite.items():

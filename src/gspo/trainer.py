@@ -1207,7 +1207,9 @@ class _Run:
                             keys=("reward_mean", "heldout_accuracy", "clip_frac_tokens"))
         try:
             if self.start == 0 and self.eval_rows:
-                self.evaluate(0)
+                before = self.evaluate(0)
+                if logger is not None:  # the trackers' held-out curves start before RL (metrics.jsonl: RL steps)
+                    logger.log_trackers(0, before)
             step = self.start
             while step < cfg.trainer.steps:
                 try:
