@@ -274,6 +274,11 @@ def test_the_plan_counts_checkpoints_kept_and_held_out_tokens_as_the_run_spends_
     assert p["evaluations"] == [0, 2, 3]
     assert p["eval_tokens_max"] == 3 * 16 * 2 * 7  # evaluations × rows × samples × eval_max_new_tokens
     assert p["generated_tokens_max"] == 3 * 4 * 4 * 4  # training completions × rollout.max_new_tokens
+    # multi-turn: eval_max_new_tokens is one turn's budget; an episode, held-out or not, is capped by env.max_tokens
+    episodes = load_config(DEMO, tiny_overrides(tmp_path / "env", "trainer.checkpoint_every=0", "env.name=tools",
+                                                "env.max_tokens=48", "data.chat=always",
+                                                "trainer.eval_max_new_tokens=7", "trainer.eval_samples=2"))
+    assert plan(episodes, train_rows=60, eval_rows=16)["eval_tokens_max"] == 3 * 16 * 2 * 48
 
 
 def test_the_disk_estimate_counts_the_best_model_beside_the_final_one(tmp_path):

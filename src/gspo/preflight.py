@@ -102,7 +102,8 @@ def plan(cfg: Config, train_rows: int, eval_rows: int) -> dict[str, Any]:
             "optimizer_steps": steps * al.minibatches * al.epochs, "warmup_steps": cfg.optim.warmup_steps,
             "evaluations": evals,
             "eval_tokens_max": len(evals) * eval_rows * cfg.trainer.eval_samples
-            * (cfg.trainer.eval_max_new_tokens or new_tokens),
+            # an episode is capped by env.max_tokens whatever a turn's budget (eval_max_new_tokens is one turn's)
+            * (new_tokens if cfg.env else cfg.trainer.eval_max_new_tokens or new_tokens),
             "checkpoints": checkpoints, "checkpoints_kept": min(len(checkpoints), t.keep_checkpoints)}
 
 
