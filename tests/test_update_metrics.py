@@ -365,7 +365,7 @@ def test_rows_out_of_the_loss_leave_the_kl_terms_normaliser_too():
 
     def loss_of(lp, old):
         kl = kl_to_reference(lp, ref_lp, keep.bool(), normaliser=5.0)
-        loss_of.kl = float(kl)
+        loss_of.kl = float(kl.detach())
         return spec.loss(lp, old, ADVANTAGES, keep.bool(), eps_low=spec.eps_low, eps_high=spec.eps_high,
                          normaliser=5.0)[0] + beta * kl
 
