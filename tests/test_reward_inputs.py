@@ -208,6 +208,27 @@ def test_a_fail_mode_run_whose_reward_fails_on_every_answer_stops_before_any_com
     assert "bad_rw.py:raises' fails on all" in err and "RuntimeError: boom" in err
 
 
+def test_a_row_lacking_a_field_the_reward_requires_is_refused_before_compute_naming_it(tmp_path, capsys):
+    """Before, only the first row's fields were checked against each reward's signature: a later row without the
+    `answer` that `exact` requires passed `--check` with no warning, and the run stopped with a TypeError at the
+    first step that drew it, after the first evaluation had been computed and written."""
+    runner = RewardRunner([(exact, 1.0)])
+    with pytest.raises(ValueError, match=r"training row 2: reward 'exact' cannot be called .*'answer'"):
+        runner.check_rows([*ROWS[:2], {"prompt": "5+1="}, *ROWS[2:]], where="training row")
+    runner.check_rows(ROWS, where="training row")  # every row has it: nothing to say
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in [*ROWS[:3], {"prompt": "9+1="}, *ROWS[3:]]))
+    (tmp_path / "rw.py").write_text("def exact(prompt, completion, answer, **row):\n"
+                                    "    return float(completion.strip() == answer)\n")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(DEMO.read_text())
+    args = [*tiny_overrides(tmp_path / "run", "cold_start=null"), f"data.path={data}", "data.task=null",
+            "data.eval_split=null", f"rewards.functions={{{tmp_path / 'rw.py'}:exact: 1.0}}"]
+    assert main(["train", str(cfg), "--check", *args]) == 2
+    assert "training row 3: reward" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_boolean_answer_is_no_reference_text():
     """A row whose `answer` is a JSON true/false has no answer text to check (str(True) is "True", which no verifier
     of that row is meant to accept): it is left out, like a multi-turn solution."""

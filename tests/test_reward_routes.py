@@ -94,6 +94,23 @@ def test_rows_without_a_route_or_without_an_accuracy_reward_are_refused_before_c
         RewardRunner([(fa, 1.0)], routes=Routes("data_source", {"a": ["nope"]}))
 
 
+def test_a_routed_function_is_checked_against_its_own_routes_rows_only():
+    """Before, every function's signature was checked against the first row alone, whatever its route: with a code
+    row first, a math verifier that takes `answer` by name was refused ("missing a required argument: 'answer'")
+    although it is never called on code rows; a math row lacking `answer` is still refused, by its index."""
+    def fa(prompt: str, completion: str, answer: str, **row) -> float:
+        return float(completion == answer)
+
+    def fb(prompt: str, completion: str, tests: str, **row) -> float:
+        return float(tests == "pass")
+
+    runner = RewardRunner([(fa, 1.0), (fb, 1.0)], routes=Routes("data_source", {"a": ["fa"], "b": ["fb"]}))
+    rows = [{"prompt": "p", "data_source": "b", "tests": "pass"}, {"prompt": "q", "data_source": "a", "answer": "1"}]
+    runner.check_rows(rows, ["fa", "fb"], "training row")
+    with pytest.raises(ValueError, match=r"training row 2: reward 'fa' cannot be called .*'answer'"):
+        runner.check_rows([*rows, {"prompt": "r", "data_source": "a"}], ["fa", "fb"], "training row")
+
+
 def test_routes_are_validated_with_the_config_and_the_verifiers_are_the_default_accuracy():
     with pytest.raises(ConfigError, match="go together"):
         load_config(None, ["rewards.route_by=data_source"])

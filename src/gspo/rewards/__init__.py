@@ -567,16 +567,27 @@ class RewardRunner:
 
     def check_rows(self, rows: Sequence[Mapping[str, Any]], accuracy: str | Sequence[str] | None = None,
                    where: str = "row") -> None:
-        """Check, before compute, every function's signature against the first row's fields (`check_signature`);
-        with `routes`, that every row has a route and, given the `accuracy` reward(s), that one of them scores it
-        (else nothing could call it solved). Raises ValueError naming the row (`where` and its index)."""
+        """Check, before compute, every function's signature against the fields of each row it scores
+        (`check_signature`, once per distinct set of field names), so that a row lacking a field a function requires
+        (`answer`) is refused here rather than failing the run when it is first drawn, and a function routed to
+        other rows is not checked against rows it never scores; with `routes`, that every row has a route and,
+        given the `accuracy` reward(s), that one of them scores it (else nothing could call it solved). Raises
+        ValueError naming the row (`where` and its index)."""
         if not rows:
             return
+        applies = self.applies(rows, where)  # with routes: every row has a route
         for name, fn in zip(self.names, self.functions, strict=True):
-            check_signature(fn, name, rows[0])
+            checked: set[frozenset[str]] = set()
+            for i, row in enumerate(rows):
+                if not applies[name][i] or frozenset(row) in checked:
+                    continue
+                checked.add(frozenset(row))
+                try:
+                    check_signature(fn, name, row)
+                except ValueError as e:
+                    raise ValueError(f"{where} {i}: {e}") from None
         if self.routes is None:
             return
-        applies = self.applies(rows, where)  # every row has a route
         if accuracy is not None:
             names = [accuracy] if isinstance(accuracy, str) else list(accuracy)
             unjudged = next((i for i in range(len(rows)) if not any(applies[name][i] for name in names)), None)
