@@ -619,6 +619,32 @@ def test_save_best_keeps_the_policy_of_the_best_evaluation_and_says_it_is_optimi
         load_config(DEMO, ["trainer.save_best=true", "data.eval_split=null"])
 
 
+def test_data_kept_where_the_run_writes_its_own_files_is_refused_before_it_is_lost(tmp_path, capsys):
+    """A held-out file named eval.jsonl in trainer.out (a project folder used as the run folder) was read, then
+    replaced by the run's evaluation log: `--check` said 0 warnings and the run exited 0 with the data gone. Any
+    input at or inside a path the run writes (RUN_FILES) is refused, before any compute, the file untouched."""
+    out = tmp_path / "run"
+    out.mkdir()
+    rows = "".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a)}) + "\n" for a in range(10))
+    (out / "eval.jsonl").write_text(rows)
+    (tmp_path / "train.jsonl").write_text(rows.replace("+", "+1"))  # other prompts
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(DEMO.read_text())
+    args = [*tiny_overrides(out, *QUICK), "data.task=null"]
+    for flags in (["--check"], [], ["--overwrite"]):
+        assert main(["train", str(cfg), *flags, *args, f"data.path={tmp_path / 'train.jsonl'}",
+                     f"data.eval_path={out / 'eval.jsonl'}"]) == 2
+        err = capsys.readouterr().err
+        assert "data.eval_path" in err and "the run's own 'eval.jsonl'" in err and "would be lost" in err
+        assert (out / "eval.jsonl").read_text() == rows
+        assert [p.name for p in out.iterdir()] == ["eval.jsonl"]
+    (out / "final").mkdir()
+    (out / "final" / "train.jsonl").write_text(rows)
+    assert main(["train", str(cfg), "--check", *args, f"data.path={out / 'final' / 'train.jsonl'}",
+                 "data.eval_fraction=0.2"]) == 2
+    assert "is inside the run's own 'final'" in capsys.readouterr().err
+
+
 def test_a_users_config_kept_in_trainer_out_is_not_replaced(tmp_path):
     """A config written by hand inside trainer.out (`gspo train runs/x/config.yaml trainer.out=runs/x`) was replaced by
     the run's resolved config, comments and all, and --overwrite would delete it: refused before any compute. A

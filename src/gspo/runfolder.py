@@ -24,6 +24,7 @@ import logging
 import os
 import shutil
 import uuid
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ __all__ = [
     "CHECKPOINTS_DIRNAME",
     "RESUMABLE",
     "RUN_FILES",
+    "check_inputs_outside_run_files",
     "check_output_dir",
     "check_resume_config",
     "clear_run",
@@ -177,6 +179,26 @@ def check_config_file(out: Path) -> None:
         raise ConfigError(f"trainer.out {out} holds a config.yaml that gspo did not write: a run writes its resolved "
                           f"config there (and --overwrite deletes it), which would lose this one. Keep your config "
                           f"outside trainer.out, or choose another trainer.out")
+
+
+def check_inputs_outside_run_files(out: Path, inputs: Mapping[str, str | Sequence[str] | None]) -> None:
+    """Raise ConfigError when an input the run reads (`inputs`: a config key -> a local path or a list of them, e.g.
+    data.eval_path) exists at, or inside, a path the run writes in `out` (`RUN_FILES`): a held-out file kept as
+    `OUT/eval.jsonl` would be replaced by the run's evaluation log (and deleted by --overwrite), silently. Sources
+    that do not exist here (a hub id) are not paths and are not checked."""
+    written = {(out / name).resolve(): name for name in RUN_FILES}
+    for key, value in inputs.items():
+        for source in [value] if isinstance(value, str) else list(value or []):
+            path = Path(source).expanduser()
+            if not path.exists():
+                continue
+            resolved = path.resolve()
+            for run_path, name in written.items():
+                if resolved == run_path or run_path in resolved.parents:
+                    where = "" if resolved == run_path else "inside "
+                    raise ConfigError(f"{key} {source} is {where}the run's own {name!r} in trainer.out {out}: the "
+                                      "run writes it (and --overwrite deletes it), so this data would be lost. Move "
+                                      "it out of trainer.out, or choose another trainer.out")
 
 
 def clear_run(out: Path) -> list[str]:

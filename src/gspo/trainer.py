@@ -101,6 +101,7 @@ from gspo.rollout.workers import (
 )
 from gspo.runfolder import (
     check_config_file,
+    check_inputs_outside_run_files,
     check_output_dir,
     check_resume_config,
     clear_run,
@@ -490,6 +491,8 @@ def _start_checks(cfg: Config, out: Path, cfg_dict: dict, resume: bool, overwrit
     if resume and overwrite:
         raise ConfigError("--resume continues the run in trainer.out and --overwrite deletes it: pass one of them")
     check_output_dir(out, create)
+    check_inputs_outside_run_files(out, {"data.path": cfg.data.path, "data.eval_path": cfg.data.eval_path,
+                                         "data.chat_template": cfg.data.chat_template})
     if not resume or not run_started(out):  # a start writes OUT/config.yaml, --overwrite deletes it: not a user's
         check_config_file(out)  # own file (a --resume of a folder without a run is a start)
     if run_started(out) and not resume and not overwrite:
