@@ -137,6 +137,19 @@ def test_integral_float_answers_from_jsonl_are_integers(tmp_path) -> None:
     assert [r["answer"] for r in load_rows(src)] == ANSWER_TEXT
 
 
+def test_small_float_answers_are_decimals_not_scientific_notation(tmp_path) -> None:
+    """JSON `0.00005` was read as "5e-05" (Python's repr of the float), which neither the file nor a model writes:
+    an exact-match reward judged the answer as written ("0.00005") wrong, and the start-of-run check, which scores
+    the converted text, had nothing to warn about."""
+    answers, text = [0.00005, -1.5e-07, 0.0001, 0.000123], ["0.00005", "-0.00000015", "0.0001", "0.000123"]
+    src = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"q{i}", "answer": a} for i, a in enumerate(answers)])
+    assert [r["answer"] for r in load_rows(str(src))] == text
+    path = tmp_path / "d.parquet"
+    pd.DataFrame({"question": [f"q{i}" for i in range(len(answers))], "result": answers}).to_parquet(path)
+    assert [r["answer"] for r in load_rows(str(path), fields=FIELDS)] == text
+    assert [float(t) for t in text] == answers  # the same numbers
+
+
 # ---- 3b. CSV and TSV files: text as written, records as the header names them -------------------------------------
 
 

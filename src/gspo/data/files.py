@@ -20,6 +20,7 @@ import json
 import math
 import re
 from collections.abc import Collection, Iterable, Iterator, Mapping
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,8 @@ _DATA_SUFFIXES = (*_FILE_SUFFIXES, ".json", ".csv", ".tsv", ".txt", ".arrow")
 _HUB_ID = re.compile(r"(\w[\w.-]*/)?\w[\w.-]*", re.ASCII)
 # Floats up to this size are exactly integers when integral, so 37.0 can be written "37" without inventing digits.
 _EXACT_INT = 2**53
+# Python writes floats below this in scientific notation (`repr(0.00005)` is "5e-05"); `_number_text` does not.
+_SMALL_FLOAT = 1e-4
 # The fields gspo itself reads from a row (`_check_known_fields`; a `messages` column is a prompt, never kept twice).
 _KNOWN_FIELDS = ("prompt", "answer", "solution", "tests")
 # The roles of OpenAI-style chat messages; a prompt must not end with "assistant" (the answer is not part of it).
@@ -197,9 +200,13 @@ def _check_known_fields(row: dict[str, Any], where: str, fields: Mapping[str, st
 def _number_text(number: int | float) -> str:
     """A numeric answer as the text an exact-match reward compares with: an integral float as the integer it is
     (37.0 -> "37"; pandas stores an int column that has a null as float64, and a file may hold floats), since "37.0"
-    is never what a model writes for 37; any other number as Python writes it ("0.5", "1e+20")."""
+    is never what a model writes for 37; a float below 1e-4 in its decimals (0.00005 -> "0.00005", where Python
+    writes "5e-05", which neither the file nor a model wrote), its shortest digits kept; any other number as Python
+    writes it ("0.5", "1e+20")."""
     if isinstance(number, float) and number.is_integer() and abs(number) < _EXACT_INT:
         return str(int(number))
+    if isinstance(number, float) and 0 < abs(number) < _SMALL_FLOAT:
+        return format(Decimal(repr(number)), "f")
     return str(number)
 
 
