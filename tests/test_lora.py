@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import sys
 
 import pytest
@@ -467,6 +468,24 @@ def test_final_adapter_and_merged_model_load_back(tmp_path, kind):
     torch.testing.assert_close(logits(merged, tok), expected, rtol=0, atol=1e-4)
     save_lora_final(model, tok, tmp_path / "plain", merged=False)
     assert not (tmp_path / "plain" / "merged").exists()
+
+
+def test_an_adapter_folder_loads_as_a_trainable_model(tmp_path, capsys):
+    """A LoRA run's final adapter folder as the next run's model.name (`load_model` merges it into its base): peft had
+    frozen the base, and merging kept it frozen, so `--check` said "0 trained" without a warning and the run failed in
+    torch's AdamW with "optimizer got an empty parameter list". It now trains every weight, as a model folder does."""
+    from conftest import DEMO, tiny_overrides
+    from gspo.cli import main
+
+    model, tok = lora_model("tiny-dense")
+    save_lora_final(model, tok, tmp_path / "final", merged=False, base_model="tiny-dense@seed=0")
+    merged, _ = load_model(str(tmp_path / "final"))
+    assert all(p.requires_grad for p in merged.parameters())
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(DEMO.read_text())
+    assert main(["train", str(cfg), "--check", *tiny_overrides(tmp_path / "run", "cold_start=null",
+                                                                  f"model.name={tmp_path / 'final'}")]) == 0
+    assert re.search(r"model: .*, (\S+) parameters \(\1 trained\)", capsys.readouterr().out)  # every one, not 0
 
 
 def _rows(vocab: int):

@@ -328,7 +328,9 @@ def _load_adapter_folder(path: Path, **kwargs) -> tuple[PreTrainedModel, PreTrai
     `base_model_name_or_path`, loaded by `load_model`; a preset named with its seed, `adapter_base_name`, is built
     from that seed, not the caller's; a run's cold start, recorded as an absolute path, is the cold start of the run
     the folder is in, so a moved or copied run evaluates on its own and not on whatever now sits at the old path)
-    with the adapters merged in, and the folder's tokenizer."""
+    with the adapters merged in, and the folder's tokenizer. Its weights are trainable, as any loaded model's: peft
+    freezes the base it injects adapters into, and merging keeps that, so a run started from the folder
+    (`model.name`) had nothing to train."""
     import json
 
     from peft import PeftModel
@@ -345,6 +347,7 @@ def _load_adapter_folder(path: Path, **kwargs) -> tuple[PreTrainedModel, PreTrai
         base_name = str(own) if own is not None else base_name
     base, _ = load_model(base_name, **kwargs)
     model = PeftModel.from_pretrained(base, str(path)).merge_and_unload()
+    model.requires_grad_(True)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
