@@ -216,6 +216,35 @@ def test_a_tokenizer_without_a_template_is_refused_for_messages_only(tmp_path) -
     assert render_prompts(ROWS[1:2], bare, chat_template=str(path))[0]["prompt"] == "4+4="
 
 
+def test_gspo_sft_and_eval_take_a_chat_template_for_a_model_without_one(tmp_path, capsys) -> None:
+    """A model whose tokenizer has no chat template, with conversation rows: `gspo sft` and `gspo eval --data` said
+    "set data.chat_template", which neither command had any way to set (no config; eval's overrides need --config).
+    `--chat-template FILE` is that setting; the model `gspo sft` saves carries the template it trained with."""
+    from gspo.cli import main
+
+    model, tokenizer = build_preset("tiny-dense")
+    tokenizer.chat_template = None
+    save_model(model, tokenizer, tmp_path / "bare")
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    data = _write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": f"{a}+1="}],
+                                                  "answer": str(a + 1), "solution": str(a + 1)} for a in range(4)])
+    sft = ["sft", "--model", str(tmp_path / "bare"), "--data", data, "--steps", "1", "--batch-size", "2",
+           "--device", "cpu"]
+    assert main([*sft, "--out", str(tmp_path / "a")]) == 2
+    assert "--chat-template" in capsys.readouterr().err
+    assert main([*sft, "--out", str(tmp_path / "a"), "--chat-template", str(tmp_path / "nope.jinja")]) == 2
+    assert "--chat-template" in capsys.readouterr().err and not (tmp_path / "a").exists()
+    assert main([*sft, "--out", str(tmp_path / "a"), "--chat-template", str(template)]) == 0
+    assert load_model(str(tmp_path / "a"))[1].chat_template == template.read_text()
+    evaluate = ["eval", str(tmp_path / "bare"), "--data", data, "--reward", "addition", "--device", "cpu",
+                "--max-new-tokens", "2"]
+    assert main(evaluate) == 2
+    capsys.readouterr()
+    assert main([*evaluate, "--chat-template", str(template)]) == 0
+    assert json.loads(capsys.readouterr().out)["rows"] == 4
+
+
 def test_a_failing_template_names_the_row_and_its_message(tmp_path) -> None:
     path = tmp_path / "t.jinja"
     path.write_text("{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tool turns here') }}"

@@ -169,6 +169,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     args.seed = 0 if args.seed is None else args.seed
     options = _task_options(args)
     check_output_dir(Path(args.out), create=False, key="sft: --out")  # found before training, not when saving
+    template = _chat_template_arg(args)
     device = resolve_device(args.device, key="--device")
     if args.data is not None:  # every row, or --size N of them chosen by prompt hash
         every = load_rows(args.data, split=args.split or "train", fields=_fields(args))
@@ -189,7 +190,10 @@ def _cmd_sft(args: argparse.Namespace) -> int:
             check_compile_support(model, device)
         except ValueError as e:
             raise ConfigError(f"sft: --compile: {e}") from None
-    rows = render_chat(DataSplits(train=rows, heldout=[]), DataConfig(), tokenizer).train  # message prompts
+    rows = render_chat(DataSplits(train=rows, heldout=[]), DataConfig(chat_template=args.chat_template),
+                       tokenizer).train  # message prompts
+    if template is not None:  # the saved model renders conversations as they were trained (as `gspo train` saves)
+        tokenizer.chat_template = template
     t0 = time.perf_counter()
     losses = sft(model, tokenizer, rows, steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                  warmup_steps=args.warmup_steps, micro_batch_tokens=args.micro_batch_tokens,
@@ -198,6 +202,17 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     print(json.dumps({"out": args.out, "steps": len(losses), "final_loss": final_loss(losses),  # as a cold start's
                       "seconds": time.perf_counter() - t0}))
     return 0
+
+
+def _chat_template_arg(args: argparse.Namespace) -> str | None:
+    """The text of `--chat-template FILE` (None when not given), read before any model is loaded: a missing file is a
+    ConfigError naming the option."""
+    if args.chat_template is None:
+        return None
+    path = Path(args.chat_template).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"--chat-template {args.chat_template!r} is not a file (a Jinja chat template)")
+    return path.read_text(encoding="utf-8")
 
 
 def _check_size(args: argparse.Namespace) -> None:
@@ -294,6 +309,10 @@ def _eval_setup(args: argparse.Namespace, cfg: Config | None):
     from gspo.parallel import resolve_device
     from gspo.rewards import RewardRunner
 
+    if cfg is not None and args.chat_template is not None:
+        raise ConfigError("--chat-template is for --data / --task rows; with --config, override its "
+                          f"data.chat_template={args.chat_template} instead")
+    _chat_template_arg(args)  # a missing file: before any model is loaded
     if cfg is not None:
         try:
             data = load_data(cfg.data, cfg.trainer.seed)
@@ -351,7 +370,8 @@ def _eval_setup(args: argparse.Namespace, cfg: Config | None):
         check_model_threshold(accuracy, "--accuracy-threshold")
     threshold = 1.0 if args.accuracy_threshold is None else args.accuracy_threshold
     groups = eval_groups(rows, args.by, "--by")
-    return data, runner, accuracy, threshold, args.max_new_tokens or 16, DataConfig(), None, groups, numbers
+    return (data, runner, accuracy, threshold, args.max_new_tokens or 16, DataConfig(chat_template=args.chat_template),
+            None, groups, numbers)
 
 
 def _eval_sampling(args: argparse.Namespace,
@@ -786,6 +806,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "trainer.seed)")
         p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                        help="auto: the GPU when there is one (default), else the CPU")
+        p.add_argument("--chat-template", default=None, metavar="FILE",
+                       help="a Jinja chat template file that replaces the model tokenizer's for message prompts (as "
+                            "data.chat_template; gspo eval with --config: its data.chat_template)")
 
     p = sub.add_parser("sft", help="cold-start supervised fine-tuning on demonstrations (`solution` field)")
     p.add_argument("--out", required=True, help="output HF model directory")

@@ -37,7 +37,8 @@ def _read_template(chat_template: str | None, tokenizer: Any, where: str) -> str
         return path.read_text(encoding="utf-8")
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"{where}: the tokenizer has no chat template, so message prompts cannot be rendered; set "
-                         "data.chat_template to a Jinja template file, or give the rows string prompts")
+                         "data.chat_template (gspo sft, gspo eval --data: --chat-template) to a Jinja template file, "
+                         "or give the rows string prompts")
     return None
 
 
