@@ -229,6 +229,22 @@ def test_a_row_lacking_a_field_the_reward_requires_is_refused_before_compute_nam
     assert not (tmp_path / "run").exists()
 
 
+def test_a_reward_comparing_with_a_number_is_told_answers_arrive_as_text(tmp_path):
+    """A file whose answers are JSON numbers and a reward written for them (`int(completion) == answer`): the answers
+    reach the reward as text ("42"), so it judged every right answer wrong, and the warning only said "check the
+    reward's answer format". It now says that a number in the data arrives as its text."""
+    def numeric(prompt: str, completion: str, answer, **row) -> float:
+        return float(completion.strip().isdigit() and int(completion) == answer)
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+1=", "answer": a + 1}) + "\n" for a in range(8)))
+    from gspo.data import load_rows
+    rows = load_rows(str(data))
+    found = reward_checks(RewardRunner([(numeric, 1.0)]), rows, "numeric", 1.0)
+    (line,) = reward_warnings(found, "training")
+    assert "8 of 8 training rows' own answer wrong" in line and "reach it as text: a number in the data" in line
+
+
 def test_a_boolean_answer_is_no_reference_text():
     """A row whose `answer` is a JSON true/false has no answer text to check (str(True) is "True", which no verifier
     of that row is meant to accept): it is left out, like a multi-turn solution."""

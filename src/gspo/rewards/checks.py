@@ -150,7 +150,8 @@ def _judge_warnings(r: dict[str, Any] | None, name: str) -> list[str]:
         first = r["unsolved"][0]
         found.append(f"the accuracy reward judges {r['reference_wrong']} of {r['rows']} {name} rows' "
                      f"own {r['field']} wrong (e.g. row {first['row']}: {first['reference']!r}): a completion "
-                     "giving the right answer that way is scored wrong; check the reward's answer format")
+                     "giving the right answer that way is scored wrong; check the reward's answer format (a row's "
+                     "answer and solution reach it as text: a number in the data, JSON 42, is '42')")
     if r["empty_solved"]:
         found.append(f"the accuracy reward judges an empty completion solved on {r['empty_solved']} of {r['rows']} "
                      f"{name} rows: accuracy would count answers never given")
