@@ -83,6 +83,23 @@ def test_rows_out_may_not_replace_the_data_being_evaluated(tmp_path, capsys, fla
     assert data.read_text() == before
 
 
+def test_rows_out_may_not_replace_a_runs_own_record(tmp_path, capsys, no_model_loading):
+    """`gspo eval RUN --rows-out RUN/eval.jsonl` replaced the run's evaluation log with the rows, silently (exit 0); a
+    run's metrics.jsonl, summary.json, ... likewise. Refused before anything is loaded; another name there is fine."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run / "eval.jsonl").write_text('{"step": 0, "heldout_accuracy": 0.5}\n')
+    for name in ("eval.jsonl", "summary.json"):
+        assert main(["eval", "tiny-moe", "--size", "2", "--rows-out", str(run / name)]) == 2
+        assert f"is the run's own {name} in the run folder" in capsys.readouterr().err
+    assert (run / "eval.jsonl").read_text() == '{"step": 0, "heldout_accuracy": 0.5}\n'
+    assert sorted(p.name for p in run.iterdir()) == ["eval.jsonl", "metrics.jsonl"]
+    (tmp_path / "plain").mkdir()  # a folder that holds no run: its eval.jsonl is just a name
+    with pytest.raises(AssertionError, match="a model was loaded"):
+        main(["eval", "tiny-moe", "--size", "2", "--rows-out", str(tmp_path / "plain" / "eval.jsonl")])
+
+
 def test_rows_out_folder_is_refused_before_the_evaluation(tmp_path, capsys, no_model_loading):
     (tmp_path / "d").mkdir()
     assert main(["eval", "tiny-moe", "--size", "2", "--rows-out", str(tmp_path / "d")]) == 2

@@ -557,8 +557,10 @@ def _check_eval_paths(args: argparse.Namespace, cfg: Config | None) -> None:
     """`gspo eval`'s paths, checked before anything is loaded (an error found after an evaluation loses it): MODEL
     and --baseline, when they name a local folder, are model folders (a preset or hub id is checked when loaded); a
     --baseline that is MODEL itself is said; --rows-out names a file (not a folder) in a writable folder, and none of
-    the data being evaluated (--data, or --config's data.path / data.eval_path), which the results would replace."""
+    the data being evaluated (--data, or --config's data.path / data.eval_path), which the results would replace, nor
+    a record a run folder holds (`RUN_FILES`: its eval.jsonl, metrics.jsonl, summary.json, ...)."""
     from gspo.models import check_model_source
+    from gspo.runfolder import RUN_FILES, run_started
 
     for name, what in ((args.model, "MODEL"), (args.baseline, "--baseline")):
         try:
@@ -586,6 +588,10 @@ def _check_eval_paths(args: argparse.Namespace, cfg: Config | None) -> None:
             where = f"inside the data folder {source}" if inside else f"the data file {source}"
             raise ConfigError(f"--rows-out {args.rows_out} is {where} being evaluated: the results would replace "
                               "the data; name another file")
+    if out.name in RUN_FILES and run_started(out.parent):  # `gspo eval RUN --rows-out RUN/eval.jsonl`
+        raise ConfigError(f"--rows-out {args.rows_out} is the run's own {out.name} in the run folder {out.parent}: "
+                          f"the rows would replace the run's record; name another file, e.g. "
+                          f"{out.with_name('rows.jsonl')}")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
