@@ -643,6 +643,14 @@ def test_data_kept_where_the_run_writes_its_own_files_is_refused_before_it_is_lo
     assert main(["train", str(cfg), "--check", *args, f"data.path={out / 'final' / 'train.jsonl'}",
                  "data.eval_fraction=0.2"]) == 2
     assert "is inside the run's own 'final'" in capsys.readouterr().err
+    # a data folder holding trainer.out: the run's eval.jsonl joined the folder's test split (`eval` is one of its
+    # names), and the next run or a resume failed to load the folder ("CastError") or read the log as rows
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text(rows.replace("+", "+1"))
+    (tmp_path / "data" / "test.jsonl").write_text(rows)
+    assert main(["train", str(cfg), "--check", *tiny_overrides(tmp_path / "data" / "runs" / "x", *QUICK),
+                 "data.task=null", f"data.path={tmp_path / 'data'}"]) == 2
+    assert "is inside the data folder" in capsys.readouterr().err
 
 
 def test_a_users_config_kept_in_trainer_out_is_not_replaced(tmp_path):

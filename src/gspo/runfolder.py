@@ -184,8 +184,10 @@ def check_config_file(out: Path) -> None:
 def check_inputs_outside_run_files(out: Path, inputs: Mapping[str, str | Sequence[str] | None]) -> None:
     """Raise ConfigError when an input the run reads (`inputs`: a config key -> a local path or a list of them, e.g.
     data.eval_path) exists at, or inside, a path the run writes in `out` (`RUN_FILES`): a held-out file kept as
-    `OUT/eval.jsonl` would be replaced by the run's evaluation log (and deleted by --overwrite), silently. Sources
-    that do not exist here (a hub id) are not paths and are not checked."""
+    `OUT/eval.jsonl` would be replaced by the run's evaluation log (and deleted by --overwrite), silently; or when it
+    is a folder that holds `out` (data.path: . with trainer.out: runs/x): the run's eval.jsonl would then be read as
+    the folder's `eval` (test) split by the next run or a resume. Sources that do not exist here (a hub id) are not
+    paths and are not checked."""
     written = {(out / name).resolve(): name for name in RUN_FILES}
     for key, value in inputs.items():
         for source in [value] if isinstance(value, str) else list(value or []):
@@ -193,6 +195,11 @@ def check_inputs_outside_run_files(out: Path, inputs: Mapping[str, str | Sequenc
             if not path.exists():
                 continue
             resolved = path.resolve()
+            if path.is_dir() and (resolved == out.resolve() or resolved in out.resolve().parents):
+                raise ConfigError(f"trainer.out {out} is inside the data folder {source} ({key}): the files the run "
+                                  "writes there (eval.jsonl, metrics.jsonl, ...) would be read as data by the next "
+                                  "run or a resume. Choose a trainer.out outside it, or keep the data in a folder of "
+                                  "its own")
             for run_path, name in written.items():
                 if resolved == run_path or run_path in resolved.parents:
                     where = "" if resolved == run_path else "inside "
