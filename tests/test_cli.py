@@ -133,7 +133,7 @@ def test_sft_warns_when_its_warm_up_outlasts_its_steps(tmp_path, capsys, caplog)
     assert main(args) == 0
     assert "warmup_steps=10 is not below its 2 steps" in caplog.text
     caplog.clear()
-    assert main([*args, "--warmup-steps", "0"]) == 0
+    assert main([*args[:2], str(tmp_path / "m2"), *args[3:], "--warmup-steps", "0"]) == 0
     assert "warmup_steps" not in caplog.text
 
 
@@ -149,6 +149,27 @@ def test_sft_rejects_bad_arguments(tmp_path, capsys, flag, value):
     assert main(["sft", "--out", str(tmp_path / "m"), flag, value]) == 2
     assert flag in capsys.readouterr().err
     assert not (tmp_path / "m").exists()
+
+
+def test_sft_refuses_an_output_folder_that_holds_a_model_before_loading_one(tmp_path, capsys, monkeypatch):
+    """`gspo sft --out DIR` saved over whatever model DIR held (the --model folder itself, a previous run's model, a
+    folder's own config.json), silently; other files in a new folder's place are kept, as before."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"mine": 1}')
+    (model / "model.safetensors").write_bytes(b"weights")
+    monkeypatch.setattr("gspo.models.load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    for args in (["--out", str(model)], ["--model", str(model), "--out", str(model)]):
+        assert main(["sft", *args, "--steps", "2"]) == 2
+        assert f"--out {model} already holds a model (config.json, model.safetensors)" in capsys.readouterr().err
+    assert (model / "config.json").read_text() == '{"mine": 1}'
+    monkeypatch.undo()
+    notes = tmp_path / "new"
+    notes.mkdir()
+    (notes / "notes.txt").write_text("mine")
+    assert main(["sft", "--out", str(notes), "--steps", "1", "--batch-size", "2", "--size", "4",
+                 "--model", "tiny-dense"]) == 0
+    assert (notes / "notes.txt").read_text() == "mine" and (notes / "config.json").is_file()
 
 
 def test_sft_refuses_an_output_folder_it_cannot_write_before_loading_a_model(tmp_path, capsys, monkeypatch):

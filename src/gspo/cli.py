@@ -169,6 +169,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     args.seed = 0 if args.seed is None else args.seed
     options = _task_options(args)
     check_output_dir(Path(args.out), create=False, key="sft: --out")  # found before training, not when saving
+    _check_sft_out(Path(args.out))
     template = _chat_template_arg(args)
     device = resolve_device(args.device, key="--device")
     if args.data is not None:  # every row, or --size N of them chosen by prompt hash
@@ -202,6 +203,21 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     print(json.dumps({"out": args.out, "steps": len(losses), "final_loss": final_loss(losses),  # as a cold start's
                       "seconds": time.perf_counter() - t0}))
     return 0
+
+
+def _check_sft_out(out: Path) -> None:
+    """Raise ConfigError, before any model is loaded, when the `gspo sft --out` folder already holds a model (a
+    config.json, weights, tokenizer or adapter files): saving would replace its files without a word (the --model
+    folder itself, a previous run's model), and leave a sharded model's other weight files beside the new ones."""
+    if not out.is_dir():
+        return
+    found = sorted(p.name for p in out.iterdir()
+                   if p.name in ("config.json", "adapter_config.json") or p.name.startswith("tokenizer")
+                   or p.suffix in (".safetensors", ".bin"))
+    if found:
+        shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+        raise ConfigError(f"sft: --out {out} already holds a model ({shown}): saving there would replace it; name a "
+                          "new folder, or delete this one first")
 
 
 def _chat_template_arg(args: argparse.Namespace) -> str | None:
