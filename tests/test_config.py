@@ -357,6 +357,30 @@ def test_missing_or_non_mapping_config_file(tmp_path):
         load_config(path)
 
 
+def test_an_empty_config_file_is_refused_not_trained_as_the_defaults(tmp_path):
+    """A config file that sets nothing (empty, or comments only: a failed save, the wrong file) trained the built-in
+    tiny addition demo as if it were the user's run; an explicit `{}` still means the defaults."""
+    path = tmp_path / "mine.yaml"
+    for text in ("", "# my run\n\n"):
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=r"mine\.yaml is empty: it sets nothing.*gspo demo"):
+            load_config(path)
+    path.write_text("{}\n")
+    assert load_config(path) == load_config(None)
+
+
+def test_a_flow_mapping_without_a_space_after_its_colon_says_how_to_write_it(tmp_path):
+    """YAML reads `{last_number:1.0}` as one key "last_number:1.0" with no value; the error said only "Input should
+    be a valid number (got None)"."""
+    want = r"YAML reads 'last_number:1\.0' as one key with no value: write 'last_number: 1\.0'"
+    with pytest.raises(ConfigError, match=want):
+        load_config(None, ["rewards.functions={last_number:1.0}"])
+    path = tmp_path / "c.yaml"
+    path.write_text("rewards:\n  functions: {last_number:1.0}\n")
+    with pytest.raises(ConfigError, match=want):
+        load_config(path)
+
+
 def test_config_diff_finds_differing_dotted_keys():
     a = config_to_dict(load_config(DEMO))
     b = config_to_dict(load_config(DEMO, ["optim.lr=2e-3", "rollout.group_size=4", "data.task_options.digits=3"]))

@@ -892,8 +892,19 @@ def _format_errors(err: ValidationError) -> str:
             msg, value = str(e.get("ctx", {}).get("error", e["msg"])), ""
         else:
             msg, value = e["msg"], f" (got {e.get('input')!r})"
+            msg += _missing_space_hint(e["loc"], e.get("input"))
         lines.append(f"  {key}: {msg}{value}")
     return "invalid configuration:\n" + "\n".join(lines)
+
+
+def _missing_space_hint(loc: tuple[int | str, ...], value: Any) -> str:
+    """For a null value under a key holding a colon (`{last_number:1.0}`: YAML reads one key "last_number:1.0" with
+    no value, since a flow mapping's colon needs a space after it), how to write what was meant."""
+    last = str(loc[-1]) if loc else ""
+    if value is not None or ":" not in last:
+        return ""
+    name, _, rest = last.rpartition(":")
+    return f"; YAML reads {last!r} as one key with no value: write '{name}: {rest}', a space after the colon"
 
 
 def _known_keys(loc: tuple[int | str, ...]) -> str:
@@ -1012,13 +1023,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
         try:
-            data = _yaml_load(path.read_text(encoding="utf-8")) or {}
+            data = _yaml_load(path.read_text(encoding="utf-8"))
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
         except UnicodeDecodeError as e:
             line = path.read_bytes()[:e.start].count(b"\n") + 1
             raise ConfigError(f"config file {path}: line {line} is not UTF-8 text ({e.reason}); save it as UTF-8") \
                 from None
+        if data is None:  # an empty file (or comments only) would train the defaults, as if no config were named
+            raise ConfigError(f"config file {path} is empty: it sets nothing, and the run would train the built-in "
+                              "defaults (the tiny addition demo). Write your settings in it, or run `gspo demo` for "
+                              "the defaults")
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
     apply_overrides(data, overrides or [])
