@@ -123,6 +123,20 @@ def test_sft_prints_its_loss(tmp_path, capsys, monkeypatch, micro):
     result = last_json(capsys.readouterr().out)
     assert result["out"] == str(out) and math.isfinite(result["final_loss"]) and result["final_loss"] > 0
     assert result["steps"] == len(losses) == 2 and result["final_loss"] == pytest.approx(sum(losses) / 2)
+    assert result["lr"] == 3e-3  # a tiny preset's default rate
+
+
+def test_sft_of_a_pretrained_model_defaults_to_a_rate_it_survives(tmp_path, capsys):
+    """The default --lr was the tiny presets' 3e-3 for every model: three steps of it took SmolLM2-135M-Instruct to
+    0 % accuracy. A model that is not a preset (a local folder, a hub id) now gets 1e-5; --lr still sets any rate."""
+    from gspo.models import build_preset, save_model
+
+    save_model(*build_preset("tiny-dense"), tmp_path / "pretrained")
+    for extra, lr in (([], 1e-5), (["--lr", "2e-4"], 2e-4)):
+        out = tmp_path / f"m{len(extra)}"
+        assert main(["sft", "--out", str(out), "--model", str(tmp_path / "pretrained"), "--steps", "1",
+                     "--batch-size", "2", "--size", "4", *extra]) == 0
+        assert last_json(capsys.readouterr().out)["lr"] == lr
 
 
 def test_sft_warns_when_its_warm_up_outlasts_its_steps(tmp_path, capsys, caplog):

@@ -21,6 +21,10 @@ from gspo.config import Config, ConfigError, accuracy_means, load_config
 if TYPE_CHECKING:
     from gspo.rewards import RewardRunner
 
+SFT_LR = {"preset": 3e-3, "pretrained": 1e-5}
+"""`gspo sft`'s default peak learning rate: the tiny presets' (random weights, a character vocabulary) and any other
+model's; the presets' rate took SmolLM2-135M-Instruct to 0 % accuracy in 3 steps."""
+
 
 def demo_config_path() -> Path:
     """The packaged demo config (also at configs/demo.yaml in the repository)."""
@@ -160,6 +164,10 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     from gspo.runfolder import check_output_dir
     from gspo.sft import final_loss, rows_without_solution, sft
 
+    if args.lr is None:
+        from gspo.models import PRESETS
+
+        args.lr = SFT_LR["preset" if args.model in PRESETS else "pretrained"]
     if args.steps < 1 or args.batch_size < 1 or not 0 < args.lr < math.inf or args.warmup_steps < 0:
         raise ConfigError("sft: --steps and --batch-size must be >= 1, --lr a finite number > 0 and --warmup-steps "
                           ">= 0")
@@ -200,7 +208,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
                  warmup_steps=args.warmup_steps, micro_batch_tokens=args.micro_batch_tokens,
                  mixed_precision=args.mixed_precision, compile=args.compile)
     save_model(model, tokenizer, args.out)
-    print(json.dumps({"out": args.out, "steps": len(losses), "final_loss": final_loss(losses),  # as a cold start's
+    print(json.dumps({"out": args.out, "steps": len(losses), "lr": args.lr, "final_loss": final_loss(losses),
                       "seconds": time.perf_counter() - t0}))
     return 0
 
@@ -837,7 +845,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="tiny-moe", help="preset, local HF directory or hub id")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"peak learning rate (default {SFT_LR['preset']:g} for the tiny presets, "
+                        f"{SFT_LR['pretrained']:g} for any other model: the presets' rate took SmolLM2-135M to 0%% "
+                        "accuracy in 3 steps)")
     p.add_argument("--warmup-steps", type=int, default=10,
                    help="steps of linear warm-up to --lr, then a cosine decay to 0 (default 10)")
     p.add_argument("--micro-batch-tokens", type=int, default=None,
