@@ -372,3 +372,24 @@ def test_measure_paces_the_run_by_the_steps_after_the_first(tmp_path, monkeypatc
     assert len(records) == 2
     assert t["rollout_seconds"] == records[1]["time_rollout"] and t["update_seconds"] == records[1]["time_update"]
     assert t["first_step_seconds"] == records[0]["time_rollout"] + records[0]["time_update"]
+
+
+def test_a_pretrained_models_cold_start_at_the_presets_rate_is_warned(tmp_path, caplog):
+    """cold_start.lr defaults to the tiny presets' 3e-3 (random weights), which took SmolLM2-135M-Instruct to 0 % in
+    3 steps: for a model that is not a preset, --check and the run's log say so; a preset, or a pretrained model at
+    1e-5, is not warned about."""
+    from gspo.models import build_preset, save_model
+
+    save_model(*build_preset("tiny-moe"), tmp_path / "pretrained")
+    said = "cold_start.lr=0.003 is a rate for the tiny presets' random weights"
+
+    def cfg(*extra: str):
+        return load_config(DEMO, tiny_overrides(tmp_path / "run", "cold_start.steps=1", "trainer.steps=1", *extra))
+
+    assert any(said in w for w in warnings(check(cfg(f"model.name={tmp_path / 'pretrained'}"))))
+    assert not any("cold_start.lr" in w for w in warnings(check(cfg())))  # the tiny-moe preset
+    assert not any("cold_start.lr" in w for w in warnings(check(cfg(f"model.name={tmp_path / 'pretrained'}",
+                                                                     "cold_start.lr=1e-5"))))
+    with caplog.at_level(logging.WARNING, logger="gspo.sft"):
+        train(cfg(f"model.name={tmp_path / 'pretrained'}"))
+    assert said in caplog.text

@@ -16,14 +16,10 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gspo.config import Config, ConfigError, accuracy_means, load_config
+from gspo.config import SFT_LR, Config, ConfigError, accuracy_means, load_config
 
 if TYPE_CHECKING:
     from gspo.rewards import RewardRunner
-
-SFT_LR = {"preset": 3e-3, "pretrained": 1e-5}
-"""`gspo sft`'s default peak learning rate: the tiny presets' (random weights, a character vocabulary) and any other
-model's; the presets' rate took SmolLM2-135M-Instruct to 0 % accuracy in 3 steps."""
 
 
 def demo_config_path() -> Path:

@@ -39,6 +39,7 @@ from gspo.config import Config
 from gspo.evaluation import wilson_ci95
 from gspo.optim import warmup_warning
 from gspo.rewards.checks import split_warnings
+from gspo.sft import pretrained_lr_warning
 
 __all__ = ["MEASURE_STEPS", "PASSAGE_WORDS", "check", "checkpoint_bytes", "format_report", "measure", "plan",
            "shared_passages", "warnings"]
@@ -180,7 +181,7 @@ def check(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict[st
         "env": None if setup.make_env is None else reset_sample(setup),
         "config": {"out": str(setup.out), "resume": resume, "changed": setup.changed,
                    "resume_from": None if latest is None else latest.name},
-        "cold_start": None if cs is None else {"steps_max": cs.steps, "batch_size": cs.batch_size,
+        "cold_start": None if cs is None else {"steps_max": cs.steps, "batch_size": cs.batch_size, "lr": cs.lr,
                                                "target_loss": cs.target_loss, "rows": len(demonstrated),
                                                "over_positions": too_long},
         "train": {**setup.train_source, "prompt_tokens": train_lengths,
@@ -318,6 +319,8 @@ def warnings(report: dict[str, Any]) -> list[str]:
             found.append(f"the environment's reset prompts of {r['over']} of {r['rows']} sampled {name} rows are "
                          f"longer than the {r['limit']} tokens a prompt may have (up to {r['max']}); a reset prompt "
                          "that leaves less than env.max_tokens of the model's positions stops the run, naming its row")
+    if (cs := report["cold_start"]) and (note := pretrained_lr_warning(report["model"]["name"], cs["lr"])):
+        found.append(note)
     if (cs := report["cold_start"]) and cs["over_positions"]:
         found.append(f"{cs['over_positions']} of {cs['rows']} training rows' prompt + solution are longer than the "
                      "model's positions (max_position_embeddings): the cold start leaves them out")

@@ -22,9 +22,10 @@ if TYPE_CHECKING:
 
 from gspo.agent import run_chat_format
 from gspo.agent.episodes import ChatFormat, encode_demonstration
+from gspo.config import SFT_LR
 from gspo.learner import micro_batches
 from gspo.logprobs import completion_logprobs, fused_head
-from gspo.models import compiled_layers, load_model, resolve_dtype, save_model
+from gspo.models import PRESETS, compiled_layers, load_model, resolve_dtype, save_model
 from gspo.optim import loss_scaler, make_optimizer, overflowed, settle_scale, step_schedule
 from gspo.rollout.assemble import eos_ids
 from gspo.runfolder import publish_dir
@@ -215,6 +216,16 @@ def sft(
     return losses
 
 
+def pretrained_lr_warning(model_name: str, lr: float) -> str | None:
+    """What is wrong with `cold_start.lr` for `model_name`: a rate far above `SFT_LR["pretrained"]` (the tiny presets'
+    default) for a model that is not a preset, or None."""
+    if model_name in PRESETS or lr <= 10 * SFT_LR["pretrained"]:
+        return None
+    return (f"cold_start.lr={lr:g} is a rate for the tiny presets' random weights; model.name={model_name} is "
+            f"pretrained, and SFT of a pretrained model usually takes ~{SFT_LR['pretrained']:g} (gspo sft's default "
+            "for it): the presets' 3e-3 took SmolLM2-135M-Instruct to 0% accuracy in 3 steps")
+
+
 def final_loss(losses: list[float], last: int = 20) -> float:
     """What an SFT run reports as its final loss: the mean of its last `last` steps' finite losses (one batch's loss
     is noisy, and a skipped step's is NaN); NaN when none is finite. `cold_start` and `gspo sft` report the same."""
@@ -236,6 +247,8 @@ def cold_start(cfg: Config, out: Path, model: nn.Module, tokenizer, train_rows: 
         log.info("reusing cold-start model %s", target)
         return json.loads((target / "sft.json").read_text())
     cs = cfg.cold_start
+    if note := pretrained_lr_warning(cfg.model.name, cs.lr):
+        log.warning(note)
     measured = before(model) if before is not None else None
     # the ids the engine stops at (generation_config's too): demonstrations end turns with the template's own EOS
     chat_format = demonstration_format(cfg, tokenizer, train_rows,
