@@ -456,7 +456,9 @@ def rl_step(step: int, model: nn.Module, optimizer, scheduler, train_rows: list[
     lengths = traj.completion_mask.sum(-1).float()
     stats = {**drop_unscored(batch.reward_stats), **episode_metrics(traj)}
     solved = traj.extras.get("solved")
-    by_verdict = {} if solved is None else lengths_by_verdict(lengths, solved, counted_completions(ctx.cfg, traj))
+    out_of_loss = traj.extras.get("out_of_loss")  # what collect left out for a masked failure (None: nothing)
+    by_verdict = {} if solved is None else lengths_by_verdict(lengths, solved,
+                                                              None if out_of_loss is None else ~out_of_loss)
     sampled = batch.sampled  # every completion of the step (before dynamic sampling's filter)
     stats.pop("solved", None)  # a count over every completion: `accuracy` is over those that count
     reward_metrics = sampled.metrics(ctx.cfg.rollout.group_size)
