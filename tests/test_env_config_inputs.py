@@ -280,5 +280,7 @@ def test_a_python_tool_of_ones_own_imports_its_packages_and_says_so_to_the_model
     assert "standard library only" in Tool.from_function(python).schema["function"]["description"]
     with pytest.raises(ValueError, match="no module 'no_such_package' is installed"):
         make_python_tool(packages=("no_such_package",))
+    with pytest.raises(TypeError, match=r"packages must be a list of top-level module names.*got 'numpy'"):
+        make_python_tool(packages="numpy")  # was read as the letters n, u, m, ...
     with pytest.raises(ValueError, match="timeout_s"):
         make_python_tool(timeout_s=0)

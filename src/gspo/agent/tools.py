@@ -302,9 +302,9 @@ def make_python_tool(packages: Sequence[str] = (), timeout_s: float = 5.0, memor
     model sees the same tool, named `python`, whose description names the packages."""
     from gspo.sandbox import check_limits, package_dirs
 
-    packages = tuple(packages)
     check_limits(timeout_s, timeout_s, memory_mb, 32, max_output_bytes)
-    package_dirs(packages)
+    package_dirs(packages)  # before the tuple: a string ("numpy") is refused as such, not read as letters
+    packages = tuple(packages)
     may_import = f"the standard library and {', '.join(packages)}" if packages else "standard library only"
 
     def python(code: str) -> str:
